@@ -1,0 +1,133 @@
+"""Which array library holds a value, on which device, and the few calls the standard lacks.
+
+The engine never imports numpy or cupy for computation: it asks `namespace(array)` for the
+array namespace of its inputs and writes numeric code once against the array-API standard.
+numpy (>= 2.1) is used directly because it implements the standard natively; other libraries
+go through `array_api_compat`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from .errors import DeviceError
+
+_namespaces: dict[type, ModuleType] = {np.ndarray: np}
+
+
+def namespace(array: Any) -> ModuleType:
+    """The array-API namespace of `array` (cached per array type)."""
+    kind = type(array)
+    xp = _namespaces.get(kind)
+    if xp is None:
+        import array_api_compat
+
+        xp = array_api_compat.array_namespace(array)
+        _namespaces[kind] = xp
+    return xp
+
+
+def is_array(value: Any) -> bool:
+    """True for arrays of any array-API library (not Python scalars or lists)."""
+    if isinstance(value, np.ndarray):
+        return True
+    import array_api_compat
+
+    return array_api_compat.is_array_api_obj(value) and not isinstance(value, np.generic)
+
+
+def device_name(array: Any) -> str:
+    """A short device label: 'cpu' for numpy, 'cuda:N' for cupy, 'lib:device' otherwise."""
+    if isinstance(array, np.ndarray):
+        return "cpu"
+    module = type(array).__module__.split(".")[0]
+    if module == "cupy":
+        return f"cuda:{array.device.id}"
+    return f"{module}:{getattr(array, 'device', '?')}"
+
+
+def cupy_or_none() -> ModuleType | None:
+    """cupy if it is installed and a GPU is visible, else None."""
+    try:
+        cupy = importlib.import_module("cupy")
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return None
+    except Exception:  # no cupy, no driver, no device: all mean "no GPU here"
+        return None
+    return cupy
+
+
+def to_device(data: Any, device: str) -> Any:
+    """Move or convert `data` (array, scalar or nested list) to `device` ('cpu' or 'cuda[:N]')."""
+    if device == "cpu":
+        if isinstance(data, np.ndarray) or not is_array(data):
+            return np.asarray(data)
+        if type(data).__module__.startswith("cupy"):
+            return data.get()
+        try:
+            return np.asarray(data)
+        except (TypeError, ValueError, RuntimeError):
+            return np.from_dlpack(data)
+    if device.startswith("cuda"):
+        cupy = cupy_or_none()
+        if cupy is None:
+            raise DeviceError(
+                f"device {device!r} was asked for, but no CUDA GPU with cupy is available here; "
+                "install the 'gpu' extra on a machine with a GPU, or use device='cpu'"
+            )
+        index = int(device.split(":")[1]) if ":" in device else 0
+        with cupy.cuda.Device(index):
+            return cupy.asarray(data)
+    raise DeviceError(f"unknown device {device!r}; use 'cpu' or 'cuda' (optionally 'cuda:N')")
+
+
+def is_floating(dtype: Any) -> bool:
+    """True for real floating dtypes of any namespace."""
+    return getattr(dtype, "kind", None) == "f" or "float" in str(dtype)
+
+
+def itemsize(dtype: Any) -> int:
+    size = getattr(dtype, "itemsize", None)
+    if size is not None:
+        return int(size)
+    return np.dtype(str(dtype)).itemsize
+
+
+def nbytes(array: Any) -> int:
+    """Bytes held by `array` (works for namespaces whose arrays lack `.nbytes`)."""
+    size = getattr(array, "nbytes", None)
+    if size is not None:
+        return int(size)
+    count = 1
+    for dim in array.shape:
+        count *= int(dim)
+    return count * itemsize(array.dtype)
+
+
+def has_array_index(index: Any) -> bool:
+    """True when an index uses integer or boolean arrays (advanced indexing)."""
+    parts = index if isinstance(index, tuple) else (index,)
+    return any(not isinstance(p, (int, slice, type(None), type(Ellipsis))) for p in parts)
+
+
+def scatter_add(xp: ModuleType, target: Any, index: Any, values: Any) -> Any:
+    """`target[index] += values` in place, adding repeated indices (which `+=` would drop)."""
+    if not has_array_index(index):
+        target[index] = target[index] + values
+        return target
+    if xp is np:
+        np.add.at(target, index, values)
+        return target
+    if type(target).__module__.startswith("cupy"):
+        import cupyx
+
+        cupyx.scatter_add(target, index, values)
+        return target
+    raise NotImplementedError(
+        f"gradients of integer-array indexing are not available for {xp.__name__} arrays "
+        "(the array-API standard has no scatter-add); use slices, or numpy/cupy arrays"
+    )

@@ -1,0 +1,175 @@
+"""Custom differentiable functions with a hand-written backward.
+
+Their saved tensors go through the same saving path as built-in primitives, so every storage
+strategy (and the profiler) sees them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .backend import namespace
+from .errors import BackwardError
+from .grad_mode import _state, enable_grad, no_grad
+from .saved import current_packer
+from .tape import Entry, _save, active_tapes, edge_of
+from .tensor import Tensor
+
+
+class FunctionCtx:
+    """What `forward` leaves for `backward`: saved tensors and any attributes you set."""
+
+    def __init__(self, needs_input_grad: tuple[bool, ...]) -> None:
+        self.needs_input_grad = needs_input_grad
+        self._to_save: tuple[Any, ...] | None = ()
+        self._saved_count = 0
+        self._entry: Entry | None = None  # set only while backward runs (no reference cycle)
+        self._create_graph = False
+
+    def save_for_backward(self, *tensors: Any) -> None:
+        """Keep these tensors (inputs or outputs of forward, or None) for backward."""
+        for t in tensors:
+            if t is not None and not isinstance(t, Tensor):
+                raise TypeError(
+                    f"save_for_backward takes Tensors or None, got {type(t).__name__}; "
+                    "store other values as attributes of ctx"
+                )
+        self._to_save = tensors
+
+    @property
+    def saved_tensors(self) -> tuple[Any, ...]:
+        """The saved tensors, unpacked (available in backward)."""
+        entry = self._entry
+        if entry is None:
+            if self._to_save is None:
+                raise BackwardError(
+                    "saved_tensors can be read in forward (what was passed) or inside backward; "
+                    "outside backward the saved values live on the tape only"
+                )
+            return self._to_save
+        from .autograd import unpack_saved
+
+        values = unpack_saved(entry, self._create_graph)
+        result = []
+        for i in range(self._saved_count):
+            value = values.get(f"saved{i}")
+            if value is None:
+                result.append(None)
+            else:
+                result.append(value if isinstance(value, Tensor) else Tensor._wrap(value))
+        return tuple(result)
+
+
+class _FunctionOp:
+    """Adapter that lets the backward sweep call a Function's backward like a primitive's."""
+
+    def __init__(self, cls: type[Function], ctx: FunctionCtx, tensor_positions: list[int]):
+        self.cls = cls
+        self.ctx = ctx
+        self.positions = tensor_positions
+        self.name = cls.__name__
+
+    def backward(self, entry: Entry, grads: list[Any], create_graph: bool) -> list[Any]:
+        ctx = self.ctx
+        ctx._create_graph = create_graph
+        present = next(g for g in grads if g is not None)
+        xp = namespace(present._data if isinstance(present, Tensor) else present)
+        wrapped = []
+        for g, (shape, dtype) in zip(grads, entry.out_meta):
+            if g is None:
+                g = xp.zeros(shape, dtype=dtype)
+            wrapped.append(g if isinstance(g, Tensor) else Tensor._wrap(g))
+        mode = enable_grad() if create_graph else no_grad()
+        ctx._entry = entry
+        try:
+            with mode:
+                result = self.cls.backward(ctx, *wrapped)
+        finally:
+            ctx._entry = None
+        result = result if isinstance(result, tuple) else (result,)
+        if len(result) != ctx._n_args:  # type: ignore[attr-defined]
+            raise BackwardError(
+                f"{self.name}.backward returned {len(result)} gradients, but forward took "
+                f"{ctx._n_args} arguments; return one per argument (None for non-tensors)"  # type: ignore[attr-defined]
+            )
+        out = []
+        for position, edge in zip(self.positions, entry.edges):
+            g = result[position]
+            if g is None or edge is None:
+                out.append(None)
+                continue
+            if not isinstance(g, Tensor):
+                raise BackwardError(
+                    f"{self.name}.backward returned {type(g).__name__} for argument "
+                    f"{position}; return Tensors (or None)"
+                )
+            out.append(g if create_graph else g._data)
+        return out
+
+
+class Function:
+    """Subclass with static `forward(ctx, *args)` and `backward(ctx, *grads)`; call `.apply`.
+
+    >>> import checkpoint_ad as cad
+    >>> class Square(cad.Function):
+    ...     @staticmethod
+    ...     def forward(ctx, x):
+    ...         ctx.save_for_backward(x)
+    ...         return x * x
+    ...     @staticmethod
+    ...     def backward(ctx, g):
+    ...         (x,) = ctx.saved_tensors
+    ...         return 2 * x * g
+    >>> x = cad.tensor(3.0, requires_grad=True)
+    >>> Square.apply(x).backward()
+    >>> x.grad.item()
+    6.0
+    """
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("subclasses of Function must define a static forward")
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, *grads: Any) -> Any:
+        raise NotImplementedError("subclasses of Function must define a static backward")
+
+    @classmethod
+    def apply(cls, *args: Any, **kwargs: Any) -> Any:
+        positions = [i for i, a in enumerate(args) if isinstance(a, Tensor)]
+        tensors = [args[i] for i in positions]
+        needs = tuple(isinstance(a, Tensor) and a.requires_grad for a in args)
+        ctx = FunctionCtx(needs)
+        ctx._n_args = len(args)  # type: ignore[attr-defined]
+        with no_grad():
+            raw = cls.forward(ctx, *args, **kwargs)
+        single = isinstance(raw, Tensor)
+        outputs = (raw,) if single else tuple(raw)
+        for i, o in enumerate(outputs):
+            if not isinstance(o, Tensor):
+                raise TypeError(
+                    f"{cls.__name__}.forward must return Tensors, output {i} is "
+                    f"{type(o).__name__}"
+                )
+        if not (_state.grad_enabled and any(needs)):
+            return raw
+        entry = Entry(_FunctionOp(cls, ctx, positions), tuple(edge_of(t) for t in tensors), {})
+        entry.out_meta = tuple((tuple(o.shape), o.dtype) for o in outputs)
+        results = tuple(Tensor._wrap(o._data, entry=entry, index=i) for i, o in enumerate(outputs))
+        packer = current_packer()
+        for i, t in enumerate(ctx._to_save):
+            if t is None:
+                continue
+            own = next((k for k, o in enumerate(outputs) if o is t), None)
+            if own is not None:
+                slot = _save(results[own], f"saved{i}", packer, entry, own=True)
+                slot.edge = own
+            else:
+                slot = _save(t, f"saved{i}", packer, entry)
+            entry.slots[f"saved{i}"] = slot
+        ctx._saved_count = len(ctx._to_save or ())
+        ctx._to_save = None
+        for tape in active_tapes:
+            tape._entries.append(entry)
+        return results[0] if single else results
+

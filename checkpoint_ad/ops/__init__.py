@@ -1,0 +1,65 @@
+"""The primitive tables, one module per op family, and the public op functions."""
+
+from .elementwise import (
+    abs,
+    add,
+    astype,
+    clip,
+    copy,
+    cos,
+    divide,
+    equal,
+    exp,
+    greater,
+    greater_equal,
+    isfinite,
+    less,
+    less_equal,
+    log,
+    logical_and,
+    logical_not,
+    logical_or,
+    maximum,
+    minimum,
+    multiply,
+    negative,
+    not_equal,
+    ones_like,
+    power,
+    relu,
+    sigmoid,
+    sign,
+    sin,
+    sqrt,
+    subtract,
+    tanh,
+    to_device,
+    where,
+    zeros_like,
+)
+from .linalg import einsum, matmul
+from .nn import log_softmax, logsumexp, softmax
+from .reductions import max, mean, min, sum
+from .shape import (
+    broadcast_to,
+    concatenate,
+    expand_dims,
+    getitem,
+    matrix_transpose,
+    reshape,
+    setitem,
+    squeeze,
+    stack,
+    sum_to,
+    transpose,
+)
+
+__all__ = [
+    "abs", "add", "astype", "broadcast_to", "clip", "concatenate", "copy", "cos", "divide",
+    "einsum", "equal", "exp", "expand_dims", "getitem", "greater", "greater_equal", "isfinite",
+    "less", "less_equal", "log", "log_softmax", "logical_and", "logical_not", "logical_or",
+    "logsumexp", "matmul", "matrix_transpose", "max", "maximum", "mean", "min", "minimum",
+    "multiply", "negative", "not_equal", "ones_like", "power", "relu", "reshape", "setitem",
+    "sigmoid", "sign", "sin", "softmax", "sqrt", "squeeze", "stack", "subtract", "sum",
+    "sum_to", "tanh", "to_device", "transpose", "where", "zeros_like",
+]

@@ -1,0 +1,284 @@
+"""Elementwise primitives and their vector-Jacobian rules.
+
+Rules are written with operators and the public functions of this package, so they run on raw
+arrays during a plain backward sweep and on Tensors (recorded again) under ``create_graph``.
+Broadcasting is undone by the engine for primitives marked ``broadcasts=True``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..backend import to_device as _move
+from ..tape import define, vjp
+
+
+def _mask(cond: Any, g: Any) -> Any:
+    """`g` where `cond` holds, zero elsewhere (no 0 * inf = nan)."""
+    return where(cond, g, zeros_like(g))
+
+
+def _sigmoid(xp: Any, x: Any) -> Any:
+    e = xp.exp(-xp.abs(x))
+    return xp.where(x >= 0, 1 / (1 + e), e / (1 + e))
+
+
+def _inside(x: Any, low: Any, high: Any) -> Any:
+    if low is None:
+        return x <= high
+    if high is None:
+        return x >= low
+    return logical_and(x >= low, x <= high)
+
+
+# ------------------------------------------------------------------ arithmetic
+ADD = define("add", lambda xp, a, b: a + b, "a b", [
+    {"a": vjp("", lambda g: g), "b": vjp("", lambda g: g)},
+], broadcasts=True)
+SUBTRACT = define("subtract", lambda xp, a, b: a - b, "a b", [
+    {"a": vjp("", lambda g: g), "b": vjp("", lambda g: -g)},
+], broadcasts=True)
+MULTIPLY = define("multiply", lambda xp, a, b: a * b, "a b", [
+    {"a": vjp("b", lambda g, b: g * b), "b": vjp("a", lambda g, a: g * a)},
+], broadcasts=True)
+DIVIDE = define("divide", lambda xp, a, b: a / b, "a b", [
+    {"a": vjp("b", lambda g, b: g / b), "b": vjp("a b", lambda g, a, b: -g * a / (b * b))},
+    {"a": vjp("b", lambda g, b: g / b), "b": vjp("out b", lambda g, out, b: -g * out / b)},
+], broadcasts=True)
+POWER = define("power", lambda xp, a, b: a**b, "a b", [
+    {"a": vjp("a b", lambda g, a, b: g * b * a ** (b - 1)),
+     "b": vjp("a out", lambda g, a, out: g * out * log(where(a > 0, a, ones_like(a))))},
+], broadcasts=True)
+NEGATIVE = define("negative", lambda xp, x: -x, "x", [{"x": vjp("", lambda g: -g)}])
+MAXIMUM = define("maximum", lambda xp, a, b: xp.maximum(a, b), "a b", [
+    {"a": vjp("a b", lambda g, a, b: where(a > b, g, _mask(a == b, g * 0.5))),
+     "b": vjp("a b", lambda g, a, b: where(b > a, g, _mask(a == b, g * 0.5)))},
+], broadcasts=True)
+MINIMUM = define("minimum", lambda xp, a, b: xp.minimum(a, b), "a b", [
+    {"a": vjp("a b", lambda g, a, b: where(a < b, g, _mask(a == b, g * 0.5))),
+     "b": vjp("a b", lambda g, a, b: where(b < a, g, _mask(a == b, g * 0.5)))},
+], broadcasts=True)
+WHERE = define("where", lambda xp, cond, a, b: xp.where(cond, a, b), "cond a b", [
+    {"a": vjp("cond", lambda g, cond: _mask(cond, g)),
+     "b": vjp("cond", lambda g, cond: where(cond, zeros_like(g), g))},
+], broadcasts=True)
+
+# ------------------------------------------------------------- unary: rules from input or output
+EXP = define("exp", lambda xp, x: xp.exp(x), "x", [
+    {"x": vjp("out", lambda g, out: g * out)},
+    {"x": vjp("x", lambda g, x: g * exp(x))},
+])
+LOG = define("log", lambda xp, x: xp.log(x), "x", [{"x": vjp("x", lambda g, x: g / x)}])
+SIN = define("sin", lambda xp, x: xp.sin(x), "x", [{"x": vjp("x", lambda g, x: g * cos(x))}])
+COS = define("cos", lambda xp, x: xp.cos(x), "x", [{"x": vjp("x", lambda g, x: -g * sin(x))}])
+TANH = define("tanh", lambda xp, x: xp.tanh(x), "x", [
+    {"x": vjp("out", lambda g, out: g * (1 - out * out))},
+    {"x": vjp("x", lambda g, x: g * (1 - tanh(x) ** 2))},
+])
+SIGMOID = define("sigmoid", _sigmoid, "x", [
+    {"x": vjp("out", lambda g, out: g * out * (1 - out))},
+    {"x": vjp("x", lambda g, x: g * sigmoid(x) * (1 - sigmoid(x)))},
+])
+RELU = define("relu", lambda xp, x: xp.where(x > 0, x, xp.zeros_like(x)), "x", [
+    {"x": vjp("out", lambda g, out: _mask(out > 0, g))},
+    {"x": vjp("x", lambda g, x: _mask(x > 0, g))},
+])
+SQRT = define("sqrt", lambda xp, x: xp.sqrt(x), "x", [
+    {"x": vjp("out", lambda g, out: g / (2 * out))},
+    {"x": vjp("x", lambda g, x: g / (2 * sqrt(x)))},
+])
+ABS = define("abs", lambda xp, x: xp.abs(x), "x", [{"x": vjp("x", lambda g, x: g * sign(x))}])
+CLIP = define("clip", lambda xp, x, *, low, high: xp.clip(x, low, high), "x", [
+    {"x": vjp("x", lambda g, x, *, low, high: _mask(_inside(x, low, high), g))},
+])
+COPY = define("copy", lambda xp, x: xp.asarray(x, copy=True), "x", [{"x": vjp("", lambda g: g)}])
+ASTYPE = define("astype", lambda xp, x, *, dtype, source: xp.astype(x, dtype), "x", [
+    {"x": vjp("", lambda g, *, dtype, source: astype(g, source))},
+])
+TO_DEVICE = define("to_device", lambda xp, x, *, device, source: _move(x, device), "x", [
+    {"x": vjp("", lambda g, *, device, source: to_device(g, source))},
+])
+
+# ------------------------------------------------------------------ not differentiable
+SIGN = define("sign", lambda xp, x: xp.sign(x), differentiable=False)
+ZEROS_LIKE = define("zeros_like", lambda xp, x: xp.zeros_like(x), differentiable=False)
+ONES_LIKE = define("ones_like", lambda xp, x: xp.ones_like(x), differentiable=False)
+LESS = define("less", lambda xp, a, b: a < b, "a b", differentiable=False)
+LESS_EQUAL = define("less_equal", lambda xp, a, b: a <= b, "a b", differentiable=False)
+GREATER = define("greater", lambda xp, a, b: a > b, "a b", differentiable=False)
+GREATER_EQUAL = define("greater_equal", lambda xp, a, b: a >= b, "a b", differentiable=False)
+EQUAL = define("equal", lambda xp, a, b: a == b, "a b", differentiable=False)
+NOT_EQUAL = define("not_equal", lambda xp, a, b: a != b, "a b", differentiable=False)
+LOGICAL_AND = define("logical_and", lambda xp, a, b: xp.logical_and(a, b), "a b",
+                     differentiable=False)
+LOGICAL_OR = define("logical_or", lambda xp, a, b: xp.logical_or(a, b), "a b",
+                    differentiable=False)
+LOGICAL_NOT = define("logical_not", lambda xp, x: xp.logical_not(x), differentiable=False)
+ISFINITE = define("isfinite", lambda xp, x: xp.isfinite(x), differentiable=False)
+
+
+# ------------------------------------------------------------------ public functions
+def add(a: Any, b: Any) -> Any:
+    """a + b, broadcasting."""
+    return ADD(a, b)
+
+
+def subtract(a: Any, b: Any) -> Any:
+    """a - b, broadcasting."""
+    return SUBTRACT(a, b)
+
+
+def multiply(a: Any, b: Any) -> Any:
+    """a * b, broadcasting."""
+    return MULTIPLY(a, b)
+
+
+def divide(a: Any, b: Any) -> Any:
+    """a / b, broadcasting."""
+    return DIVIDE(a, b)
+
+
+def power(a: Any, b: Any) -> Any:
+    """a ** b; the gradient in b is taken as 0 where a <= 0 (log a undefined)."""
+    return POWER(a, b)
+
+
+def negative(x: Any) -> Any:
+    return NEGATIVE(x)
+
+
+def exp(x: Any) -> Any:
+    return EXP(x)
+
+
+def log(x: Any) -> Any:
+    return LOG(x)
+
+
+def sin(x: Any) -> Any:
+    return SIN(x)
+
+
+def cos(x: Any) -> Any:
+    return COS(x)
+
+
+def tanh(x: Any) -> Any:
+    return TANH(x)
+
+
+def sigmoid(x: Any) -> Any:
+    """1 / (1 + exp(-x)), computed without overflow for large |x|."""
+    return SIGMOID(x)
+
+
+def relu(x: Any) -> Any:
+    """max(x, 0); its gradient at 0 is 0."""
+    return RELU(x)
+
+
+def sqrt(x: Any) -> Any:
+    return SQRT(x)
+
+
+def abs(x: Any) -> Any:
+    """|x|; its gradient at 0 is 0."""
+    return ABS(x)
+
+
+def maximum(a: Any, b: Any) -> Any:
+    """Elementwise max; where a == b the gradient is split evenly."""
+    return MAXIMUM(a, b)
+
+
+def minimum(a: Any, b: Any) -> Any:
+    """Elementwise min; where a == b the gradient is split evenly."""
+    return MINIMUM(a, b)
+
+
+def where(cond: Any, a: Any, b: Any) -> Any:
+    """a where cond holds, else b (cond is not differentiated)."""
+    return WHERE(cond, a, b)
+
+
+def clip(x: Any, low: float | None = None, high: float | None = None) -> Any:
+    """x limited to [low, high]; the gradient passes where low <= x <= high."""
+    if low is None and high is None:
+        raise ValueError("clip needs at least one of low and high")
+    return CLIP(x, low=low, high=high)
+
+
+def copy(x: Any) -> Any:
+    """A copy of x with its own storage (differentiable)."""
+    return COPY(x)
+
+
+def astype(x: Any, dtype: Any) -> Any:
+    """x converted to `dtype`; gradients are converted back."""
+    from ..backend import namespace
+    from ..tensor import _resolve_dtype
+
+    data = getattr(x, "_data", x)
+    dtype = _resolve_dtype(namespace(data), dtype)
+    if data.dtype == dtype:
+        return x
+    return ASTYPE(x, dtype=dtype, source=data.dtype)
+
+
+def to_device(x: Any, device: str) -> Any:
+    """x moved to `device`; gradients move back."""
+    from ..backend import device_name
+
+    return TO_DEVICE(x, device=device, source=device_name(getattr(x, "_data", x)))
+
+
+def sign(x: Any) -> Any:
+    return SIGN(x)
+
+
+def zeros_like(x: Any) -> Any:
+    return ZEROS_LIKE(x)
+
+
+def ones_like(x: Any) -> Any:
+    return ONES_LIKE(x)
+
+
+def isfinite(x: Any) -> Any:
+    return ISFINITE(x)
+
+
+def less(a: Any, b: Any) -> Any:
+    return LESS(a, b)
+
+
+def less_equal(a: Any, b: Any) -> Any:
+    return LESS_EQUAL(a, b)
+
+
+def greater(a: Any, b: Any) -> Any:
+    return GREATER(a, b)
+
+
+def greater_equal(a: Any, b: Any) -> Any:
+    return GREATER_EQUAL(a, b)
+
+
+def equal(a: Any, b: Any) -> Any:
+    return EQUAL(a, b)
+
+
+def not_equal(a: Any, b: Any) -> Any:
+    return NOT_EQUAL(a, b)
+
+
+def logical_and(a: Any, b: Any) -> Any:
+    return LOGICAL_AND(a, b)
+
+
+def logical_or(a: Any, b: Any) -> Any:
+    return LOGICAL_OR(a, b)
+
+
+def logical_not(x: Any) -> Any:
+    return LOGICAL_NOT(x)

@@ -1,0 +1,241 @@
+"""Shape, indexing and joining primitives. Views share their input's version counter."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from ..backend import has_array_index, namespace, scatter_add
+from ..errors import ShapeError
+from ..tape import define, vjp
+from .elementwise import zeros_like
+
+
+def _inverse(axes: Sequence[int]) -> tuple[int, ...]:
+    inverse = [0] * len(axes)
+    for i, a in enumerate(axes):
+        inverse[a] = i
+    return tuple(inverse)
+
+
+def _scatter(xp: Any, g: Any, *, index: Any, shape: tuple[int, ...]) -> Any:
+    target = xp.zeros(shape, dtype=g.dtype, device=getattr(g, "device", None))
+    return scatter_add(xp, target, index, g)
+
+
+def _setitem(xp: Any, x: Any, v: Any, *, index: Any, v_shape: Any) -> Any:
+    out = xp.asarray(x, copy=True)
+    out[index] = v
+    return out
+
+
+def _slices(axis: int, start: int, stop: int) -> tuple[slice, ...]:
+    return (slice(None),) * axis + (slice(start, stop),)
+
+
+def _concat_rule(g: Any, i: int, *, axis: int, sizes: tuple[int, ...]) -> Any:
+    start = sum(sizes[:i])
+    return getitem(g, _slices(axis, start, start + sizes[i]))
+
+
+RESHAPE = define("reshape", lambda xp, x, *, shape, source: xp.reshape(x, shape), "x", [
+    {"x": vjp("", lambda g, *, shape, source: reshape(g, source))},
+], view=True)
+TRANSPOSE = define("transpose", lambda xp, x, *, axes: xp.permute_dims(x, axes), "x", [
+    {"x": vjp("", lambda g, *, axes: transpose(g, _inverse(axes)))},
+], view=True)
+BROADCAST_TO = define(
+    "broadcast_to", lambda xp, x, *, shape, source: xp.broadcast_to(x, shape), "x", [
+        {"x": vjp("", lambda g, *, shape, source: sum_to(g, source))},
+    ], view=True)
+GETITEM = define("getitem", lambda xp, x, *, index, source: x[index], "x", [
+    {"x": vjp("", lambda g, *, index, source: scatter(g, index, source))},
+], view=True)
+SCATTER = define("scatter", _scatter, "g", [
+    {"g": vjp("", lambda gg, *, index, shape: getitem(gg, index))},
+])
+SETITEM = define("setitem", _setitem, "x v", [
+    {"x": vjp("", lambda g, *, index, v_shape: setitem(g, index, zeros_like(g[index]))),
+     "v": vjp("", lambda g, *, index, v_shape: sum_to(getitem(g, index), v_shape))},
+])
+CONCATENATE = define(
+    "concatenate", lambda xp, xs, *, axis, sizes: xp.concat(list(xs), axis=axis), "xs", [
+        {"xs": vjp("", _concat_rule)},
+    ], variadic=True)
+
+
+def _data(x: Any) -> Any:
+    return getattr(x, "_data", x)
+
+
+def _axis(axis: int, ndim: int, op: str) -> int:
+    if not -ndim <= axis < ndim:
+        raise ShapeError(f"{op}: axis {axis} is out of range for a {ndim}-d tensor")
+    return axis % ndim
+
+
+def normalize_axes(axis: int | Sequence[int] | None, ndim: int, op: str) -> tuple[int, ...]:
+    """`axis` as a sorted tuple of non-negative ints (None: every axis)."""
+    if axis is None:
+        return tuple(range(ndim))
+    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    normalized = tuple(sorted(_axis(a, max(ndim, 1) if ndim else 0, op) for a in axes))
+    if len(set(normalized)) != len(normalized):
+        raise ShapeError(f"{op}: repeated axis in {axis}")
+    return normalized
+
+
+def reshape(x: Any, shape: Sequence[int] | int) -> Any:
+    """x with a new shape (one entry may be -1)."""
+    source = tuple(_data(x).shape)
+    target = (shape,) if isinstance(shape, int) else tuple(shape)
+    size = math.prod(source)
+    if -1 in target:
+        known = math.prod(d for d in target if d != -1)
+        if target.count(-1) > 1 or known == 0 or size % known:
+            raise ShapeError(f"reshape: cannot reshape {list(source)} to {list(target)}")
+        target = tuple(size // known if d == -1 else d for d in target)
+    if math.prod(target) != size:
+        raise ShapeError(
+            f"reshape: cannot reshape a tensor of shape {list(source)} ({size} elements) "
+            f"to {list(target)} ({math.prod(target)} elements)"
+        )
+    return RESHAPE(x, shape=target, source=source)
+
+
+def transpose(x: Any, axes: Sequence[int] | None = None) -> Any:
+    """Permute axes (reverse them when `axes` is None)."""
+    ndim = _data(x).ndim
+    if axes is None:
+        axes = tuple(reversed(range(ndim)))
+    axes = tuple(_axis(a, ndim, "transpose") for a in axes)
+    if sorted(axes) != list(range(ndim)):
+        raise ShapeError(f"transpose: axes {list(axes)} are not a permutation of {ndim} axes")
+    return TRANSPOSE(x, axes=axes)
+
+
+def matrix_transpose(x: Any) -> Any:
+    """Swap the last two axes."""
+    ndim = _data(x).ndim
+    if ndim < 2:
+        raise ShapeError(f"matrix_transpose needs at least 2 dimensions, got {ndim}")
+    return TRANSPOSE(x, axes=(*range(ndim - 2), ndim - 1, ndim - 2))
+
+
+def expand_dims(x: Any, axis: int | Sequence[int]) -> Any:
+    """Insert size-1 axes at `axis` (positions in the result)."""
+    shape = list(_data(x).shape)
+    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    ndim = len(shape) + len(axes)
+    for a in sorted(_axis(a, ndim, "expand_dims") for a in axes):
+        shape.insert(a, 1)
+    return reshape(x, shape)
+
+
+def squeeze(x: Any, axis: int | Sequence[int] | None = None) -> Any:
+    """Remove size-1 axes (all of them when `axis` is None)."""
+    shape = tuple(_data(x).shape)
+    if axis is None:
+        axes = tuple(i for i, d in enumerate(shape) if d == 1)
+    else:
+        axes = normalize_axes(axis, len(shape), "squeeze")
+        for a in axes:
+            if shape[a] != 1:
+                raise ShapeError(f"squeeze: axis {a} of shape {list(shape)} has size {shape[a]}")
+    return reshape(x, [d for i, d in enumerate(shape) if i not in axes])
+
+
+def broadcast_to(x: Any, shape: Sequence[int]) -> Any:
+    source = tuple(_data(x).shape)
+    shape = tuple(shape)
+    if source == shape:
+        return x
+    return BROADCAST_TO(x, shape=shape, source=source)
+
+
+def sum_to(g: Any, shape: Sequence[int]) -> Any:
+    """Sum `g` down to `shape`: the adjoint of broadcasting `shape` up to g's shape."""
+    from .reductions import sum as reduce_sum
+
+    shape = tuple(shape)
+    g_shape = tuple(_data(g).shape)
+    if g_shape == shape:
+        return g
+    lead = len(g_shape) - len(shape)
+    axes = tuple(range(lead)) + tuple(
+        i + lead for i, d in enumerate(shape) if d == 1 and g_shape[i + lead] != 1
+    )
+    return reshape(reduce_sum(g, axis=axes, keepdims=True), shape)
+
+
+def _normalize_index(index: Any) -> Any:
+    parts = index if isinstance(index, tuple) else (index,)
+    fixed = []
+    for p in parts:
+        p = getattr(p, "_data", p)
+        if isinstance(p, list):
+            import numpy as np
+
+            p = np.asarray(p)
+        fixed.append(p)
+    return tuple(fixed) if isinstance(index, tuple) else fixed[0]
+
+
+def getitem(x: Any, index: Any) -> Any:
+    """x[index]: ints, slices, None, Ellipsis, and integer or boolean arrays."""
+    index = _normalize_index(index)
+    data = _data(x)
+    if has_array_index(index) and not isinstance(data, type(getattr(index, "_data", index))):
+        parts = index if isinstance(index, tuple) else (index,)
+        xp = namespace(data)
+        converted = tuple(
+            xp.asarray(p) if not isinstance(p, (int, slice, type(None), type(Ellipsis))) else p
+            for p in parts
+        )
+        index = converted if isinstance(index, tuple) else converted[0]
+    return GETITEM(x, index=index, source=tuple(data.shape))
+
+
+def scatter(g: Any, index: Any, shape: Sequence[int]) -> Any:
+    """Zeros of `shape` with `g` added at `index` (repeated indices add up)."""
+    return SCATTER(g, index=index, shape=tuple(shape))
+
+
+def setitem(x: Any, index: Any, value: Any) -> Any:
+    """A copy of x with x[index] = value (the out-of-place form of item assignment)."""
+    from ..tensor import Tensor, as_tensor
+
+    index = _normalize_index(index)
+    if isinstance(x, Tensor):
+        value = as_tensor(value, like=(x,))
+    return SETITEM(x, value, index=index, v_shape=tuple(_data(value).shape))
+
+
+def concatenate(xs: Sequence[Any], axis: int = 0) -> Any:
+    """Join tensors along an existing axis."""
+    xs = list(xs)
+    if not xs:
+        raise ShapeError("concatenate needs at least one tensor")
+    ndim = _data(xs[0]).ndim
+    axis = _axis(axis, ndim, "concatenate")
+    for i, x in enumerate(xs):
+        shape = tuple(_data(x).shape)
+        first = tuple(_data(xs[0]).shape)
+        if len(shape) != ndim or shape[:axis] + shape[axis + 1:] != first[:axis] + first[axis + 1:]:
+            raise ShapeError(
+                f"concatenate along axis {axis}: tensor {i} has shape {list(shape)}, which does "
+                f"not match tensor 0's {list(first)} outside that axis"
+            )
+    sizes = tuple(int(_data(x).shape[axis]) for x in xs)
+    return CONCATENATE(xs, axis=axis, sizes=sizes)
+
+
+def stack(xs: Sequence[Any], axis: int = 0) -> Any:
+    """Join tensors along a new axis."""
+    xs = list(xs)
+    if not xs:
+        raise ShapeError("stack needs at least one tensor")
+    ndim = _data(xs[0]).ndim + 1
+    axis = _axis(axis, ndim, "stack")
+    return concatenate([expand_dims(x, axis) for x in xs], axis=axis)

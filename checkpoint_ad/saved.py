@@ -1,0 +1,235 @@
+"""The saving path: every value a backward rule needs is kept through here, and only here.
+
+A *packer* decides the stored form of a saved array (`pack`/`unpack`, the same contract as
+PyTorch's saved-tensor hooks: `unpack(pack(a))` equals `a` in value, shape, dtype and device,
+up to the packer's stated precision). Saving the same array twice with the same packer gives one
+`SavedBuffer` shared by both slots, so a buffer used by two tape entries is stored once.
+A `SavedSlot` is one entry's handle on a buffer plus the version of the tensor it came from,
+so a later in-place change is caught instead of silently corrupting gradients.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, Protocol, runtime_checkable
+
+from . import events
+from .backend import nbytes as array_nbytes
+from .errors import BackwardError, SavedValueModifiedError
+
+
+@runtime_checkable
+class Packer(Protocol):
+    """How saved arrays are stored. `stored_nbytes` and `lossless` are optional."""
+
+    def pack(self, array: Any) -> Any: ...
+
+    def unpack(self, packed: Any) -> Any: ...
+
+
+class KeepPacker:
+    """Store the array itself: the default, zero-cost packer."""
+
+    lossless = True
+
+    def pack(self, array: Any) -> Any:
+        return array
+
+    def unpack(self, packed: Any) -> Any:
+        return packed
+
+    def stored_nbytes(self, packed: Any) -> int:
+        return array_nbytes(packed)
+
+    def __repr__(self) -> str:
+        return "KeepPacker()"
+
+
+class HookPacker:
+    """A packer made from two plain functions (see `saved_values_hooks`)."""
+
+    def __init__(self, pack: Callable[[Any], Any], unpack: Callable[[Any], Any]) -> None:
+        self.pack = pack  # type: ignore[method-assign]
+        self.unpack = unpack  # type: ignore[method-assign]
+
+    def __repr__(self) -> str:
+        return f"HookPacker(pack={self.pack!r}, unpack={self.unpack!r})"
+
+
+KEEP = KeepPacker()
+
+
+class VersionCounter:
+    """Counts in-place changes to one storage; views of it share the counter."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: int = 0) -> None:
+        self.value = value
+
+
+class SavedBuffer:
+    """One stored array, shared by every slot that saved the same array with the same packer."""
+
+    __slots__ = (
+        "__weakref__",
+        "dtype",
+        "logical_nbytes",
+        "packed",
+        "packer",
+        "shape",
+        "source",
+        "stored_nbytes",
+    )
+
+    def __init__(self, array: Any, packer: Any) -> None:
+        self.packer = packer
+        self.shape = tuple(array.shape)
+        self.dtype = array.dtype
+        self.logical_nbytes = array_nbytes(array)
+        if packer is KEEP:
+            self.packed = array
+            self.source = None
+            self.stored_nbytes = self.logical_nbytes
+        else:
+            self.packed = packer.pack(array)
+            self.source = weakref.ref(array)
+            measure = getattr(packer, "stored_nbytes", None)
+            self.stored_nbytes = int(measure(self.packed)) if measure else self.logical_nbytes
+
+    def holds(self, array: Any) -> bool:
+        if self.source is None:
+            return self.packed is array
+        return self.source() is array
+
+    def unpack(self) -> Any:
+        if self.packer is KEEP:
+            return self.packed
+        array = self.packer.unpack(self.packed)
+        if tuple(array.shape) != self.shape or array.dtype != self.dtype:
+            raise BackwardError(
+                f"packer {self.packer!r} broke its contract: unpack gave "
+                f"{array.dtype}{list(array.shape)} for a value saved as "
+                f"{self.dtype}{list(self.shape)}; unpack(pack(a)) must keep shape and dtype"
+            )
+        return array
+
+
+_buffers: dict[tuple[int, int], weakref.ref[SavedBuffer]] = {}
+
+
+def _forget(key: tuple[int, int], ref: weakref.ref[SavedBuffer]) -> None:
+    if _buffers.get(key) is ref:
+        del _buffers[key]
+    if events.listeners:
+        events.emit("free", key)
+
+
+def buffer_for(array: Any, packer: Any) -> SavedBuffer:
+    """The shared buffer holding `array` under `packer`, packing it on first use."""
+    key = (id(array), id(packer))
+    ref = _buffers.get(key)
+    buffer = ref() if ref is not None else None
+    if buffer is not None and buffer.holds(array) and buffer.packer is packer:
+        return buffer
+    buffer = SavedBuffer(array, packer)
+    _buffers[key] = weakref.ref(buffer, lambda r, key=key: _forget(key, r))
+    if events.listeners:
+        events.emit("pack", (key, buffer))
+    return buffer
+
+
+def live_buffers() -> list[SavedBuffer]:
+    """Every saved buffer still held by some tape entry (for inspection and tests)."""
+    return [b for b in (r() for r in list(_buffers.values())) if b is not None]
+
+
+class SavedSlot:
+    """One tape entry's reference to a saved value.
+
+    `edge` is the value's place in the graph (for higher-order gradients); `counter`/`version`
+    detect an in-place change after saving.
+    """
+
+    __slots__ = ("buffer", "counter", "edge", "name", "version")
+
+    def __init__(
+        self, name: str, buffer: SavedBuffer, counter: VersionCounter | None, edge: Any
+    ) -> None:
+        self.name = name
+        self.buffer: SavedBuffer | None = buffer
+        self.counter = counter
+        self.version = counter.value if counter is not None else 0
+        self.edge = edge
+
+    def unpack(self, describe: Callable[[], str]) -> Any:
+        buffer = self.buffer
+        if buffer is None:
+            raise BackwardError(
+                f"trying to backward through {describe()} a second time, but its saved values "
+                "were already freed by the first backward; pass retain_graph=True to the first "
+                "backward()/grad() call (or use a persistent GradientTape) to differentiate again"
+            )
+        if self.counter is not None and self.counter.value != self.version:
+            raise SavedValueModifiedError(
+                f"{describe()} saved its {self.name!r} value ({buffer.dtype}"
+                f"{list(buffer.shape)}) at version {self.version}, but it was modified in place "
+                f"since (now version {self.counter.value}), and the backward sweep needs the "
+                "original; use an out-of-place operation (y = x + 1 rather than x += 1) or "
+                "modify a copy"
+            )
+        if events.listeners:
+            events.emit("unpack", buffer)
+        return buffer.unpack()
+
+    def release(self) -> None:
+        self.buffer = None
+
+
+class _PackerStack(threading.local):
+    def __init__(self) -> None:
+        self.items: list[Any] = []
+
+
+_stack = _PackerStack()
+
+
+def current_packer() -> Any:
+    """The packer that new saved values go through right now."""
+    items = _stack.items
+    return items[-1] if items else KEEP
+
+
+@contextmanager
+def use_packer(packer: Any) -> Iterator[Any]:
+    """Store every value saved inside the block with `packer` (innermost block wins)."""
+    if not (callable(getattr(packer, "pack", None)) and callable(getattr(packer, "unpack", None))):
+        raise TypeError(
+            f"{packer!r} is not a packer: it needs pack(array) and unpack(packed) methods"
+        )
+    _stack.items.append(packer)
+    try:
+        yield packer
+    finally:
+        _stack.items.pop()
+
+
+@contextmanager
+def saved_values_hooks(
+    pack: Callable[[Any], Any], unpack: Callable[[Any], Any]
+) -> Iterator[HookPacker]:
+    """Route every value saved inside the block through `pack`, and back through `unpack`.
+
+    >>> import checkpoint_ad as cad
+    >>> seen = []
+    >>> x = cad.tensor([1.0, 2.0], requires_grad=True)
+    >>> with cad.saved_values_hooks(lambda a: seen.append(a.shape) or a, lambda a: a):
+    ...     y = (x * x).sum()
+    >>> seen
+    [(2,)]
+    """
+    with use_packer(HookPacker(pack, unpack)) as packer:
+        yield packer

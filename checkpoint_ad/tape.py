@@ -1,0 +1,284 @@
+"""Primitives, tape entries, and recording one operation on the tape.
+
+A `Primitive` is a forward function on arrays plus one or more *forms* of its vector-Jacobian
+product. A form lists, per argument, the rule and the names of the values the rule needs
+(argument names, or ``"out"`` for the result). Declaring the needs is what lets the saving
+strategy pick a form (store inputs vs store outputs), pack the needed values, or recompute them,
+without touching a rule.
+
+An `Entry` is one recorded application: its inputs' graph edges, its saved slots, its attributes
+and the user code line that ran it. Entries are numbered in execution order, so the backward
+sweep visits them by descending number: no recursive graph search is needed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import events
+from .backend import namespace
+from .errors import DeviceError, ShapeError
+from .grad_mode import _state
+from .saved import SavedSlot, buffer_for, current_packer
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+@dataclass(frozen=True)
+class VJP:
+    """One argument's backward rule and the saved values (by name) it reads."""
+
+    needs: tuple[str, ...]
+    rule: Callable[..., Any]
+
+
+def vjp(needs: str, rule: Callable[..., Any]) -> VJP:
+    """Shorthand for the op tables: ``vjp("a b", lambda g, a, b: ...)``."""
+    return VJP(tuple(needs.split()), rule)
+
+
+def define(
+    name: str,
+    forward: Callable[..., Any],
+    args: str = "x",
+    forms: Sequence[dict[str, VJP]] = (),
+    **options: Any,
+) -> Primitive:
+    """Build a primitive from the op tables' compact notation (argument names as one string,
+    each form as a dict from argument name to its `vjp`)."""
+    return Primitive(
+        name, forward, tuple(args.split()), tuple(Form(dict(f)) for f in forms), **options
+    )
+
+
+@dataclass(frozen=True)
+class Form:
+    """A complete backward for a primitive: one rule per differentiable argument."""
+
+    rules: dict[str, VJP]
+
+    @property
+    def needs(self) -> frozenset[str]:
+        return frozenset(n for r in self.rules.values() for n in r.needs)
+
+    @property
+    def kind(self) -> str:
+        """'none', 'inputs', 'output' or 'both': what this form saves."""
+        needs = self.needs
+        if not needs:
+            return "none"
+        if "out" not in needs:
+            return "inputs"
+        return "output" if needs == {"out"} else "both"
+
+
+@dataclass(frozen=True, eq=False)
+class Primitive:
+    """A differentiable operation: forward on arrays and its backward forms.
+
+    `forward(xp, *arrays, **attrs)` computes with the array namespace `xp`. `forms` lists the
+    backward forms, preferred first. `broadcasts` makes the engine sum each argument's gradient
+    back to that argument's shape. `view` marks results that may share memory with the first
+    argument (they share its version counter). `variadic` primitives take one sequence of
+    arrays; their single rule is called as ``rule(g, i, inputs, **attrs)`` for argument `i`.
+    """
+
+    name: str
+    forward: Callable[..., Any]
+    args: tuple[str, ...] = ("x",)
+    forms: tuple[Form, ...] = ()
+    broadcasts: bool = False
+    view: bool = False
+    variadic: bool = False
+    differentiable: bool = True
+    doc: str = field(default="", repr=False)
+
+    def __repr__(self) -> str:
+        return f"Primitive({self.name!r})"
+
+    def form(self, kind: str) -> Form | None:
+        """The form that saves `kind` ('inputs', 'output', ...) if this primitive has one."""
+        return next((f for f in self.forms if f.kind == kind), None)
+
+    def __call__(self, *args: Any, **attrs: Any) -> Any:
+        """Apply to Tensors (recorded) or to raw arrays (just computed, as rules need)."""
+        from .tensor import Tensor
+
+        if self.variadic:
+            items = args[0]
+            if not any(isinstance(a, Tensor) for a in items):
+                return self.forward(namespace(items[0]), items, **attrs)
+            return record(self, tuple(items), attrs)
+        if not any(isinstance(a, Tensor) for a in args):
+            return self.forward(namespace(args[0]), *args, **attrs)
+        return record(self, args, attrs)
+
+
+_sequence = itertools.count()
+
+
+class Entry:
+    """One operation recorded on the tape."""
+
+    __slots__ = (
+        "__weakref__",
+        "attrs",
+        "edges",
+        "form",
+        "in_shapes",
+        "op",
+        "origin",
+        "out_meta",
+        "released",
+        "retained",
+        "seq",
+        "slots",
+    )
+
+    def __init__(self, op: Any, edges: tuple[Any, ...], attrs: dict[str, Any]) -> None:
+        self.op = op
+        self.seq = next(_sequence)
+        self.edges = edges
+        self.attrs = attrs
+        self.slots: dict[str, SavedSlot] = {}
+        self.form: Form | None = None
+        self.in_shapes: tuple[tuple[int, ...], ...] = ()
+        self.out_meta: tuple[tuple[tuple[int, ...], Any], ...] = ()
+        self.origin = _user_origin()
+        self.released = False
+        self.retained: dict[int, Any] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.op.name
+
+    def describe(self) -> str:
+        return f"tape entry #{self.seq} {self.name!r} (recorded at {self.origin})"
+
+    def saved_nbytes(self) -> int:
+        """Stored bytes of this entry's saved values (shared buffers counted in full)."""
+        return sum(s.buffer.stored_nbytes for s in self.slots.values() if s.buffer is not None)
+
+    def release(self) -> None:
+        """Drop the saved values; the entry stays so a second sweep can say it was freed."""
+        for slot in self.slots.values():
+            slot.release()
+        self.released = True
+        if events.listeners:
+            events.emit("release", self)
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(str(list(s)) for s, _ in self.out_meta)
+        return f"<Entry #{self.seq} {self.name} -> {shapes} at {self.origin}>"
+
+
+def _user_origin() -> str:
+    """'file:line' of the nearest caller outside this package."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame = frame.f_back
+    if frame is None:
+        return "<unknown>"
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+active_tapes: list[Any] = []
+
+
+def edge_of(tensor: Any) -> Any:
+    """Where gradients for `tensor` go: (entry, output index), (leaf tensor, 0), or None."""
+    entry = tensor._entry
+    if entry is not None:
+        return (entry, tensor._index)
+    if tensor._requires_grad:
+        target = tensor._leaf_target
+        return (tensor if target is None else target, 0)
+    return None
+
+
+def _describe_inputs(tensors: Sequence[Any]) -> str:
+    return ", ".join(f"{t.dtype}{list(t.shape)} on {t.device}" for t in tensors)
+
+
+def record(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> Any:
+    """Run `prim` on Tensors and, when gradients are needed, append an entry to the tape."""
+    from .tensor import Tensor, as_tensor
+
+    tensors = tuple(t if isinstance(t, Tensor) else as_tensor(t, like=tensors) for t in tensors)
+    first = tensors[0]._data
+    kind = type(first)
+    for t in tensors:
+        if type(t._data) is not kind:
+            raise DeviceError(
+                f"{prim.name!r} got tensors on different devices or array libraries "
+                f"({_describe_inputs(tensors)}); move them to one device first, e.g. with .to()"
+            )
+    xp = namespace(first)
+    datas = [t._data for t in tensors]
+    try:
+        if prim.variadic:
+            out = prim.forward(xp, datas, **attrs)
+        else:
+            out = prim.forward(xp, *datas, **attrs)
+    except (ValueError, TypeError, IndexError) as exc:
+        raise ShapeError(
+            f"{prim.name!r} cannot run on inputs {_describe_inputs(tensors)} "
+            f"with {attrs or 'no attributes'}: {exc}"
+        ) from exc
+    if isinstance(out, np.generic):  # numpy reduces 0-d results to scalars
+        out = np.asarray(out)
+    counter = tensors[0]._version if prim.view else None
+    if not (_state.grad_enabled and prim.differentiable and any(t._requires_grad for t in tensors)):
+        return Tensor._wrap(out, counter=counter)
+
+    entry = Entry(prim, tuple(edge_of(t) for t in tensors), attrs)
+    result = Tensor._wrap(out, entry=entry, counter=counter)
+    entry.out_meta = ((tuple(out.shape), out.dtype),)
+    if prim.broadcasts:
+        entry.in_shapes = tuple(tuple(d.shape) for d in datas)
+    packer = current_packer()
+    chooser = getattr(packer, "choose_form", None)
+    form = chooser(prim) if chooser is not None else prim.forms[0]
+    entry.form = form
+    if prim.variadic:
+        rule = form.rules["xs"]
+        if rule.needs:
+            for i, t in enumerate(tensors):
+                entry.slots[f"x{i}"] = _save(t, f"x{i}", packer, entry)
+    else:
+        needed: set[str] = set()
+        for name, t in zip(prim.args, tensors):
+            if t._requires_grad and name in form.rules:
+                needed.update(form.rules[name].needs)
+        for name in needed:
+            if name == "out":
+                entry.slots["out"] = _save(result, "out", packer, entry, own=True)
+            else:
+                entry.slots[name] = _save(tensors[prim.args.index(name)], name, packer, entry)
+    if active_tapes:
+        for tape in active_tapes:
+            tape._entries.append(entry)
+    if events.listeners:
+        events.emit("record", entry)
+    return result
+
+
+def _save(tensor: Any, name: str, packer: Any, entry: Entry, own: bool = False) -> SavedSlot:
+    if tensor._inference:
+        from .errors import InplaceError
+
+        raise InplaceError(
+            f"{entry.describe()} needs to save an inference tensor ({tensor.dtype}"
+            f"{list(tensor.shape)}) for backward; tensors made under inference_mode() cannot be "
+            "saved: compute it under no_grad() instead, or .clone() it outside inference_mode()"
+        )
+    buffer = buffer_for(tensor._data, packer)
+    edge = tensor._index if own else edge_of(tensor)  # an int marks the entry's own output
+    return SavedSlot(name, buffer, tensor._version, edge)
