@@ -12,9 +12,13 @@ import heapq
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from . import events
 from .errors import BackwardError, ShapeError
 from .grad_mode import enable_grad, no_grad
+from .ops.elementwise import astype, ones_like
+from .ops.shape import sum_to
 from .tape import Entry, Primitive, edge_of
 from .tensor import Tensor, as_tensor
 
@@ -34,8 +38,15 @@ def _graph_tensor(array: Any, edge: Any) -> Tensor:
 
 def unpack_saved(entry: Entry, create_graph: bool) -> dict[str, Any]:
     """Every saved value of `entry`, as arrays (or graph-attached Tensors under create_graph)."""
+    if entry.slots is None:
+        raise BackwardError(
+            f"trying to backward through {entry.describe()} a second time, but its saved values "
+            "were already freed by the first backward; pass retain_graph=True to the first "
+            "backward()/grad() call (or use a persistent GradientTape) to differentiate again"
+        )
     values = {}
-    for name, slot in entry.slots.items():
+    for slot in entry.slots:
+        name = slot.name
         array = slot.unpack(entry.describe)
         if create_graph:
             edge = (entry, slot.edge) if isinstance(slot.edge, int) else slot.edge
@@ -46,8 +57,6 @@ def unpack_saved(entry: Entry, create_graph: bool) -> dict[str, Any]:
 
 def primitive_backward(entry: Entry, grads: list[Any], create_graph: bool) -> list[Any]:
     """Apply a primitive's chosen form to the output gradient."""
-    from .ops.shape import sum_to
-
     prim: Primitive = entry.op
     g = grads[0]
     values = unpack_saved(entry, create_graph)
@@ -91,6 +100,8 @@ def _target_meta(node: Any, index: int) -> tuple[tuple[int, ...], Any]:
 def _conform(grad: Any, node: Any, index: int, where: str) -> Any:
     """Check the gradient's shape and cast it to the dtype of the value it belongs to."""
     shape, dtype = _target_meta(node, index)
+    if isinstance(grad, np.generic):  # numpy turns 0-d results into scalars
+        grad = np.asarray(grad)
     data = grad._data if isinstance(grad, Tensor) else grad
     if tuple(data.shape) != shape:
         raise ShapeError(
@@ -98,8 +109,6 @@ def _conform(grad: Any, node: Any, index: int, where: str) -> Any:
             f"{list(shape)}; a backward rule must return one gradient per input, shaped like it"
         )
     if data.dtype != dtype:
-        from .ops.elementwise import astype
-
         grad = astype(grad, dtype)
     return grad
 
@@ -216,8 +225,6 @@ def _seed(output: Tensor, gradient: Any, position: str) -> Any:
                 "defined for single-element outputs; pass gradient= (grad_outputs= for grad()) "
                 "with the same shape, or reduce the output first (e.g. .sum())"
             )
-        from .ops.elementwise import ones_like
-
         with no_grad():
             return ones_like(output)._data
     seed = as_tensor(gradient, like=(output,))

@@ -87,7 +87,10 @@ class _FunctionOp:
         finally:
             ctx._entry = None
         result = result if isinstance(result, tuple) else (result,)
-        if len(result) != ctx._n_args:  # type: ignore[attr-defined]
+        n_args = ctx._n_args  # type: ignore[attr-defined]
+        if len(result) > n_args and all(g is None for g in result[n_args:]):
+            result = result[:n_args]  # trailing Nones for defaulted arguments are fine
+        if len(result) != n_args:  # type: ignore[attr-defined]
             raise BackwardError(
                 f"{self.name}.backward returned {len(result)} gradients, but forward took "
                 f"{ctx._n_args} arguments; return one per argument (None for non-tensors)"  # type: ignore[attr-defined]
@@ -143,7 +146,7 @@ class Function:
         ctx._n_args = len(args)  # type: ignore[attr-defined]
         with no_grad():
             raw = cls.forward(ctx, *args, **kwargs)
-        single = isinstance(raw, Tensor)
+        single = not isinstance(raw, (tuple, list))
         outputs = (raw,) if single else tuple(raw)
         for i, o in enumerate(outputs):
             if not isinstance(o, Tensor):
@@ -157,6 +160,7 @@ class Function:
         entry.out_meta = tuple((tuple(o.shape), o.dtype) for o in outputs)
         results = tuple(Tensor._wrap(o._data, entry=entry, index=i) for i, o in enumerate(outputs))
         packer = current_packer()
+        slots = []
         for i, t in enumerate(ctx._to_save):
             if t is None:
                 continue
@@ -166,7 +170,8 @@ class Function:
                 slot.edge = own
             else:
                 slot = _save(t, f"saved{i}", packer, entry)
-            entry.slots[f"saved{i}"] = slot
+            slots.append(slot)
+        entry.slots = tuple(slots)
         ctx._saved_count = len(ctx._to_save or ())
         ctx._to_save = None
         for tape in active_tapes:

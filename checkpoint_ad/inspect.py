@@ -41,14 +41,14 @@ class EntryInfo:
 def describe_entry(entry: Entry) -> EntryInfo:
     saved = tuple(
         SavedInfo(
-            name,
+            slot.name,
             slot.buffer.shape,
             str(slot.buffer.dtype),
             slot.buffer.logical_nbytes,
             slot.buffer.stored_nbytes,
             id(slot.buffer),
         )
-        for name, slot in entry.slots.items()
+        for slot in entry.slots or ()
         if slot.buffer is not None
     )
     return EntryInfo(
@@ -89,7 +89,7 @@ class TapeView:
         """Stored bytes of all live saved values, each shared buffer counted once."""
         buffers: dict[int, int] = {}
         for entry in self._entries:
-            for slot in entry.slots.values():
+            for slot in entry.slots or ():
                 if slot.buffer is not None:
                     buffers[id(slot.buffer)] = slot.buffer.stored_nbytes
         return sum(buffers.values())

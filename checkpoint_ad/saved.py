@@ -118,33 +118,32 @@ class SavedBuffer:
         return array
 
 
-_buffers: dict[tuple[int, int], weakref.ref[SavedBuffer]] = {}
+def buffer_for(tensor: Any, packer: Any) -> SavedBuffer:
+    """The buffer holding `tensor`'s array under `packer`, packing it on first use.
 
-
-def _forget(key: tuple[int, int], ref: weakref.ref[SavedBuffer]) -> None:
-    if _buffers.get(key) is ref:
-        del _buffers[key]
-    if events.listeners:
-        events.emit("free", key)
-
-
-def buffer_for(array: Any, packer: Any) -> SavedBuffer:
-    """The shared buffer holding `array` under `packer`, packing it on first use."""
-    key = (id(array), id(packer))
-    ref = _buffers.get(key)
-    buffer = ref() if ref is not None else None
-    if buffer is not None and buffer.holds(array) and buffer.packer is packer:
-        return buffer
+    The tensor keeps a weak reference to its latest buffer, so a value saved by several entries
+    (a matmul input that is also a tanh output) is packed and stored once, and the buffer dies
+    with the last entry that needs it.
+    """
+    array = tensor._data
+    ref = tensor._saved_ref
+    if ref is not None:
+        buffer = ref()
+        if buffer is not None and buffer.packer is packer and buffer.holds(array):
+            return buffer
     buffer = SavedBuffer(array, packer)
-    _buffers[key] = weakref.ref(buffer, lambda r, key=key: _forget(key, r))
+    tensor._saved_ref = weakref.ref(buffer)
     if events.listeners:
-        events.emit("pack", (key, buffer))
+        events.emit("pack", buffer)
+        weakref.finalize(buffer, events.emit, "free", id(buffer))
     return buffer
 
 
-def live_buffers() -> list[SavedBuffer]:
-    """Every saved buffer still held by some tape entry (for inspection and tests)."""
-    return [b for b in (r() for r in list(_buffers.values())) if b is not None]
+def live_buffer_count() -> int:
+    """How many saved buffers exist right now (slow: walks the heap; for tests and debugging)."""
+    import gc
+
+    return sum(1 for o in gc.get_objects() if type(o) is SavedBuffer)
 
 
 class SavedSlot:

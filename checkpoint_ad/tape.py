@@ -27,6 +27,7 @@ from .backend import namespace
 from .errors import DeviceError, ShapeError
 from .grad_mode import _state
 from .saved import SavedSlot, buffer_for, current_packer
+from .tensor import Tensor, as_tensor
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -109,8 +110,6 @@ class Primitive:
 
     def __call__(self, *args: Any, **attrs: Any) -> Any:
         """Apply to Tensors (recorded) or to raw arrays (just computed, as rules need)."""
-        from .tensor import Tensor
-
         if self.variadic:
             items = args[0]
             if not any(isinstance(a, Tensor) for a in items):
@@ -134,7 +133,7 @@ class Entry:
         "form",
         "in_shapes",
         "op",
-        "origin",
+        "origin_frame",
         "out_meta",
         "released",
         "retained",
@@ -147,11 +146,11 @@ class Entry:
         self.seq = next(_sequence)
         self.edges = edges
         self.attrs = attrs
-        self.slots: dict[str, SavedSlot] = {}
+        self.slots: tuple[SavedSlot, ...] = ()
         self.form: Form | None = None
         self.in_shapes: tuple[tuple[int, ...], ...] = ()
         self.out_meta: tuple[tuple[tuple[int, ...], Any], ...] = ()
-        self.origin = _user_origin()
+        self.origin_frame = _user_frame()
         self.released = False
         self.retained: dict[int, Any] | None = None
 
@@ -159,17 +158,25 @@ class Entry:
     def name(self) -> str:
         return self.op.name
 
+    @property
+    def origin(self) -> str:
+        """'file:line' of the user code that recorded this entry."""
+        code, line = self.origin_frame
+        return f"{code.co_filename}:{line}" if code is not None else "<unknown>"
+
     def describe(self) -> str:
         return f"tape entry #{self.seq} {self.name!r} (recorded at {self.origin})"
 
     def saved_nbytes(self) -> int:
         """Stored bytes of this entry's saved values (shared buffers counted in full)."""
-        return sum(s.buffer.stored_nbytes for s in self.slots.values() if s.buffer is not None)
+        return sum(s.buffer.stored_nbytes for s in self.slots or () if s.buffer is not None)
 
     def release(self) -> None:
         """Drop the saved values; the entry stays so a second sweep can say it was freed."""
-        for slot in self.slots.values():
-            slot.release()
+        if self.slots:
+            for slot in self.slots:
+                slot.release()
+            self.slots = None  # type: ignore[assignment]  # None: had saved values, now freed
         self.released = True
         if events.listeners:
             events.emit("release", self)
@@ -179,14 +186,14 @@ class Entry:
         return f"<Entry #{self.seq} {self.name} -> {shapes} at {self.origin}>"
 
 
-def _user_origin() -> str:
-    """'file:line' of the nearest caller outside this package."""
+def _user_frame() -> tuple[Any, int]:
+    """(code, line) of the nearest caller outside this package; formatted only when asked."""
     frame = sys._getframe(2)
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
         frame = frame.f_back
     if frame is None:
-        return "<unknown>"
-    return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+        return (None, 0)
+    return (frame.f_code, frame.f_lineno)
 
 
 active_tapes: list[Any] = []
@@ -209,8 +216,6 @@ def _describe_inputs(tensors: Sequence[Any]) -> str:
 
 def record(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> Any:
     """Run `prim` on Tensors and, when gradients are needed, append an entry to the tape."""
-    from .tensor import Tensor, as_tensor
-
     tensors = tuple(t if isinstance(t, Tensor) else as_tensor(t, like=tensors) for t in tensors)
     first = tensors[0]._data
     kind = type(first)
@@ -236,10 +241,17 @@ def record(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> 
         out = np.asarray(out)
     counter = tensors[0]._version if prim.view else None
     if not (_state.grad_enabled and prim.differentiable and any(t._requires_grad for t in tensors)):
-        return Tensor._wrap(out, counter=counter)
+        result = Tensor._wrap(out, counter=counter)
+        if prim.view:
+            base = tensors[0]._base
+            result._base = tensors[0] if base is None else base
+        return result
 
     entry = Entry(prim, tuple(edge_of(t) for t in tensors), attrs)
     result = Tensor._wrap(out, entry=entry, counter=counter)
+    if prim.view:
+        base = tensors[0]._base
+        result._base = tensors[0] if base is None else base
     entry.out_meta = ((tuple(out.shape), out.dtype),)
     if prim.broadcasts:
         entry.in_shapes = tuple(tuple(d.shape) for d in datas)
@@ -248,20 +260,20 @@ def record(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> 
     form = chooser(prim) if chooser is not None else prim.forms[0]
     entry.form = form
     if prim.variadic:
-        rule = form.rules["xs"]
-        if rule.needs:
-            for i, t in enumerate(tensors):
-                entry.slots[f"x{i}"] = _save(t, f"x{i}", packer, entry)
+        if form.rules["xs"].needs:
+            entry.slots = tuple(_save(t, f"x{i}", packer, entry) for i, t in enumerate(tensors))
     else:
         needed: set[str] = set()
         for name, t in zip(prim.args, tensors):
             if t._requires_grad and name in form.rules:
                 needed.update(form.rules[name].needs)
-        for name in needed:
-            if name == "out":
-                entry.slots["out"] = _save(result, "out", packer, entry, own=True)
-            else:
-                entry.slots[name] = _save(tensors[prim.args.index(name)], name, packer, entry)
+        if needed:
+            entry.slots = tuple(
+                _save(result, name, packer, entry, own=True)
+                if name == "out"
+                else _save(tensors[prim.args.index(name)], name, packer, entry)
+                for name in sorted(needed)
+            )
     if active_tapes:
         for tape in active_tapes:
             tape._entries.append(entry)
@@ -279,6 +291,6 @@ def _save(tensor: Any, name: str, packer: Any, entry: Entry, own: bool = False) 
             f"{list(tensor.shape)}) for backward; tensors made under inference_mode() cannot be "
             "saved: compute it under no_grad() instead, or .clone() it outside inference_mode()"
         )
-    buffer = buffer_for(tensor._data, packer)
+    buffer = buffer_for(tensor, packer)
     edge = tensor._index if own else edge_of(tensor)  # an int marks the entry's own output
     return SavedSlot(name, buffer, tensor._version, edge)

@@ -35,6 +35,7 @@ class Tensor:
         "_inference",
         "_leaf_target",
         "_requires_grad",
+        "_saved_ref",
         "_version",
         "grad",
     )
@@ -69,6 +70,7 @@ class Tensor:
         self._leaf_target = None
         self._inference = _state.inference
         self._base = None
+        self._saved_ref = None
         self.grad = None
 
     @classmethod
@@ -240,6 +242,7 @@ class Tensor:
             self._index = result._index
             self._requires_grad = result._requires_grad
             self._version = VersionCounter(self._version.value + 1)
+            self._saved_ref = None
             return self
         with no_grad():
             result = compute(self)

@@ -21,7 +21,27 @@ def _inverse(axes: Sequence[int]) -> tuple[int, ...]:
 
 def _scatter(xp: Any, g: Any, *, index: Any, shape: tuple[int, ...]) -> Any:
     target = xp.zeros(shape, dtype=g.dtype, device=getattr(g, "device", None))
+    g, index = _without_new_axes(xp, g, index, len(shape))
     return scatter_add(xp, target, index, g)
+
+
+def _without_new_axes(xp: Any, g: Any, index: Any, ndim: int) -> tuple[Any, Any]:
+    """`index` without its `None` entries and `g` without the size-1 axes they made: the
+    standard's `__setitem__`, unlike numpy's, takes no `None`."""
+    parts = index if isinstance(index, tuple) else (index,)
+    if not any(p is None for p in parts) or has_array_index(index):
+        return g, index
+    consumed = sum(1 for p in parts if p is not None and p is not Ellipsis)
+    axis, new_axes = 0, set()
+    for p in parts:
+        if p is None:
+            new_axes.add(axis)
+        if p is None or isinstance(p, slice):
+            axis += 1
+        elif p is Ellipsis:
+            axis += ndim - consumed
+    kept = tuple(d for i, d in enumerate(g.shape) if i not in new_axes)
+    return xp.reshape(g, kept), tuple(p for p in parts if p is not None)
 
 
 def _setitem(xp: Any, x: Any, v: Any, *, index: Any, v_shape: Any) -> Any:
@@ -30,8 +50,9 @@ def _setitem(xp: Any, x: Any, v: Any, *, index: Any, v_shape: Any) -> Any:
     return out
 
 
-def _slices(axis: int, start: int, stop: int) -> tuple[slice, ...]:
-    return (slice(None),) * axis + (slice(start, stop),)
+def _slices(axis: int, start: int, stop: int) -> tuple[Any, ...]:
+    # the trailing Ellipsis: the standard (unlike numpy) wants every axis indexed
+    return (*(slice(None),) * axis, slice(start, stop), Ellipsis)
 
 
 def _concat_rule(g: Any, i: int, *, axis: int, sizes: tuple[int, ...]) -> Any:
