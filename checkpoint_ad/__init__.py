@@ -28,6 +28,9 @@ from .tensor import Tensor, _install_operators, tensor
 
 _install_operators()
 
+from . import strategies  # noqa: E402 - strategies build on the engine above
+from .strategies import checkpoint, checkpoint_sequential, scan, use  # noqa: E402
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -46,15 +49,20 @@ __all__ = [
     "TapeView",
     "Tensor",
     "backward",
+    "checkpoint",
+    "checkpoint_sequential",
     "enable_grad",
     "grad",
     "inference_mode",
     "is_grad_enabled",
     "no_grad",
     "saved_values_hooks",
+    "scan",
+    "strategies",
     "tape_of",
     "tensor",
     "testing",
+    "use",
     "use_packer",
     *_op_names,
 ]

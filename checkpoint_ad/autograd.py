@@ -153,15 +153,19 @@ def sweep(
     retain_graph: bool,
     create_graph: bool,
     capture: dict[tuple[int, int], int] | None = None,
+    initial: list[Any] | None = None,
 ) -> list[Any] | None:
     """Propagate seed gradients from `roots` ((edge, gradient) pairs) down the tape.
 
     Without `capture`, gradients accumulate into leaf `.grad` (and retained non-leaves).
-    With `capture` (keys (id(node), output index) -> position), they are returned instead.
+    With `capture` (keys (id(node), output index) -> position), they are returned instead,
+    added onto `initial` (one value or None per position) when given, in the order they arrive.
     """
     pending: dict[Entry, list[Any]] = {}
     heap: list[tuple[int, int, Entry]] = []
-    captured: list[Any] | None = [None] * len(capture) if capture is not None else None
+    captured: list[Any] | None = None
+    if capture is not None:
+        captured = list(initial) if initial is not None else [None] * len(capture)
     needed = _needed_entries([edge for edge, _ in roots], set(capture)) if capture else None
 
     def deliver(node: Any, index: int, grad: Any) -> None:

@@ -94,7 +94,7 @@ def itemsize(dtype: Any) -> int:
     size = getattr(dtype, "itemsize", None)
     if size is not None:
         return int(size)
-    return np.dtype(str(dtype)).itemsize
+    return np.dtype(str(dtype).rsplit(".", 1)[-1]).itemsize
 
 
 def nbytes(array: Any) -> int:
@@ -114,10 +114,16 @@ def has_array_index(index: Any) -> bool:
     return any(not isinstance(p, (int, slice, type(None), type(Ellipsis))) for p in parts)
 
 
+def _only_boolean_masks(index: Any) -> bool:
+    parts = index if isinstance(index, tuple) else (index,)
+    arrays = [p for p in parts if not isinstance(p, (int, slice, type(None), type(Ellipsis)))]
+    return all("bool" in str(getattr(p, "dtype", "")) for p in arrays)
+
+
 def scatter_add(xp: ModuleType, target: Any, index: Any, values: Any) -> Any:
     """`target[index] += values` in place, adding repeated indices (which `+=` would drop)."""
-    if not has_array_index(index):
-        target[index] = target[index] + values
+    if not has_array_index(index) or _only_boolean_masks(index):
+        target[index] = target[index] + values  # no repeated positions: plain update is exact
         return target
     if xp is np:
         np.add.at(target, index, values)

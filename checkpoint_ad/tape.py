@@ -256,6 +256,9 @@ def record(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> 
     if prim.broadcasts:
         entry.in_shapes = tuple(tuple(d.shape) for d in datas)
     packer = current_packer()
+    resolve = getattr(packer, "packer_for", None)
+    if resolve is not None:  # per-op policies pick a strategy for this primitive
+        packer = resolve(prim)
     chooser = getattr(packer, "choose_form", None)
     form = chooser(prim) if chooser is not None else prim.forms[0]
     entry.form = form

@@ -78,6 +78,8 @@ class Tensor:
         cls, data: Any, entry: Any = None, index: int = 0, counter: VersionCounter | None = None
     ) -> Tensor:
         """Fast internal constructor: no checks, optional shared version counter (views)."""
+        if isinstance(data, np.generic):  # numpy turns 0-d results into scalars
+            data = np.asarray(data)
         t = object.__new__(cls)
         t._init(data, entry, index, counter if counter is not None else VersionCounter())
         return t

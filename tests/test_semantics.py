@@ -494,8 +494,6 @@ def test_every_saved_value_of_a_model_passes_through_a_custom_packer():
     assert len(packed) == n_buffers
     loss.backward()
     assert unpacked  # the sweep read through unpack
-    reference_w = cad.tensor(w.numpy(), requires_grad=True)
-    h = cad.tensor(rng.standard_normal((2, 4)))
 
 
 def test_packer_contract_violation_is_reported():

@@ -42,8 +42,8 @@ MULTIPLY = define("multiply", lambda xp, a, b: a * b, "a b", [
     {"a": vjp("b", lambda g, b: g * b), "b": vjp("a", lambda g, a: g * a)},
 ], broadcasts=True)
 DIVIDE = define("divide", lambda xp, a, b: a / b, "a b", [
-    {"a": vjp("b", lambda g, b: g / b), "b": vjp("a b", lambda g, a, b: -g * a / (b * b))},
     {"a": vjp("b", lambda g, b: g / b), "b": vjp("out b", lambda g, out, b: -g * out / b)},
+    {"a": vjp("b", lambda g, b: g / b), "b": vjp("a b", lambda g, a, b: -g * (a / b) / b)},
 ], broadcasts=True)
 POWER = define("power", lambda xp, a, b: a**b, "a b", [
     {"a": vjp("a b", lambda g, a, b: g * b * a ** (b - 1)),

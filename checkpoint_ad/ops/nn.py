@@ -35,8 +35,8 @@ def _log_softmax(xp: Any, x: Any, *, axis: Any, source: Any) -> Any:
 LOGSUMEXP = define("logsumexp", _logsumexp, "x", [
     {"x": vjp("x out", lambda g, x, out, *, axis, keepdims, source:
               unreduce(g, source, axis) * exp(x - reshape(out, kept_shape(source, axis))))},
-    {"x": vjp("x", lambda g, x, *, axis, keepdims, source:
-              unreduce(g, source, axis) * softmax(x, axis))},
+    {"x": vjp("x", lambda g, x, *, axis, keepdims, source: unreduce(g, source, axis)
+              * exp(x - reshape(logsumexp(x, axis), kept_shape(source, axis))))},
 ])
 SOFTMAX = define("softmax", _softmax, "x", [
     {"x": vjp("out", lambda g, out, *, axis, source:
@@ -48,7 +48,7 @@ LOG_SOFTMAX = define("log_softmax", _log_softmax, "x", [
     {"x": vjp("out", lambda g, out, *, axis, source:
               g - exp(out) * _sum_kept(g, axis, source))},
     {"x": vjp("x", lambda g, x, *, axis, source:
-              g - softmax(x, axis) * _sum_kept(g, axis, source))},
+              g - exp(log_softmax(x, axis)) * _sum_kept(g, axis, source))},
 ])
 
 

@@ -1,0 +1,247 @@
+"""Recompute: a region keeps only its inputs and is re-run when the backward sweep needs it.
+
+The region runs once with recording on, so its tape entries (and the graph edges to every
+tensor it used, arguments or captured by closure, leaf or not) exist as usual, but every value
+they save is replaced by a small handle. The first handle the backward sweep unpacks re-runs the
+region from its saved inputs, collecting the values in the same order, and hands them out; they
+are dropped again once all were read. Gradients therefore flow through the original graph:
+`backward()`, `grad()`, nesting, closures and keyword arguments work unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .. import events
+from ..errors import CheckpointADError
+from ..grad_mode import enable_grad, is_grad_enabled
+from ..saved import SavedSlot, buffer_for, current_packer, use_packer
+from ..tensor import Tensor
+from .base import Strategy
+
+
+class RecomputeError(CheckpointADError, RuntimeError):
+    """Re-running a checkpointed region did not reproduce what its first run saved."""
+
+
+@dataclass(frozen=True)
+class Recompute(Strategy):
+    """Keep only a region's inputs; recompute its saved values during backward.
+
+    With ``debug=True`` the first run also keeps a copy of every saved value and the recompute
+    checks that each one comes back equal (costly: for finding non-determinism).
+    """
+
+    debug: bool = False
+    is_loop_strategy = True
+
+    def __repr__(self) -> str:
+        return f"Recompute(debug={self.debug})" if self.debug else "Recompute()"
+
+
+class _Handle:
+    __slots__ = ("index", "packer")
+
+    def __init__(self, packer: RegionPacker, index: int) -> None:
+        self.packer = packer
+        self.index = index
+
+
+class RegionPacker:
+    """Stands in for the saved values of one re-runnable region (or one step of a loop)."""
+
+    def __init__(self, region: Any, key: int, choose: Any) -> None:
+        self.region = region
+        self.key = key
+        self.meta: list[tuple[tuple[int, ...], Any]] = []
+        self.originals: list[Any] | None = [] if region.debug else None
+        self.values: list[Any] | None = None
+        self.unread = 0
+        self._choose = choose
+
+    def choose_form(self, prim: Any) -> Any:
+        return self._choose(prim) if self._choose is not None else prim.forms[0]
+
+    def pack(self, array: Any) -> _Handle:
+        self.meta.append((tuple(array.shape), array.dtype))
+        if self.originals is not None:
+            self.originals.append(array.copy())
+        return _Handle(self, len(self.meta) - 1)
+
+    def unpack(self, handle: _Handle) -> Any:
+        if self.values is None:
+            self.region.materialize(self.key)
+            self.unread = len(self.meta)
+        assert self.values is not None
+        value = self.values[handle.index]
+        self.unread -= 1
+        if self.unread <= 0:
+            self.values = None  # everything read: drop until a later sweep asks again
+        return value
+
+    def stored_nbytes(self, handle: _Handle) -> int:
+        return 0
+
+    def accept(self, values: list[Any], what: str) -> None:
+        """Take the values a re-run saved, after checking they match the first run."""
+        if len(values) != len(self.meta):
+            raise RecomputeError(
+                f"recomputing {what} saved {len(values)} values, but its first run saved "
+                f"{len(self.meta)}; the function must take the same path each time (does it "
+                "branch on state that changed between forward and backward?)"
+            )
+        for i, (value, (shape, dtype)) in enumerate(zip(values, self.meta)):
+            if tuple(value.shape) != shape or value.dtype != dtype:
+                raise RecomputeError(
+                    f"recomputing {what}: saved value #{i} came back as {value.dtype}"
+                    f"{list(value.shape)}, but the first run saved {dtype}{list(shape)}; "
+                    "the function must compute the same shapes and dtypes each time"
+                )
+            if self.originals is not None and not _same(value, self.originals[i]):
+                raise RecomputeError(
+                    f"recomputing {what}: saved value #{i} ({dtype}{list(shape)}) differs from "
+                    "the first run's (debug=True check); the function is not deterministic "
+                    "(unseeded randomness, or a captured tensor changed?)"
+                )
+        self.values = values
+
+
+def _same(a: Any, b: Any) -> bool:
+    from ..backend import to_device
+
+    return bool(np.array_equal(to_device(a, "cpu"), to_device(b, "cpu"), equal_nan=True))
+
+
+class Collector:
+    """A packer that keeps values and remembers them in order (used while re-running)."""
+
+    def __init__(self, choose: Any) -> None:
+        self.values: list[Any] = []
+        self._choose = choose
+
+    def choose_form(self, prim: Any) -> Any:
+        return self._choose(prim) if self._choose is not None else prim.forms[0]
+
+    def pack(self, array: Any) -> Any:
+        self.values.append(array)
+        return array
+
+    def unpack(self, stored: Any) -> Any:
+        return stored
+
+
+def _random_state() -> Any:
+    return np.random.get_state()
+
+
+class _Region:
+    """One `checkpoint` call: its inputs, and how to re-run it."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict, debug: bool) -> None:
+        self.fn = fn
+        self.debug = debug
+        self.name = getattr(fn, "__qualname__", repr(fn))
+        outer = current_packer()
+        self.args = [self._keep(a, outer) for a in args]
+        self.kwargs = {k: self._keep(v, outer) for k, v in kwargs.items()}
+        self.rng = _random_state()
+        chooser = getattr(outer, "choose_form", None)
+        self.packer = RegionPacker(self, 0, chooser)
+
+    def _keep(self, value: Any, packer: Any) -> Any:
+        if not isinstance(value, Tensor):
+            return ("value", value)
+        slot = SavedSlot("input", buffer_for(value, packer), value._version, None)
+        return ("tensor", slot, value.requires_grad)
+
+    def _restore(self, kept: Any) -> Any:
+        if kept[0] == "value":
+            return kept[1]
+        _, slot, requires_grad = kept
+        array = slot.unpack(lambda: f"the checkpointed region {self.name!r}")
+        t = Tensor._wrap(array)
+        t._requires_grad = requires_grad
+        return t
+
+    def materialize(self, key: int) -> None:
+        if events.listeners:
+            events.emit("recompute_begin", self.name)
+        args = [self._restore(a) for a in self.args]
+        kwargs = {k: self._restore(v) for k, v in self.kwargs.items()}
+        collector = Collector(self.packer._choose)
+        outer_rng = _random_state()
+        np.random.set_state(self.rng)
+        try:
+            with enable_grad(), use_packer(collector):
+                self.fn(*args, **kwargs)
+        finally:
+            np.random.set_state(outer_rng)
+        self.packer.accept(collector.values, f"checkpointed function {self.name!r}")
+        if events.listeners:
+            events.emit("recompute_end", self.name)
+
+
+def checkpoint(
+    fn: Callable[..., Any],
+    *args: Any,
+    strategy: Recompute | None = None,
+    debug: bool = False,
+    **kwargs: Any,
+) -> Any:
+    """Run ``fn(*args, **kwargs)`` keeping only its inputs; re-run it during backward.
+
+    Tensors `fn` captures by closure get their gradients too. numpy's global random state is
+    replayed, so random masks drawn inside `fn` come back the same.
+
+    >>> import checkpoint_ad as cad
+    >>> w = cad.tensor([0.5, -1.0], requires_grad=True)
+    >>> y = cad.checkpoint(lambda h: cad.tanh(h * w), cad.tensor([1.0, 2.0]))
+    >>> y.sum().backward()
+    >>> w.grad.shape
+    (2,)
+    """
+    if not callable(fn):
+        raise TypeError(f"checkpoint needs a function to re-run, got {type(fn).__name__}")
+    if strategy is not None and not isinstance(strategy, Recompute):
+        raise TypeError(f"checkpoint(strategy=...) takes a Recompute(), got {strategy!r}")
+    if not is_grad_enabled():
+        return fn(*args, **kwargs)
+    region = _Region(fn, args, kwargs, debug or bool(strategy and strategy.debug))
+    with use_packer(region.packer):
+        return fn(*args, **kwargs)
+
+
+def checkpoint_sequential(
+    functions: Sequence[Callable[[Any], Any]], segments: int | None = None, input: Any = None
+) -> Any:
+    """Run ``functions`` in order, checkpointing each of `segments` groups but the last.
+
+    The default of round(sqrt(n)) segments keeps about 2*sqrt(n) layers' values at a time for
+    one extra forward pass.
+    """
+    functions = list(functions)
+    if not functions:
+        raise ValueError("checkpoint_sequential needs at least one function")
+    n = len(functions)
+    segments = max(1, round(math.sqrt(n))) if segments is None else segments
+    if not isinstance(segments, int) or not segments >= 1:
+        raise ValueError(f"checkpoint_sequential: segments must be a positive int, got {segments}")
+    segments = min(segments, n)
+    size = math.ceil(n / segments)
+    groups = [functions[i : i + size] for i in range(0, n, size)]
+
+    def run(group: list[Callable[[Any], Any]], value: Any) -> Any:
+        for f in group:
+            value = f(value)
+        return value
+
+    value = input
+    for group in groups[:-1]:
+        value = checkpoint(run, group, value)
+    return run(groups[-1], value)
+

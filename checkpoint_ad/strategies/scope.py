@@ -1,0 +1,46 @@
+"""`use(strategy)`: apply a strategy to a region of code (innermost wins)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from ..saved import use_packer
+
+
+class _LoopStack(threading.local):
+    def __init__(self) -> None:
+        self.items: list[Any] = []
+
+
+_loops = _LoopStack()
+
+
+def current_loop_strategy() -> Any:
+    """The innermost loop strategy (`Binomial`, `Periodic`...) in effect, or None."""
+    return _loops.items[-1] if _loops.items else None
+
+
+@contextmanager
+def use(strategy: Any) -> Iterator[Any]:
+    """Apply `strategy` to everything recorded inside the block.
+
+    Storage strategies (`StoreOutputs`, `Quantized`, a `Policy`...) decide how saved values are
+    kept; loop strategies (`Binomial`, `Periodic`, `Recompute`) decide how `scan` loops are
+    checkpointed. Blocks nest, and the innermost strategy of each kind wins.
+
+    >>> import checkpoint_ad as cad
+    >>> with cad.use(cad.strategies.Quantized(bits=8)):
+    ...     pass
+    """
+    if getattr(strategy, "is_loop_strategy", False):
+        _loops.items.append(strategy)
+        try:
+            yield strategy
+        finally:
+            _loops.items.pop()
+        return
+    with use_packer(strategy):
+        yield strategy
