@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 
 from .errors import CheckpointADError, ShapeError
-from .ops import log_softmax, matmul, mean
+from .grad_mode import no_grad
+from .ops import copy, log_softmax, matmul, mean
 from .ops import sum as reduce_sum
 from .tensor import Tensor, tensor
 
@@ -28,7 +29,9 @@ class Parameter(Tensor):
     """A leaf tensor that requires grad and that a `Module` collects as one of its parameters.
 
     Why a subclass: a module may also hold constant tensors (targets, masks); only attributes
-    that are Parameters are trained. The data is converted like `checkpoint_ad.tensor` does.
+    that are Parameters are trained. The data is converted like `checkpoint_ad.tensor` does,
+    then copied: optimizers update parameters in place, which must not write through to the
+    caller's array (`checkpoint_ad.tensor` keeps a numpy array's storage).
 
     >>> import checkpoint_ad as cad
     >>> from checkpoint_ad.nn import Parameter
@@ -46,8 +49,9 @@ class Parameter(Tensor):
         device: str | None = None,
         requires_grad: bool = True,
     ) -> None:
-        leaf = tensor(data, dtype=dtype, device=device)
-        super().__init__(leaf.data, requires_grad=requires_grad)
+        with no_grad():
+            owned = copy(tensor(data, dtype=dtype, device=device))
+        super().__init__(owned.data, requires_grad=requires_grad)
 
 
 class Module:

@@ -26,7 +26,7 @@ from . import events
 from .backend import namespace
 from .errors import DeviceError, ShapeError
 from .grad_mode import _state
-from .saved import SavedSlot, buffer_for, current_packer
+from .saved import KEEP, SavedSlot, buffer_for, current_packer
 from .tensor import Tensor, as_tensor
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -294,6 +294,8 @@ def _save(tensor: Any, name: str, packer: Any, entry: Entry, own: bool = False) 
             f"{list(tensor.shape)}) for backward; tensors made under inference_mode() cannot be "
             "saved: compute it under no_grad() instead, or .clone() it outside inference_mode()"
         )
+    if tensor._entry is None and getattr(packer, "keeps_leaves", False):
+        packer = KEEP  # a leaf (parameter, input data) stays alive anyway: store a reference
     buffer = buffer_for(tensor, packer)
     edge = tensor._index if own else edge_of(tensor)  # an int marks the entry's own output
     return SavedSlot(name, buffer, tensor._version, edge)

@@ -44,7 +44,7 @@ def check_config(config: Any, positive: Sequence[str], non_negative: Sequence[st
             bound = "positive" if strict else "non-negative"
             raise ModelConfigError(f"{name}.{field_name} must be a {bound} {kind}, got {value!r}")
     try:
-        floating = np.dtype(config.dtype).kind == "f"
+        floating = config.dtype is not None and np.dtype(config.dtype).kind == "f"
     except TypeError:
         floating = False
     if not floating:
@@ -66,17 +66,24 @@ def index_tree(xs: Any, i: int) -> Any:
 
 
 def tree_length(xs: Any) -> int:
-    """The leading-axis length shared by the tensors in `xs`."""
+    """The leading-axis length shared by the tensors in `xs` (None entries are skipped)."""
+    lengths = set(_leaf_lengths(xs))
+    if len(lengths) != 1:
+        raise ModelConfigError(
+            "scanned inputs must hold at least one tensor and share their leading axis "
+            f"length, got lengths {sorted(lengths)}"
+        )
+    return lengths.pop()
+
+
+def _leaf_lengths(xs: Any) -> list[int]:
+    if xs is None:
+        return []
     if isinstance(xs, dict):
         xs = list(xs.values())
     if isinstance(xs, (tuple, list)):
-        lengths = {tree_length(value) for value in xs}
-        if len(lengths) != 1:
-            raise ModelConfigError(
-                f"scanned inputs must share their leading axis length, got lengths {lengths}"
-            )
-        return lengths.pop()
-    return len(xs)
+        return [n for value in xs for n in _leaf_lengths(value)]
+    return [len(xs)]
 
 
 def python_loop(step: Step, carry: Any, xs: Any) -> tuple[Any, list[Any]]:

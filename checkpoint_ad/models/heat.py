@@ -146,5 +146,3 @@ class Heat(UnrolledModel):
 def make_heat(config: HeatConfig | None = None) -> Heat:
     """A heat-equation inverse problem whose hidden truth is drawn from `config.seed`."""
     return Heat(config if config is not None else HeatConfig())
-
-

@@ -81,20 +81,20 @@ class ResidualMLP(UnrolledModel):
         W, b = self._host()
         reg, B = self.config.reg, self.config.batch
         hs, ss = [self.data.numpy()], []
-        for l in range(self.n_steps):
-            ss.append(np.tanh(hs[-1] @ W[l] + b[l]))
+        for k in range(self.n_steps):
+            ss.append(np.tanh(hs[-1] @ W[k] + b[k]))
             hs.append(hs[-1] + ss[-1])
         miss = hs[-1] - self.target.numpy()
         penalty = sum((h * h).sum() for h in hs[1:])
         loss = float((0.5 * (miss * miss).sum() + reg * penalty) / B)
         gW, gb = np.zeros_like(W), np.zeros_like(b)
         gh = miss / B
-        for l in range(self.n_steps - 1, -1, -1):
-            gh = gh + 2.0 * reg * hs[l + 1] / B
-            ga = gh * (1.0 - ss[l] ** 2)
-            gW[l] = hs[l].T @ ga
-            gb[l] = ga.sum(axis=0)
-            gh = gh + ga @ W[l].T
+        for k in range(self.n_steps - 1, -1, -1):
+            gh = gh + 2.0 * reg * hs[k + 1] / B
+            ga = gh * (1.0 - ss[k] ** 2)
+            gW[k] = hs[k].T @ ga
+            gb[k] = ga.sum(axis=0)
+            gh = gh + ga @ W[k].T
         return loss, [gW, gb]
 
 

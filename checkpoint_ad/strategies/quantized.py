@@ -24,8 +24,10 @@ class Quantized(Strategy):
     Each group of `group_size` consecutive values keeps its min and step; values come back
     within half a step (one step with `stochastic` rounding, which is unbiased). Integer and
     boolean values, and arrays too small to gain, are kept exact; nan and inf are kept exact
-    at their positions. With float32 and the default group of 128, stored bytes are 0.266,
-    0.141 and 0.078 of the original at 8, 4 and 2 bits.
+    at their positions. Leaf tensors (parameters, input data) are saved by reference: the
+    caller holds them anyway, so quantizing them would cost accuracy and save nothing. With
+    float32 and the default group of 128, stored bytes are 0.266, 0.141 and 0.078 of the
+    original at 8, 4 and 2 bits.
 
     >>> import checkpoint_ad as cad
     >>> cad.strategies.Quantized(bits=4)
@@ -37,6 +39,7 @@ class Quantized(Strategy):
     stochastic: bool = False
     seed: int | None = None
     lossless: ClassVar[bool] = False
+    keeps_leaves: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         if self.bits not in (8, 4, 2):

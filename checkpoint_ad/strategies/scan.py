@@ -235,6 +235,7 @@ class _PlannedScan:
         self.plan = strategy.plan(loop.n)
         self.name = f"scan[{type(strategy).__name__.lower()}]"
         self.snapshots: dict[int, list[Any]] = {}
+        self.same: dict[int, int] = {}
         self.externals: dict[tuple[int, int], Any] = {}
 
     # ------------------------------------------------------------- forward
@@ -264,7 +265,7 @@ class _PlannedScan:
             state, ys = self._forward_step(t, state)
             per_step.append(ys)
         final = [None if a is None else Tensor._wrap(a) for a in state]
-        outputs = final + [None if c is None else stack(c, axis=0)._data
+        outputs = final + [None if c[0] is None else stack(c, axis=0)._data
                            for c in _columns(per_step)]
         return self._record(carry_leaves, outputs, len(final))
 
@@ -277,6 +278,10 @@ class _PlannedScan:
             with enable_grad():
                 new, ys = loop.call(t, carry, x)
             self._discover(new + ys, carry + (_leaves(x)[0] if x is not None else []), t)
+            # outputs that are the new carry itself (RNNs return h, h): their adjoints are
+            # added in the order a plain tape would add them
+            self.same = {k: next(j for j, c in enumerate(new) if c is y)
+                         for k, y in enumerate(ys) if y is not None and any(c is y for c in new)}
         else:
             with no_grad():
                 new, ys = loop.call(t, self._as_tensors(state, grad=False), loop.x_at(t, False))
@@ -453,7 +458,9 @@ class _PlannedScan:
             if c is not None and g is not None and c.requires_grad:
                 roots.append((edge_of(c), g))
         for t, ys in y_out:
-            for y, g in zip(ys, adj_ys):
+            for k, (y, g) in enumerate(zip(ys, adj_ys)):
+                if t == stop - 1 and stop < loop.n and k in self.same:
+                    continue  # already added into adj_carry when the next step was reversed
                 if y is not None and g is not None and y.requires_grad:
                     roots.append((edge_of(y), g[t]))
         capture: dict[tuple[int, int], int] = {}
@@ -468,6 +475,11 @@ class _PlannedScan:
             capture.setdefault(key, len(capture))
         # carry on adding each captured tensor's gradient in the order a plain tape would
         initial: list[Any] = [None] * len(capture)
+        if start > 0:
+            for k, j in self.same.items():
+                c = carry_in[j]
+                if c is not None and c.requires_grad and adj_ys[k] is not None:
+                    initial[capture[(id(c), 0)]] = adj_ys[k][start - 1]
         for key in self.externals:
             initial[capture[key]] = adj_ext.get(key)
         captured = (
