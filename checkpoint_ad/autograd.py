@@ -19,6 +19,7 @@ from .errors import BackwardError, ShapeError
 from .grad_mode import enable_grad, no_grad
 from .ops.elementwise import astype, ones_like
 from .ops.shape import sum_to
+from .saved import freed_error
 from .tape import Entry, Primitive, edge_of
 from .tensor import Tensor, as_tensor
 
@@ -39,11 +40,7 @@ def _graph_tensor(array: Any, edge: Any) -> Tensor:
 def unpack_saved(entry: Entry, create_graph: bool) -> dict[str, Any]:
     """Every saved value of `entry`, as arrays (or graph-attached Tensors under create_graph)."""
     if entry.slots is None:
-        raise BackwardError(
-            f"trying to backward through {entry.describe()} a second time, but its saved values "
-            "were already freed by the first backward; pass retain_graph=True to the first "
-            "backward()/grad() call (or use a persistent GradientTape) to differentiate again"
-        )
+        raise freed_error(entry.describe())
     values = {}
     for slot in entry.slots:
         name = slot.name

@@ -146,6 +146,15 @@ def live_buffer_count() -> int:
     return sum(1 for o in gc.get_objects() if type(o) is SavedBuffer)
 
 
+def freed_error(what: str) -> BackwardError:
+    """The error for reading saved values that an earlier backward already released."""
+    return BackwardError(
+        f"trying to backward through {what} a second time, but its saved values were already "
+        "freed by the first backward; pass retain_graph=True to the first backward()/grad() "
+        "call (or use a persistent GradientTape) to differentiate again"
+    )
+
+
 class SavedSlot:
     """One tape entry's reference to a saved value.
 
@@ -167,11 +176,7 @@ class SavedSlot:
     def unpack(self, describe: Callable[[], str]) -> Any:
         buffer = self.buffer
         if buffer is None:
-            raise BackwardError(
-                f"trying to backward through {describe()} a second time, but its saved values "
-                "were already freed by the first backward; pass retain_graph=True to the first "
-                "backward()/grad() call (or use a persistent GradientTape) to differentiate again"
-            )
+            raise freed_error(describe())
         if self.counter is not None and self.counter.value != self.version:
             raise SavedValueModifiedError(
                 f"{describe()} saved its {self.name!r} value ({buffer.dtype}"

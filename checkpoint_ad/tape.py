@@ -24,7 +24,7 @@ import numpy as np
 
 from . import events
 from .backend import namespace
-from .errors import DeviceError, ShapeError
+from .errors import DeviceError, InplaceError, ShapeError
 from .grad_mode import _state
 from .saved import KEEP, SavedSlot, buffer_for, current_packer
 from .tensor import Tensor, as_tensor
@@ -287,8 +287,6 @@ def record(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> 
 
 def _save(tensor: Any, name: str, packer: Any, entry: Entry, own: bool = False) -> SavedSlot:
     if tensor._inference:
-        from .errors import InplaceError
-
         raise InplaceError(
             f"{entry.describe()} needs to save an inference tensor ({tensor.dtype}"
             f"{list(tensor.shape)}) for backward; tensors made under inference_mode() cannot be "

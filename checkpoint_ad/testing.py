@@ -34,7 +34,6 @@ def _check_first_order(
     eps: float,
     atol: float,
     rtol: float,
-    order: int,
     label: str,
 ) -> None:
     out = fn(*xs)
@@ -63,7 +62,6 @@ def _check_first_order(
                 f"{atol + rtol * abs(numeric):.3g}); the vjp rule of an op in the function "
                 "disagrees with its forward"
             )
-    del order
 
 
 def _gradient_function(fn: Callable[..., Tensor], weights_seed: int) -> Callable[..., Tensor]:
@@ -120,7 +118,7 @@ def gradcheck(
     rng = np.random.default_rng(seed)
     current = fn
     for level in range(1, order + 1):
-        _check_first_order(current, leaves, rng, eps, atol, rtol, order, f"order {level}")
+        _check_first_order(current, leaves, rng, eps, atol, rtol, f"order {level}")
         if level < order:
             current = _gradient_function(current, seed + level)
     return True

@@ -11,7 +11,7 @@ flow on down the outer tape.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..autograd import sweep
@@ -107,7 +107,6 @@ class _Loop:
     n: int
     y_spec: Any = None
     evaluations: int = 0
-    carry_rg: list[bool] = field(default_factory=list)
 
     def x_at(self, t: int, tensors: bool) -> Any:
         if self.xs_spec is None:
@@ -143,13 +142,8 @@ class _Loop:
 
 
 def _stack_outputs(per_step: list[list[Any]]) -> list[Any]:
-    if not per_step:
-        return []
-    columns = []
-    for k in range(len(per_step[0])):
-        column = [ys[k] for ys in per_step]
-        columns.append(None if column[0] is None else stack(column, axis=0))
-    return columns
+    """Each output leaf stacked over the steps (None leaves stay None)."""
+    return [None if c[0] is None else stack(c, axis=0) for c in _columns(per_step)]
 
 
 def scan(
@@ -189,9 +183,7 @@ def scan(
             with use_packer(strategy):
                 return _keep_all(loop, carry_leaves)
         return _keep_all(loop, carry_leaves)
-    if not is_grad_enabled() or (not any(
-        t is not None and t.requires_grad for t in carry_leaves + xs_leaves
-    ) and not _captures_grad(loop, carry_leaves)):
+    if not is_grad_enabled():  # nothing will be differentiated: no plan needed
         return _keep_all(loop, carry_leaves)
     return _PlannedScan(loop, strategy).run(carry_leaves)
 
@@ -209,11 +201,6 @@ def _length(xs_leaves: list[Any], length: int | None) -> int:
     if not sizes:
         raise ValueError("scan needs xs with a leading axis to scan over, or length=")
     return sizes.pop()
-
-
-def _captures_grad(loop: _Loop, carry_leaves: list[Any]) -> bool:
-    """Whether the step function reaches tensors that require grad (closure parameters)."""
-    return True  # we cannot see closures without running a step: assume it does
 
 
 def _keep_all(loop: _Loop, carry_leaves: list[Any]) -> tuple[Any, Any]:
@@ -265,8 +252,7 @@ class _PlannedScan:
             state, ys = self._forward_step(t, state)
             per_step.append(ys)
         final = [None if a is None else Tensor._wrap(a) for a in state]
-        outputs = final + [None if c[0] is None else stack(c, axis=0)._data
-                           for c in _columns(per_step)]
+        outputs = final + [None if y is None else y._data for y in _stack_outputs(per_step)]
         return self._record(carry_leaves, outputs, len(final))
 
     def _forward_step(self, t: int, state: list[Any]) -> tuple[list[Any], list[Any]]:
@@ -330,7 +316,7 @@ class _PlannedScan:
                     continue
                 node, index = edge
                 if type(node) is Entry:
-                    if node.seq > self._outer_seq:
+                    if node.seq > self._seq_before:  # recorded by the step examined
                         stack_.append(node)
                     else:
                         found[(id(node), index)] = edge
@@ -344,11 +330,6 @@ class _PlannedScan:
             )
         if not self.externals:
             self.externals = found
-
-    @property
-    def _outer_seq(self) -> int:
-        """Entries numbered above this were recorded by the step being examined."""
-        return self._seq_before
 
     def _pack(self, state: list[Any]) -> list[Any]:
         return [None if a is None else self.storage.pack(a) for a in state]
