@@ -24,9 +24,12 @@ def namespace(array: Any) -> ModuleType:
     kind = type(array)
     xp = _namespaces.get(kind)
     if xp is None:
-        import array_api_compat
+        if isinstance(array, (np.ndarray, np.generic)):  # numpy scalars from 0-d results
+            xp = np
+        else:
+            import array_api_compat
 
-        xp = array_api_compat.array_namespace(array)
+            xp = array_api_compat.array_namespace(array)
         _namespaces[kind] = xp
     return xp
 

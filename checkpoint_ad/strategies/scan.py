@@ -232,7 +232,7 @@ class _PlannedScan:
         self.carry_meta = [None if t is None else (t.shape, t.dtype) for t in carry_leaves]
         state = [None if t is None else t._data for t in carry_leaves]
         position = 0
-        actions = list(self.plan)
+        actions = self.plan  # decoded action by action: a 10^6-step plan stays compact
         cursor = 0
         per_step: list[list[Any]] = []
         while cursor < len(actions) and not isinstance(actions[cursor], (Reverse, ReverseSegment)):
@@ -246,24 +246,26 @@ class _PlannedScan:
                 position = action.stop
             cursor += 1
         self.cursor = cursor
-        self.actions = actions
         self.current = state  # the state in hand that the first reverse action starts from
         for t in range(position, loop.n):
             state, ys = self._forward_step(t, state)
             per_step.append(ys)
         final = [None if a is None else Tensor._wrap(a) for a in state]
-        outputs = final + [None if y is None else y._data for y in _stack_outputs(per_step)]
+        outputs = final + [
+            None if c[0] is None else namespace(c[0]).stack(c, axis=0) for c in _columns(per_step)
+        ]
         return self._record(carry_leaves, outputs, len(final))
 
     def _forward_step(self, t: int, state: list[Any]) -> tuple[list[Any], list[Any]]:
         loop = self.loop
-        if t == 0 and not self.externals:
+        if t == 0:
             self._seq_before = _next_seq()
             carry = self._as_tensors(state, grad=True)
             x = self._x_tensors(t)
             with enable_grad():
                 new, ys = loop.call(t, carry, x)
-            self._discover(new + ys, carry + (_leaves(x)[0] if x is not None else []), t)
+            inputs = carry + (_leaves(x)[0] if x is not None else [])
+            self.externals = self._discover(new + ys, inputs)
             # outputs that are the new carry itself (RNNs return h, h): their adjoints are
             # added in the order a plain tape would add them
             self.same = {k: next(j for j, c in enumerate(new) if c is y)
@@ -272,7 +274,7 @@ class _PlannedScan:
             with no_grad():
                 new, ys = loop.call(t, self._as_tensors(state, grad=False), loop.x_at(t, False))
         return [None if v is None else v._data for v in new], [
-            None if y is None else Tensor._wrap(y._data) for y in ys
+            None if y is None else y._data for y in ys
         ]
 
     def _as_tensors(self, state: list[Any], grad: bool) -> list[Any]:
@@ -300,8 +302,8 @@ class _PlannedScan:
             parts.append(part)
         return _unflatten(loop.xs_spec, iter(parts))
 
-    def _discover(self, outputs: list[Any], step_inputs: list[Any], t: int) -> None:
-        """Find the tensors outside the loop that a step's tape reaches (closure captures)."""
+    def _discover(self, outputs: list[Any], step_inputs: list[Any]) -> dict[Any, Any]:
+        """The tensors outside the loop that a step's tape reaches (closure captures)."""
         inside = {id(c) for c in step_inputs if c is not None}
         stack_ = [o._entry for o in outputs if o is not None and o._entry is not None]
         seen: set[int] = set()
@@ -322,14 +324,7 @@ class _PlannedScan:
                         found[(id(node), index)] = edge
                 elif id(node) not in inside:
                     found[(id(node), index)] = edge
-        if self.externals and not set(found) <= set(self.externals):
-            raise BackwardError(
-                f"scan: step {t} used tensors from outside the loop that step 0 did not use; "
-                "with a checkpointing strategy every step must capture the same tensors "
-                "(pass varying values through xs instead)"
-            )
-        if not self.externals:
-            self.externals = found
+        return found
 
     def _pack(self, state: list[Any]) -> list[Any]:
         return [None if a is None else self.storage.pack(a) for a in state]
@@ -375,7 +370,8 @@ class _PlannedScan:
         adj_xs: list[list[Any]] = [[None] * loop.n for _ in loop.xs_leaves]
         adj_ext: dict[tuple[int, int], Any] = {}
         state = self.current
-        for action in self.actions[self.cursor:]:
+        for index in range(self.cursor, len(self.plan)):
+            action = self.plan[index]
             if isinstance(action, Snapshot):
                 self.snapshots[action.step] = self._pack(state)
             elif isinstance(action, Advance):
@@ -433,7 +429,13 @@ class _PlannedScan:
                 x_parts.append((t, _leaves(x)[0] if x is not None else []))
                 y_out.append((t, ys))
         produced = carry + [y for _, ys in y_out for y in ys]
-        self._discover(produced, carry_in + [p for _, parts in x_parts for p in parts], start)
+        found = self._discover(produced, carry_in + [p for _, parts in x_parts for p in parts])
+        if not set(found) <= set(self.externals):
+            raise BackwardError(
+                f"scan: steps {start}..{stop - 1} used tensors from outside the loop that step 0 "
+                "did not use; with a checkpointing strategy every step must capture the same "
+                "tensors (pass values that vary by step through xs instead)"
+            )
         roots = []
         for c, g in zip(carry, adj_carry):
             if c is not None and g is not None and c.requires_grad:
