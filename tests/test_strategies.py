@@ -434,3 +434,41 @@ def test_random_programs_match_keep_everything_under_lossless_strategies(
             assert (g is None) == (r is None)
             if g is not None:
                 np.testing.assert_array_equal(g, r)
+
+
+# ----------------------------------------------------------------- the built-in models
+MODEL_STRATEGIES = [
+    ("store-inputs", None, StoreInputs()),
+    ("store-outputs", None, StoreOutputs()),
+    ("recompute", Recompute(), None),
+    ("periodic-3", Periodic(3), None),
+    ("binomial-2", Binomial(2), None),
+    ("binomial-5-store-inputs", Binomial(5), StoreInputs()),
+]
+
+
+def _model_grads(name, loop, storage):
+    from checkpoint_ad.models import build
+
+    model = build(name, dtype="float64")
+
+    def run_scan(step, init, xs):
+        return cad.scan(step, init, xs, strategy=loop)
+
+    if storage is not None:
+        with cad.use(storage):
+            loss = model.run(run_scan)
+    else:
+        loss = model.run(run_scan)
+    return loss.item(), [g.numpy() for g in cad.grad(loss, model.params)]
+
+
+@pytest.mark.parametrize("model", ["rnn", "lstm", "residual_mlp", "heat", "neural_ode"])
+@pytest.mark.parametrize(("name", "loop", "storage"), MODEL_STRATEGIES)
+def test_lossless_strategies_on_the_built_in_models(model, name, loop, storage):
+    ref_loss, ref = _model_grads(model, None, None)
+    loss, got = _model_grads(model, loop, storage)
+    assert loss == ref_loss
+    for g, r in zip(got, ref, strict=True):
+        assert g.dtype == r.dtype
+        np.testing.assert_array_equal(g, r)
