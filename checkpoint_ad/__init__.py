@@ -29,6 +29,7 @@ from .tensor import Tensor, _install_operators, tensor
 _install_operators()
 
 from . import strategies  # noqa: E402 - strategies build on the engine above
+from .profiler import Profile, profile  # noqa: E402
 from .strategies import checkpoint, checkpoint_sequential, scan, use  # noqa: E402
 
 __version__ = "0.1.0"
@@ -44,6 +45,7 @@ __all__ = [
     "GradientTape",
     "InplaceError",
     "Packer",
+    "Profile",
     "SavedValueModifiedError",
     "ShapeError",
     "TapeView",
@@ -56,6 +58,7 @@ __all__ = [
     "inference_mode",
     "is_grad_enabled",
     "no_grad",
+    "profile",
     "saved_values_hooks",
     "scan",
     "strategies",

@@ -15,9 +15,10 @@ from typing import Any
 import numpy as np
 
 from . import events
+from .backend import namespace
 from .errors import BackwardError, ShapeError
 from .grad_mode import enable_grad, no_grad
-from .ops.elementwise import astype, ones_like
+from .ops.elementwise import astype
 from .ops.shape import sum_to
 from .saved import freed_error
 from .tape import Entry, Primitive, edge_of
@@ -226,8 +227,7 @@ def _seed(output: Tensor, gradient: Any, position: str) -> Any:
                 "defined for single-element outputs; pass gradient= (grad_outputs= for grad()) "
                 "with the same shape, or reduce the output first (e.g. .sum())"
             )
-        with no_grad():
-            return ones_like(output)._data
+        return namespace(output._data).ones_like(output._data)
     seed = as_tensor(gradient, like=(output,))
     if seed.shape != output.shape:
         raise ShapeError(

@@ -15,8 +15,14 @@ listeners: list[Listener] = []
 
 
 def emit(kind: str, payload: Any) -> None:
-    """Send one event to every listener. Kinds: 'record', 'pack', 'unpack', 'free',
-    'release', 'backward_begin', 'backward_end', 'recompute_begin', 'recompute_end'."""
+    """Send one event to every listener.
+
+    Kinds and payloads: 'record' (a new tape entry), 'apply' (a primitive run without
+    recording), 'pack' (a new saved buffer), 'free' (id of a saved buffer that died),
+    'unpack' (a buffer read by the sweep), 'release' (an entry whose saved values were freed),
+    'backward_begin' / 'backward_end' (a sweep, None), 'recompute_begin' / 'recompute_end'
+    (a region or loop re-running forward work, its name).
+    """
     for listener in tuple(listeners):
         listener(kind, payload)
 

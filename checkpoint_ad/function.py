@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import events
 from .backend import namespace
 from .errors import BackwardError
 from .grad_mode import _state, enable_grad, no_grad
@@ -176,5 +177,7 @@ class Function:
         ctx._to_save = None
         for tape in active_tapes:
             tape._entries.append(entry)
+        if events.listeners:
+            events.emit("record", entry)
         return results[0] if single else results
 

@@ -245,6 +245,8 @@ def record(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> 
         if prim.view:
             base = tensors[0]._base
             result._base = tensors[0] if base is None else base
+        if events.listeners:
+            events.emit("apply", prim)
         return result
 
     entry = Entry(prim, tuple(edge_of(t) for t in tensors), attrs)

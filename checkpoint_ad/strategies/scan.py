@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .. import events
 from ..autograd import sweep
 from ..backend import is_floating, namespace
 from ..errors import BackwardError, ShapeError
@@ -375,10 +376,14 @@ class _PlannedScan:
             if isinstance(action, Snapshot):
                 self.snapshots[action.step] = self._pack(state)
             elif isinstance(action, Advance):
+                if events.listeners:
+                    events.emit("recompute_begin", self.name)
                 with no_grad():
                     for t in range(action.start, action.stop):
                         new, _ = loop.call(t, self._as_tensors(state, False), loop.x_at(t, False))
                         state = [None if v is None else v._data for v in new]
+                if events.listeners:
+                    events.emit("recompute_end", self.name)
             elif isinstance(action, Restore):
                 state = self._unpack(self.snapshots[action.step])
             elif isinstance(action, Free):
@@ -422,12 +427,16 @@ class _PlannedScan:
         x_parts: list[tuple[int, list[Any]]] = []
         y_out: list[tuple[int, list[Any]]] = []
         self._seq_before = _next_seq()
+        if events.listeners:
+            events.emit("recompute_begin", self.name)
         with enable_grad():
             for t in range(start, stop):
                 x = self._x_tensors(t)
                 carry, ys = loop.call(t, carry, x)
                 x_parts.append((t, _leaves(x)[0] if x is not None else []))
                 y_out.append((t, ys))
+        if events.listeners:
+            events.emit("recompute_end", self.name)
         produced = carry + [y for _, ys in y_out for y in ys]
         found = self._discover(produced, carry_in + [p for _, parts in x_parts for p in parts])
         if not set(found) <= set(self.externals):

@@ -1,0 +1,174 @@
+"""What a profile holds, and its JSON form (schema documented in profiles/README.md)."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+SCHEMA = "checkpoint-ad/profile"
+VERSION = 1
+
+
+class ProfileFormatError(ValueError):
+    """A JSON document is not a checkpoint-ad profile this version can read."""
+
+
+@dataclass(frozen=True)
+class SavedRecord:
+    """One value saved for the backward sweep by one tape entry."""
+
+    op: str
+    role: str
+    shape: tuple[int, ...]
+    dtype: str
+    logical_bytes: int
+    stored_bytes: int
+    origin: str
+    buffer: int  # identifies the stored buffer: records sharing one count its bytes once
+    phase: str  # "forward", "backward" or "recompute"
+
+
+@dataclass
+class Profile:
+    """Measurements of one run: saved values, live tape bytes over time, times, memory.
+
+    `peak_tape_bytes` is the most stored bytes of saved values alive at once (each shared
+    buffer counted once); `device_peak_bytes` is what the device's allocator measured above
+    the level at the start (tracemalloc for numpy, cupy's pool on GPU).
+    """
+
+    device: str = "cpu"
+    meta: dict[str, Any] = field(default_factory=dict)
+    records: list[SavedRecord] = field(default_factory=list)
+    timeline_seconds: list[float] = field(default_factory=list)
+    timeline_bytes: list[int] = field(default_factory=list)
+    timeline_phase: list[str] = field(default_factory=list)
+    peak_tape_bytes: int = 0
+    primitives: int = 0
+    recomputed_primitives: int = 0
+    forward_seconds: float = 0.0
+    backward_seconds: float = 0.0
+    recompute_seconds: float = 0.0
+    device_peak_bytes: int | None = None
+    rss_peak_bytes: int | None = None
+    memory_source: str = "none"
+
+    # ------------------------------------------------------------- queries
+    @property
+    def total_seconds(self) -> float:
+        return self.forward_seconds + self.backward_seconds
+
+    @property
+    def saved_bytes(self) -> int:
+        """Stored bytes of every buffer ever saved, each counted once."""
+        return sum(self._buffers(self.records).values())
+
+    @staticmethod
+    def _buffers(records: Iterable[SavedRecord]) -> dict[int, int]:
+        return {r.buffer: r.stored_bytes for r in records}
+
+    def by_op(self) -> dict[str, dict[str, int]]:
+        """Count, logical and stored bytes of the saved values, per primitive."""
+        table: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "logical": 0,
+                                                                "stored": 0})
+        seen: set[int] = set()
+        for r in self.records:
+            row = table[r.op]
+            row["count"] += 1
+            if r.buffer not in seen:
+                seen.add(r.buffer)
+                row["logical"] += r.logical_bytes
+                row["stored"] += r.stored_bytes
+        return dict(table)
+
+    def by_origin(self) -> dict[str, dict[str, int]]:
+        """The same totals per line of user code."""
+        table: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "stored": 0})
+        seen: set[int] = set()
+        for r in self.records:
+            row = table[r.origin]
+            row["count"] += 1
+            if r.buffer not in seen:
+                seen.add(r.buffer)
+                row["stored"] += r.stored_bytes
+        return dict(table)
+
+    def summary(self, top: int = 12) -> str:
+        """A readable report: headline figures, then saved bytes by op and by origin."""
+        mib = 2**20
+        lines = [
+            f"device {self.device}  forward {self.forward_seconds:.4f}s  backward "
+            f"{self.backward_seconds:.4f}s  (recompute {self.recompute_seconds:.4f}s, "
+            f"{self.recomputed_primitives} primitives re-run of {self.primitives})",
+            f"peak tape {self.peak_tape_bytes / mib:.3f} MiB   saved in all "
+            f"{self.saved_bytes / mib:.3f} MiB   device peak "
+            + (f"{self.device_peak_bytes / mib:.3f} MiB ({self.memory_source})"
+               if self.device_peak_bytes is not None else "not measured")
+            + (f"   RSS peak {self.rss_peak_bytes / mib:.1f} MiB" if self.rss_peak_bytes else ""),
+            "",
+            f"{'op':<16}{'saved':>7}{'logical MiB':>13}{'stored MiB':>12}",
+        ]
+        ops = sorted(self.by_op().items(), key=lambda kv: -kv[1]["stored"])
+        for op, row in ops[:top]:
+            lines.append(f"{op:<16}{row['count']:>7}{row['logical'] / mib:>13.3f}"
+                         f"{row['stored'] / mib:>12.3f}")
+        lines += ["", f"{'origin':<44}{'saved':>7}{'stored MiB':>12}"]
+        origins = sorted(self.by_origin().items(), key=lambda kv: -kv[1]["stored"])
+        for origin, row in origins[:top]:
+            short = origin if len(origin) <= 43 else "..." + origin[-40:]
+            lines.append(f"{short:<44}{row['count']:>7}{row['stored'] / mib:>12.3f}")
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------- JSON
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["records"] = [
+            {**asdict(r), "shape": list(r.shape)} for r in self.records
+        ]
+        return {"schema": SCHEMA, "version": VERSION, **data}
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Profile:
+        if data.get("schema") != SCHEMA:
+            raise ProfileFormatError(
+                f"not a checkpoint-ad profile (schema {data.get('schema')!r}); expected {SCHEMA!r}"
+            )
+        if data.get("version") != VERSION:
+            raise ProfileFormatError(
+                f"profile version {data.get('version')!r} is not readable by this version "
+                f"(reads {VERSION}); re-record it with this version of checkpoint-ad"
+            )
+        fields = {k: v for k, v in data.items() if k not in ("schema", "version", "records")}
+        known = set(cls.__dataclass_fields__)
+        unknown = set(fields) - known
+        if unknown:
+            raise ProfileFormatError(f"unknown profile fields {sorted(unknown)}")
+        records = [SavedRecord(**{**r, "shape": tuple(r["shape"])}) for r in data["records"]]
+        return cls(records=records, **fields)
+
+    @classmethod
+    def from_json(cls, text: str) -> Profile:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ProfileFormatError(f"profile JSON is malformed: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ProfileFormatError("profile JSON must be an object")
+        return cls.from_dict(data)
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.to_json(indent=1))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        return cls.from_json(Path(path).read_text())
