@@ -95,7 +95,7 @@ def _target_meta(node: Any, index: int) -> tuple[tuple[int, ...], Any]:
     return tuple(node.shape), node.dtype
 
 
-def _conform(grad: Any, node: Any, index: int, where: str) -> Any:
+def _conform(grad: Any, node: Any, index: int, producer: Entry) -> Any:
     """Check the gradient's shape and cast it to the dtype of the value it belongs to."""
     shape, dtype = _target_meta(node, index)
     if isinstance(grad, np.generic):  # numpy turns 0-d results into scalars
@@ -103,8 +103,9 @@ def _conform(grad: Any, node: Any, index: int, where: str) -> Any:
     data = grad._data if isinstance(grad, Tensor) else grad
     if tuple(data.shape) != shape:
         raise ShapeError(
-            f"{where} produced a gradient of shape {list(data.shape)} for a value of shape "
-            f"{list(shape)}; a backward rule must return one gradient per input, shaped like it"
+            f"{producer.describe()} produced a gradient of shape {list(data.shape)} for a value "
+            f"of shape {list(shape)}; a backward rule must return one gradient per input, shaped "
+            "like it"
         )
     if data.dtype != dtype:
         grad = astype(grad, dtype)
@@ -213,7 +214,7 @@ def sweep(
                 if edge is None or grad is None:
                     continue
                 node, index = edge
-                deliver(node, index, _conform(grad, node, index, entry.describe()))
+                deliver(node, index, _conform(grad, node, index, entry))
     if events.listeners:
         events.emit("backward_end", None)
     return captured

@@ -1,98 +1,180 @@
-"""The `checkpoint-ad` command line: a thin face over the library."""
+"""The `checkpoint-ad` command line: a thin face over sweeps, the profiler, plots and presets.
+
+Bad input (unknown model or preset, negative sizes, malformed preset files, an output folder
+that cannot be written) ends with one line on stderr and exit status 2, never a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
-import time
-import tracemalloc
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
-import numpy as np
+from .errors import CheckpointADError
 
-
-def _rnn_example(steps: int, hidden: int, batch: int, strategy: object, storage: object) -> dict:
-    import checkpoint_ad as cad
-
-    rng = np.random.default_rng(0)
-    scale = 1.0 / np.sqrt(hidden)
-    W = cad.tensor((rng.standard_normal((hidden, hidden)) * scale).astype(np.float32),
-                   requires_grad=True)
-    U = cad.tensor((rng.standard_normal((hidden, hidden)) * scale).astype(np.float32),
-                   requires_grad=True)
-    xs = cad.tensor(rng.standard_normal((steps, batch, hidden)).astype(np.float32))
-    h0 = cad.tensor(np.zeros((batch, hidden), dtype=np.float32))
-
-    def step(h, x):
-        h = cad.tanh(h @ W + x @ U)
-        return h, h
-
-    tracemalloc.start()
-    start = time.perf_counter()
-    if storage is not None:
-        with cad.use(storage):
-            _, ys = cad.scan(step, h0, xs, strategy=strategy)
-    else:
-        _, ys = cad.scan(step, h0, xs, strategy=strategy)
-    loss = ys.sum()
-    grads = cad.grad(loss, [W, U])
-    seconds = time.perf_counter() - start
-    peak = tracemalloc.get_traced_memory()[1]
-    tracemalloc.stop()
-    return {"peak": peak, "seconds": seconds, "grads": [g.numpy() for g in grads]}
+# sizes of the main job: about a minute for the default sweep on a laptop-class CPU
+DEFAULT_SIZES = {"rnn": {"steps": 256, "batch": 32, "input_size": 32, "hidden": 128}}
 
 
-def example(args: argparse.Namespace) -> int:
-    """Run the built-in RNN under each strategy: measured peak memory, time, gradient error."""
-    from checkpoint_ad.strategies import Binomial, Periodic, Quantized, Recompute, StoreInputs
+class UsageError(CheckpointADError, ValueError):
+    """A command-line argument the library would reject later, caught early."""
 
-    steps = args.steps
-    configs = [
-        ("keep everything", None, None),
-        ("store inputs", None, StoreInputs()),
-        (f"every {round(steps ** 0.5)} steps", Periodic(max(1, round(steps ** 0.5))), None),
-        ("recompute each step", Recompute(), None),
-        ("binomial, 4 snapshots", Binomial(4), None),
-        ("binomial, 16 snapshots", Binomial(16), None),
-        ("int8 storage", None, Quantized(8)),
-        ("int4 storage", None, Quantized(4)),
-    ]
-    print(f"RNN h = tanh(h @ W + x @ U): T={steps}, hidden={args.hidden}, batch={args.batch}, "
-          "float32, loss = sum of all h_t")
-    print(f"{'strategy':<24} {'peak MiB':>9} {'vs keep':>8} {'seconds':>8} {'grad rel. error':>16}")
-    reference = None
-    for name, loop, storage in configs:
-        result = _rnn_example(steps, args.hidden, args.batch, loop, storage)
-        if reference is None:
-            reference = result
-        error = max(
-            float(np.linalg.norm(g - r) / np.linalg.norm(r))
-            for g, r in zip(result["grads"], reference["grads"], strict=True)
-        )
-        print(f"{name:<24} {result['peak'] / 2**20:>9.2f} "
-              f"{result['peak'] / reference['peak']:>8.2f} {result['seconds']:>8.3f} "
-              f"{error:>16.2e}")
-    print("peak: tracemalloc over forward+backward; error: max over W, U vs keeping everything")
+
+def _sizes(model: str, pairs: Sequence[str]) -> dict[str, Any]:
+    sizes: dict[str, Any] = dict(DEFAULT_SIZES.get(model, {}))
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--size takes key=value (e.g. --size steps=128), got {pair!r}")
+        try:
+            sizes[key] = int(value)
+        except ValueError:
+            try:
+                sizes[key] = float(value)
+            except ValueError:
+                sizes[key] = value
+    return sizes
+
+
+def _out_folder(out: str | None, device: str) -> Path:
+    default = Path("profiles") / ("gpu" if device.startswith("cuda") else "cpu")
+    folder = Path(out) if out else default
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise UsageError(f"cannot write to output folder {str(folder)!r}: {exc.strerror}") from exc
+    return folder
+
+
+def _presets(text: str | None) -> list[str] | None:
+    return [p.strip() for p in text.split(",") if p.strip()] if text else None
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from .sweep import sweep
+
+    folder = _out_folder(args.out, args.device)
+    result = sweep(args.model, _presets(args.presets), device=args.device,
+                   sizes=_sizes(args.model, args.size), progress=not args.quiet)
+    result.save(folder)
+    written = []
+    if not args.no_plots:
+        from .plots import plot_sweep
+
+        written = plot_sweep(result, folder)
+    sizes = ", ".join(f"{k}={v}" for k, v in result.meta.items() if k != "model")
+    print(f"{args.model} ({sizes}) on {args.device}")
+    print(result.table())
+    print(f"profiles, table and {len(written)} plot files written to {folder}")
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def cmd_profile(args: argparse.Namespace) -> int:
+    from .models import build
+    from .presets import load_preset
+    from .sweep import run_one
+
+    preset = load_preset(args.strategy)
+    sizes = _sizes(args.model, args.size)
+    model = build(args.model, device=None if args.device == "cpu" else args.device, **sizes)
+    prof, _ = run_one(model, preset, args.device, {"model": args.model, **sizes})
+    print(prof.summary())
+    if args.save:
+        print(f"profile written to {prof.save(args.save)}")
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from . import plots
+    from .profiler import Profile
+    from .sweep import SweepResult
+
+    source = Path(args.path)
+    if not source.exists():
+        raise UsageError(f"no such file or folder: {str(source)!r}")
+    folder = _out_folder(args.out or str(source if source.is_dir() else source.parent), "cpu")
+    written: list[Path] = []
+    if source.is_dir():
+        for table in sorted(source.glob("sweep-*.json")):
+            result = SweepResult.from_dict(json.loads(table.read_text()))
+            for name in [r.preset for r in result.rows]:
+                profile_path = source / f"{result.model}-{name}.json"
+                if profile_path.exists():
+                    result.profiles[name] = Profile.load(profile_path)
+            written += plots.plot_sweep(result, folder)
+        if not written:
+            raise UsageError(f"no sweep-*.json tables in {str(source)!r}; run checkpoint-ad sweep")
+    else:
+        prof = Profile.load(source)
+        stem = folder / source.stem
+        written += plots.save(plots.timeline(prof), f"{stem}-timeline")
+        written += plots.save(plots.breakdown(prof), f"{stem}-breakdown")
+    print("\n".join(str(p) for p in written))
+    return 0
+
+
+def cmd_strategies(args: argparse.Namespace) -> int:
+    from .presets import list_presets
+
+    for preset in list_presets():
+        kind = "lossless" if preset.lossless else "lossy"
+        print(f"{preset.name:<22} {kind:<9} {preset.description}")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="checkpoint-ad",
-        description="Measure the memory/recomputation trade-off of reverse-mode AD strategies.",
+        description="Measure and plot the memory/recomputation trade-off of reverse-mode "
+        "AD storage strategies on deep unrolled models.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser("example", help="the built-in RNN under each storage strategy")
-    run.add_argument("--steps", type=int, default=256, help="sequence length T (default 256)")
-    run.add_argument("--hidden", type=int, default=128, help="hidden size (default 128)")
-    run.add_argument("--batch", type=int, default=32, help="batch size (default 32)")
-    run.set_defaults(handler=example)
-    args = parser.parse_args(argv)
-    for name in ("steps", "hidden", "batch"):
-        if getattr(args, name, 1) < 1:
-            print(f"checkpoint-ad: --{name} must be a positive integer", file=sys.stderr)
-            return 2
-    return args.handler(args)
+
+    def common(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument("--model", default="rnn",
+                         help="built-in model: rnn, lstm, residual_mlp, heat, neural_ode")
+        sub.add_argument("--device", default="cpu", help="cpu (numpy) or cuda (cupy)")
+        sub.add_argument("--size", action="append", default=[], metavar="KEY=VALUE",
+                         help="model size, repeatable (e.g. --size steps=512)")
+
+    run = commands.add_parser("sweep", help="the main job: one model under many strategies")
+    common(run)
+    run.add_argument("--presets", help="comma-separated preset names (default: the standard set)")
+    run.add_argument("--out", help="output folder (default profiles/<cpu|gpu>)")
+    run.add_argument("--no-plots", action="store_true", help="write the table and profiles only")
+    run.add_argument("--quiet", action="store_true", help="no progress bar")
+    run.set_defaults(handler=cmd_sweep)
+
+    one = commands.add_parser("profile", help="one model under one strategy: print the summary")
+    common(one)
+    one.add_argument("--strategy", default="keep-all", help="preset name or TOML file")
+    one.add_argument("--save", help="also write the profile JSON here")
+    one.set_defaults(handler=cmd_profile)
+
+    draw = commands.add_parser("plot", help="plots from saved profiles or a sweep folder")
+    draw.add_argument("path", help="a profile JSON, or a folder written by sweep")
+    draw.add_argument("--out", help="where to write the plots (default: beside the input)")
+    draw.set_defaults(handler=cmd_plot)
+
+    listing = commands.add_parser("strategies", help="list the policy presets")
+    listing.set_defaults(handler=cmd_strategies)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except (CheckpointADError, ValueError, TypeError, OSError) as exc:
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"checkpoint-ad: error: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

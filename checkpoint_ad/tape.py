@@ -216,10 +216,17 @@ def _describe_inputs(tensors: Sequence[Any]) -> str:
 
 def record(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> Any:
     """Run `prim` on Tensors and, when gradients are needed, append an entry to the tape."""
-    tensors = tuple(t if isinstance(t, Tensor) else as_tensor(t, like=tensors) for t in tensors)
+    for t in tensors:
+        if type(t) is not Tensor and not isinstance(t, Tensor):
+            tensors = tuple(t if isinstance(t, Tensor) else as_tensor(t, like=tensors)
+                            for t in tensors)
+            break
     first = tensors[0]._data
     kind = type(first)
+    requires_grad = False
     for t in tensors:
+        if t._requires_grad:
+            requires_grad = True
         if type(t._data) is not kind:
             raise DeviceError(
                 f"{prim.name!r} got tensors on different devices or array libraries "
@@ -240,7 +247,7 @@ def record(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> 
     if isinstance(out, np.generic):  # numpy reduces 0-d results to scalars
         out = np.asarray(out)
     counter = tensors[0]._version if prim.view else None
-    if not (_state.grad_enabled and prim.differentiable and any(t._requires_grad for t in tensors)):
+    if not (requires_grad and prim.differentiable and _state.grad_enabled):
         result = Tensor._wrap(out, counter=counter)
         if prim.view:
             base = tensors[0]._base
@@ -249,7 +256,7 @@ def record(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> 
             events.emit("apply", prim)
         return result
 
-    entry = Entry(prim, tuple(edge_of(t) for t in tensors), attrs)
+    entry = Entry(prim, tuple([edge_of(t) for t in tensors]), attrs)
     result = Tensor._wrap(out, entry=entry, counter=counter)
     if prim.view:
         base = tensors[0]._base
@@ -258,27 +265,34 @@ def record(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> 
     if prim.broadcasts:
         entry.in_shapes = tuple(tuple(d.shape) for d in datas)
     packer = current_packer()
-    resolve = getattr(packer, "packer_for", None)
-    if resolve is not None:  # per-op policies pick a strategy for this primitive
-        packer = resolve(prim)
-    chooser = getattr(packer, "choose_form", None)
-    form = chooser(prim) if chooser is not None else prim.forms[0]
+    if packer is KEEP:
+        form = prim.forms[0]
+    else:
+        resolve = getattr(packer, "packer_for", None)
+        if resolve is not None:  # per-op policies pick a strategy for this primitive
+            packer = resolve(prim)
+        chooser = getattr(packer, "choose_form", None)
+        form = chooser(prim) if chooser is not None else prim.forms[0]
     entry.form = form
     if prim.variadic:
         if form.rules["xs"].needs:
             entry.slots = tuple(_save(t, f"x{i}", packer, entry) for i, t in enumerate(tensors))
     else:
-        needed: set[str] = set()
+        rules = form.rules
+        needed: list[str] = []
         for name, t in zip(prim.args, tensors):
-            if t._requires_grad and name in form.rules:
-                needed.update(form.rules[name].needs)
+            if t._requires_grad:
+                rule = rules.get(name)
+                if rule is not None:
+                    needed.extend(n for n in rule.needs if n not in needed)
         if needed:
-            entry.slots = tuple(
+            needed.sort()
+            entry.slots = tuple([
                 _save(result, name, packer, entry, own=True)
                 if name == "out"
                 else _save(tensors[prim.args.index(name)], name, packer, entry)
-                for name in sorted(needed)
-            )
+                for name in needed
+            ])
     if active_tapes:
         for tape in active_tapes:
             tape._entries.append(entry)

@@ -68,6 +68,8 @@ from typing import Any
 import array_api_compat
 import numpy as np
 
+from ..backend import namespace
+
 ALLOWED_BITS = (8, 4, 2)
 MIN_WORTH_BYTES = 256  # below one float32 group of 64 the metadata and bookkeeping dominate
 _BOUND_ROUNDING_ULPS = 16  # ~2x the worst-case rounding derived for the arithmetic below
@@ -125,7 +127,7 @@ class QuantizedArray:
     @property
     def logical_nbytes(self) -> int:
         """Bytes of the original array."""
-        return self.size * _itemsize(array_api_compat.array_namespace(self.codes), self.dtype)
+        return self.size * _itemsize(namespace(self.codes), self.dtype)
 
     def __repr__(self) -> str:
         return (
@@ -264,7 +266,7 @@ def dequantize(q: QuantizedArray) -> Array:
         raise QuantizationError(
             f"dequantize needs a QuantizedArray from quantize(); got {type(q).__name__}"
         )
-    xp = array_api_compat.array_namespace(q.codes)
+    xp = namespace(q.codes)
     device = array_api_compat.device(q.codes)
     per_byte = 8 // q.bits
     size, g = q.size, q.group_size
@@ -305,7 +307,7 @@ def error_bound(q: QuantizedArray) -> Array:
         raise QuantizationError(
             f"error_bound needs a QuantizedArray from quantize(); got {type(q).__name__}"
         )
-    xp = array_api_compat.array_namespace(q.mins)
+    xp = namespace(q.mins)
     work = q.mins.dtype
     levels = 2**q.bits - 1
     half_steps = 1.0 if q.stochastic else 0.5
@@ -402,7 +404,7 @@ def _unpack(xp: Any, packed: Array, bits: int, count: int) -> Array:
 
 def _namespace(x: Array) -> Any:
     try:
-        return array_api_compat.array_namespace(x)
+        return namespace(x)  # numpy itself for numpy arrays: no wrapper layer
     except TypeError as err:
         raise QuantizationError(
             f"expected an array (numpy, cupy or another array API library); got {type(x).__name__}"
@@ -516,7 +518,7 @@ def _array_nbytes(a: Array) -> int:
     nbytes = getattr(a, "nbytes", None)
     if nbytes is not None:
         return int(nbytes)
-    return math.prod(a.shape) * _itemsize(array_api_compat.array_namespace(a), a.dtype)
+    return math.prod(a.shape) * _itemsize(namespace(a), a.dtype)
 
 
 def _dtype_name(dtype: Any) -> str:

@@ -1,0 +1,181 @@
+"""Sweeps: one model under many strategies, each run profiled, with gradient errors measured
+against keeping everything in the same run. The command line's main job is a thin face on this.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .profiler import Profile, profile
+
+
+@dataclass(frozen=True)
+class SweepRow:
+    """One strategy's figures; ratios are to the keep-everything run of the same sweep."""
+
+    preset: str
+    label: str
+    lossless: bool
+    peak_tape_bytes: int
+    device_peak_bytes: int | None
+    seconds: float
+    recompute_seconds: float
+    recomputed_primitives: int
+    grad_error: float  # max over parameters of |g - g_keep| / |g_keep|
+    memory_ratio: float  # peak tape bytes / keep-everything's
+    time_ratio: float  # seconds / keep-everything's
+
+
+@dataclass
+class SweepResult:
+    """A sweep's table and the profile of every run."""
+
+    model: str
+    device: str
+    meta: dict[str, Any]
+    rows: list[SweepRow] = field(default_factory=list)
+    profiles: dict[str, Profile] = field(default_factory=dict)
+
+    def table(self) -> str:
+        """The table as text, one row per strategy."""
+        head = (f"{'strategy':<22}{'peak tape MiB':>14}{'x keep':>8}{'device MiB':>12}"
+                f"{'seconds':>9}{'x keep':>8}{'re-run ops':>11}{'grad error':>12}")
+        lines = [head, "-" * len(head)]
+        for r in self.rows:
+            device = "-" if r.device_peak_bytes is None else f"{r.device_peak_bytes / 2**20:.2f}"
+            lines.append(
+                f"{r.preset:<22}{r.peak_tape_bytes / 2**20:>14.3f}{r.memory_ratio:>8.2f}"
+                f"{device:>12}{r.seconds:>9.3f}{r.time_ratio:>8.2f}"
+                f"{r.recomputed_primitives:>11}{r.grad_error:>12.2e}"
+            )
+        return "\n".join(lines)
+
+    def to_csv(self) -> str:
+        out = io.StringIO()
+        writer = csv.DictWriter(out, fieldnames=list(SweepRow.__dataclass_fields__))
+        writer.writeheader()
+        for r in self.rows:
+            writer.writerow(asdict(r))
+        return out.getvalue()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "device": self.device, "meta": self.meta,
+                "rows": [asdict(r) for r in self.rows]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SweepResult:
+        return cls(data["model"], data["device"], data["meta"],
+                   [SweepRow(**r) for r in data["rows"]])
+
+    def save(self, folder: str | Path) -> Path:
+        """Write the table (CSV, JSON, text) and each run's profile JSON under `folder`."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        stem = f"sweep-{self.model}"
+        (folder / f"{stem}.csv").write_text(self.to_csv())
+        (folder / f"{stem}.json").write_text(json.dumps(self.to_dict(), indent=1))
+        (folder / f"{stem}.txt").write_text(self.table() + "\n")
+        for name, prof in self.profiles.items():
+            prof.save(folder / f"{self.model}-{name}.json")
+        return folder
+
+
+def _relative_error(grads: Sequence[np.ndarray], reference: Sequence[np.ndarray]) -> float:
+    worst = 0.0
+    for g, r in zip(grads, reference, strict=True):
+        scale = float(np.linalg.norm(r)) or 1.0
+        worst = max(worst, float(np.linalg.norm(g.astype(np.float64) - r)) / scale)
+    return worst
+
+
+def run_one(model: Any, preset: Any, device: str, meta: dict[str, Any]) -> tuple[Profile, list]:
+    """Run `model` forward and backward under `preset`, profiled; return profile and grads."""
+    from . import autograd
+    from .strategies import scan, use
+
+    loop_strategy = preset.loop_strategy(model.n_steps)
+
+    def loop(step: Callable, init: Any, xs: Any) -> Any:
+        return scan(step, init, xs, strategy=loop_strategy)
+
+    storage = preset.storage_strategy
+    with profile(device=device, strategy=preset.name, **meta) as prof:
+        if storage is not None:
+            with use(storage):
+                loss = model.run(loop)
+        else:
+            loss = model.run(loop)
+        grads = autograd.grad(loss, model.params)
+    return prof, [np.asarray(g.numpy(), dtype=np.float64) for g in grads]
+
+
+def sweep(
+    model: str = "rnn",
+    presets: Sequence[Any] | None = None,
+    device: str = "cpu",
+    sizes: dict[str, Any] | None = None,
+    progress: bool = True,
+) -> SweepResult:
+    """Run `model` under each preset (keep-all first, as the reference) and collect a table.
+
+    >>> from checkpoint_ad.sweep import sweep
+    >>> result = sweep("rnn", ["keep-all", "revolve-4"], sizes={"steps": 8}, progress=False)
+    >>> [r.preset for r in result.rows]
+    ['keep-all', 'revolve-4']
+    """
+    from .models import build
+    from .presets import DEFAULT_SWEEP, load_preset
+
+    sizes = dict(sizes or {})
+    chosen = [load_preset(p) if isinstance(p, (str, Path)) else p
+              for p in (presets or DEFAULT_SWEEP)]
+    reference = load_preset("keep-all")
+    order = [reference] + [p for p in chosen if p.name != reference.name]
+    meta = {"model": model, **sizes}
+    result = SweepResult(model, device, meta)
+    # one unmeasured run first: imports, caches and allocator pools settle before measuring
+    run_one(build(model, device=None if device == "cpu" else device, **sizes), reference,
+            device, meta)
+    runs = _progress(order, progress)
+    base: tuple[Profile, list] | None = None
+    for preset in runs:
+        instance = build(model, device=None if device == "cpu" else device, **sizes)
+        prof, grads = run_one(instance, preset, device, meta)
+        if base is None:
+            base = (prof, grads)
+        base_prof, base_grads = base
+        result.profiles[preset.name] = prof
+        if preset is reference and reference.name not in [p.name for p in chosen]:
+            continue  # measured as the reference only
+        result.rows.append(SweepRow(
+            preset=preset.name,
+            label=preset.label,
+            lossless=preset.lossless,
+            peak_tape_bytes=prof.peak_tape_bytes,
+            device_peak_bytes=prof.device_peak_bytes,
+            seconds=prof.total_seconds,
+            recompute_seconds=prof.recompute_seconds,
+            recomputed_primitives=prof.recomputed_primitives,
+            grad_error=_relative_error(grads, base_grads),
+            memory_ratio=prof.peak_tape_bytes / max(base_prof.peak_tape_bytes, 1),
+            time_ratio=prof.total_seconds / max(base_prof.total_seconds, 1e-12),
+        ))
+    return result
+
+
+def _progress(items: list[Any], show: bool) -> Any:
+    if not show:
+        return items
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the bar is a convenience; the sweep runs without it
+        return items
+    return tqdm(items, desc="strategies", unit="run", leave=False, disable=None)  # TTY only

@@ -1,0 +1,154 @@
+"""The benchmark harness (bench/): one cheap benchmark end to end through the command, the
+ratio, cost-model and table code on made-up rows, the targets' verdicts, and each column's
+workload at a tiny size (peers skipped when missing) against the hand-written floors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench import rnn, rnn_floor, runner, suite, tape_overhead
+from bench.table import Ratio, Row, add_model_ratios, add_ratios, block_table, markdown_table
+from bench.targets import Target, check
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_RNN = {"steps": 6, "batch": 3, "hidden": 5, "input": 4, "repeats": 1}
+
+
+def _bench(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "bench", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, check=False)
+
+
+def test_quick_plan_benchmark_runs_end_to_end(tmp_path):
+    result = _bench("--quick", "--only", "plan", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert "binomial plan for n = 10^6 in under 1 s" in result.stdout
+    assert "threads per column: 1" in result.stdout and "OPENBLAS_CORETYPE" in result.stdout
+    data = json.loads((tmp_path / "bench-quick-plan.json").read_text())
+    assert data["meta"]["threads"] == 1 and data["meta"]["mode"] == "quick"
+    rows = {r["name"]: r for r in data["rows"]}
+    assert rows["n=1e6 s=16"]["seconds"] > 0 and rows["n=1e6 s=16"]["extras"]["actions"] > 10**6
+    assert [t["status"] for t in data["targets"]] in (["met"], ["missed"])
+    markdown = (tmp_path / "bench-quick-plan.md").read_text()
+    assert "## Targets" in markdown and "Quick mode" in markdown and "| n=1e5 s=16 |" in markdown
+
+
+def test_unknown_benchmark_is_a_usage_error():
+    result = _bench("--only", "nosuch")
+    assert result.returncode == 2 and "nosuch" in result.stderr and "rnn" in result.stderr
+
+
+def test_every_benchmark_has_jobs_and_the_quick_suite_is_small():
+    quick = suite.jobs(quick=True)
+    assert {j.bench for j in quick} == set(suite.BENCHMARKS)
+    assert {j.bench for j in suite.jobs(quick=True, only={"rnn"})} == {"rnn"}
+    assert len(quick) < 40
+    assert all(j.params.get("repeats", 3) >= 5 for j in suite.jobs(quick=False))
+
+
+def _rows() -> list[Row]:
+    rows = [
+        Row("rnn", "T=8", "floor", "floor", seconds=1.0, tracemalloc_bytes=100, rss_bytes=200),
+        Row("rnn", "T=8", "keep", "keep-all", seconds=1.5, tracemalloc_bytes=105),
+        Row("rnn", "T=8", "torch", "torch", seconds=3.0, rss_bytes=100),
+        Row("rnn", "T=8", "binomial", seconds=2.0, tracemalloc_bytes=30,
+            extras={"untaped_steps": 10, "untaped_step_seconds": 0.05, "snapshots": 2,
+                    "carry_bytes": 10, "one_step_tracemalloc_bytes": 5, "steps": 8}),
+        Row("rnn", "T=16", "floor", "floor", seconds=4.0, extras={"steps": 16}),
+        Row("rnn", "T=16", "keep", "keep-all", seconds=2.0, extras={"steps": 16}),
+    ]
+    specs = {"rnn": (Ratio("/floor", "floor", "seconds"), Ratio("/torch", "torch", "seconds"),
+                     Ratio("mem/floor", "floor", "tracemalloc_bytes"))}
+    add_ratios(rows, specs)
+    add_model_ratios(rows)
+    return rows
+
+
+def test_ratios_are_taken_within_one_block_and_missing_columns_give_none():
+    _, keep, torch, binomial, _, keep16 = _rows()
+    assert keep.ratios["/floor"] == 1.5 and keep.ratios["/torch"] == 0.5
+    assert keep.ratios["mem/floor"] == pytest.approx(1.05)
+    assert torch.ratios["mem/floor"] is None  # torch has no tracemalloc figure
+    assert keep16.ratios["/floor"] == 0.5 and keep16.ratios["/torch"] is None  # no torch row
+    # the cost models: 1.5 + 10 x 0.05 = 2.0 s; 2 x 10 + 5 = 25 bytes
+    assert binomial.ratios["/model"] == pytest.approx(1.0)
+    assert binomial.ratios["mem/model"] == pytest.approx(30 / 25)
+    assert "/model" not in keep.ratios
+
+
+def test_block_table_shows_only_columns_some_row_has():
+    rows = _rows()[:4]
+    header, *cells = block_table(rows)
+    assert header[:2] == ["column", "median"]
+    assert "tracemalloc MB" in header and "RSS Δ MB" in header and "saved MB" not in header
+    assert "grad err" not in header and len(cells) == 4
+    assert cells[2][header.index("tracemalloc MB")] == "—"
+    assert cells[1][header.index("/floor")] == "1.50"
+    markdown = markdown_table([header, *cells]).splitlines()
+    assert markdown[0].startswith("| column | median |") and markdown[1].startswith("| --- |")
+
+
+def test_targets_are_met_missed_or_not_measured():
+    assert Target("t", 1.2, 1.1, "<=", "").status == "missed"
+    assert Target("t", 1.0, 1.1, "<=", "").status == "met"
+    assert Target("t", 2.0, 1.0, ">=", "").status == "met"
+    assert Target("t", None, 1.0, "<=", "").status == "not measured"
+    assert Target("t", 3.0, None, "info", "").status == "info"
+    by_name = {t.name: t for t in check(_rows())}
+    keep_time = by_name["RNN T=16: keep-all time <= 1.10x numpy floor"]
+    assert keep_time.measured == 0.5 and keep_time.status == "met"  # the largest T is judged
+    assert by_name["RNN T=16: keep-all peak memory <= 1.10x numpy floor"].status == "not measured"
+
+
+def test_a_missing_peer_is_a_skip_note_not_a_failure(monkeypatch):
+    monkeypatch.setattr(runner, "missing", lambda peer: "skipped: torch not installed")
+    job = suite.Job("rnn", "T=8", "torch eager", "rnn:torch_rnn", {}, "torch", "torch")
+    rows, _ = runner.run_job(job, threads=1, timeout=10)
+    assert len(rows) == 1 and rows[0].seconds is None and rows[0].note.startswith("skipped")
+
+
+def test_the_rnn_floor_matches_the_built_in_models_reference():
+    from checkpoint_ad.models import build
+
+    model = build("rnn", steps=7, batch=3, input_size=4, hidden=5, dtype="float64")
+    W, U, b = (p.numpy() for p in model.params)
+    loss, grads = rnn_floor.loss_and_grads(W, U, b, model.xs.numpy(), np.zeros((3, 5)))
+    want_loss, want = model.numpy_reference_loss_and_grads()
+    assert loss == pytest.approx(want_loss, rel=1e-12)
+    for got, expected in zip(grads, want):
+        np.testing.assert_allclose(got, expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("spec", [{"kind": "keep-all"}, {"kind": "binomial", "snapshots": 2},
+                                  {"kind": "recompute"}, {"kind": "quantized", "bits": 8}])
+def test_engine_rnn_columns_measure_and_agree_with_the_floor(spec):
+    result = rnn.engine(TINY_RNN | {"strategy": spec}, threads=1)
+    assert result["seconds"] > 0 and result["tracemalloc_bytes"] > 0
+    assert result["grad_error"] < (0.05 if spec["kind"] == "quantized" else 1e-5)
+    if spec["kind"] == "binomial":
+        assert result["extras"]["untaped_steps"] > TINY_RNN["steps"]
+
+
+def test_tape_overhead_engine_column_gradient_matches_the_hand_derived_one():
+    result = tape_overhead.engine({"size": 16, "ops": 40, "repeats": 1}, threads=1)
+    assert result["grad_error"] < 1e-12 and result["rate_unit"] == "µs/op"
+
+
+@pytest.mark.parametrize(("peer", "run"), [
+    ("torch", lambda: rnn.torch_rnn(TINY_RNN | {"mode": "checkpoint_sequential",
+                                                "segments": 2}, threads=1)),
+    ("torch", lambda: rnn.torch_rnn(TINY_RNN | {"mode": "checkpoint_step"}, threads=1)),
+    ("jax", lambda: rnn.jax_rnn(TINY_RNN | {"mode": "scan_checkpoint"}, threads=1)),
+    ("autograd", lambda: tape_overhead.hips_autograd({"size": 16, "ops": 40, "repeats": 1}, 1)),
+])
+def test_peer_columns_compute_the_floors_gradients(peer, run, monkeypatch):
+    pytest.importorskip(peer)
+    monkeypatch.setattr(rnn, "pin_threads", lambda threads: "not pinned in tests")
+    result = run()
+    assert result["seconds"] > 0 and result["grad_error"] < 1e-5
