@@ -61,7 +61,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     folder = _out_folder(args.out, args.device)
     result = sweep(args.model, _presets(args.presets), device=args.device,
-                   sizes=_sizes(args.model, args.size), progress=not args.quiet)
+                   sizes=_sizes(args.model, args.size), progress=not args.quiet,
+                   repeats=args.repeats)
     result.save(folder)
     written = []
     if not args.no_plots:
@@ -147,6 +148,8 @@ def _parser() -> argparse.ArgumentParser:
     common(run)
     run.add_argument("--presets", help="comma-separated preset names (default: the standard set)")
     run.add_argument("--out", help="output folder (default profiles/<cpu|gpu>)")
+    run.add_argument("--repeats", type=int, default=3,
+                     help="timed runs per preset; the median is reported (default 3)")
     run.add_argument("--no-plots", action="store_true", help="write the table and profiles only")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.set_defaults(handler=cmd_sweep)
