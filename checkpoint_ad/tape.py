@@ -59,7 +59,7 @@ def define(
     )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared and hashed by identity: forms live in the tables
 class Form:
     """A complete backward for a primitive: one rule per differentiable argument."""
 
@@ -186,10 +186,20 @@ class Entry:
         return f"<Entry #{self.seq} {self.name} -> {shapes} at {self.origin}>"
 
 
+_internal_code: dict[Any, bool] = {}  # code object -> defined inside this package
+
+
+def _is_internal(code: Any) -> bool:
+    internal = _internal_code.get(code)
+    if internal is None:
+        internal = _internal_code[code] = code.co_filename.startswith(_PACKAGE_DIR)
+    return internal
+
+
 def _user_frame() -> tuple[Any, int]:
     """(code, line) of the nearest caller outside this package; formatted only when asked."""
     frame = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+    while frame is not None and _is_internal(frame.f_code):
         frame = frame.f_back
     if frame is None:
         return (None, 0)
@@ -278,20 +288,16 @@ def record(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> 
         if form.rules["xs"].needs:
             entry.slots = tuple(_save(t, f"x{i}", packer, entry) for i, t in enumerate(tensors))
     else:
-        rules = form.rules
-        needed: list[str] = []
-        for name, t in zip(prim.args, tensors):
-            if t._requires_grad:
-                rule = rules.get(name)
-                if rule is not None:
-                    needed.extend(n for n in rule.needs if n not in needed)
+        mask = tuple([t._requires_grad for t in tensors])
+        needed = _needs_cache.get((form, mask))
+        if needed is None:
+            needed = _needs_cache[(form, mask)] = _needed_values(prim, form, mask)
         if needed:
-            needed.sort()
             entry.slots = tuple([
                 _save(result, name, packer, entry, own=True)
-                if name == "out"
-                else _save(tensors[prim.args.index(name)], name, packer, entry)
-                for name in needed
+                if position < 0
+                else _save(tensors[position], name, packer, entry)
+                for name, position in needed
             ])
     if active_tapes:
         for tape in active_tapes:
@@ -299,6 +305,22 @@ def record(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> 
     if events.listeners:
         events.emit("record", entry)
     return result
+
+
+_needs_cache: dict[tuple[Form, tuple[bool, ...]], tuple[tuple[str, int], ...]] = {}
+
+
+def _needed_values(
+    prim: Primitive, form: Form, mask: tuple[bool, ...]
+) -> tuple[tuple[str, int], ...]:
+    """(name, argument position or -1 for the output) of every value `form` needs when the
+    arguments flagged in `mask` require grad; sorted, so slots come in a stable order."""
+    names: set[str] = set()
+    for name, requires_grad in zip(prim.args, mask):
+        rule = form.rules.get(name)
+        if requires_grad and rule is not None:
+            names.update(rule.needs)
+    return tuple((n, -1 if n == "out" else prim.args.index(n)) for n in sorted(names))
 
 
 def _save(tensor: Any, name: str, packer: Any, entry: Entry, own: bool = False) -> SavedSlot:

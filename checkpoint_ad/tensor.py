@@ -376,6 +376,13 @@ def as_tensor(value: Any, like: Sequence[Any] = ()) -> Tensor:
     ref = next((t for t in like if isinstance(t, Tensor)), None)
     if ref is None:
         return tensor(value)
+    ref_data = ref._data
+    if type(ref_data) is np.ndarray and isinstance(value, (int, float)) and not isinstance(
+        value, bool
+    ):  # the common `x * 2.0` on numpy: skip the generic path
+        if ref_data.dtype.kind == "f" or isinstance(value, int):
+            return Tensor._wrap(np.asarray(value, dtype=ref_data.dtype))
+        return Tensor._wrap(np.asarray(value))
     if is_array(value) or isinstance(value, np.generic):
         data = np.asarray(value) if isinstance(value, np.generic) else value
         return Tensor._wrap(data)
