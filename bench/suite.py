@@ -1,0 +1,166 @@
+"""Every benchmark, its sizes (default and ``--quick``) and its columns, as one table of jobs.
+
+A job is one column of one block, run by one worker process (`bench.worker`); its `role`
+names it for the ratios (`RATIOS`) and the targets. Quantization throughput and planning
+return one row per bit width / plan size from a single job.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .table import Ratio
+
+BENCHMARKS = ("tape", "rnn", "mlp", "heat", "quantize", "plan")
+
+DESCRIPTIONS = {
+    "tape": "tape overhead: a chain of small elementwise ops, forward+backward",
+    "rnn": "unrolled RNN h = tanh(h @ W + x_t @ U + b), loss = sum of all hidden states",
+    "mlp": "deep residual MLP (built-in model), depth as time",
+    "heat": "heat equation time-stepping (built-in model)",
+    "quantize": "quantization throughput, pack = quantize, unpack = dequantize",
+    "plan": "binomial (Revolve) schedule planning time",
+}
+
+SIZES: dict[str, dict[str, Any]] = {
+    "default": {
+        "tape": {"size": 16, "ops": 2000, "repeats": 10},
+        "rnn": {"steps": (256, 1024), "batch": 64, "hidden": 256, "input": 256, "repeats": 5,
+                "snapshots": (4, 16, 64), "bits": (8, 4, 2)},
+        "mlp": {"sizes": {"layers": 256, "width": 256, "batch": 64}, "repeats": 5},
+        "heat": {"sizes": {"grid": 128, "steps": 2000}, "repeats": 5},
+        "quantize": {"megabytes": 64, "repeats": 5},
+        "plan": {"cases": [(10**5, 16), (10**5, 100), (10**6, 16), (10**6, 100)],
+                 "repeats": 5, "walk_up_to": 10**5},
+    },
+    "quick": {
+        "tape": {"size": 16, "ops": 2000, "repeats": 3},
+        "rnn": {"steps": (64,), "batch": 32, "hidden": 128, "input": 128, "repeats": 3,
+                "snapshots": (4, 16), "bits": (8, 4, 2)},
+        "mlp": {"sizes": {"layers": 32, "width": 128, "batch": 16}, "repeats": 3},
+        "heat": {"sizes": {"grid": 32, "steps": 100}, "repeats": 3},
+        "quantize": {"megabytes": 8, "repeats": 3},
+        "plan": {"cases": [(10**5, 16), (10**6, 16)], "repeats": 3, "walk_up_to": 0},
+    },
+}
+
+RATIOS: dict[str, tuple[Ratio, ...]] = {
+    "tape": (Ratio("/numpy fwd", "numpy-forward", "seconds"),
+             Ratio("/torch", "torch", "seconds"),
+             Ratio("/autograd", "autograd", "seconds")),
+    "rnn": (Ratio("/floor", "floor", "seconds"),
+            Ratio("/torch", "torch", "seconds"),
+            Ratio("mem/floor", "floor", "tracemalloc_bytes"),
+            Ratio("rss/floor", "floor", "rss_bytes")),
+    "mlp": (Ratio("/floor", "floor", "seconds"),
+            Ratio("mem/floor", "floor", "tracemalloc_bytes"),
+            Ratio("rss/floor", "floor", "rss_bytes")),
+    "heat": (Ratio("/floor", "floor", "seconds"),
+             Ratio("mem/floor", "floor", "tracemalloc_bytes"),
+             Ratio("rss/floor", "floor", "rss_bytes")),
+}
+
+# extras shown as columns, per bench: (title, key in a row's extras)
+EXTRA_COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {
+    "tape": (("fwd-only µs/op", "forward_us_per_op"),),
+    "quantize": (("pack GB/s", "pack_gbps"), ("unpack GB/s", "unpack_gbps"),
+                 ("stored/input", "stored_fraction")),
+    "plan": (("actions", "actions"), ("evaluations", "evaluations"),
+             ("walk s", "walk_seconds")),
+}
+
+
+@dataclass(frozen=True)
+class Job:
+    """One worker run: `task` (``module:function`` in bench) with `params`."""
+
+    bench: str
+    case: str
+    name: str
+    task: str
+    params: dict[str, Any] = field(default_factory=dict, compare=False)
+    role: str = ""
+    peer: str | None = None
+
+
+def _tape(sizes: dict[str, Any]) -> list[Job]:
+    case = f"{sizes['ops']} ops, (16,) float64"
+    columns = [
+        ("numpy forward only", "numpy_forward", "numpy-forward", None),
+        ("numpy fwd+bwd by hand", "numpy_by_hand", "numpy-hand", None),
+        ("checkpoint-ad", "engine", "engine", None),
+        ("torch eager", "torch_eager", "torch", "torch"),
+        ("HIPS autograd", "hips_autograd", "autograd", "autograd"),
+        ("jax eager (no jit)", "jax_eager", "jax", "jax"),
+    ]
+    return [Job("tape", case, name, f"tape_overhead:{fn}", dict(sizes), role, peer)
+            for name, fn, role, peer in columns]
+
+
+def _rnn(sizes: dict[str, Any]) -> list[Job]:
+    jobs = []
+    for steps in sizes["steps"]:
+        params = {k: sizes[k] for k in ("batch", "hidden", "input", "repeats")} | {"steps": steps}
+        case = f"T={steps}"
+        segments = max(1, round(math.sqrt(steps)))
+
+        def engine(name: str, role: str = "", p: dict = params, c: str = case,
+                   **spec: Any) -> Job:
+            return Job("rnn", c, f"engine {name}", "rnn:engine", p | {"strategy": spec}, role)
+
+        jobs += [
+            Job("rnn", case, "numpy floor (by hand)", "rnn:numpy_floor", params, "floor"),
+            engine("keep-all", "keep-all", kind="keep-all"),
+            engine(f"periodic every {segments} (√T)", kind="periodic", every=segments),
+            engine("recompute per step", kind="recompute"),
+            *(engine(f"binomial s={s}", kind="binomial", snapshots=s)
+              for s in sizes["snapshots"] if s < steps),
+            *(engine(f"int{b}", kind="quantized", bits=b) for b in sizes["bits"]),
+            Job("rnn", case, "torch eager", "rnn:torch_rnn", params | {"mode": "eager"},
+                "torch", "torch"),
+            Job("rnn", case, f"torch checkpoint_sequential ({segments} seg)", "rnn:torch_rnn",
+                params | {"mode": "checkpoint_sequential", "segments": segments}, "", "torch"),
+            Job("rnn", case, "torch checkpoint per step", "rnn:torch_rnn",
+                params | {"mode": "checkpoint_step"}, "", "torch"),
+            Job("rnn", case, "jax scan (jit)", "rnn:jax_rnn", params | {"mode": "scan"}, "",
+                "jax"),
+            Job("rnn", case, "jax scan of checkpoint(step) (jit)", "rnn:jax_rnn",
+                params | {"mode": "scan_checkpoint"}, "", "jax"),
+        ]
+    return jobs
+
+
+def _model(bench: str, model: str, sizes: dict[str, Any]) -> list[Job]:
+    params = {"model": model, "sizes": sizes["sizes"], "repeats": sizes["repeats"]}
+    n = sizes["sizes"]["layers" if model == "residual_mlp" else "steps"]
+    case = ", ".join(f"{k}={v}" for k, v in sizes["sizes"].items())
+    s = max(2, round(math.sqrt(n)))
+
+    def engine(name: str, role: str = "", **spec: Any) -> Job:
+        return Job(bench, case, f"engine {name}", "models:engine", params | {"strategy": spec},
+                   role)
+
+    return [
+        Job(bench, case, "numpy reference (by hand)", "models:numpy_floor", params, "floor"),
+        engine("keep-all", "keep-all", kind="keep-all"),
+        engine(f"binomial s={s} (√n)", kind="binomial", snapshots=s),
+        engine("recompute per step", kind="recompute"),
+        engine("int8", kind="quantized", bits=8),
+    ]
+
+
+def jobs(quick: bool, only: set[str] | None = None) -> list[Job]:
+    """Every job of the selected benchmarks (all when `only` is None), in running order."""
+    sizes = SIZES["quick" if quick else "default"]
+    makers = {
+        "tape": lambda: _tape(sizes["tape"]),
+        "rnn": lambda: _rnn(sizes["rnn"]),
+        "mlp": lambda: _model("mlp", "residual_mlp", sizes["mlp"]),
+        "heat": lambda: _model("heat", "heat", sizes["heat"]),
+        "quantize": lambda: [Job("quantize", f"{sizes['quantize']['megabytes']} MiB float32",
+                                 "kernels", "quantize_throughput:throughput", sizes["quantize"])],
+        "plan": lambda: [Job("plan", "binomial_plan", "plans", "planning:plans", sizes["plan"])],
+    }
+    return [job for name in BENCHMARKS if only is None or name in only for job in makers[name]()]

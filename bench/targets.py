@@ -1,0 +1,118 @@
+"""The targets of issue 5, checked against the ratios of one run: met, missed, or not measured.
+
+Each target is a ratio (or a rate) between rows of the same block and a limit, as the issue
+states them. Where a column was skipped (a peer not installed) the target is "not measured",
+never met by default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .table import Row, blocks, ratio
+
+
+@dataclass(frozen=True)
+class Target:
+    """One target: `measured` compared with `limit` by `relation` ("<=", ">=", or "info")."""
+
+    name: str
+    measured: float | None
+    limit: float | None
+    relation: str
+    detail: str
+
+    @property
+    def status(self) -> str:
+        if self.measured is None:
+            return "not measured"
+        if self.relation == "info" or self.limit is None:
+            return "info"
+        ok = self.measured <= self.limit if self.relation == "<=" else self.measured >= self.limit
+        return "met" if ok else "missed"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"status": self.status}
+
+
+def _role(block: Sequence[Row], role: str) -> Row | None:
+    return next((r for r in block if r.role == role), None)
+
+
+def _tape(rows: Sequence[Row]) -> list[Target]:
+    block = next((b for (bench, _), b in blocks(rows).items() if bench == "tape"), [])
+    engine, torch, hips = (_role(block, r) for r in ("engine", "torch", "autograd"))
+
+    def per_op(row: Row | None) -> str:
+        return "skipped" if row is None or row.rate is None else f"{row.rate:.2f} µs/op"
+
+    def pair(other: Row | None, limit: float, who: str) -> Target:
+        measured = ratio(engine and engine.seconds, other and other.seconds)
+        return Target(f"tape overhead per op <= {limit:g}x {who}", measured, limit, "<=",
+                      f"engine {per_op(engine)}, {who} {per_op(other)}")
+
+    if not block:
+        return []
+    return [pair(torch, 1.0, "PyTorch eager"), pair(hips, 0.6, "HIPS autograd")]
+
+
+def _rnn(rows: Sequence[Row]) -> list[Target]:
+    rnn_blocks = [b for (bench, _), b in blocks(rows).items() if bench == "rnn"]
+    if not rnn_blocks:
+        return []
+    block = max(rnn_blocks, key=lambda b: max(r.extras.get("steps", 0) for r in b))
+    case = block[0].case
+    floor, keep, torch = (_role(block, r) for r in ("floor", "keep-all", "torch"))
+    targets = [
+        Target(f"RNN {case}: keep-all time <= 1.10x numpy floor",
+               ratio(keep and keep.seconds, floor and floor.seconds), 1.10, "<=",
+               "same threads, medians of the same run"),
+        Target(f"RNN {case}: keep-all time / PyTorch eager (reported, no limit)",
+               ratio(keep and keep.seconds, torch and torch.seconds), None, "info",
+               "the floor is the bound; torch's float32 matmul may differ from numpy's BLAS"),
+        Target(f"RNN {case}: keep-all peak memory <= 1.10x numpy floor",
+               ratio(keep and keep.tracemalloc_bytes, floor and floor.tracemalloc_bytes), 1.10,
+               "<=", "tracemalloc peaks; the floor keeps exactly h_0..h_T"),
+    ]
+    for row in block:
+        if "snapshots" not in row.extras:
+            continue
+        s = row.extras["snapshots"]
+        targets.append(Target(
+            f"RNN {case}: binomial s={s} time within 5% of its step-count model",
+            row.ratios.get("/model"), 1.05, "<=",
+            f"model = keep-all + {row.extras.get('untaped_steps')} untaped steps x one "
+            "untaped step's measured time"))
+        targets.append(Target(
+            f"RNN {case}: binomial s={s} peak within 10% of s carries + one step",
+            row.ratios.get("mem/model"), 1.10, "<=",
+            "tracemalloc peak / (s x carry bytes + tracemalloc peak of one step's "
+            "forward+backward)"))
+    return targets
+
+
+def _quantize(rows: Sequence[Row]) -> list[Target]:
+    int8 = next((r for r in rows if r.bench == "quantize" and r.name == "int8 nearest"), None)
+    if int8 is None:
+        return []
+    extras = int8.extras
+    detail = (f"pack {extras.get('pack_gbps', 0):.2f} GB/s, unpack "
+              f"{extras.get('unpack_gbps', 0):.2f} GB/s, {extras.get('megabytes')} MiB float32")
+    return [Target("int8 pack+unpack >= 1 GB/s on one core (round trip)", int8.rate, 1.0, ">=",
+                   detail)]
+
+
+def _planning(rows: Sequence[Row]) -> list[Target]:
+    big = [r for r in rows if r.bench == "plan" and r.extras.get("n_steps") == 10**6]
+    if not big:
+        return []
+    slowest = max(big, key=lambda r: r.seconds or 0.0)
+    return [Target("binomial plan for n = 10^6 in under 1 s", slowest.seconds, 1.0, "<=",
+                   f"slowest budget: {slowest.name}, {slowest.extras.get('actions')} actions")]
+
+
+def check(rows: Sequence[Row]) -> list[Target]:
+    """Every target that the rows of this run can speak to."""
+    return [*_tape(rows), *_rnn(rows), *_quantize(rows), *_planning(rows)]
