@@ -18,6 +18,7 @@ from .. import events
 from ..autograd import sweep
 from ..backend import is_floating, namespace
 from ..errors import BackwardError, ShapeError
+from ..function import Function
 from ..grad_mode import enable_grad, is_grad_enabled, no_grad
 from ..ops.shape import stack
 from ..saved import KEEP, use_packer
@@ -99,6 +100,18 @@ def _leaves(tree: Any) -> tuple[list[Any], Any]:
 
 
 # ------------------------------------------------------------------ the loop
+class _Unstack(Function):
+    """Split a tensor along its first axis; the backward stacks the pieces' gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> tuple[Tensor, ...]:
+        return tuple(Tensor._wrap(x._data[t]) for t in range(x.shape[0]))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> Tensor:
+        return stack(list(grads), axis=0)
+
+
 @dataclass
 class _Loop:
     step: Callable[[Any, Any], Any]
@@ -109,14 +122,27 @@ class _Loop:
     y_spec: Any = None
     evaluations: int = 0
 
-    def x_at(self, t: int, tensors: bool) -> Any:
+    def x_at(self, t: int) -> Any:
+        """The scanned input of step t, without history (for re-runs under a plan)."""
         if self.xs_spec is None:
             return None
-        if tensors:
-            parts = [None if x is None else x[t] for x in self.xs_leaves]
-        else:
-            parts = [None if x is None else Tensor._wrap(x._data[t]) for x in self.xs_leaves]
+        parts = [None if x is None else Tensor._wrap(x._data[t]) for x in self.xs_leaves]
         return _unflatten(self.xs_spec, iter(parts))
+
+    def all_x(self) -> list[Any]:
+        """Every step's input, split off xs by one differentiable operation per leaf (so the
+        backward stacks the step gradients once instead of scattering into xs at every step)."""
+        if self.xs_spec is None:
+            return [None] * self.n
+        columns = []
+        for x in self.xs_leaves:
+            if x is None:
+                columns.append([None] * self.n)
+            elif x.requires_grad and is_grad_enabled():
+                columns.append(list(_Unstack.apply(x)))
+            else:
+                columns.append([Tensor._wrap(x._data[t]) for t in range(self.n)])
+        return [_unflatten(self.xs_spec, iter(row)) for row in zip(*columns)]
 
     def call(self, t: int, carry_leaves: list[Any], x: Any) -> tuple[list[Any], list[Any]]:
         self.evaluations += 1
@@ -206,8 +232,8 @@ def _length(xs_leaves: list[Any], length: int | None) -> int:
 
 def _keep_all(loop: _Loop, carry_leaves: list[Any]) -> tuple[Any, Any]:
     per_step = []
-    for t in range(loop.n):
-        carry_leaves, y_leaves = loop.call(t, carry_leaves, loop.x_at(t, tensors=True))
+    for t, x in enumerate(loop.all_x()):
+        carry_leaves, y_leaves = loop.call(t, carry_leaves, x)
         per_step.append(y_leaves)
     ys = _stack_outputs(per_step)
     return _unflatten(loop.carry_spec, iter(carry_leaves)), _unflatten(loop.y_spec, iter(ys))
@@ -273,7 +299,7 @@ class _PlannedScan:
                          for k, y in enumerate(ys) if y is not None and any(c is y for c in new)}
         else:
             with no_grad():
-                new, ys = loop.call(t, self._as_tensors(state, grad=False), loop.x_at(t, False))
+                new, ys = loop.call(t, self._as_tensors(state, grad=False), loop.x_at(t))
         return [None if v is None else v._data for v in new], [
             None if y is None else y._data for y in ys
         ]
@@ -380,7 +406,7 @@ class _PlannedScan:
                     events.emit("recompute_begin", self.name)
                 with no_grad():
                     for t in range(action.start, action.stop):
-                        new, _ = loop.call(t, self._as_tensors(state, False), loop.x_at(t, False))
+                        new, _ = loop.call(t, self._as_tensors(state, False), loop.x_at(t))
                         state = [None if v is None else v._data for v in new]
                 if events.listeners:
                     events.emit("recompute_end", self.name)
