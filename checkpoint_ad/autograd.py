@@ -168,9 +168,9 @@ def sweep(
     needed = _needed_entries([edge for edge, _ in roots], set(capture)) if capture else None
 
     def deliver(node: Any, index: int, grad: Any) -> None:
+        position = None
         if captured is not None:
-            key = (id(node), index)
-            position = capture.get(key) if capture else None
+            position = capture.get((id(node), index)) if capture else None
             if type(node) is not Entry or (node not in needed and position is None):
                 if position is not None:
                     previous = captured[position]
@@ -183,6 +183,10 @@ def sweep(
         if grads is None:
             grads = pending[node] = [None] * len(node.out_meta)
             heapq.heappush(heap, (-node.seq, id(node), node))
+        if position is not None and captured[position] is not None:
+            # a captured non-leaf with a starting value: add onto it in arrival order
+            grads[index] = captured[position] if grads[index] is None else grads[index]
+            captured[position] = None
         grads[index] = grad if grads[index] is None else grads[index] + grad
 
     for (node, index), grad in roots:

@@ -107,9 +107,18 @@ class Heat(UnrolledModel):
     def inputs(self) -> Tensor:
         return self.schedule
 
+    def run(self, loop: Any = None) -> Tensor:
+        # the diffusivity field is the same at every step: compute it once per run, so the
+        # tape saves it once (the steps capture it; its gradient flows back to theta). It stays
+        # set after the run: checkpointing strategies re-run steps during the backward sweep.
+        self._kappa = sigmoid(self.theta) * self.config.kappa_max
+        return super().run(loop)
+
     def step(self, u: Tensor, a: Tensor) -> tuple[Tensor, Tensor]:
         dt = self.config.dt
-        kappa = sigmoid(self.theta) * self.config.kappa_max
+        kappa = getattr(self, "_kappa", None)
+        if kappa is None:  # a step called on its own, outside run()
+            kappa = sigmoid(self.theta) * self.config.kappa_max
         D = self.laplacian
         u = u + (kappa * (D @ u + u @ D)) * dt + self.q * (a * dt)
         return u, reduce_sum(u * u) * dt
