@@ -74,8 +74,8 @@ def primitive_backward(entry: Entry, grads: list[Any], create_graph: bool) -> li
         if rule is None:
             results.append(None)
             continue
-        grad = rule.rule(g, *(values[n] for n in rule.needs), **attrs)
-        if prim.broadcasts:
+        grad = rule.rule(g, *[values[n] for n in rule.needs], **attrs)
+        if prim.broadcasts and grad.shape != entry.in_shapes[i]:
             grad = sum_to(grad, entry.in_shapes[i])
         results.append(grad)
     return results
@@ -97,7 +97,7 @@ def _target_meta(node: Any, index: int) -> tuple[tuple[int, ...], Any]:
 
 def _conform(grad: Any, node: Any, index: int, producer: Entry) -> Any:
     """Check the gradient's shape and cast it to the dtype of the value it belongs to."""
-    shape, dtype = _target_meta(node, index)
+    shape, dtype = node.out_meta[index] if type(node) is Entry else _target_meta(node, index)
     if isinstance(grad, np.generic):  # numpy turns 0-d results into scalars
         grad = np.asarray(grad)
     data = grad._data if isinstance(grad, Tensor) else grad

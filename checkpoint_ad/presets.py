@@ -25,6 +25,7 @@ from __future__ import annotations
 import importlib
 import math
 import os
+import re
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -406,11 +407,43 @@ def load_preset(name_or_path: str | os.PathLike[str]) -> Preset:
         return _read(path)
     files = _preset_files()
     if name_or_path not in files:
+        generated = _parametric(str(name_or_path))
+        if generated is not None:
+            return generated
         raise PresetError(
-            f"unknown preset {name_or_path!r}; known presets: {_quoted(files)} (add "
+            f"unknown preset {name_or_path!r}; known presets: {_quoted(files)}, and generated "
+            f"revolve-<s>, every-<k>, int<8|4|2>, revolve-<s>-int<8|4|2> (add "
             f"{name_or_path}.toml to one of {[str(d) for d in search_path()]}, or set {ENV_VAR})"
         )
     return _read(files[name_or_path])
+
+
+_PARAMETRIC = re.compile(r"(?:revolve-(?P<s>\d+)|every-(?P<k>\d+))?-?(?:int(?P<bits>[842]))?")
+
+
+def _parametric(name: str) -> Preset | None:
+    """A preset for a parameter sweep that has no file: ``revolve-<s>``, ``every-<k>``,
+    ``int<bits>`` and ``revolve-<s>-int<bits>`` (snapshots stored quantized), so a sweep over
+    ranges needs no file per value. Built through the same checks as files."""
+    match = _PARAMETRIC.fullmatch(name)
+    if match is None or not any(match.groupdict().values()) or name.startswith("-"):
+        return None
+    s, k, bits = match["s"], match["k"], match["bits"]
+    data: dict[str, Any] = {"name": name, "description": f"generated for a sweep: {name}"}
+    if s is not None:
+        data["loop"] = {"kind": "binomial", "snapshots": int(s)}
+        if bits is not None:
+            data["loop"]["storage"] = {"kind": "quantized", "bits": int(bits)}
+    elif k is not None:
+        data["loop"] = {"kind": "periodic", "every": int(k)}
+    if bits is not None and s is None:
+        data["storage"] = {"kind": "quantized", "bits": int(bits)}
+    if k is not None and bits is not None:
+        return None  # ambiguous: say it in a file
+    try:
+        return _parse(data, Path(f"<generated>/{name}.toml"))
+    except PresetError:
+        return None
 
 
 def list_presets() -> list[Preset]:

@@ -115,9 +115,10 @@ class Primitive:
             if not any(isinstance(a, Tensor) for a in items):
                 return self.forward(namespace(items[0]), items, **attrs)
             return record(self, tuple(items), attrs)
-        if not any(isinstance(a, Tensor) for a in args):
-            return self.forward(namespace(args[0]), *args, **attrs)
-        return record(self, args, attrs)
+        for a in args:
+            if isinstance(a, Tensor):
+                return record(self, args, attrs)
+        return self.forward(namespace(args[0]), *args, **attrs)
 
 
 _sequence = itertools.count()

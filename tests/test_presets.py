@@ -262,8 +262,9 @@ def test_preset_error_is_a_value_error_and_ours():
 
 
 def test_unknown_name_lists_the_known_ones():
-    with pytest.raises(PresetError, match=r"unknown preset 'revolve-7'; known presets: .*'int8'"):
-        load_preset("revolve-7")
+    # (revolve-7 would be generated: parameter sweeps need no file per value)
+    with pytest.raises(PresetError, match=r"unknown preset 'checkmate'; known presets: .*'int8'"):
+        load_preset("checkmate")
     with pytest.raises(PresetError, match=r"no preset file at .*nowhere.toml; check the path"):
         load_preset("nowhere.toml")
     with pytest.raises(TypeError, match="takes a name or a path; got int"):
@@ -385,3 +386,27 @@ def test_presets_print_readably_and_compare_equal():
     assert "LoopSpec(kind='binomial', options={'snapshots': 8}, storage=StorageSpec(" in repr(
         preset)
     assert preset == load_preset("revolve-8-int8") and preset != load_preset("revolve-8")
+
+
+@pytest.mark.parametrize(("name", "loop", "storage", "lossless"), [
+    ("revolve-3", "Binomial(snapshots=3, storage=None)", "KeepAll()", True),
+    ("revolve-64-int4", "Binomial(snapshots=64, storage=Quantized(bits=4, group_size=128, "
+     "stochastic=False, seed=None))", "KeepAll()", False),
+    ("every-7", "Periodic(every=7, storage=None)", "KeepAll()", True),
+    ("int2", "None", "Quantized(bits=2, group_size=128, stochastic=False, seed=None)", False),
+])
+def test_parameter_sweeps_get_generated_presets(name, loop, storage, lossless):
+    from checkpoint_ad.presets import load_preset as load
+
+    preset = load(name)
+    assert repr(preset.loop_strategy(100)) == loop
+    assert repr(preset.storage_strategy) == storage and preset.lossless is lossless
+
+
+@pytest.mark.parametrize("name", ["revolve-0", "revolve-x", "int3", "every-3-int8", "-int8"])
+def test_malformed_generated_names_are_unknown_presets(name):
+    from checkpoint_ad.presets import PresetError
+    from checkpoint_ad.presets import load_preset as load
+
+    with pytest.raises(PresetError, match="generated"):
+        load(name)
