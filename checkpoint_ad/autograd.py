@@ -121,6 +121,19 @@ def _accumulate_into(t: Tensor, g: Any, create_graph: bool) -> None:
         t.grad = Tensor._wrap(g if t.grad is None else t.grad._data + g)
 
 
+def _add(previous: Any, grad: Any, owned: dict[int, Any] | None) -> Any:
+    """previous + grad; in place when `previous` is a numpy sum listed in `owned`."""
+    if previous is None:
+        return grad
+    if owned is not None and owned.get(id(previous)) is previous:
+        previous += grad
+        return previous
+    total = previous + grad
+    if owned is not None and isinstance(total, np.ndarray):
+        owned[id(total)] = total
+    return total
+
+
 def _needed_entries(roots: list[Any], wanted: set[Any]) -> set[Entry]:
     """Entries whose backward leads to a wanted leaf or non-leaf output (for `grad`)."""
     order: list[Entry] = []
@@ -153,12 +166,15 @@ def sweep(
     create_graph: bool,
     capture: dict[tuple[int, int], int] | None = None,
     initial: list[Any] | None = None,
+    owned: dict[int, Any] | None = None,
 ) -> list[Any] | None:
     """Propagate seed gradients from `roots` ((edge, gradient) pairs) down the tape.
 
     Without `capture`, gradients accumulate into leaf `.grad` (and retained non-leaves).
     With `capture` (keys (id(node), output index) -> position), they are returned instead,
     added onto `initial` (one value or None per position) when given, in the order they arrive.
+    `owned` holds the sums this caller made and nobody else sees (by id); those are added into
+    in place, so accumulating a parameter's gradient over many sweeps allocates it once.
     """
     pending: dict[Entry, list[Any]] = {}
     heap: list[tuple[int, int, Entry]] = []
@@ -173,8 +189,7 @@ def sweep(
             position = capture.get((id(node), index)) if capture else None
             if type(node) is not Entry or (node not in needed and position is None):
                 if position is not None:
-                    previous = captured[position]
-                    captured[position] = grad if previous is None else previous + grad
+                    captured[position] = _add(captured[position], grad, owned)
                 return
         elif type(node) is not Entry:
             _accumulate_into(node, grad, create_graph)

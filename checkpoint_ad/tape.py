@@ -122,6 +122,7 @@ class Primitive:
 
 
 _sequence = itertools.count()
+_NO_ATTRS: dict[str, Any] = {}  # shared by every entry without attributes (never mutated)
 
 
 class Entry:
@@ -267,7 +268,7 @@ def record(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> 
             events.emit("apply", prim)
         return result
 
-    entry = Entry(prim, tuple([edge_of(t) for t in tensors]), attrs)
+    entry = Entry(prim, tuple([edge_of(t) for t in tensors]), attrs or _NO_ATTRS)
     result = Tensor._wrap(out, entry=entry, counter=counter)
     if prim.view:
         base = tensors[0]._base

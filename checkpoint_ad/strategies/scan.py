@@ -396,6 +396,7 @@ class _PlannedScan:
         adj_ys = grads[n_carry:]
         adj_xs: list[list[Any]] = [[None] * loop.n for _ in loop.xs_leaves]
         adj_ext: dict[tuple[int, int], Any] = {}
+        self.owned: dict[int, Any] = {}  # gradient sums made here, safe to add into in place
         state = self.current
         for index in range(self.cursor, len(self.plan)):
             action = self.plan[index]
@@ -420,6 +421,7 @@ class _PlannedScan:
                 adj_carry = self._reverse(start, stop, state, adj_carry, adj_ys, adj_xs, adj_ext)
                 state = None
         self.cursor = None
+        self.owned = {}  # the sums now leave as gradients: never touch them again
         self.current = None
         self.snapshots.clear()
         results = []
@@ -501,7 +503,8 @@ class _PlannedScan:
         for key in self.externals:
             initial[capture[key]] = adj_ext.get(key)
         captured = (
-            sweep(roots, retain_graph=False, create_graph=False, capture=capture, initial=initial)
+            sweep(roots, retain_graph=False, create_graph=False, capture=capture, initial=initial,
+                  owned=self.owned)
             if roots
             else initial
         )
