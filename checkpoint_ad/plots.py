@@ -179,8 +179,11 @@ def _figure(ax: Axes | None, size: tuple[float, float]) -> tuple[Figure, Axes]:
     return fig, fig.add_subplot()
 
 
+_NOT_SIZES = ("model", "strategy", "median_seconds")  # meta keys that are no model size
+
+
 def _sizes_text(meta: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in meta.items() if k not in ("model", "strategy"))
+    return ", ".join(f"{k}={v}" for k, v in meta.items() if k not in _NOT_SIZES)
 
 
 def _title(head: str, detail: str) -> str:
