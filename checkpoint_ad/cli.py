@@ -146,7 +146,9 @@ def _parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser("sweep", help="the main job: one model under many strategies")
     common(run)
-    run.add_argument("--presets", help="comma-separated preset names (default: the standard set)")
+    run.add_argument("--presets", help="comma-separated preset names or TOML files (default: "
+                     "the standard set); ranges need no files: revolve-1,revolve-2,... every-<k>, "
+                     "int<8|4|2>, revolve-<s>-int<8|4|2>")
     run.add_argument("--out", help="output folder (default profiles/<cpu|gpu>)")
     run.add_argument("--repeats", type=int, default=3,
                      help="timed runs per preset; the median is reported (default 3)")
