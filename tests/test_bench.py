@@ -152,3 +152,14 @@ def test_peer_columns_compute_the_floors_gradients(peer, run, monkeypatch):
     monkeypatch.setattr(rnn, "pin_threads", lambda threads: "not pinned in tests")
     result = run()
     assert result["seconds"] > 0 and result["grad_error"] < 1e-5
+
+
+def test_the_whole_quick_suite_runs(tmp_path):
+    """`python -m bench --quick` end to end: every benchmark, every target verdict written
+    (its wall time is reported in its output, not asserted: timing belongs to benchmarks)."""
+    result = _bench("--quick", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr[-2000:]
+    data = json.loads((tmp_path / "bench-quick.json").read_text())
+    assert {r["bench"] for r in data["rows"]} >= {"tape", "rnn", "quantize", "plan"}
+    assert {t["status"] for t in data["targets"]} <= {"met", "missed", "not measured", "info"}
+    assert any(t["status"] in ("met", "missed") for t in data["targets"])
