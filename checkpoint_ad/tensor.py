@@ -346,6 +346,11 @@ def tensor(
     unless `dtype` says otherwise. `device` is 'cpu' or 'cuda[:N]' (cupy); by default the
     data stays where it is (numpy arrays and Python data on the CPU).
 
+    An array of the right dtype and device is not copied (like ``torch.from_numpy``): large
+    inputs cost no second copy, and an in-place update of the tensor (under `no_grad`, e.g. an
+    optimizer step) is seen through the caller's array. Pass ``array.copy()`` to keep them
+    apart.
+
     >>> import checkpoint_ad as cad
     >>> cad.tensor([1, 2]).dtype
     dtype('float32')
