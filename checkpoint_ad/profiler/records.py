@@ -71,13 +71,15 @@ class Profile:
     def _buffers(records: Iterable[SavedRecord]) -> dict[int, int]:
         return {r.buffer: r.stored_bytes for r in records}
 
-    def by_op(self) -> dict[str, dict[str, int]]:
-        """Count, logical and stored bytes of the saved values, per primitive."""
-        table: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "logical": 0,
-                                                                "stored": 0})
+    def _grouped(self, key: str) -> dict[str, dict[str, int]]:
+        """Count, logical and stored bytes of the saved values per value of a record field;
+        a buffer shared by several records counts its bytes at the first of them."""
+        table: dict[str, dict[str, int]] = defaultdict(
+            lambda: {"count": 0, "logical": 0, "stored": 0}
+        )
         seen: set[int] = set()
         for r in self.records:
-            row = table[r.op]
+            row = table[getattr(r, key)]
             row["count"] += 1
             if r.buffer not in seen:
                 seen.add(r.buffer)
@@ -85,17 +87,13 @@ class Profile:
                 row["stored"] += r.stored_bytes
         return dict(table)
 
+    def by_op(self) -> dict[str, dict[str, int]]:
+        """Count, logical and stored bytes of the saved values, per primitive."""
+        return self._grouped("op")
+
     def by_origin(self) -> dict[str, dict[str, int]]:
         """The same totals per line of user code."""
-        table: dict[str, dict[str, int]] = defaultdict(lambda: {"count": 0, "stored": 0})
-        seen: set[int] = set()
-        for r in self.records:
-            row = table[r.origin]
-            row["count"] += 1
-            if r.buffer not in seen:
-                seen.add(r.buffer)
-                row["stored"] += r.stored_bytes
-        return dict(table)
+        return self._grouped("origin")
 
     def summary(self, top: int = 12) -> str:
         """A readable report: headline figures, then saved bytes by op and by origin."""
