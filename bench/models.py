@@ -81,7 +81,7 @@ def engine(params: dict, threads: int) -> dict[str, Any]:
     result = measure(work, params["repeats"], traced=True, check=lambda: {
         "grad_error": _grad_error([p.grad.numpy() for p in model.params], reference)})
     extras: dict[str, Any] = dict(params["sizes"]) | {"strategy": repr(strategy)}
-    if getattr(strategy, "is_loop_strategy", False):
+    if isinstance(strategy, work.cad.strategies.LoopStrategy):
         extras["untaped_steps"] = untaped_steps(strategy, model.n_steps)
         forward = time_median(work.forward_untaped, params["repeats"])
         extras["untaped_step_seconds"] = forward.median / model.n_steps

@@ -98,12 +98,10 @@ def strategy_from_spec(spec: dict) -> Any:
 def untaped_steps(strategy: Any, steps: int) -> int:
     """Steps the engine's `scan` runs without a tape under `strategy`: its first forward, up to
     the plan's first reverse action, then every later `Advance` (0 when each step is taped)."""
-    from checkpoint_ad.strategies import Periodic, Recompute
+    from checkpoint_ad.strategies import LoopStrategy
     from checkpoint_ad.strategies.revolve import Advance, Reverse, ReverseSegment
 
-    if isinstance(strategy, Recompute):
-        strategy = Periodic(1)
-    if not getattr(strategy, "is_loop_strategy", False):
+    if not isinstance(strategy, LoopStrategy):
         return 0
     plan = strategy.plan(steps)
     position = 0
@@ -159,7 +157,7 @@ def engine(params: dict, threads: int) -> dict[str, Any]:
     if params["strategy"]["kind"] == "binomial":
         extras["snapshots"] = params["strategy"]["snapshots"]
     extras["carry_bytes"] = params["batch"] * params["hidden"] * np.dtype(DTYPE).itemsize
-    if getattr(strategy, "is_loop_strategy", False):
+    if isinstance(strategy, cad.strategies.LoopStrategy):
         extras["untaped_steps"] = untaped_steps(strategy, steps)
         forward = time_median(work.forward_untaped, params["repeats"])
         extras["untaped_step_seconds"] = forward.median / steps

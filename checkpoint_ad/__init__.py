@@ -5,7 +5,10 @@ storage strategies (store inputs/outputs, recompute, quantize, binomial checkpoi
 decide how each is kept, and the profiler can measure it.
 """
 
-from . import testing
+from . import (
+    strategies,
+    testing,
+)
 from .autograd import backward, grad
 from .errors import (
     BackwardError,
@@ -23,14 +26,10 @@ from .gradient_tape import GradientTape
 from .inspect import TapeView, tape_of
 from .ops import *  # noqa: F403 - the op functions are the public API
 from .ops import __all__ as _op_names
+from .profiler import Profile, profile
 from .saved import Packer, saved_values_hooks, use_packer
-from .tensor import Tensor, _install_operators, tensor
-
-_install_operators()
-
-from . import strategies  # noqa: E402 - strategies build on the engine above
-from .profiler import Profile, profile  # noqa: E402
-from .strategies import checkpoint, checkpoint_sequential, scan, use  # noqa: E402
+from .strategies import checkpoint, checkpoint_sequential, scan, use
+from .tensor import Tensor, tensor
 
 __version__ = "0.1.0"
 

@@ -16,77 +16,11 @@ import numpy as np
 
 from . import events
 from .backend import namespace
-from .errors import BackwardError, ShapeError
+from .errors import BackwardError, DeviceError, ShapeError
 from .grad_mode import enable_grad, no_grad
-from .ops.elementwise import astype
-from .ops.shape import sum_to
-from .saved import freed_error
-from .tape import Entry, Primitive, edge_of
-from .tensor import Tensor, as_tensor
-
-
-def _graph_tensor(array: Any, edge: Any) -> Tensor:
-    """A tensor holding an unpacked saved value, attached where the original sat in the graph."""
-    if edge is None:
-        return Tensor._wrap(array)
-    node, index = edge
-    if type(node) is Entry:
-        return Tensor._wrap(array, entry=node, index=index)
-    t = Tensor._wrap(array)
-    t._requires_grad = True
-    t._leaf_target = node
-    return t
-
-
-def unpack_saved(entry: Entry, create_graph: bool) -> dict[str, Any]:
-    """Every saved value of `entry`, as arrays (or graph-attached Tensors under create_graph)."""
-    if entry.slots is None:
-        raise freed_error(entry.describe())
-    values = {}
-    for slot in entry.slots:
-        name = slot.name
-        array = slot.unpack(entry.describe)
-        if create_graph:
-            edge = (entry, slot.edge) if isinstance(slot.edge, int) else slot.edge
-            array = _graph_tensor(array, edge)
-        values[name] = array
-    return values
-
-
-def primitive_backward(entry: Entry, grads: list[Any], create_graph: bool) -> list[Any]:
-    """Apply a primitive's chosen form to the output gradient."""
-    prim: Primitive = entry.op
-    g = grads[0]
-    values = unpack_saved(entry, create_graph)
-    form = entry.form
-    attrs = entry.attrs
-    if prim.variadic:
-        rule = form.rules["xs"]
-        xs = tuple(values[f"x{i}"] for i in range(len(entry.edges))) if rule.needs else ()
-        args = (xs,) if rule.needs else ()
-        return [
-            rule.rule(g, i, *args, **attrs) if edge is not None else None
-            for i, edge in enumerate(entry.edges)
-        ]
-    results = []
-    for i, (name, edge) in enumerate(zip(prim.args, entry.edges)):
-        rule = form.rules.get(name) if edge is not None else None
-        if rule is None:
-            results.append(None)
-            continue
-        grad = rule.rule(g, *[values[n] for n in rule.needs], **attrs)
-        if prim.broadcasts and grad.shape != entry.in_shapes[i]:
-            grad = sum_to(grad, entry.in_shapes[i])
-        results.append(grad)
-    return results
-
-
-def _run_entry(entry: Entry, grads: list[Any], create_graph: bool) -> list[Any]:
-    if isinstance(entry.op, Primitive):
-        if grads[0] is None:
-            return [None] * len(entry.edges)
-        return primitive_backward(entry, grads, create_graph)
-    return entry.op.backward(entry, grads, create_graph)
+from .ops import astype
+from .tape import Entry, edge_of
+from .tensor_base import TensorBase, as_tensor_like, make_tensor
 
 
 def _target_meta(node: Any, index: int) -> tuple[tuple[int, ...], Any]:
@@ -100,7 +34,7 @@ def _conform(grad: Any, node: Any, index: int, producer: Entry) -> Any:
     shape, dtype = node.out_meta[index] if type(node) is Entry else _target_meta(node, index)
     if isinstance(grad, np.generic):  # numpy turns 0-d results into scalars
         grad = np.asarray(grad)
-    data = grad._data if isinstance(grad, Tensor) else grad
+    data = grad._data if isinstance(grad, TensorBase) else grad
     if tuple(data.shape) != shape:
         raise ShapeError(
             f"{producer.describe()} produced a gradient of shape {list(data.shape)} for a value "
@@ -112,29 +46,51 @@ def _conform(grad: Any, node: Any, index: int, producer: Entry) -> Any:
     return grad
 
 
-def _accumulate_into(t: Tensor, g: Any, create_graph: bool) -> None:
+def _accumulate_into(t: TensorBase, g: Any, create_graph: bool) -> None:
     if create_graph:
-        g = g if isinstance(g, Tensor) else Tensor._wrap(g)
+        g = g if isinstance(g, TensorBase) else make_tensor(g)
         t.grad = g if t.grad is None else t.grad + g
     else:
-        g = g._data if isinstance(g, Tensor) else g
-        t.grad = Tensor._wrap(g if t.grad is None else t.grad._data + g)
+        g = g._data if isinstance(g, TensorBase) else g
+        t.grad = make_tensor(g if t.grad is None else t.grad._data + g)
 
 
-def _add(previous: Any, grad: Any, owned: dict[int, Any] | None) -> Any:
-    """previous + grad; in place when `previous` is a numpy sum listed in `owned`."""
-    if previous is None:
-        return grad
-    if owned is not None and owned.get(id(previous)) is previous:
-        previous += grad
-        return previous
-    total = previous + grad
-    if owned is not None and isinstance(total, np.ndarray):
-        owned[id(total)] = total
-    return total
+class Capture:
+    """Gradients a caller takes instead of `.grad`: those reaching the nodes in `keys`
+    ((id(node), output index) -> position), returned by `backpropagate` as a list.
+
+    `initial` gives a starting value per position (gradients then add onto it in arrival
+    order); `owned` (id -> array) lists sums made by the caller that nobody else sees, which
+    are then added into in place, so a gradient accumulated over many passes is allocated
+    once. Only entries on a path to a captured node are run.
+    """
+
+    def __init__(
+        self,
+        keys: dict[tuple[int, int], int],
+        initial: list[Any] | None = None,
+        owned: dict[int, Any] | None = None,
+    ) -> None:
+        self.keys = keys
+        self.values: list[Any] = list(initial) if initial is not None else [None] * len(keys)
+        self.owned = owned
+        self.needed: set[Entry] = set()
+
+    def add(self, position: int, grad: Any) -> None:
+        previous = self.values[position]
+        owned = self.owned
+        if previous is None:
+            self.values[position] = grad
+        elif owned is not None and owned.get(id(previous)) is previous:
+            previous += grad
+        else:
+            total = previous + grad
+            if owned is not None and isinstance(total, np.ndarray):
+                owned[id(total)] = total
+            self.values[position] = total
 
 
-def _needed_entries(roots: list[Any], wanted: set[Any]) -> set[Entry]:
+def _needed_entries(roots: list[Any], wanted: dict[tuple[int, int], int]) -> set[Entry]:
     """Entries whose backward leads to a wanted leaf or non-leaf output (for `grad`)."""
     order: list[Entry] = []
     seen: set[int] = set()
@@ -159,104 +115,101 @@ def _needed_entries(roots: list[Any], wanted: set[Any]) -> set[Entry]:
     return needed
 
 
-def sweep(
+def backpropagate(
     roots: Sequence[tuple[Any, Any]],
     *,
     retain_graph: bool,
     create_graph: bool,
-    capture: dict[tuple[int, int], int] | None = None,
-    initial: list[Any] | None = None,
-    owned: dict[int, Any] | None = None,
-) -> list[Any] | None:
+    capture: Capture | None = None,
+) -> None:
     """Propagate seed gradients from `roots` ((edge, gradient) pairs) down the tape.
 
-    Without `capture`, gradients accumulate into leaf `.grad` (and retained non-leaves).
-    With `capture` (keys (id(node), output index) -> position), they are returned instead,
-    added onto `initial` (one value or None per position) when given, in the order they arrive.
-    `owned` holds the sums this caller made and nobody else sees (by id); those are added into
-    in place, so accumulating a parameter's gradient over many sweeps allocates it once.
+    Entries are visited newest first; each one's op turns its output gradients into input
+    gradients (`op.backward`). Without `capture`, gradients accumulate into leaf `.grad` (and
+    retained non-leaves); with it, into `capture.values`.
     """
     pending: dict[Entry, list[Any]] = {}
     heap: list[tuple[int, int, Entry]] = []
-    captured: list[Any] | None = None
+    keys = capture.keys if capture is not None else None
     if capture is not None:
-        captured = list(initial) if initial is not None else [None] * len(capture)
-    needed = _needed_entries([edge for edge, _ in roots], set(capture)) if capture else None
+        capture.needed = _needed_entries([edge for edge, _ in roots], capture.keys)
 
     def deliver(node: Any, index: int, grad: Any) -> None:
-        position = None
-        if captured is not None:
-            position = capture.get((id(node), index)) if capture else None
-            if type(node) is not Entry or (node not in needed and position is None):
+        if capture is not None:
+            position = keys.get((id(node), index))  # type: ignore[union-attr]
+            if type(node) is not Entry or (node not in capture.needed and position is None):
                 if position is not None:
-                    captured[position] = _add(captured[position], grad, owned)
+                    capture.add(position, grad)
                 return
+            if position is not None and capture.values[position] is not None:
+                # a captured non-leaf with a starting value: add onto it in arrival order
+                grads = _pending(node)
+                grads[index] = capture.values[position] if grads[index] is None else grads[index]
+                capture.values[position] = None
         elif type(node) is not Entry:
             _accumulate_into(node, grad, create_graph)
             return
+        grads = _pending(node)
+        grads[index] = grad if grads[index] is None else grads[index] + grad
+
+    def _pending(node: Entry) -> list[Any]:
         grads = pending.get(node)
         if grads is None:
             grads = pending[node] = [None] * len(node.out_meta)
             heapq.heappush(heap, (-node.seq, id(node), node))
-        if position is not None and captured[position] is not None:
-            # a captured non-leaf with a starting value: add onto it in arrival order
-            grads[index] = captured[position] if grads[index] is None else grads[index]
-            captured[position] = None
-        grads[index] = grad if grads[index] is None else grads[index] + grad
+        return grads
 
     for (node, index), grad in roots:
         deliver(node, index, grad)
     if events.listeners:
         events.emit("backward_begin", None)
-    mode = enable_grad() if create_graph else no_grad()
-    with mode:
-        while heap:
-            entry = heapq.heappop(heap)[2]
-            grads = pending.pop(entry)
-            if captured is not None:
-                for index, grad in enumerate(grads):
-                    position = capture.get((id(entry), index))  # type: ignore[union-attr]
-                    if position is not None and grad is not None:
-                        previous = captured[position]
-                        captured[position] = grad if previous is None else previous + grad
-                if entry not in needed:  # type: ignore[operator]
-                    continue
-            elif entry.retained:
-                for index, ref in entry.retained.items():
-                    t = ref()
-                    if t is not None and grads[index] is not None:
-                        _accumulate_into(t, grads[index], create_graph)
-            results = _run_entry(entry, grads, create_graph)
-            if not retain_graph:
-                entry.release()
-            for edge, grad in zip(entry.edges, results):
-                if edge is None or grad is None:
-                    continue
-                node, index = edge
-                deliver(node, index, _conform(grad, node, index, entry))
-    if events.listeners:
-        events.emit("backward_end", None)
-    return captured
+    try:
+        with enable_grad() if create_graph else no_grad():
+            while heap:
+                entry = heapq.heappop(heap)[2]
+                grads = pending.pop(entry)
+                if capture is not None:
+                    for index, grad in enumerate(grads):
+                        position = keys.get((id(entry), index))  # type: ignore[union-attr]
+                        if position is not None and grad is not None:
+                            previous = capture.values[position]
+                            capture.values[position] = grad if previous is None else previous + grad
+                    if entry not in capture.needed:
+                        continue
+                elif entry.retained:
+                    for index, ref in entry.retained.items():
+                        t = ref()
+                        if t is not None and grads[index] is not None:
+                            _accumulate_into(t, grads[index], create_graph)
+                results = entry.op.backward(entry, grads, create_graph)
+                if not retain_graph:
+                    entry.release()
+                for edge, grad in zip(entry.edges, results):
+                    if edge is None or grad is None:
+                        continue
+                    node, index = edge
+                    deliver(node, index, _conform(grad, node, index, entry))
+    finally:
+        if events.listeners:
+            events.emit("backward_end", None)
 
 
-def _seed(output: Tensor, gradient: Any, position: str) -> Any:
+def _seed(output: TensorBase, gradient: Any, position: str) -> Any:
     if gradient is None:
-        if output.size != 1:
+        if output._element_count() != 1:
             raise BackwardError(
                 f"{position} has shape {list(output.shape)}: an implicit gradient of 1 is only "
                 "defined for single-element outputs; pass gradient= (grad_outputs= for grad()) "
                 "with the same shape, or reduce the output first (e.g. .sum())"
             )
         return namespace(output._data).ones_like(output._data)
-    seed = as_tensor(gradient, like=(output,))
+    seed = as_tensor_like(gradient, like=(output,))
     if seed.shape != output.shape:
         raise ShapeError(
             f"the gradient given for {position} has shape {list(seed.shape)}, but the output has "
             f"shape {list(output.shape)}; they must match"
         )
     if type(seed._data) is not type(output._data):
-        from .errors import DeviceError
-
         raise DeviceError(
             f"the gradient given for {position} is on {seed.device}, the output on "
             f"{output.device}; move it with .to()"
@@ -264,8 +217,8 @@ def _seed(output: Tensor, gradient: Any, position: str) -> Any:
     return seed
 
 
-def _root_edge(output: Tensor, position: str) -> Any:
-    if not isinstance(output, Tensor):
+def _root_edge(output: TensorBase, position: str) -> Any:
+    if not isinstance(output, TensorBase):
         raise TypeError(f"{position} must be a Tensor, got {type(output).__name__}")
     edge = edge_of(output)
     if edge is None:
@@ -278,13 +231,13 @@ def _root_edge(output: Tensor, position: str) -> Any:
 
 
 def _seed_value(seed: Any, create_graph: bool) -> Any:
-    if isinstance(seed, Tensor):
+    if isinstance(seed, TensorBase):
         return seed if create_graph else seed._data
-    return Tensor._wrap(seed) if create_graph else seed
+    return make_tensor(seed) if create_graph else seed
 
 
 def backward(
-    output: Tensor,
+    output: TensorBase,
     gradient: Any = None,
     retain_graph: bool | None = None,
     create_graph: bool = False,
@@ -293,11 +246,13 @@ def backward(
     edge = _root_edge(output, "the tensor backward() was called on")
     seed = _seed(output, gradient, "the tensor backward() was called on")
     retain = create_graph if retain_graph is None else retain_graph
-    sweep([(edge, _seed_value(seed, create_graph))], retain_graph=retain, create_graph=create_graph)
+    backpropagate(
+        [(edge, _seed_value(seed, create_graph))], retain_graph=retain, create_graph=create_graph
+    )
 
 
 def _as_list(value: Any) -> tuple[list[Any], bool]:
-    if isinstance(value, Tensor):
+    if isinstance(value, TensorBase):
         return [value], True
     return list(value), False
 
@@ -325,14 +280,14 @@ def grad(
     if grad_outputs is None:
         seeds: list[Any] = [None] * len(outs)
     else:
-        seeds = [grad_outputs] if isinstance(grad_outputs, Tensor) else list(grad_outputs)
+        seeds = [grad_outputs] if isinstance(grad_outputs, TensorBase) else list(grad_outputs)
         if len(seeds) != len(outs):
             raise ValueError(
                 f"grad_outputs has {len(seeds)} entries for {len(outs)} outputs; give one each"
             )
     capture: dict[tuple[int, int], int] = {}
     for i, t in enumerate(ins):
-        if not isinstance(t, Tensor):
+        if not isinstance(t, TensorBase):
             raise TypeError(f"inputs[{i}] must be a Tensor, got {type(t).__name__}")
         edge = edge_of(t)
         if edge is None:
@@ -346,12 +301,12 @@ def grad(
         name = f"outputs[{i}]"
         roots.append((_root_edge(out, name), _seed_value(_seed(out, seed, name), create_graph)))
     retain = create_graph if retain_graph is None else retain_graph
-    captured = sweep(roots, retain_graph=retain, create_graph=create_graph, capture=capture)
-    assert captured is not None
+    captured = Capture(capture)
+    backpropagate(roots, retain_graph=retain, create_graph=create_graph, capture=captured)
     results: list[Any] = []
     for i, t in enumerate(ins):
         edge = edge_of(t)
-        value = captured[capture[(id(edge[0]), edge[1])]]
+        value = captured.values[capture[(id(edge[0]), edge[1])]]
         if value is None:
             if not allow_unused:
                 raise BackwardError(
@@ -360,8 +315,8 @@ def grad(
                 )
             results.append(None)
             continue
-        if isinstance(value, Tensor):
+        if isinstance(value, TensorBase):
             results.append(value)
         else:
-            results.append(Tensor._wrap(value))
+            results.append(make_tensor(value))
     return results[0] if single else results

@@ -12,9 +12,10 @@ import importlib
 from types import ModuleType
 from typing import Any
 
+import array_api_compat
 import numpy as np
 
-from .errors import DeviceError
+from .errors import DeviceError, DTypeError
 
 _namespaces: dict[type, ModuleType] = {np.ndarray: np}
 
@@ -27,8 +28,6 @@ def namespace(array: Any) -> ModuleType:
         if isinstance(array, (np.ndarray, np.generic)):  # numpy scalars from 0-d results
             xp = np
         else:
-            import array_api_compat
-
             xp = array_api_compat.array_namespace(array)
         _namespaces[kind] = xp
     return xp
@@ -38,8 +37,6 @@ def is_array(value: Any) -> bool:
     """True for arrays of any array-API library (not Python scalars or lists)."""
     if isinstance(value, np.ndarray):
         return True
-    import array_api_compat
-
     return array_api_compat.is_array_api_obj(value) and not isinstance(value, np.generic)
 
 
@@ -132,11 +129,28 @@ def scatter_add(xp: ModuleType, target: Any, index: Any, values: Any) -> Any:
         np.add.at(target, index, values)
         return target
     if type(target).__module__.startswith("cupy"):
-        import cupyx
-
+        cupyx = importlib.import_module("cupyx")  # optional: present only with cupy
         cupyx.scatter_add(target, index, values)
         return target
     raise NotImplementedError(
         f"gradients of integer-array indexing are not available for {xp.__name__} arrays "
         "(the array-API standard has no scatter-add); use slices, or numpy/cupy arrays"
+    )
+
+
+def resolve_dtype(xp: ModuleType, dtype: Any) -> Any:
+    """`dtype` as `xp`'s dtype object; names such as 'float32' are looked up in `xp`."""
+    if dtype is None or not isinstance(dtype, str):
+        return dtype
+    resolved = getattr(xp, dtype, None)
+    if resolved is None:
+        raise DTypeError(f"unknown dtype {dtype!r} for {xp.__name__}; use e.g. 'float32'")
+    return resolved
+
+
+def broadcast_axes(source: tuple[int, ...], target: tuple[int, ...]) -> tuple[int, ...]:
+    """The axes of `target` to sum over (keeping dims) to undo broadcasting `source` to it."""
+    lead = len(target) - len(source)
+    return tuple(range(lead)) + tuple(
+        i + lead for i, d in enumerate(source) if d == 1 and target[i + lead] != 1
     )

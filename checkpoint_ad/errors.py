@@ -33,3 +33,7 @@ class DTypeError(CheckpointADError, TypeError):
 
 class GradcheckError(CheckpointADError, AssertionError):
     """Analytic and numerical derivatives disagree."""
+
+
+class StrategyConfigError(CheckpointADError, ValueError):
+    """A strategy was built with arguments that cannot work (caught when it is built)."""

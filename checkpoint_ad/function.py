@@ -8,12 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import events
 from .backend import namespace
 from .errors import BackwardError
 from .grad_mode import _state, enable_grad, no_grad
-from .saved import current_packer
-from .tape import Entry, _save, active_tapes, edge_of
+from .saved import SavedSlot, current_packer
+from .tape import Entry, add_entry, edge_of, save_tensor, unpack_saved
 from .tensor import Tensor
 
 
@@ -48,8 +47,6 @@ class FunctionCtx:
                     "outside backward the saved values live on the tape only"
                 )
             return self._to_save
-        from .autograd import unpack_saved
-
         values = unpack_saved(entry, self._create_graph)
         result = []
         for i in range(self._saved_count):
@@ -157,27 +154,25 @@ class Function:
                 )
         if not (_state.grad_enabled and any(needs)):
             return raw
-        entry = Entry(_FunctionOp(cls, ctx, positions), tuple(edge_of(t) for t in tensors), {})
-        entry.out_meta = tuple((tuple(o.shape), o.dtype) for o in outputs)
-        results = tuple(Tensor._wrap(o._data, entry=entry, index=i) for i, o in enumerate(outputs))
         packer = current_packer()
-        slots = []
-        for i, t in enumerate(ctx._to_save):
-            if t is None:
-                continue
-            own = next((k for k, o in enumerate(outputs) if o is t), None)
-            if own is not None:
-                slot = _save(results[own], f"saved{i}", packer, entry, own=True)
-                slot.edge = own
-            else:
-                slot = _save(t, f"saved{i}", packer, entry)
-            slots.append(slot)
-        entry.slots = tuple(slots)
-        ctx._saved_count = len(ctx._to_save or ())
+        to_save = ctx._to_save or ()
+
+        def save(entry: Entry, results: list[Any]) -> tuple[SavedSlot, ...]:
+            slots = []
+            for i, t in enumerate(to_save):
+                if t is None:
+                    continue
+                own = next((k for k, o in enumerate(outputs) if o is t), None)
+                if own is not None:
+                    slots.append(save_tensor(results[own], f"saved{i}", packer, entry, own=True))
+                else:
+                    slots.append(save_tensor(t, f"saved{i}", packer, entry))
+            return tuple(slots)
+
+        op = _FunctionOp(cls, ctx, positions)
+        edges = tuple(edge_of(t) for t in tensors)
+        results = add_entry(op, edges, [o._data for o in outputs], {}, save)
+        ctx._saved_count = len(to_save)
         ctx._to_save = None
-        for tape in active_tapes:
-            tape._entries.append(entry)
-        if events.listeners:
-            events.emit("record", entry)
         return results[0] if single else results
 

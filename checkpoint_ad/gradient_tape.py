@@ -35,11 +35,11 @@ class GradientTape:
         if self._recording:
             raise BackwardError("this GradientTape is already recording; tapes are not re-entrant")
         self._recording = True
-        active_tapes.append(self)
+        active_tapes().append(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        active_tapes.remove(self)
+        active_tapes().remove(self)
         self._recording = False
 
     def watch(self, tensor: Tensor) -> None:

@@ -10,46 +10,68 @@ so a later in-place change is caught instead of silently corrupting gradients.
 
 from __future__ import annotations
 
+import gc
 import threading
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from . import events
+from .backend import is_array
 from .backend import nbytes as array_nbytes
 from .errors import BackwardError, SavedValueModifiedError
 
-
-@runtime_checkable
-class Packer(Protocol):
-    """How saved arrays are stored. `stored_nbytes` and `lossless` are optional."""
-
-    def pack(self, array: Any) -> Any: ...
-
-    def unpack(self, packed: Any) -> Any: ...
+if TYPE_CHECKING:
+    from .tape import Form, Primitive
 
 
-class KeepPacker:
-    """Store the array itself: the default, zero-cost packer."""
+class Strategy:
+    """How saved values are kept: the engine's side of every storage strategy.
 
-    lossless = True
+    The contract (the same as PyTorch's saved-tensor hooks): ``unpack(pack(a))`` equals `a` in
+    shape, dtype and device, and in value when `lossless` is True; `stored_nbytes` reports
+    what the stored form really holds. `choose_form` picks which backward form (what a rule
+    reads: inputs, output, both) a primitive records; `for_primitive` lets a per-op policy
+    hand each primitive to another strategy; `for_leaf` says how values the caller holds
+    anyway (parameters, input data) are kept. Subclass it and override what differs; the
+    built-ins in `checkpoint_ad.strategies` are small frozen dataclasses over it.
+    """
+
+    lossless: ClassVar[bool] = True
 
     def pack(self, array: Any) -> Any:
         return array
 
-    def unpack(self, packed: Any) -> Any:
-        return packed
+    def unpack(self, stored: Any) -> Any:
+        return stored
 
-    def stored_nbytes(self, packed: Any) -> int:
-        return array_nbytes(packed)
+    def stored_nbytes(self, stored: Any) -> int | None:
+        """Bytes the stored form holds; None counts it as the value's own size."""
+        return array_nbytes(stored) if is_array(stored) else None
 
-    def __repr__(self) -> str:
-        return "KeepPacker()"
+    def choose_form(self, prim: Primitive) -> Form:
+        return prim.forms[0]
+
+    def for_primitive(self, prim: Primitive) -> Strategy:
+        return self
+
+    def for_leaf(self) -> Strategy:
+        return self
 
 
-class HookPacker:
-    """A packer made from two plain functions (see `saved_values_hooks`)."""
+Packer = Strategy  # the name saved_values_hooks and use_packer have always documented
+
+
+@dataclass(frozen=True)
+class KeepAll(Strategy):
+    """Save what each rule needs, as is: the default, and the reference every other strategy
+    is compared to. The engine takes a fast path for it (no packing at all)."""
+
+
+class HookPacker(Strategy):
+    """A strategy made from two plain functions (see `saved_values_hooks`)."""
 
     def __init__(self, pack: Callable[[Any], Any], unpack: Callable[[Any], Any]) -> None:
         self.pack = pack  # type: ignore[method-assign]
@@ -59,7 +81,7 @@ class HookPacker:
         return f"HookPacker(pack={self.pack!r}, unpack={self.unpack!r})"
 
 
-KEEP = KeepPacker()
+KEEP = KeepAll()
 
 
 class VersionCounter:
@@ -90,15 +112,15 @@ class SavedBuffer:
         self.shape = tuple(array.shape)
         self.dtype = array.dtype
         self.logical_nbytes = array_nbytes(array)
-        if packer is KEEP:
+        if type(packer) is KeepAll:
             self.packed = array
             self.source = None
             self.stored_nbytes = self.logical_nbytes
         else:
             self.packed = packer.pack(array)
             self.source = weakref.ref(array)
-            measure = getattr(packer, "stored_nbytes", None)
-            self.stored_nbytes = int(measure(self.packed)) if measure else self.logical_nbytes
+            measured = packer.stored_nbytes(self.packed)
+            self.stored_nbytes = self.logical_nbytes if measured is None else int(measured)
 
     def holds(self, array: Any) -> bool:
         if self.source is None:
@@ -106,7 +128,7 @@ class SavedBuffer:
         return self.source() is array
 
     def unpack(self) -> Any:
-        if self.packer is KEEP:
+        if self.source is None:
             return self.packed
         array = self.packer.unpack(self.packed)
         if tuple(array.shape) != self.shape or array.dtype != self.dtype:
@@ -131,8 +153,14 @@ def buffer_for(tensor: Any, packer: Any) -> SavedBuffer:
         buffer = ref()
         if buffer is not None and buffer.packer is packer and buffer.holds(array):
             return buffer
-    buffer = SavedBuffer(array, packer)
+    buffer = pack_value(array, packer)
     tensor._saved_ref = weakref.ref(buffer)
+    return buffer
+
+
+def pack_value(array: Any, packer: Strategy) -> SavedBuffer:
+    """Store `array` under `packer`: the one place a saved buffer is made (and announced)."""
+    buffer = SavedBuffer(array, packer)
     if events.listeners:
         events.emit("pack", buffer)
         weakref.finalize(buffer, events.emit, "free", id(buffer))
@@ -141,8 +169,6 @@ def buffer_for(tensor: Any, packer: Any) -> SavedBuffer:
 
 def live_buffer_count() -> int:
     """How many saved buffers exist right now (slow: walks the heap; for tests and debugging)."""
-    import gc
-
     return sum(1 for o in gc.get_objects() if type(o) is SavedBuffer)
 
 
@@ -201,7 +227,7 @@ class _PackerStack(threading.local):
 _stack = _PackerStack()
 
 
-def current_packer() -> Any:
+def current_packer() -> Strategy:
     """The packer that new saved values go through right now."""
     items = _stack.items
     return items[-1] if items else KEEP
@@ -210,9 +236,10 @@ def current_packer() -> Any:
 @contextmanager
 def use_packer(packer: Any) -> Iterator[Any]:
     """Store every value saved inside the block with `packer` (innermost block wins)."""
-    if not (callable(getattr(packer, "pack", None)) and callable(getattr(packer, "unpack", None))):
+    if not isinstance(packer, Strategy):
         raise TypeError(
-            f"{packer!r} is not a packer: it needs pack(array) and unpack(packed) methods"
+            f"{packer!r} is not a packer: subclass checkpoint_ad.strategies.Strategy (alias "
+            "checkpoint_ad.Packer) and override pack(array) and unpack(stored)"
         )
     _stack.items.append(packer)
     try:

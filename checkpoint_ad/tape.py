@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import os
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,11 +24,11 @@ from typing import Any
 import numpy as np
 
 from . import events
-from .backend import namespace
+from .backend import broadcast_axes, namespace
 from .errors import DeviceError, InplaceError, ShapeError
 from .grad_mode import _state
-from .saved import KEEP, SavedSlot, buffer_for, current_packer
-from .tensor import Tensor, as_tensor
+from .saved import KeepAll, SavedSlot, Strategy, buffer_for, current_packer, freed_error
+from .tensor_base import TensorBase, as_tensor_like, make_tensor
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -112,13 +113,40 @@ class Primitive:
         """Apply to Tensors (recorded) or to raw arrays (just computed, as rules need)."""
         if self.variadic:
             items = args[0]
-            if not any(isinstance(a, Tensor) for a in items):
+            if not any(isinstance(a, TensorBase) for a in items):
                 return self.forward(namespace(items[0]), items, **attrs)
             return record(self, tuple(items), attrs)
         for a in args:
-            if isinstance(a, Tensor):
+            if isinstance(a, TensorBase):
                 return record(self, args, attrs)
         return self.forward(namespace(args[0]), *args, **attrs)
+
+    def backward(self, entry: Entry, grads: list[Any], create_graph: bool) -> list[Any]:
+        """Apply the recorded form's rules to the output gradient (one per argument)."""
+        g = grads[0]
+        if g is None:
+            return [None] * len(entry.edges)
+        values = unpack_saved(entry, create_graph)
+        form = entry.form
+        attrs = entry.attrs
+        if self.variadic:
+            rule = form.rules["xs"]
+            args = (tuple(values[f"x{i}"] for i in range(len(entry.edges))),) if rule.needs else ()
+            return [
+                rule.rule(g, i, *args, **attrs) if edge is not None else None
+                for i, edge in enumerate(entry.edges)
+            ]
+        results = []
+        for i, (name, edge) in enumerate(zip(self.args, entry.edges)):
+            rule = form.rules.get(name) if edge is not None else None
+            if rule is None:
+                results.append(None)
+                continue
+            grad = rule.rule(g, *[values[n] for n in rule.needs], **attrs)
+            if self.broadcasts and tuple(grad.shape) != entry.in_shapes[i]:
+                grad = _sum_to(grad, entry.in_shapes[i])
+            results.append(grad)
+        return results
 
 
 _sequence = itertools.count()
@@ -208,7 +236,19 @@ def _user_frame() -> tuple[Any, int]:
     return (frame.f_code, frame.f_lineno)
 
 
-active_tapes: list[Any] = []
+class _Tapes(threading.local):
+    """The explicit tapes (`GradientTape`) recording in this thread."""
+
+    def __init__(self) -> None:
+        self.items: list[Any] = []
+
+
+_tapes = _Tapes()
+
+
+def active_tapes() -> list[Any]:
+    """The `GradientTape`s recording in the calling thread (innermost last)."""
+    return _tapes.items
 
 
 def edge_of(tensor: Any) -> Any:
@@ -226,12 +266,44 @@ def _describe_inputs(tensors: Sequence[Any]) -> str:
     return ", ".join(f"{t.dtype}{list(t.shape)} on {t.device}" for t in tensors)
 
 
+def add_entry(
+    op: Any,
+    edges: tuple[Any, ...],
+    outputs: Sequence[Any],
+    attrs: dict[str, Any] = _NO_ATTRS,
+    save: Callable[[Entry, list[Any]], tuple[SavedSlot, ...]] | None = None,
+    counter: Any = None,
+) -> list[Any]:
+    """Append one entry to the tape and return its output tensors: the only way entries are
+    made, by primitives, custom functions and loops alike.
+
+    `op` has ``backward(entry, grads, create_graph)`` and a ``name``; `edges` are the inputs'
+    `edge_of`; `outputs` the result arrays (None for an absent output); `save(entry, results)`
+    returns the entry's saved slots; `counter` is the version counter a view shares.
+    """
+    entry = Entry(op, edges, attrs)
+    entry.out_meta = tuple(
+        ((), None) if a is None else (tuple(a.shape), a.dtype) for a in outputs
+    )
+    results = [
+        None if a is None else make_tensor(a, entry, i, counter) for i, a in enumerate(outputs)
+    ]
+    if save is not None:
+        entry.slots = save(entry, results)
+    tapes = _tapes.items
+    if tapes:
+        for tape in tapes:
+            tape._entries.append(entry)
+    if events.listeners:
+        events.emit("record", entry)
+    return results
+
+
 def record(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> Any:
-    """Run `prim` on Tensors and, when gradients are needed, append an entry to the tape."""
+    """Run `prim` on tensors and, when gradients are needed, append an entry to the tape."""
     for t in tensors:
-        if type(t) is not Tensor and not isinstance(t, Tensor):
-            tensors = tuple(t if isinstance(t, Tensor) else as_tensor(t, like=tensors)
-                            for t in tensors)
+        if not isinstance(t, TensorBase):
+            tensors = tuple(as_tensor_like(t, tensors) for t in tensors)
             break
     first = tensors[0]._data
     kind = type(first)
@@ -260,52 +332,39 @@ def record(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> 
         out = np.asarray(out)
     counter = tensors[0]._version if prim.view else None
     if not (requires_grad and prim.differentiable and _state.grad_enabled):
-        result = Tensor._wrap(out, counter=counter)
-        if prim.view:
-            base = tensors[0]._base
-            result._base = tensors[0] if base is None else base
+        result = make_tensor(out, counter=counter)
         if events.listeners:
             events.emit("apply", prim)
-        return result
+    else:
+        packer = current_packer()
+        if type(packer) is not KeepAll:
+            packer = packer.for_primitive(prim)
+        form = prim.forms[0] if type(packer) is KeepAll else packer.choose_form(prim)
 
-    entry = Entry(prim, tuple([edge_of(t) for t in tensors]), attrs or _NO_ATTRS)
-    result = Tensor._wrap(out, entry=entry, counter=counter)
+        def save(entry: Entry, results: list[Any]) -> tuple[SavedSlot, ...]:
+            entry.form = form
+            if prim.broadcasts:
+                entry.in_shapes = tuple(tuple(d.shape) for d in datas)
+            if prim.variadic:
+                if not form.rules["xs"].needs:
+                    return ()
+                return tuple(save_tensor(t, f"x{i}", packer, entry) for i, t in enumerate(tensors))
+            mask = tuple([t._requires_grad for t in tensors])
+            needed = _needs_cache.get((form, mask))
+            if needed is None:
+                needed = _needs_cache[(form, mask)] = _needed_values(prim, form, mask)
+            return tuple([
+                save_tensor(results[0], name, packer, entry, own=True)
+                if position < 0
+                else save_tensor(tensors[position], name, packer, entry)
+                for name, position in needed
+            ])
+
+        edges = tuple([edge_of(t) for t in tensors])
+        (result,) = add_entry(prim, edges, (out,), attrs or _NO_ATTRS, save, counter)
     if prim.view:
         base = tensors[0]._base
         result._base = tensors[0] if base is None else base
-    entry.out_meta = ((tuple(out.shape), out.dtype),)
-    if prim.broadcasts:
-        entry.in_shapes = tuple(tuple(d.shape) for d in datas)
-    packer = current_packer()
-    if packer is KEEP:
-        form = prim.forms[0]
-    else:
-        resolve = getattr(packer, "packer_for", None)
-        if resolve is not None:  # per-op policies pick a strategy for this primitive
-            packer = resolve(prim)
-        chooser = getattr(packer, "choose_form", None)
-        form = chooser(prim) if chooser is not None else prim.forms[0]
-    entry.form = form
-    if prim.variadic:
-        if form.rules["xs"].needs:
-            entry.slots = tuple(_save(t, f"x{i}", packer, entry) for i, t in enumerate(tensors))
-    else:
-        mask = tuple([t._requires_grad for t in tensors])
-        needed = _needs_cache.get((form, mask))
-        if needed is None:
-            needed = _needs_cache[(form, mask)] = _needed_values(prim, form, mask)
-        if needed:
-            entry.slots = tuple([
-                _save(result, name, packer, entry, own=True)
-                if position < 0
-                else _save(tensors[position], name, packer, entry)
-                for name, position in needed
-            ])
-    if active_tapes:
-        for tape in active_tapes:
-            tape._entries.append(entry)
-    if events.listeners:
-        events.emit("record", entry)
     return result
 
 
@@ -325,15 +384,63 @@ def _needed_values(
     return tuple((n, -1 if n == "out" else prim.args.index(n)) for n in sorted(names))
 
 
-def _save(tensor: Any, name: str, packer: Any, entry: Entry, own: bool = False) -> SavedSlot:
+def save_tensor(
+    tensor: Any, name: str, packer: Strategy, entry: Entry, own: bool = False
+) -> SavedSlot:
+    """Keep `tensor`'s value for `entry`'s backward through `packer` (`own`: it is one of the
+    entry's outputs, so its graph position is the output index)."""
     if tensor._inference:
         raise InplaceError(
             f"{entry.describe()} needs to save an inference tensor ({tensor.dtype}"
             f"{list(tensor.shape)}) for backward; tensors made under inference_mode() cannot be "
             "saved: compute it under no_grad() instead, or .clone() it outside inference_mode()"
         )
-    if tensor._entry is None and getattr(packer, "keeps_leaves", False):
-        packer = KEEP  # a leaf (parameter, input data) stays alive anyway: store a reference
+    if tensor._entry is None:
+        packer = packer.for_leaf()  # a parameter or input: the caller keeps it alive anyway
     buffer = buffer_for(tensor, packer)
     edge = tensor._index if own else edge_of(tensor)  # an int marks the entry's own output
     return SavedSlot(name, buffer, tensor._version, edge)
+
+
+
+
+def graph_tensor(array: Any, edge: Any) -> Any:
+    """A tensor holding an unpacked saved value, attached where the original sat in the graph
+    (so a rule run under create_graph is itself differentiated)."""
+    if edge is None:
+        return make_tensor(array)
+    node, index = edge
+    if type(node) is Entry:
+        return make_tensor(array, entry=node, index=index)
+    t = make_tensor(array)
+    t._requires_grad = True
+    t._leaf_target = node
+    return t
+
+
+def unpack_saved(entry: Entry, create_graph: bool) -> dict[str, Any]:
+    """Every saved value of `entry`, as arrays (or graph-attached tensors under create_graph)."""
+    if entry.slots is None:
+        raise freed_error(entry.describe())
+    values = {}
+    for slot in entry.slots:
+        array = slot.unpack(entry.describe)
+        if create_graph:
+            edge = (entry, slot.edge) if isinstance(slot.edge, int) else slot.edge
+            array = graph_tensor(array, edge)
+        values[slot.name] = array
+    return values
+
+
+def _sum_to(grad: Any, shape: tuple[int, ...]) -> Any:
+    """Undo broadcasting in a gradient: arrays, or tensors under create_graph."""
+    axes = broadcast_axes(shape, tuple(grad.shape))
+    if isinstance(grad, TensorBase):
+        return grad.sum(axis=axes, keepdims=True).reshape(shape)  # type: ignore[attr-defined]
+    xp = namespace(grad)
+    return xp.reshape(xp.sum(grad, axis=axes, keepdims=True), shape)
+
+
+def next_sequence() -> int:
+    """A number greater than every entry's recorded so far (entries made later are greater)."""
+    return next(_sequence)

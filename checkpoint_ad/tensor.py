@@ -1,4 +1,9 @@
-"""The user's value: an array plus what autograd needs to know about it."""
+"""The user's value: an array plus what autograd needs to know about it, and its operators.
+
+The state lives in `TensorBase` (tensor_base.py); this class adds what computes: Python
+operators and methods, each a call into the op tables (`checkpoint_ad.ops`), in-place updates
+guarded by version counters, and `backward`.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +12,16 @@ from typing import Any
 
 import numpy as np
 
-from .backend import device_name, is_array, is_floating, namespace, to_device
-from .errors import BackwardError, DTypeError, InplaceError
+from . import ops
+from .autograd import backward as _backward
+from .backend import device_name, is_array, namespace, resolve_dtype, to_device
+from .errors import InplaceError
 from .grad_mode import _state, no_grad
 from .saved import VersionCounter
+from .tensor_base import TensorBase, as_tensor_like, make_tensor
 
 
-class Tensor:
+class Tensor(TensorBase, made_by_engine=True):
     """An array that can record the operations applied to it for reverse-mode differentiation.
 
     Make one with `checkpoint_ad.tensor`. Results of operations on tensors that require grad
@@ -26,31 +34,9 @@ class Tensor:
     [2.0, 4.0, 6.0]
     """
 
-    __slots__ = (
-        "__weakref__",
-        "_base",
-        "_data",
-        "_entry",
-        "_index",
-        "_inference",
-        "_leaf_target",
-        "_requires_grad",
-        "_saved_ref",
-        "_version",
-        "grad",
-    )
+    __slots__ = ()
     __array_ufunc__ = None  # make numpy defer to our reflected operators
     __array_priority__ = 1000
-
-    _data: Any
-    _entry: Any
-    _index: int
-    _requires_grad: bool
-    _version: VersionCounter
-    _leaf_target: Tensor | None
-    _inference: bool
-    _base: Tensor | None
-    grad: Tensor | None
 
     def __init__(self, data: Any, requires_grad: bool = False) -> None:
         if not is_array(data):
@@ -61,152 +47,120 @@ class Tensor:
         self._init(data, None, 0, VersionCounter())
         self.requires_grad = requires_grad
 
-    def _init(self, data: Any, entry: Any, index: int, counter: VersionCounter) -> None:
-        self._data = data
-        self._entry = entry
-        self._index = index
-        self._requires_grad = entry is not None
-        self._version = counter
-        self._leaf_target = None
-        self._inference = _state.inference
-        self._base = None
-        self._saved_ref = None
-        self.grad = None
-
     @classmethod
     def _wrap(
         cls, data: Any, entry: Any = None, index: int = 0, counter: VersionCounter | None = None
     ) -> Tensor:
         """Fast internal constructor: no checks, optional shared version counter (views)."""
-        if isinstance(data, np.generic):  # numpy turns 0-d results into scalars
-            data = np.asarray(data)
-        t = object.__new__(cls)
-        t._init(data, entry, index, counter if counter is not None else VersionCounter())
-        return t
-
-    # ----------------------------------------------------------------- attributes
-    @property
-    def data(self) -> Any:
-        """The backend array (numpy or cupy). Changing it bypasses version checks."""
-        return self._data
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self._data.shape)
-
-    @property
-    def dtype(self) -> Any:
-        return self._data.dtype
-
-    @property
-    def ndim(self) -> int:
-        return self._data.ndim
+        return make_tensor(data, entry, index, counter)
 
     @property
     def size(self) -> int:
-        count = 1
-        for dim in self._data.shape:
-            count *= dim
-        return count
+        return self._element_count()
 
-    @property
-    def device(self) -> str:
-        return device_name(self._data)
+    # ----------------------------------------------------------------- operators
+    def __add__(self, other: Any) -> Tensor:
+        return ops.add(self, other)
 
-    @property
-    def requires_grad(self) -> bool:
-        return self._requires_grad
+    def __radd__(self, other: Any) -> Tensor:
+        return ops.add(other, self)
 
-    @requires_grad.setter
-    def requires_grad(self, value: bool) -> None:
-        if self._entry is not None and not value:
-            raise BackwardError(
-                "requires_grad can only be changed on leaf tensors; this tensor was computed "
-                f"by {self._entry.describe()}; use .detach() to get a tensor without history"
-            )
-        if value and not is_floating(self.dtype):
-            raise DTypeError(
-                f"only floating-point tensors can require gradients, got dtype {self.dtype}; "
-                "convert first, e.g. cad.tensor(x, dtype='float64')"
-            )
-        self._requires_grad = bool(value)
+    def __sub__(self, other: Any) -> Tensor:
+        return ops.subtract(self, other)
 
-    @property
-    def is_leaf(self) -> bool:
-        """True unless the tensor was produced by a recorded operation."""
-        return self._entry is None
+    def __rsub__(self, other: Any) -> Tensor:
+        return ops.subtract(other, self)
 
-    @property
-    def grad_fn(self) -> Any:
-        """The tape entry that produced this tensor (None for leaves)."""
-        return self._entry
+    def __mul__(self, other: Any) -> Tensor:
+        return ops.multiply(self, other)
 
-    @property
-    def version(self) -> int:
-        """How many in-place changes its storage has seen."""
-        return self._version.value
+    def __rmul__(self, other: Any) -> Tensor:
+        return ops.multiply(other, self)
 
-    # ----------------------------------------------------------------- conversions
-    def numpy(self) -> np.ndarray:
-        """The values as a numpy array (copied to the host for GPU tensors)."""
-        return to_device(self._data, "cpu")
+    def __truediv__(self, other: Any) -> Tensor:
+        return ops.divide(self, other)
 
-    def item(self) -> float:
-        if self.size != 1:
-            raise ValueError(
-                f"item() needs a tensor with exactly one element, this one has shape "
-                f"{list(self.shape)}; index or reduce it first (e.g. .sum())"
-            )
-        return self.numpy().reshape(()).item()
+    def __rtruediv__(self, other: Any) -> Tensor:
+        return ops.divide(other, self)
 
-    def tolist(self) -> Any:
-        return self.numpy().tolist()
+    def __pow__(self, other: Any) -> Tensor:
+        return ops.power(self, other)
 
-    def detach(self) -> Tensor:
-        """The same storage without history: shares the version counter."""
-        t = Tensor._wrap(self._data, counter=self._version)
-        t._base = self
-        return t
+    def __rpow__(self, other: Any) -> Tensor:
+        return ops.power(other, self)
+
+    def __matmul__(self, other: Any) -> Tensor:
+        return ops.matmul(self, other)
+
+    def __rmatmul__(self, other: Any) -> Tensor:
+        return ops.matmul(other, self)
+
+    def __neg__(self) -> Tensor:
+        return ops.negative(self)
+
+    def __pos__(self) -> Tensor:
+        return self
+
+    def __abs__(self) -> Tensor:
+        return ops.abs(self)
+
+    def __getitem__(self, index: Any) -> Tensor:
+        return ops.getitem(self, index)
+
+    __lt__ = ops.less
+    __le__ = ops.less_equal
+    __gt__ = ops.greater
+    __ge__ = ops.greater_equal
+    __eq__ = ops.equal  # type: ignore[assignment]  # elementwise, as in numpy
+    __ne__ = ops.not_equal  # type: ignore[assignment]
+    __and__ = ops.logical_and
+    __or__ = ops.logical_or
+    __invert__ = ops.logical_not
+    __hash__ = TensorBase.__hash__
+
+    T = property(ops.transpose, doc="The axes reversed.")
+    mT = property(ops.matrix_transpose, doc="The last two axes swapped.")
+
+    # ----------------------------------------------------------------- methods
+    exp = ops.exp
+    log = ops.log
+    sin = ops.sin
+    cos = ops.cos
+    tanh = ops.tanh
+    sigmoid = ops.sigmoid
+    relu = ops.relu
+    sqrt = ops.sqrt
+    abs = ops.abs
+    clip = ops.clip
+    sum = ops.sum
+    mean = ops.mean
+    max = ops.max
+    min = ops.min
+    reshape = ops.reshape
+    transpose = ops.transpose
+    expand_dims = ops.expand_dims
+    squeeze = ops.squeeze
+    matmul = ops.matmul
+    softmax = ops.softmax
+    log_softmax = ops.log_softmax
+    logsumexp = ops.logsumexp
+    astype = ops.astype
 
     def clone(self) -> Tensor:
         """A copy with its own storage, still differentiable."""
-        from .ops import elementwise
-
-        return elementwise.copy(self)
+        return ops.copy(self)
 
     def to(self, device: str) -> Tensor:
         """This tensor on `device` ('cpu' or 'cuda[:N]'); differentiable."""
-        from .ops import elementwise
-
         if device == self.device or (device == "cuda" and self.device == "cuda:0"):
             return self
-        return elementwise.to_device(self, device)
+        return ops.to_device(self, device)
 
     def cpu(self) -> Tensor:
         return self.to("cpu")
 
     def cuda(self) -> Tensor:
         return self.to("cuda")
-
-    def requires_grad_(self, requires_grad: bool = True) -> Tensor:
-        self.requires_grad = requires_grad
-        return self
-
-    def retain_grad(self) -> Tensor:
-        """Fill `.grad` of this non-leaf tensor during `backward()` as for leaves."""
-        if self._entry is None:
-            if not self._requires_grad:
-                raise BackwardError(
-                    "retain_grad() on a tensor that does not require grad has no effect; "
-                    "set requires_grad=True on it or on the tensors it is computed from"
-                )
-            return self
-        import weakref
-
-        if self._entry.retained is None:
-            self._entry.retained = {}
-        self._entry.retained[self._index] = weakref.ref(self)
-        return self
 
     def backward(
         self,
@@ -215,9 +169,7 @@ class Tensor:
         create_graph: bool = False,
     ) -> None:
         """Accumulate d(self)/d(leaf) into `.grad` of every leaf that requires grad."""
-        from .autograd import backward
-
-        backward(self, gradient, retain_graph=retain_graph, create_graph=create_graph)
+        _backward(self, gradient, retain_graph=retain_graph, create_graph=create_graph)
 
     # ----------------------------------------------------------------- in-place
     def _tracked(self, other: Any) -> bool:
@@ -267,16 +219,12 @@ class Tensor:
         return self._inplace("div_", lambda s: s / other, other)
 
     def zero_(self) -> Tensor:
-        from .ops import elementwise
-
-        return self._inplace("zero_", elementwise.zeros_like)
+        return self._inplace("zero_", ops.zeros_like)
 
     def copy_(self, src: Any) -> Tensor:
-        from .ops import elementwise, shape
-
         def compute(s: Tensor) -> Tensor:
-            value = as_tensor(src, like=(s,))
-            return shape.broadcast_to(elementwise.astype(value, s.dtype), s.shape)
+            value = as_tensor_like(src, like=(s,))
+            return ops.broadcast_to(ops.astype(value, s.dtype), s.shape)
 
         return self._inplace("copy_", compute, src)
 
@@ -286,9 +234,7 @@ class Tensor:
     __itruediv__ = div_
 
     def __setitem__(self, index: Any, value: Any) -> None:
-        from .ops import shape
-
-        self._inplace("x[index] = value", lambda s: shape.setitem(s, index, value), value)
+        self._inplace("x[index] = value", lambda s: ops.setitem(s, index, value), value)
 
     # ----------------------------------------------------------------- display
     def __repr__(self) -> str:
@@ -307,9 +253,9 @@ class Tensor:
         return self.shape[0]
 
     def __bool__(self) -> bool:
-        if self.size != 1:
+        if self._element_count() != 1:
             raise ValueError(
-                f"the truth value of a tensor with {self.size} elements is ambiguous; "
+                f"the truth value of a tensor with {self._element_count()} elements is ambiguous; "
                 "use .any()/.all() style reductions or compare .item()"
             )
         return bool(self.item())
@@ -321,20 +267,6 @@ class Tensor:
         for i in range(len(self)):
             yield self[i]
 
-    __hash__ = object.__hash__
-
-
-def _default_float(xp: Any) -> Any:
-    return xp.float32
-
-
-def _resolve_dtype(xp: Any, dtype: Any) -> Any:
-    if dtype is None or not isinstance(dtype, str):
-        return dtype
-    resolved = getattr(xp, dtype, None)
-    if resolved is None:
-        raise DTypeError(f"unknown dtype {dtype!r} for {xp.__name__}; use e.g. 'float32'")
-    return resolved
 
 
 def tensor(
@@ -366,9 +298,9 @@ def tensor(
             data = to_device(data, device)
         xp = namespace(data)
         if dtype is not None:
-            data = xp.astype(data, _resolve_dtype(xp, dtype))
+            data = xp.astype(data, resolve_dtype(xp, dtype))
     else:
-        host = np.asarray(data, dtype=_resolve_dtype(np, dtype) or np.float32)
+        host = np.asarray(data, dtype=resolve_dtype(np, dtype) or np.float32)
         data = to_device(host, device or "cpu")
     return Tensor(data, requires_grad=requires_grad)
 
@@ -376,72 +308,8 @@ def tensor(
 def as_tensor(value: Any, like: Sequence[Any] = ()) -> Tensor:
     """`value` as a Tensor; Python scalars take the dtype and device of the first tensor in
     `like` so that `x * 2` keeps x's float32."""
-    if isinstance(value, Tensor):
-        return value
-    ref = next((t for t in like if isinstance(t, Tensor)), None)
-    if ref is None:
-        return tensor(value)
-    ref_data = ref._data
-    if type(ref_data) is np.ndarray and isinstance(value, (int, float)) and not isinstance(
-        value, bool
-    ):  # the common `x * 2.0` on numpy: skip the generic path
-        if ref_data.dtype.kind == "f" or isinstance(value, int):
-            return Tensor._wrap(np.asarray(value, dtype=ref_data.dtype))
-        return Tensor._wrap(np.asarray(value))
-    if is_array(value) or isinstance(value, np.generic):
-        data = np.asarray(value) if isinstance(value, np.generic) else value
-        return Tensor._wrap(data)
-    xp = namespace(ref._data)
-    if isinstance(value, bool) or (not is_floating(ref.dtype) and isinstance(value, float)):
-        return Tensor._wrap(xp.asarray(value, device=getattr(ref._data, "device", None)))
-    try:
-        data = xp.asarray(value, dtype=ref.dtype, device=getattr(ref._data, "device", None))
-    except TypeError:  # namespaces without a device keyword
-        data = xp.asarray(value, dtype=ref.dtype)
-    return Tensor._wrap(data)
-
-
-def _install_operators() -> None:
-    """Tensor operators delegate to the public op functions (defined in checkpoint_ad.ops)."""
-    from . import ops
-
-    def binary(fn: Any) -> tuple[Any, Any]:
-        return (lambda a, b: fn(a, b)), (lambda a, b: fn(b, a))
-
-    pairs = {
-        "add": ops.add,
-        "sub": ops.subtract,
-        "mul": ops.multiply,
-        "truediv": ops.divide,
-        "pow": ops.power,
-        "matmul": ops.matmul,
-    }
-    for name, fn in pairs.items():
-        forward, reflected = binary(fn)
-        setattr(Tensor, f"__{name}__", forward)
-        setattr(Tensor, f"__r{name}__", reflected)
-    Tensor.__neg__ = lambda a: ops.negative(a)  # type: ignore[attr-defined]
-    Tensor.__pos__ = lambda a: a  # type: ignore[attr-defined]
-    Tensor.__abs__ = lambda a: ops.abs(a)  # type: ignore[attr-defined]
-    comparisons = {
-        "lt": ops.less,
-        "le": ops.less_equal,
-        "gt": ops.greater,
-        "ge": ops.greater_equal,
-        "eq": ops.equal,
-        "ne": ops.not_equal,
-    }
-    for name, fn in comparisons.items():
-        setattr(Tensor, f"__{name}__", fn)
-    Tensor.__and__ = lambda a, b: ops.logical_and(a, b)  # type: ignore[attr-defined]
-    Tensor.__or__ = lambda a, b: ops.logical_or(a, b)  # type: ignore[attr-defined]
-    Tensor.__invert__ = lambda a: ops.logical_not(a)  # type: ignore[attr-defined]
-    Tensor.__getitem__ = lambda a, index: ops.getitem(a, index)  # type: ignore[attr-defined]
-    Tensor.T = property(lambda a: ops.transpose(a))  # type: ignore[attr-defined]
-    Tensor.mT = property(lambda a: ops.matrix_transpose(a))  # type: ignore[attr-defined]
-    methods = (
-        "exp log sin cos tanh sigmoid relu sqrt abs clip sum mean max min reshape transpose "
-        "expand_dims squeeze matmul softmax log_softmax logsumexp astype"
-    )
-    for name in methods.split():
-        setattr(Tensor, name, getattr(ops, name))
+    if isinstance(value, TensorBase):
+        return value  # type: ignore[return-value]
+    if any(isinstance(t, TensorBase) for t in like):
+        return as_tensor_like(value, like)
+    return tensor(value)

@@ -18,6 +18,7 @@ from ..errors import CheckpointADError
 from ..nn import Module, Parameter
 from ..ops import stack
 from ..ops import sum as reduce_sum
+from ..pytree import index_tree, tree_length
 from ..tensor import Tensor
 
 Step = Callable[[Any, Any], tuple[Any, Any]]
@@ -52,38 +53,6 @@ def check_config(config: Any, positive: Sequence[str], non_negative: Sequence[st
             f"{name}.dtype must be a floating dtype such as 'float32' or 'float64', "
             f"got {config.dtype!r}"
         )
-
-
-def index_tree(xs: Any, i: int) -> Any:
-    """Row `i` of every tensor in a tensor, tuple/list or dict of tensors (None stays None)."""
-    if xs is None:
-        return None
-    if isinstance(xs, dict):
-        return {key: index_tree(value, i) for key, value in xs.items()}
-    if isinstance(xs, (tuple, list)):
-        return type(xs)(index_tree(value, i) for value in xs)
-    return xs[i]
-
-
-def tree_length(xs: Any) -> int:
-    """The leading-axis length shared by the tensors in `xs` (None entries are skipped)."""
-    lengths = set(_leaf_lengths(xs))
-    if len(lengths) != 1:
-        raise ModelConfigError(
-            "scanned inputs must hold at least one tensor and share their leading axis "
-            f"length, got lengths {sorted(lengths)}"
-        )
-    return lengths.pop()
-
-
-def _leaf_lengths(xs: Any) -> list[int]:
-    if xs is None:
-        return []
-    if isinstance(xs, dict):
-        xs = list(xs.values())
-    if isinstance(xs, (tuple, list)):
-        return [n for value in xs for n in _leaf_lengths(value)]
-    return [len(xs)]
 
 
 def python_loop(step: Step, carry: Any, xs: Any) -> tuple[Any, list[Any]]:

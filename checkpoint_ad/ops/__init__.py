@@ -38,7 +38,7 @@ from .elementwise import (
     zeros_like,
 )
 from .linalg import einsum, matmul
-from .nn import log_softmax, logsumexp, softmax
+from .normalizing import log_softmax, logsumexp, softmax
 from .reductions import max, mean, min, sum
 from .shape import (
     broadcast_to,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..backend import device_name, namespace, resolve_dtype
 from ..backend import to_device as _move
 from ..tape import define, vjp
 
@@ -215,11 +216,8 @@ def copy(x: Any) -> Any:
 
 def astype(x: Any, dtype: Any) -> Any:
     """x converted to `dtype`; gradients are converted back."""
-    from ..backend import namespace
-    from ..tensor import _resolve_dtype
-
     data = getattr(x, "_data", x)
-    dtype = _resolve_dtype(namespace(data), dtype)
+    dtype = resolve_dtype(namespace(data), dtype)
     if data.dtype == dtype:
         return x
     return ASTYPE(x, dtype=dtype, source=data.dtype)
@@ -227,8 +225,6 @@ def astype(x: Any, dtype: Any) -> Any:
 
 def to_device(x: Any, device: str) -> Any:
     """x moved to `device`; gradients move back."""
-    from ..backend import device_name
-
     return TO_DEVICE(x, device=device, source=device_name(getattr(x, "_data", x)))
 
 

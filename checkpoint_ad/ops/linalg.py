@@ -7,6 +7,7 @@ from typing import Any
 
 from ..errors import ShapeError
 from ..tape import define, vjp
+from ..tensor_base import TensorBase, as_tensor_like
 from .shape import broadcast_to, expand_dims, matrix_transpose, reshape, squeeze
 
 
@@ -60,9 +61,8 @@ EINSUM = define("einsum", _einsum_forward, "xs", [{"xs": vjp("xs", _einsum_rule)
 
 def matmul(a: Any, b: Any) -> Any:
     """Matrix product with numpy's rules: batch dimensions broadcast, 1-d operands are vectors."""
-    from ..tensor import as_tensor
-
-    a, b = as_tensor(a, like=(a, b)), as_tensor(b, like=(a, b))
+    if isinstance(a, TensorBase) or isinstance(b, TensorBase):
+        a, b = as_tensor_like(a, like=(a, b)), as_tensor_like(b, like=(a, b))
     if a.ndim == 0 or b.ndim == 0:
         raise ShapeError("matmul does not take 0-d tensors; use * for scaling")
     if a.shape[-1] != (b.shape[0] if b.ndim == 1 else b.shape[-2]):

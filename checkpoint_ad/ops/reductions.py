@@ -8,17 +8,9 @@ from typing import Any
 
 from ..tape import define, vjp
 from .elementwise import ones_like, where, zeros_like
-from .shape import broadcast_to, normalize_axes, reshape
+from .shape import SUM, broadcast_to, kept_shape, normalize_axes, reshape, unreduce
 
-
-def kept_shape(source: tuple[int, ...], axis: tuple[int, ...]) -> tuple[int, ...]:
-    """`source` with the reduced axes kept as size 1."""
-    return tuple(1 if i in axis else d for i, d in enumerate(source))
-
-
-def unreduce(g: Any, source: tuple[int, ...], axis: tuple[int, ...]) -> Any:
-    """Spread a reduced gradient back over the reduced axes."""
-    return broadcast_to(reshape(g, kept_shape(source, axis)), source)
+__all__ = ["SUM", "kept_shape", "max", "mean", "min", "sum", "unreduce"]
 
 
 def _extreme_rule(g: Any, x: Any, out: Any, *, axis: Any, keepdims: Any, source: Any) -> Any:
@@ -29,10 +21,6 @@ def _extreme_rule(g: Any, x: Any, out: Any, *, axis: Any, keepdims: Any, source:
     return where(hit, broadcast_to(share, source), zeros_like(x))
 
 
-SUM = define("sum", lambda xp, x, *, axis, keepdims, source: xp.sum(
-    x, axis=axis, keepdims=keepdims), "x", [
-    {"x": vjp("", lambda g, *, axis, keepdims, source: unreduce(g, source, axis))},
-])
 MEAN = define("mean", lambda xp, x, *, axis, keepdims, source: xp.mean(
     x, axis=axis, keepdims=keepdims), "x", [
     {"x": vjp("", lambda g, *, axis, keepdims, source: unreduce(g, source, axis)

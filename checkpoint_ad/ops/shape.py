@@ -6,9 +6,12 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from ..backend import has_array_index, namespace, scatter_add
+import numpy as np
+
+from ..backend import broadcast_axes, has_array_index, namespace, scatter_add
 from ..errors import ShapeError
 from ..tape import define, vjp
+from ..tensor_base import TensorBase, as_tensor_like
 from .elementwise import zeros_like
 
 
@@ -177,18 +180,30 @@ def broadcast_to(x: Any, shape: Sequence[int]) -> Any:
 
 def sum_to(g: Any, shape: Sequence[int]) -> Any:
     """Sum `g` down to `shape`: the adjoint of broadcasting `shape` up to g's shape."""
-    from .reductions import sum as reduce_sum
-
     shape = tuple(shape)
     g_shape = tuple(_data(g).shape)
     if g_shape == shape:
         return g
-    lead = len(g_shape) - len(shape)
-    axes = tuple(range(lead)) + tuple(
-        i + lead for i, d in enumerate(shape) if d == 1 and g_shape[i + lead] != 1
-    )
-    return reshape(reduce_sum(g, axis=axes, keepdims=True), shape)
+    axes = broadcast_axes(shape, g_shape)
+    return reshape(SUM(g, axis=axes, keepdims=True, source=g_shape), shape)
 
+
+# Summing is broadcasting's adjoint and the other way round, so the two primitives live in one
+# table; the public reductions (`sum`, `mean`, ...) are in reductions.py.
+def kept_shape(source: tuple[int, ...], axis: tuple[int, ...]) -> tuple[int, ...]:
+    """`source` with the reduced axes kept as size 1."""
+    return tuple(1 if i in axis else d for i, d in enumerate(source))
+
+
+def unreduce(g: Any, source: tuple[int, ...], axis: tuple[int, ...]) -> Any:
+    """Spread a reduced gradient back over the reduced axes."""
+    return broadcast_to(reshape(g, kept_shape(source, axis)), source)
+
+
+SUM = define("sum", lambda xp, x, *, axis, keepdims, source: xp.sum(
+    x, axis=axis, keepdims=keepdims), "x", [
+    {"x": vjp("", lambda g, *, axis, keepdims, source: unreduce(g, source, axis))},
+])
 
 def _normalize_index(index: Any) -> Any:
     parts = index if isinstance(index, tuple) else (index,)
@@ -196,8 +211,6 @@ def _normalize_index(index: Any) -> Any:
     for p in parts:
         p = getattr(p, "_data", p)
         if isinstance(p, list):
-            import numpy as np
-
             p = np.asarray(p)
         fixed.append(p)
     return tuple(fixed) if isinstance(index, tuple) else fixed[0]
@@ -225,11 +238,9 @@ def scatter(g: Any, index: Any, shape: Sequence[int]) -> Any:
 
 def setitem(x: Any, index: Any, value: Any) -> Any:
     """A copy of x with x[index] = value (the out-of-place form of item assignment)."""
-    from ..tensor import Tensor, as_tensor
-
     index = _normalize_index(index)
-    if isinstance(x, Tensor):
-        value = as_tensor(value, like=(x,))
+    if isinstance(x, TensorBase):
+        value = as_tensor_like(value, like=(x,))
     return SETITEM(x, value, index=index, v_shape=tuple(_data(value).shape))
 
 

@@ -1,27 +1,33 @@
 """Storage strategies and checkpointing plans for the tape.
 
-Storage strategies decide how each saved value is kept (`KeepAll`, `StoreInputs`,
+Saved-value strategies decide how each saved value is kept (`KeepAll`, `StoreInputs`,
 `StoreOutputs`, `Quantized`, per-op `Policy`, or your own `Strategy` subclass); loop strategies
-decide how a `scan` is checkpointed (`Binomial`, `Periodic`, `Recompute`). Apply either kind with
-``checkpoint_ad.use(strategy)`` or a ``strategy=`` argument.
+decide how a `scan` is checkpointed (`Binomial`, `Periodic`, `Recompute`); `Recompute` is also
+the region strategy of `checkpoint`. The kinds and their contracts are in `kinds.py`. Apply any
+of them with ``checkpoint_ad.use(strategy)`` or a ``strategy=`` argument.
 """
 
-from .base import KeepAll, StoreInputs, StoreOutputs, Strategy
+from . import revolve
+from .base import StoreInputs, StoreOutputs
+from .kinds import KeepAll, LoopStrategy, RegionStrategy, Strategy
+from .loop_strategies import Binomial, Periodic
 from .policy import Policy
 from .quantized import Quantized
 from .recompute import Recompute, RecomputeError, checkpoint, checkpoint_sequential
 from .revolve import binomial_plan, optimal_evaluations, periodic_plan, simulate_plan
-from .scan import Binomial, Periodic, scan
+from .scan import scan
 from .scope import current_loop_strategy, use
 
 __all__ = [
     "Binomial",
     "KeepAll",
+    "LoopStrategy",
     "Periodic",
     "Policy",
     "Quantized",
     "Recompute",
     "RecomputeError",
+    "RegionStrategy",
     "Strategy",
     "StoreInputs",
     "StoreOutputs",
@@ -31,6 +37,7 @@ __all__ = [
     "current_loop_strategy",
     "optimal_evaluations",
     "periodic_plan",
+    "revolve",
     "scan",
     "simulate_plan",
     "use",

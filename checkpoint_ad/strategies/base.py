@@ -1,52 +1,17 @@
-"""The storage-strategy contract and the strategies that only choose what to keep.
+"""The saved-value strategies that only choose which values to keep.
 
-A strategy is a small frozen dataclass with:
-
-- ``pack(array) -> stored`` and ``unpack(stored) -> array``: ``unpack(pack(a))`` has a's shape,
-  dtype and device, and equals a exactly when ``lossless`` is True;
-- ``stored_nbytes(stored) -> int``: the bytes the stored form really holds;
-- ``choose_form(primitive) -> Form``: which backward form (what the rule reads: inputs, output,
-  both) a primitive records under this strategy.
-
-Apply one to a region with ``with checkpoint_ad.use(strategy):`` (innermost wins), or pass
-``strategy=`` to `checkpoint` and `scan`.
+The contract every saved-value strategy follows is the engine's `Strategy` (defined next to
+the saving path in `checkpoint_ad/saved.py`, documented with the other kinds in `kinds.py`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
 
-from ..backend import nbytes
+from ..saved import KeepAll, Strategy
 from ..tape import Form, Primitive
 
-
-@dataclass(frozen=True)
-class Strategy:
-    """Keep every saved value as it is, recording each primitive's preferred form.
-
-    Subclass it and override `pack`/`unpack`/`stored_nbytes` (and `lossless`) to change how
-    values are stored, or `choose_form` to change which values are saved.
-    """
-
-    lossless: ClassVar[bool] = True
-
-    def pack(self, array: Any) -> Any:
-        return array
-
-    def unpack(self, stored: Any) -> Any:
-        return stored
-
-    def stored_nbytes(self, stored: Any) -> int:
-        return nbytes(stored)
-
-    def choose_form(self, prim: Primitive) -> Form:
-        return prim.forms[0]
-
-
-@dataclass(frozen=True)
-class KeepAll(Strategy):
-    """Save what each rule needs, as is: the reference every other strategy is compared to."""
+__all__ = ["KeepAll", "StoreInputs", "StoreOutputs", "Strategy"]
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ class Policy(Strategy):
 
     lossless: ClassVar[bool] = False
 
-    def packer_for(self, prim: Primitive) -> Strategy:
+    def for_primitive(self, prim: Primitive) -> Strategy:
         strategy = self._cache.get(prim.name)
         if strategy is None:
             strategy = self._resolve(prim, self.decide(prim))
@@ -51,7 +51,7 @@ class Policy(Strategy):
         return named[answer]
 
     def choose_form(self, prim: Primitive) -> Form:
-        return self.packer_for(prim).choose_form(prim)
+        return self.for_primitive(prim).choose_form(prim)
 
 
 _SAVE = KeepAll()

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..backend import is_floating, nbytes
-from .base import Strategy
+from ..saved import KEEP, Strategy
 from .quantize import QuantizationError, QuantizedArray, dequantize, quantize, worth_quantizing
 
 
@@ -39,7 +39,6 @@ class Quantized(Strategy):
     stochastic: bool = False
     seed: int | None = None
     lossless: ClassVar[bool] = False
-    keeps_leaves: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         if self.bits not in (8, 4, 2):
@@ -48,6 +47,9 @@ class Quantized(Strategy):
             raise QuantizationError(
                 f"Quantized(group_size={self.group_size!r}): group_size must be a positive int"
             )
+
+    def for_leaf(self) -> Strategy:
+        return KEEP  # the caller holds parameters and inputs anyway: quantizing saves nothing
 
     def pack(self, array: Any) -> Any:
         if not is_floating(array.dtype) or not worth_quantizing(array, self.group_size):

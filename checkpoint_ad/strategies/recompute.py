@@ -18,11 +18,13 @@ from typing import Any
 import numpy as np
 
 from .. import events
+from ..backend import to_device
 from ..errors import CheckpointADError
 from ..grad_mode import enable_grad, is_grad_enabled
-from ..saved import SavedSlot, buffer_for, current_packer, use_packer
+from ..saved import SavedSlot, Strategy, buffer_for, current_packer, use_packer
 from ..tensor import Tensor
-from .base import Strategy
+from .kinds import LoopStrategy, RegionStrategy
+from .revolve import Plan, periodic_plan
 
 
 class RecomputeError(CheckpointADError, RuntimeError):
@@ -30,15 +32,21 @@ class RecomputeError(CheckpointADError, RuntimeError):
 
 
 @dataclass(frozen=True)
-class Recompute(Strategy):
+class Recompute(RegionStrategy, LoopStrategy):
     """Keep only a region's inputs; recompute its saved values during backward.
 
-    With ``debug=True`` the first run also keeps a copy of every saved value and the recompute
-    checks that each one comes back equal (costly: for finding non-determinism).
+    As the strategy of a `scan`, every step is such a region: only the carries are kept, and
+    each step is re-run with its tape when the backward sweep reaches it (the periodic plan
+    with a period of one step). With ``debug=True`` the first run of a `checkpoint` region
+    also keeps a copy of every saved value and the recompute checks that each one comes back
+    equal (costly: for finding non-determinism).
     """
 
     debug: bool = False
-    is_loop_strategy = True
+    storage: Strategy | None = None
+
+    def plan(self, n_steps: int) -> Plan:
+        return periodic_plan(n_steps, 1)
 
     def __repr__(self) -> str:
         return f"Recompute(debug={self.debug})" if self.debug else "Recompute()"
@@ -52,8 +60,10 @@ class _Handle:
         self.index = index
 
 
-class RegionPacker:
+class RegionPacker(Strategy):
     """Stands in for the saved values of one re-runnable region (or one step of a loop)."""
+
+    lossless = True
 
     def __init__(self, region: Any, key: int, choose: Any) -> None:
         self.region = region
@@ -112,12 +122,10 @@ class RegionPacker:
 
 
 def _same(a: Any, b: Any) -> bool:
-    from ..backend import to_device
-
     return bool(np.array_equal(to_device(a, "cpu"), to_device(b, "cpu"), equal_nan=True))
 
 
-class Collector:
+class Collector(Strategy):
     """A packer that keeps values and remembers them in order (used while re-running)."""
 
     def __init__(self, choose: Any) -> None:
@@ -150,8 +158,7 @@ class _Region:
         self.args = [self._keep(a, outer) for a in args]
         self.kwargs = {k: self._keep(v, outer) for k, v in kwargs.items()}
         self.rng = _random_state()
-        chooser = getattr(outer, "choose_form", None)
-        self.packer = RegionPacker(self, 0, chooser)
+        self.packer = RegionPacker(self, 0, outer.choose_form)
 
     def _keep(self, value: Any, packer: Any) -> Any:
         if not isinstance(value, Tensor):

@@ -7,7 +7,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from ..saved import use_packer
+from ..saved import Strategy, use_packer
+from .kinds import LoopStrategy
 
 
 class _LoopStack(threading.local):
@@ -18,7 +19,7 @@ class _LoopStack(threading.local):
 _loops = _LoopStack()
 
 
-def current_loop_strategy() -> Any:
+def current_loop_strategy() -> LoopStrategy | None:
     """The innermost loop strategy (`Binomial`, `Periodic`...) in effect, or None."""
     return _loops.items[-1] if _loops.items else None
 
@@ -35,12 +36,17 @@ def use(strategy: Any) -> Iterator[Any]:
     >>> with cad.use(cad.strategies.Quantized(bits=8)):
     ...     pass
     """
-    if getattr(strategy, "is_loop_strategy", False):
+    if isinstance(strategy, LoopStrategy):
         _loops.items.append(strategy)
         try:
             yield strategy
         finally:
             _loops.items.pop()
         return
+    if not isinstance(strategy, Strategy):
+        raise TypeError(
+            f"use() takes a strategy (a saved-value Strategy such as Quantized(8), or a loop "
+            f"strategy such as Binomial(8)), got {strategy!r}; see checkpoint_ad.strategies.kinds"
+        )
     with use_packer(strategy):
         yield strategy

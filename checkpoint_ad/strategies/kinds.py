@@ -1,0 +1,70 @@
+"""The three kinds of strategy, and what the engine asks of each.
+
+- A **saved-value strategy** (`Strategy`) decides how each value a backward rule needs is
+  kept: which form a primitive records (`choose_form`), how a value is stored (`pack` /
+  `unpack` / `stored_nbytes`), whether that is exact (`lossless`). The tape calls it for every
+  saved value. Built-ins: `KeepAll`, `StoreInputs`, `StoreOutputs`, `Quantized`, `Policy`.
+- A **loop strategy** (`LoopStrategy`) decides how a `scan` is checkpointed: `plan(n)` gives
+  the plan (frozen actions, see `revolve.py`) that the loop executor runs, and `storage` the
+  saved-value strategy its snapshots are kept with. Built-ins: `Binomial`, `Periodic`,
+  `Recompute`.
+- A **region strategy** (`RegionStrategy`) decides what `checkpoint(fn, ...)` does with a
+  region: today `Recompute`, which keeps only the region's inputs and re-runs it in backward.
+
+`use(strategy)` dispatches on these types; nothing is asked with attribute probes.
+
+A saved-value strategy of your own, in five lines:
+
+>>> from dataclasses import dataclass
+>>> import checkpoint_ad as cad
+>>> @dataclass(frozen=True)
+... class Float16(cad.strategies.Strategy):
+...     lossless = False
+...     def pack(self, array): return array.astype("float16"), array.dtype
+...     def unpack(self, stored): return stored[0].astype(stored[1])
+>>> x = cad.tensor([1.0, 2.0], requires_grad=True)
+>>> with cad.use(Float16()):
+...     y = cad.tanh(x).sum()
+
+A loop strategy of your own (every step's carry kept: the plan of a store-all schedule):
+
+>>> @dataclass(frozen=True)
+... class StoreEveryCarry(cad.strategies.LoopStrategy):
+...     storage: cad.strategies.Strategy | None = None
+...     def plan(self, n_steps):
+...         return cad.strategies.revolve.store_all_plan(n_steps)
+>>> w = cad.tensor(0.5, requires_grad=True)
+>>> carry, _ = cad.scan(lambda h, x: (h * w + x, None), cad.tensor(0.0),
+...                     xs=cad.tensor([1.0, 2.0]), strategy=StoreEveryCarry())
+
+A region strategy is used by `checkpoint(fn, *args, strategy=...)`; `Recompute(debug=True)`
+is the built-in one that also checks every recomputed value against the first run.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..saved import KeepAll, Strategy
+
+if TYPE_CHECKING:
+    from .revolve import Plan
+
+__all__ = ["KeepAll", "LoopStrategy", "RegionStrategy", "Strategy"]
+
+
+class LoopStrategy:
+    """How a `scan` loop is checkpointed: a plan over its steps, and snapshot storage.
+
+    Subclasses are frozen dataclasses with a `storage` field (a `Strategy`, or None to keep
+    snapshots as they are) and a `plan(n_steps)` method returning a `revolve.Plan`.
+    """
+
+    storage: Strategy | None = None
+
+    def plan(self, n_steps: int) -> Plan:
+        raise NotImplementedError(f"{type(self).__name__} must define plan(n_steps)")
+
+
+class RegionStrategy:
+    """What `checkpoint(fn, ...)` does with a region of code (see `Recompute`)."""

@@ -1,0 +1,114 @@
+"""One loop, step by step: calling the user's step function over pytrees of tensors, checking
+that it keeps its structure, and splitting and stacking the scanned inputs and outputs.
+
+Both the plain (keep-every-step) loop and the plan executor run steps through `StepLoop`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ShapeError
+from ..function import Function
+from ..grad_mode import is_grad_enabled
+from ..ops import stack
+from ..pytree import flatten, unflatten
+from ..tensor import Tensor
+
+
+class _Unstack(Function):
+    """Split a tensor along its first axis; the backward stacks the pieces' gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> tuple[Tensor, ...]:
+        return tuple(Tensor._wrap(x._data[t]) for t in range(x.shape[0]))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> Tensor:
+        return stack(list(grads), axis=0)
+
+
+@dataclass
+class StepLoop:
+    step: Callable[[Any, Any], Any]
+    carry_spec: Any
+    xs_leaves: list[Any]
+    xs_spec: Any
+    n: int
+    y_spec: Any = None
+    evaluations: int = 0
+
+    def x_at(self, t: int) -> Any:
+        """The scanned input of step t, without history (for re-runs under a plan)."""
+        if self.xs_spec is None:
+            return None
+        parts = [None if x is None else Tensor._wrap(x._data[t]) for x in self.xs_leaves]
+        return unflatten(self.xs_spec, iter(parts))
+
+    def all_x(self) -> list[Any]:
+        """Every step's input, split off xs by one differentiable operation per leaf (so the
+        backward stacks the step gradients once instead of scattering into xs at every step)."""
+        if self.xs_spec is None:
+            return [None] * self.n
+        per_leaf = []
+        for x in self.xs_leaves:
+            if x is None:
+                per_leaf.append([None] * self.n)
+            elif x.requires_grad and is_grad_enabled():
+                per_leaf.append(list(_Unstack.apply(x)))
+            else:
+                per_leaf.append([Tensor._wrap(x._data[t]) for t in range(self.n)])
+        return [unflatten(self.xs_spec, iter(row)) for row in zip(*per_leaf)]
+
+    def call(self, t: int, carry_leaves: list[Any], x: Any) -> tuple[list[Any], list[Any]]:
+        self.evaluations += 1
+        carry, y = self._checked(self.step(unflatten(self.carry_spec, iter(carry_leaves)), x), t)
+        new_leaves, spec = flatten(carry)
+        if spec != self.carry_spec:
+            raise ShapeError(
+                f"scan: step {t} returned a carry structured as {spec}, but the initial carry "
+                f"is {self.carry_spec}; the carry must keep its structure"
+            )
+        y_leaves, y_spec = flatten(y)
+        if self.y_spec is None:
+            self.y_spec = y_spec
+        elif y_spec != self.y_spec:
+            raise ShapeError(f"scan: step {t} returned outputs structured as {y_spec}, "
+                             f"step 0 as {self.y_spec}; every step must return the same structure")
+        return new_leaves, y_leaves
+
+    @staticmethod
+    def _checked(result: Any, t: int) -> tuple[Any, Any]:
+        if not isinstance(result, tuple) or len(result) != 2:
+            raise TypeError(f"scan: step must return (carry, y); step {t} returned {result!r:.80}")
+        return result
+
+
+def stack_outputs(per_step: list[list[Any]]) -> list[Any]:
+    """Each output leaf stacked over the steps (None leaves stay None)."""
+    return [None if c[0] is None else stack(c, axis=0) for c in columns(per_step)]
+
+
+def columns(per_step: list[list[Any]]) -> list[list[Any]]:
+    if not per_step:
+        return []
+    return [[ys[k] for ys in per_step] for k in range(len(per_step[0]))]
+
+
+def loop_length(xs_leaves: list[Any], length: int | None) -> int:
+    sizes = {x.shape[0] for x in xs_leaves if x is not None and x.ndim > 0}
+    if len(sizes) > 1:
+        raise ShapeError(f"scan: xs leaves have different leading lengths {sorted(sizes)}")
+    if length is not None:
+        if not isinstance(length, int) or length < 0:
+            raise ValueError(f"scan: length must be a non-negative int, got {length!r}")
+        if sizes and sizes != {length}:
+            raise ShapeError(f"scan: length={length} but xs has leading length {sizes.pop()}")
+        return length
+    if not sizes:
+        raise ValueError("scan needs xs with a leading axis to scan over, or length=")
+    return sizes.pop()
+
+

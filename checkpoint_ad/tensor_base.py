@@ -1,0 +1,211 @@
+"""What autograd knows about a value: its array, version counter, and the entry that made it.
+
+`TensorBase` holds that state and nothing that computes. Its one subclass made by the engine,
+`Tensor` (tensor.py), adds the operators and methods, which call the op tables; the tape and
+the op tables make results with `make_tensor`, so they depend on this module and never on
+tensor.py. That split is what keeps the engine free of an import cycle.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+
+from .backend import device_name, is_array, is_floating, namespace, to_device
+from .errors import BackwardError, DTypeError
+from .grad_mode import _state
+from .saved import VersionCounter
+
+
+class TensorBase:
+    """The state of a tensor; see `checkpoint_ad.Tensor` for the user-facing class."""
+
+    __slots__ = (
+        "__weakref__",
+        "_base",
+        "_data",
+        "_entry",
+        "_hooks",
+        "_index",
+        "_inference",
+        "_leaf_target",
+        "_requires_grad",
+        "_saved_ref",
+        "_version",
+        "grad",
+    )
+
+    _made_by_engine: ClassVar[type[TensorBase]]
+
+    _data: Any
+    _entry: Any
+    _index: int
+    _requires_grad: bool
+    _version: VersionCounter
+    _leaf_target: TensorBase | None
+    _inference: bool
+    _base: TensorBase | None
+    _hooks: list[Any] | None
+    grad: Any
+
+    def __init_subclass__(cls, made_by_engine: bool = False, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if made_by_engine:
+            TensorBase._made_by_engine = cls
+
+    def _init(self, data: Any, entry: Any, index: int, counter: VersionCounter) -> None:
+        self._data = data
+        self._entry = entry
+        self._index = index
+        self._requires_grad = entry is not None
+        self._version = counter
+        self._leaf_target = None
+        self._inference = _state.inference
+        self._base = None
+        self._saved_ref = None
+        self._hooks = None
+        self.grad = None
+
+    # ----------------------------------------------------------------- attributes
+    @property
+    def data(self) -> Any:
+        """The backend array (numpy or cupy). Changing it bypasses version checks."""
+        return self._data
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._data.shape)
+
+    @property
+    def dtype(self) -> Any:
+        return self._data.dtype
+
+    @property
+    def ndim(self) -> int:
+        return self._data.ndim
+
+    @property
+    def device(self) -> str:
+        return device_name(self._data)
+
+    @property
+    def requires_grad(self) -> bool:
+        return self._requires_grad
+
+    @requires_grad.setter
+    def requires_grad(self, value: bool) -> None:
+        if self._entry is not None and not value:
+            raise BackwardError(
+                "requires_grad can only be changed on leaf tensors; this tensor was computed "
+                f"by {self._entry.describe()}; use .detach() to get a tensor without history"
+            )
+        if value and not is_floating(self.dtype):
+            raise DTypeError(
+                f"only floating-point tensors can require gradients, got dtype {self.dtype}; "
+                "convert first, e.g. cad.tensor(x, dtype='float64')"
+            )
+        self._requires_grad = bool(value)
+
+    @property
+    def is_leaf(self) -> bool:
+        """True unless the tensor was produced by a recorded operation."""
+        return self._entry is None
+
+    @property
+    def grad_fn(self) -> Any:
+        """The tape entry that produced this tensor (None for leaves)."""
+        return self._entry
+
+    @property
+    def version(self) -> int:
+        """How many in-place changes its storage has seen."""
+        return self._version.value
+
+    def _element_count(self) -> int:
+        count = 1
+        for dim in self._data.shape:
+            count *= dim
+        return count
+
+    # ----------------------------------------------------------------- conversions
+    def numpy(self) -> np.ndarray:
+        """The values as a numpy array (copied to the host for GPU tensors)."""
+        return to_device(self._data, "cpu")
+
+    def item(self) -> float:
+        if self._element_count() != 1:
+            raise ValueError(
+                f"item() needs a tensor with exactly one element, this one has shape "
+                f"{list(self.shape)}; index or reduce it first (e.g. .sum())"
+            )
+        return self.numpy().reshape(()).item()
+
+    def tolist(self) -> Any:
+        return self.numpy().tolist()
+
+    def detach(self) -> Any:
+        """The same storage without history: shares the version counter."""
+        t = make_tensor(self._data, counter=self._version)
+        t._base = self
+        return t
+
+    def requires_grad_(self, requires_grad: bool = True) -> Any:
+        self.requires_grad = requires_grad
+        return self
+
+    def retain_grad(self) -> Any:
+        """Fill `.grad` of this non-leaf tensor during `backward()` as for leaves."""
+        if self._entry is None:
+            if not self._requires_grad:
+                raise BackwardError(
+                    "retain_grad() on a tensor that does not require grad has no effect; "
+                    "set requires_grad=True on it or on the tensors it is computed from"
+                )
+            return self
+        if self._entry.retained is None:
+            self._entry.retained = {}
+        self._entry.retained[self._index] = weakref.ref(self)
+        return self
+
+    __hash__ = object.__hash__
+
+
+def make_tensor(
+    data: Any, entry: Any = None, index: int = 0, counter: VersionCounter | None = None
+) -> Any:
+    """A `Tensor` over `data` with no checks (the engine's constructor); views pass the
+    version counter they share."""
+    if isinstance(data, np.generic):  # numpy turns 0-d results into scalars
+        data = np.asarray(data)
+    t = object.__new__(TensorBase._made_by_engine)
+    t._init(data, entry, index, counter if counter is not None else VersionCounter())
+    return t
+
+
+def as_tensor_like(value: Any, like: Sequence[Any]) -> Any:
+    """`value` as a tensor; Python scalars take the dtype and device of the first tensor in
+    `like` (which must hold one), so that `x * 2` keeps x's float32."""
+    if isinstance(value, TensorBase):
+        return value
+    ref = next(t for t in like if isinstance(t, TensorBase))
+    ref_data = ref._data
+    if type(ref_data) is np.ndarray and isinstance(value, (int, float)) and not isinstance(
+        value, bool
+    ):  # the common `x * 2.0` on numpy: skip the generic path
+        if ref_data.dtype.kind == "f" or isinstance(value, int):
+            return make_tensor(np.asarray(value, dtype=ref_data.dtype))
+        return make_tensor(np.asarray(value))
+    if is_array(value) or isinstance(value, np.generic):
+        return make_tensor(np.asarray(value) if isinstance(value, np.generic) else value)
+    xp = namespace(ref_data)
+    device = getattr(ref_data, "device", None)
+    if isinstance(value, bool) or (not is_floating(ref.dtype) and isinstance(value, float)):
+        return make_tensor(xp.asarray(value, device=device))
+    try:
+        data = xp.asarray(value, dtype=ref.dtype, device=device)
+    except TypeError:  # namespaces without a device keyword
+        data = xp.asarray(value, dtype=ref.dtype)
+    return make_tensor(data)
