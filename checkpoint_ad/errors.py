@@ -37,3 +37,38 @@ class GradcheckError(CheckpointADError, AssertionError):
 
 class StrategyConfigError(CheckpointADError, ValueError):
     """A strategy was built with arguments that cannot work (caught when it is built)."""
+
+
+class ScheduleError(CheckpointADError, ValueError):
+    """A plan cannot be made or is not valid for the loop it is meant to reverse."""
+
+
+class PlanInvariantError(ScheduleError):
+    """A plan broke an invariant during :func:`simulate_plan`; says which action and which rule."""
+
+    def __init__(self, index: int, action: object, invariant: str, detail: str) -> None:
+        self.index = index
+        self.action = action  # None for a check at the end of the plan
+        self.invariant = invariant
+        where = (
+            f"the end of the plan (after {index} actions)"
+            if action is None
+            else f"action {index} {action!r}"
+        )
+        super().__init__(f"{where} breaks invariant '{invariant}': {detail}")
+
+
+class QuantizationError(CheckpointADError, ValueError):
+    """Quantization was asked for something it cannot do (bad bits, group size or dtype)."""
+
+
+class RecomputeError(CheckpointADError, RuntimeError):
+    """Re-running a checkpointed region did not reproduce what its first run saved."""
+
+
+class ModelConfigError(CheckpointADError, ValueError):
+    """A model was asked for with an unknown name, an unknown option, or a bad size or dtype."""
+
+
+class UnknownModelError(ModelConfigError):
+    """`build` was given a name that is not in `MODELS`."""

@@ -16,15 +16,12 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from . import events
 from .backend import is_array
 from .backend import nbytes as array_nbytes
 from .errors import BackwardError, SavedValueModifiedError
-
-if TYPE_CHECKING:
-    from .tape import Form, Primitive
 
 
 class Strategy:
@@ -51,10 +48,11 @@ class Strategy:
         """Bytes the stored form holds; None counts it as the value's own size."""
         return array_nbytes(stored) if is_array(stored) else None
 
-    def choose_form(self, prim: Primitive) -> Form:
+    def choose_form(self, prim: Any) -> Any:
+        """The backward form (a `tape.Form`) that primitive `prim` records."""
         return prim.forms[0]
 
-    def for_primitive(self, prim: Primitive) -> Strategy:
+    def for_primitive(self, prim: Any) -> Strategy:
         return self
 
     def for_leaf(self) -> Strategy:

@@ -138,3 +138,36 @@ def test_peak_agrees_with_tracemalloc_on_a_1000_step_rnn():
     # the tape's saved values are nearly all of it; the rest is tape entries (about 0.7 kB
     # each) and the small tensors of the loss sum: within 10%
     assert prof.peak_tape_bytes == pytest.approx(independent, rel=0.10)
+
+
+def _planned_loop(strategy, n=20, hidden=64):
+    w = cad.tensor(np.eye(hidden) * 0.5, requires_grad=True)
+    h0 = cad.tensor(np.ones((1, hidden)), requires_grad=True)  # float64 carry: hidden*8 bytes
+    xs = cad.tensor(np.zeros((n, 1, hidden)))
+    with cad.profile(model="loop") as prof:
+        carry, _ = cad.scan(lambda h, x: (cad.tanh(h @ w + x), None), h0, xs, strategy=strategy)
+        carry.sum().backward()
+    return prof
+
+
+@pytest.mark.parametrize("snapshots", [2, 4])
+def test_a_planned_scan_lists_its_snapshots_as_saved_values_of_its_entry(snapshots):
+    prof = _planned_loop(Binomial(snapshots))
+    carry_bytes = 64 * 8
+    snaps = [r for r in prof.records if r.op == "scan[binomial]"]
+    assert snaps, "the loop's own entry reached the profiler"
+    assert all(r.role.startswith("snapshot") and r.stored_bytes == carry_bytes for r in snaps)
+    assert 1 <= len(snaps) <= snapshots
+    assert all("test_profiler.py" in r.origin for r in snaps)  # the scan call line
+    # snapshots count in the live tape bytes, so the peak is at least what the plan holds
+    assert prof.peak_tape_bytes >= len(snaps) * carry_bytes
+    assert prof.timeline_bytes[-1] == 0
+    assert prof.recomputed_primitives > 0
+
+
+def test_snapshot_storage_shows_in_stored_bytes():
+    plain = _planned_loop(Binomial(4), hidden=512)
+    packed = _planned_loop(Binomial(4, storage=Quantized(bits=8)), hidden=512)
+    plain_bytes = sum(r.stored_bytes for r in plain.records if r.op == "scan[binomial]")
+    packed_bytes = sum(r.stored_bytes for r in packed.records if r.op == "scan[binomial]")
+    assert 0 < packed_bytes < 0.5 * plain_bytes

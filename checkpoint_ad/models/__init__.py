@@ -16,16 +16,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
-from .base import ModelConfigError, UnrolledModel, python_loop
+from ..errors import ModelConfigError, UnknownModelError
+from .base import UnrolledModel, python_loop
 from .heat import HeatConfig, make_heat
 from .lstm import LSTMConfig, make_lstm
 from .neural_ode import NeuralODEConfig, make_neural_ode
 from .residual_mlp import ResidualMLPConfig, make_residual_mlp
 from .rnn import RNNConfig, make_rnn
-
-
-class UnknownModelError(ModelConfigError):
-    """`build` was given a name that is not in `MODELS`."""
 
 
 @dataclass(frozen=True)

@@ -14,19 +14,15 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CheckpointADError
+from ..errors import ModelConfigError
 from ..nn import Module, Parameter
 from ..ops import stack
 from ..ops import sum as reduce_sum
 from ..pytree import index_tree, tree_length
-from ..tensor import Tensor
+from ..tensor import Tensor, tensor
 
 Step = Callable[[Any, Any], tuple[Any, Any]]
 Loop = Callable[[Step, Any, Any], tuple[Any, Any]]
-
-
-class ModelConfigError(CheckpointADError, ValueError):
-    """A model was asked for with an unknown name, an unknown option, or a bad size or dtype."""
 
 
 def check_config(config: Any, positive: Sequence[str], non_negative: Sequence[str] = ()) -> None:
@@ -125,8 +121,6 @@ class UnrolledModel(Module):
 
     def _constant(self, array: np.ndarray) -> Tensor:
         """A non-trainable tensor in the model's dtype and device."""
-        from ..tensor import tensor
-
         return tensor(array, dtype=self.config.dtype, device=self.config.device)
 
     def _parameter(self, array: np.ndarray) -> Parameter:

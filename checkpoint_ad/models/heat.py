@@ -16,10 +16,11 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import ModelConfigError
 from ..ops import sigmoid
 from ..ops import sum as reduce_sum
 from ..tensor import Tensor
-from .base import ModelConfigError, UnrolledModel, check_config, total
+from .base import UnrolledModel, check_config, total
 
 
 @dataclass(frozen=True)

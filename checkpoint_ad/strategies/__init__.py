@@ -7,13 +7,14 @@ the region strategy of `checkpoint`. The kinds and their contracts are in `kinds
 of them with ``checkpoint_ad.use(strategy)`` or a ``strategy=`` argument.
 """
 
+from ..errors import RecomputeError
 from . import revolve
 from .base import StoreInputs, StoreOutputs
 from .kinds import KeepAll, LoopStrategy, RegionStrategy, Strategy
 from .loop_strategies import Binomial, Periodic
 from .policy import Policy
 from .quantized import Quantized
-from .recompute import Recompute, RecomputeError, checkpoint, checkpoint_sequential
+from .recompute import Recompute, checkpoint, checkpoint_sequential
 from .revolve import binomial_plan, optimal_evaluations, periodic_plan, simulate_plan
 from .scan import scan
 from .scope import current_loop_strategy, use

@@ -43,12 +43,8 @@ is the built-in one that also checks every recomputed value against the first ru
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ..saved import KeepAll, Strategy
-
-if TYPE_CHECKING:
-    from .revolve import Plan
+from .revolve import Plan
 
 __all__ = ["KeepAll", "LoopStrategy", "RegionStrategy", "Strategy"]
 

@@ -69,6 +69,7 @@ import array_api_compat
 import numpy as np
 
 from ..backend import namespace
+from ..errors import QuantizationError
 
 ALLOWED_BITS = (8, 4, 2)
 MIN_WORTH_BYTES = 256  # below one float32 group of 64 the metadata and bookkeeping dominate
@@ -77,10 +78,6 @@ _CPU_BLOCK_ELEMENTS = 2**16  # 256 KiB of float32 per temporary: stays in a core
 _TRANSPOSE_MAX_COLUMNS = 128  # see _group_min_max
 
 Array = Any
-
-
-class QuantizationError(ValueError):
-    """Quantization was asked for something it cannot do (bad bits, group size or dtype)."""
 
 
 @dataclass(frozen=True, eq=False, repr=False)

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..backend import is_floating, nbytes
+from ..errors import QuantizationError
 from ..saved import KEEP, Strategy
-from .quantize import QuantizationError, QuantizedArray, dequantize, quantize, worth_quantizing
+from .quantize import QuantizedArray, dequantize, quantize, worth_quantizing
 
 
 @dataclass(frozen=True)

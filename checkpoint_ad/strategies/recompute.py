@@ -19,16 +19,12 @@ import numpy as np
 
 from .. import events
 from ..backend import to_device
-from ..errors import CheckpointADError
+from ..errors import RecomputeError
 from ..grad_mode import enable_grad, is_grad_enabled
 from ..saved import SavedSlot, Strategy, buffer_for, current_packer, use_packer
 from ..tensor import Tensor
 from .kinds import LoopStrategy, RegionStrategy
 from .revolve import Plan, periodic_plan
-
-
-class RecomputeError(CheckpointADError, RuntimeError):
-    """Re-running a checkpointed region did not reproduce what its first run saved."""
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,8 @@ from typing import Any, ClassVar, overload
 
 import numpy as np
 
+from ..errors import PlanInvariantError, ScheduleError
+
 __all__ = [
     "Action",
     "Snapshot",
@@ -64,25 +66,6 @@ __all__ = [
     "optimal_evaluations",
     "simulate_plan",
 ]
-
-
-class ScheduleError(ValueError):
-    """A plan cannot be made or is not valid for the loop it is meant to reverse."""
-
-
-class PlanInvariantError(ScheduleError):
-    """A plan broke an invariant during :func:`simulate_plan`; says which action and which rule."""
-
-    def __init__(self, index: int, action: object, invariant: str, detail: str) -> None:
-        self.index = index
-        self.action = action  # None for a check at the end of the plan
-        self.invariant = invariant
-        where = (
-            f"the end of the plan (after {index} actions)"
-            if action is None
-            else f"action {index} {action!r}"
-        )
-        super().__init__(f"{where} breaks invariant '{invariant}': {detail}")
 
 
 # --------------------------------------------------------------------------------------------
