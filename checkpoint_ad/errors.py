@@ -62,3 +62,7 @@ class SweepFormatError(FileFormatError):
 class OutputError(CheckpointADError, OSError):
     """A file cannot be written where asked: a symlink in the way, a name that would leave its
     folder, or the operating system refused (read-only, full, over a size limit)."""
+
+
+class SweepConfigError(CheckpointADError, ValueError):
+    """A sweep was asked to run with arguments it cannot use (e.g. repeats below 1)."""
