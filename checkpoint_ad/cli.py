@@ -65,9 +65,9 @@ def _output_folder(folder: Path) -> Iterator[Path]:
     created = [p for p in [folder, *folder.parents] if not p.exists()]
     try:
         check_writable(folder)
-    except OutputError as exc:
+    except OutputError:
         _remove_empty(created)
-        raise UsageError(f"cannot write to output folder {str(folder)!r}: {exc}") from exc
+        raise
     try:
         yield folder
     except BaseException:

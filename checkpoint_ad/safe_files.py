@@ -33,9 +33,11 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # absent on Windows, where links need 
 
 def safe_name(text: str) -> str:
     """`text` as one file-name component: runs of characters other than letters, digits and
-    ``. _ + = -`` become ``_``, and leading dots and underscores go (no ``..``, no hidden file).
+    ``. _ + = -`` (and runs of dots) become ``_``, and leading dots and underscores go (no
+    ``..``, no hidden file).
     """
-    name = _UNSAFE.sub("_", str(text)).lstrip("._")
+    name = re.sub(r"\.\.+", "_", _UNSAFE.sub("_", str(text)))  # no ".." anywhere
+    name = re.sub(r"__+", "_", name).lstrip("._")
     if not name:
         raise OutputError(f"{text!r} leaves nothing usable as a file name; give it a name with "
                           "letters or digits")
@@ -129,8 +131,12 @@ def check_writable(folder: str | Path) -> Path:
     is touched, and it is removed at once.
     """
     folder = Path(folder)
-    _make_folder(folder)
-    descriptor, probe = _open_new(folder, "write-test")
+    try:
+        _make_folder(folder)
+        descriptor, probe = _open_new(folder, "write-test")
+    except OutputError as exc:
+        raise OutputError(f"cannot write to folder {str(folder)!r}: "
+                          f"{exc.__cause__.strerror or exc.__cause__}") from exc.__cause__
     os.close(descriptor)
     probe.unlink()
     return folder
