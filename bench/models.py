@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from .measure import measure, time_median
-from .rnn import strategy_from_spec, untaped_steps
+from .rnn import preset_strategies, untaped_steps
 
 
 def _model(params: dict) -> Any:
@@ -44,19 +44,22 @@ class _Floor:
 
 
 class _Engine:
-    def __init__(self, model: Any, strategy: Any) -> None:
+    def __init__(self, model: Any, strategy: Any, storage: Any) -> None:
         import checkpoint_ad as cad
 
         self.cad = cad
         self.model = model
         self.strategy = strategy
+        self.storage = storage
 
     def loop(self, step: Any, init: Any, xs: Any) -> tuple[Any, Any]:
         return self.cad.scan(step, init, xs, strategy=self.strategy)
 
     def run(self) -> None:
         self.clear()
-        self.model.run(loop=self.loop).backward()
+        with self.cad.use(self.storage):
+            loss = self.model.run(loop=self.loop)
+        loss.backward()
 
     def forward_untaped(self) -> None:
         with self.cad.no_grad():
@@ -75,12 +78,13 @@ def numpy_floor(params: dict, threads: int) -> dict[str, Any]:
 
 def engine(params: dict, threads: int) -> dict[str, Any]:
     model = _model(params)
-    strategy = strategy_from_spec(params["strategy"])
-    work = _Engine(model, strategy)
+    strategy, storage = preset_strategies(params["strategy"], model.n_steps)
+    work = _Engine(model, strategy, storage)
     reference = [r.astype(np.float64) for r in model.numpy_reference_loss_and_grads()[1]]
     result = measure(work, params["repeats"], traced=True, check=lambda: {
         "grad_error": _grad_error([p.grad.numpy() for p in model.params], reference)})
-    extras: dict[str, Any] = dict(params["sizes"]) | {"strategy": repr(strategy)}
+    extras: dict[str, Any] = dict(params["sizes"]) | {
+        "strategy": f"{params['strategy']}: loop {strategy!r}, storage {storage!r}"}
     if isinstance(strategy, work.cad.strategies.LoopStrategy):
         extras["untaped_steps"] = untaped_steps(strategy, model.n_steps)
         forward = time_median(work.forward_untaped, params["repeats"])

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from checkpoint_ad.safe_files import write_text
+
 from .suite import DESCRIPTIONS, EXTRA_COLUMNS
 from .table import Row, block_table, blocks, markdown_table, text_table
 from .targets import Target
@@ -109,12 +111,10 @@ def render_markdown(meta: dict[str, Any], rows: Sequence[Row], targets: Sequence
 
 def write(folder: Path, stem: str, meta: dict[str, Any], rows: Sequence[Row],
           targets: Sequence[Target]) -> list[Path]:
-    """Write ``<stem>.json`` and ``<stem>.md`` into `folder`; returns their paths."""
-    folder.mkdir(parents=True, exist_ok=True)
+    """Write ``<stem>.json`` and ``<stem>.md`` into `folder` (atomically, never through a
+    link: `checkpoint_ad.safe_files`); returns their paths."""
     data = {"meta": meta, "rows": [r.to_dict() for r in rows],
             "targets": [t.to_dict() for t in targets]}
-    json_path = folder / f"{stem}.json"
-    json_path.write_text(json.dumps(data, indent=1, default=str) + "\n")
-    md_path = folder / f"{stem}.md"
-    md_path.write_text(render_markdown(meta, rows, targets))
+    json_path = write_text(folder / f"{stem}.json", json.dumps(data, indent=1, default=str) + "\n")
+    md_path = write_text(folder / f"{stem}.md", render_markdown(meta, rows, targets))
     return [json_path, md_path]

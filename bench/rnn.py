@@ -77,22 +77,14 @@ def numpy_floor(params: dict, threads: int) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------ engine
-def strategy_from_spec(spec: dict) -> Any:
-    """The engine's strategy for a spec such as ``{"kind": "binomial", "snapshots": 16}``."""
-    from checkpoint_ad import strategies
+def preset_strategies(name: str, steps: int) -> tuple[Any, Any]:
+    """(loop strategy, storage strategy) of the checkpoint preset `name` (``"revolve-16"``,
+    ``"every-8"``, ``"int8"``...) for a loop of `steps` steps: the same presets the CLI,
+    sweeps and notebooks read, through `checkpoint_ad.presets.load_preset`."""
+    from checkpoint_ad.presets import load_preset
 
-    kind = spec["kind"]
-    if kind == "keep-all":
-        return None
-    if kind == "periodic":
-        return strategies.Periodic(spec["every"])
-    if kind == "recompute":
-        return strategies.Recompute()
-    if kind == "binomial":
-        return strategies.Binomial(spec["snapshots"])
-    if kind == "quantized":
-        return strategies.Quantized(bits=spec["bits"])
-    raise ValueError(f"unknown strategy kind {kind!r}")
+    preset = load_preset(name)
+    return preset.loop_strategy(steps), preset.storage_strategy
 
 
 def untaped_steps(strategy: Any, steps: int) -> int:
@@ -114,7 +106,7 @@ def untaped_steps(strategy: Any, steps: int) -> int:
 
 
 class _Engine:
-    def __init__(self, arrays: dict[str, np.ndarray], strategy: Any) -> None:
+    def __init__(self, arrays: dict[str, np.ndarray], strategy: Any, storage: Any = None) -> None:
         import checkpoint_ad as cad
 
         self.cad = cad
@@ -122,6 +114,7 @@ class _Engine:
         self.xs = cad.tensor(arrays["xs"])
         self.h0 = cad.tensor(arrays["h0"])
         self.strategy = strategy
+        self.storage = storage if storage is not None else cad.strategies.KeepAll()
 
     def step(self, h: Any, x: Any) -> tuple[Any, Any]:
         h = self.cad.tanh(h @ self.W + x @ self.U + self.b)
@@ -129,7 +122,8 @@ class _Engine:
 
     def run(self) -> None:
         self.clear()
-        _, ys = self.cad.scan(self.step, self.h0, self.xs, strategy=self.strategy)
+        with self.cad.use(self.storage):
+            _, ys = self.cad.scan(self.step, self.h0, self.xs, strategy=self.strategy)
         self.cad.sum(ys).backward()
 
     def forward_untaped(self) -> None:
@@ -147,15 +141,16 @@ def engine(params: dict, threads: int) -> dict[str, Any]:
     import checkpoint_ad as cad
 
     arrays = data(params)
-    strategy = strategy_from_spec(params["strategy"])
-    work = _Engine(arrays, strategy)
+    strategy, storage = preset_strategies(params["strategy"], params["steps"])
+    work = _Engine(arrays, strategy, storage)
     reference = _reference(arrays)
     result = measure(work, params["repeats"], traced=True,
                      check=lambda: {"grad_error": _grad_error(work.grads(), reference)})
     steps = params["steps"]
-    extras: dict[str, Any] = _sizes(params) | {"strategy": repr(strategy)}
-    if params["strategy"]["kind"] == "binomial":
-        extras["snapshots"] = params["strategy"]["snapshots"]
+    extras: dict[str, Any] = _sizes(params) | {"strategy": f"{params['strategy']}: loop "
+                                                f"{strategy!r}, storage {storage!r}"}
+    if isinstance(strategy, cad.strategies.Binomial):
+        extras["snapshots"] = strategy.snapshots
     extras["carry_bytes"] = params["batch"] * params["hidden"] * np.dtype(DTYPE).itemsize
     if isinstance(strategy, cad.strategies.LoopStrategy):
         extras["untaped_steps"] = untaped_steps(strategy, steps)

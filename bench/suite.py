@@ -106,18 +106,17 @@ def _rnn(sizes: dict[str, Any]) -> list[Job]:
         case = f"T={steps}"
         segments = max(1, round(math.sqrt(steps)))
 
-        def engine(name: str, role: str = "", p: dict = params, c: str = case,
-                   **spec: Any) -> Job:
-            return Job("rnn", c, f"engine {name}", "rnn:engine", p | {"strategy": spec}, role)
+        def engine(name: str, preset: str, role: str = "", p: dict = params,
+                   c: str = case) -> Job:
+            return Job("rnn", c, f"engine {name}", "rnn:engine", p | {"strategy": preset}, role)
 
         jobs += [
             Job("rnn", case, "numpy floor (by hand)", "rnn:numpy_floor", params, "floor"),
-            engine("keep-all", "keep-all", kind="keep-all"),
-            engine(f"periodic every {segments} (√T)", kind="periodic", every=segments),
-            engine("recompute per step", kind="recompute"),
-            *(engine(f"binomial s={s}", kind="binomial", snapshots=s)
-              for s in sizes["snapshots"] if s < steps),
-            *(engine(f"int{b}", kind="quantized", bits=b) for b in sizes["bits"]),
+            engine("keep-all", "keep-all", "keep-all"),
+            engine(f"periodic every {segments} (√T)", f"every-{segments}"),
+            engine("recompute per step", "recompute"),
+            *(engine(f"binomial s={s}", f"revolve-{s}") for s in sizes["snapshots"] if s < steps),
+            *(engine(f"int{b}", f"int{b}") for b in sizes["bits"]),
             Job("rnn", case, "torch eager", "rnn:torch_rnn", params | {"mode": "eager"},
                 "torch", "torch"),
             Job("rnn", case, f"torch checkpoint_sequential ({segments} seg)", "rnn:torch_rnn",
@@ -138,16 +137,16 @@ def _model(bench: str, model: str, sizes: dict[str, Any]) -> list[Job]:
     case = ", ".join(f"{k}={v}" for k, v in sizes["sizes"].items())
     s = max(2, round(math.sqrt(n)))
 
-    def engine(name: str, role: str = "", **spec: Any) -> Job:
-        return Job(bench, case, f"engine {name}", "models:engine", params | {"strategy": spec},
-                   role)
+    def engine(name: str, preset: str, role: str = "") -> Job:
+        return Job(bench, case, f"engine {name}", "models:engine",
+                   params | {"strategy": preset}, role)
 
     return [
         Job(bench, case, "numpy reference (by hand)", "models:numpy_floor", params, "floor"),
-        engine("keep-all", "keep-all", kind="keep-all"),
-        engine(f"binomial s={s} (√n)", kind="binomial", snapshots=s),
-        engine("recompute per step", kind="recompute"),
-        engine("int8", kind="quantized", bits=8),
+        engine("keep-all", "keep-all", "keep-all"),
+        engine(f"binomial s={s} (√n)", f"revolve-{s}"),
+        engine("recompute per step", "recompute"),
+        engine("int8", "int8"),
     ]
 
 

@@ -1,26 +1,33 @@
 """The `checkpoint-ad` command line: a thin face over sweeps, the profiler, plots and presets.
 
-Bad input (unknown model or preset, negative sizes, malformed preset files, an output folder
-that cannot be written) ends with one line on stderr and exit status 2, never a traceback.
+Exit status: 0 done; 2 bad input or an error checkpoint-ad reports on purpose (unknown model or
+preset, bad sizes, a malformed file, an output folder that cannot be written, out of memory),
+as one line on stderr; 130 interrupted (Ctrl-C); 1 an unexpected error, which is a bug: its
+traceback is printed so it can be reported.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from .errors import CheckpointADError
+from .errors import CheckpointADError, OutputError, UsageError
+from .safe_files import check_writable, child
 
 # sizes of the main job: about a minute for the default sweep on a laptop-class CPU
 DEFAULT_SIZES = {"rnn": {"steps": 256, "batch": 32, "input_size": 32, "hidden": 128}}
+RUNS_DIR = Path("profiles") / "runs"  # where a sweep writes when no --out is given
+EXIT_OK, EXIT_BUG, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_CODES = ("exit status: 0 done; 2 bad input or a reported error (one line on stderr); "
+              "130 interrupted; 1 an unexpected error (a bug: the traceback is shown)")
 
-
-class UsageError(CheckpointADError, ValueError):
-    """A command-line argument the library would reject later, caught early."""
+__all__ = ["UsageError", "main"]  # UsageError lives in errors.py; kept importable from here
 
 
 def _sizes(model: str, pairs: Sequence[str]) -> dict[str, Any]:
@@ -39,36 +46,69 @@ def _sizes(model: str, pairs: Sequence[str]) -> dict[str, Any]:
     return sizes
 
 
-def _out_folder(out: str | None, device: str) -> Path:
-    default = Path("profiles") / ("gpu" if device.startswith("cuda") else "cpu")
-    folder = Path(out) if out else default
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / ".write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as exc:
-        raise UsageError(f"cannot write to output folder {str(folder)!r}: {exc.strerror}") from exc
+def _run_folder(model: str) -> Path:
+    """A new folder for one sweep: ``profiles/runs/<model>-<date>-<time>`` under the current
+    directory, so a run never overwrites another (nor a checkout's committed profiles)."""
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    folder = child(RUNS_DIR, f"{model}-{stamp}")
+    number = 1
+    while folder.exists():
+        number += 1
+        folder = child(RUNS_DIR, f"{model}-{stamp}-{number}")
     return folder
+
+
+@contextmanager
+def _output_folder(folder: Path) -> Iterator[Path]:
+    """Create `folder` and prove it writable before any work; if the command then fails, the
+    folders it created are removed again as long as they are still empty."""
+    created = [p for p in [folder, *folder.parents] if not p.exists()]
+    try:
+        check_writable(folder)
+    except OutputError:
+        _remove_empty(created)
+        raise
+    try:
+        yield folder
+    except BaseException:
+        _remove_empty(created)
+        raise
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    for folder in folders:  # deepest first
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
 def _presets(text: str | None) -> list[str] | None:
     return [p.strip() for p in text.split(",") if p.strip()] if text else None
 
 
+def _preset_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {"dirs": args.presets_dir, "allow_python": args.allow_python_presets}
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
+    from .presets import DEFAULT_SWEEP, load_preset
     from .sweep import sweep
 
-    folder = _out_folder(args.out, args.device)
-    result = sweep(args.model, _presets(args.presets), device=args.device,
-                   sizes=_sizes(args.model, args.size), progress=not args.quiet,
-                   repeats=args.repeats)
-    result.save(folder)
-    written = []
-    if not args.no_plots:
-        from .plots import plot_sweep
+    if args.repeats < 1:
+        raise UsageError(f"--repeats must be 1 or more, got {args.repeats}")
+    sizes = _sizes(args.model, args.size)
+    presets = [load_preset(name, **_preset_options(args))  # every preset checked before a run
+               for name in _presets(args.presets) or DEFAULT_SWEEP]
+    with _output_folder(Path(args.out) if args.out else _run_folder(args.model)) as folder:
+        result = sweep(args.model, presets, device=args.device, sizes=sizes,
+                       progress=not args.quiet, repeats=args.repeats)
+        result.save(folder)
+        written = []
+        if not args.no_plots:
+            from .plots import plot_sweep
 
-        written = plot_sweep(result, folder)
+            written = plot_sweep(result, folder)
     sizes = ", ".join(f"{k}={v}" for k, v in result.meta.items() if k != "model")
     print(f"{args.model} ({sizes}) on {args.device}")
     print(result.table())
@@ -81,13 +121,18 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from .presets import load_preset
     from .sweep import run_one
 
-    preset = load_preset(args.strategy)
+    preset = load_preset(args.strategy, **_preset_options(args))
     sizes = _sizes(args.model, args.size)
-    model = build(args.model, device=None if args.device == "cpu" else args.device, **sizes)
-    prof, _ = run_one(model, preset, args.device, {"model": args.model, **sizes})
-    print(prof.summary())
-    if args.save:
-        print(f"profile written to {prof.save(args.save)}")
+    save = Path(args.save) if args.save else None
+    if save is not None and (save.is_symlink() or save.is_dir()):
+        raise UsageError(f"--save {str(save)!r} is a link or a folder; give a new file path")
+    # the place to save is checked before the run, not after it
+    with _output_folder(save.parent) if save is not None else nullcontext():
+        model = build(args.model, device=None if args.device == "cpu" else args.device, **sizes)
+        prof, _ = run_one(model, preset, args.device, {"model": args.model, **sizes})
+        print(prof.summary())
+        if save is not None:
+            print(f"profile written to {prof.save(save)}")
     return 0
 
 
@@ -99,31 +144,35 @@ def cmd_plot(args: argparse.Namespace) -> int:
     source = Path(args.path)
     if not source.exists():
         raise UsageError(f"no such file or folder: {str(source)!r}")
-    folder = _out_folder(args.out or str(source if source.is_dir() else source.parent), "cpu")
+    tables = sorted(source.glob("sweep-*.json")) if source.is_dir() else []
+    if source.is_dir() and not tables:
+        raise UsageError(f"no sweep-*.json tables in {str(source)!r}; run checkpoint-ad sweep")
+    results = [SweepResult.load(table) for table in tables]  # all read before anything is drawn
+    profile = None if source.is_dir() else Profile.load(source)
+    out = Path(args.out) if args.out else (source if source.is_dir() else source.parent)
     written: list[Path] = []
-    if source.is_dir():
-        for table in sorted(source.glob("sweep-*.json")):
-            result = SweepResult.from_dict(json.loads(table.read_text()))
-            for name in [r.preset for r in result.rows]:
-                profile_path = source / f"{result.model}-{name}.json"
-                if profile_path.exists():
-                    result.profiles[name] = Profile.load(profile_path)
+    with _output_folder(out) as folder:
+        for result in results:
+            for name, file_name in result.file_names().items():
+                if (source / file_name).is_file():
+                    result.profiles[name] = Profile.load(source / file_name)
             written += plots.plot_sweep(result, folder)
-        if not written:
-            raise UsageError(f"no sweep-*.json tables in {str(source)!r}; run checkpoint-ad sweep")
-    else:
-        prof = Profile.load(source)
-        stem = folder / source.stem
-        written += plots.save(plots.timeline(prof), f"{stem}-timeline")
-        written += plots.save(plots.breakdown(prof), f"{stem}-breakdown")
+        if profile is not None:
+            stem = child(folder, source.stem)
+            written += plots.save(plots.timeline(profile), f"{stem}-timeline")
+            written += plots.save(plots.breakdown(profile), f"{stem}-breakdown")
     print("\n".join(str(p) for p in written))
     return 0
 
 
 def cmd_strategies(args: argparse.Namespace) -> int:
-    from .presets import list_presets
+    from .presets import SHIPPED_DIR, list_presets
 
-    for preset in list_presets():
+    presets = list_presets(**_preset_options(args))
+    if not presets:
+        raise UsageError(f"no presets found (looked in {str(SHIPPED_DIR)!r}); the installation "
+                         "is incomplete: reinstall checkpoint-ad")
+    for preset in presets:
         kind = "lossless" if preset.lossless else "lossy"
         print(f"{preset.name:<22} {kind:<9} {preset.description}")
     return 0
@@ -134,6 +183,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="checkpoint-ad",
         description="Measure and plot the memory/recomputation trade-off of reverse-mode "
         "AD storage strategies on deep unrolled models.",
+        epilog=EXIT_CODES,
     )
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -143,13 +193,23 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--device", default="cpu", help="cpu (numpy) or cuda (cupy)")
         sub.add_argument("--size", action="append", default=[], metavar="KEY=VALUE",
                          help="model size, repeatable (e.g. --size steps=512)")
+        presets_options(sub)
+
+    def presets_options(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument("--presets-dir", action="append", default=[], metavar="DIR",
+                         help="a folder of your own preset files, searched before the shipped "
+                         "ones (repeatable); the current directory is never searched otherwise")
+        sub.add_argument("--allow-python-presets", action="store_true",
+                         help='let presets with kind = "python" import the class they name '
+                         "(this runs that module's code: only for files you trust)")
 
     run = commands.add_parser("sweep", help="the main job: one model under many strategies")
     common(run)
     run.add_argument("--presets", help="comma-separated preset names or TOML files (default: "
                      "the standard set); ranges need no files: revolve-1,revolve-2,... every-<k>, "
                      "int<8|4|2>, revolve-<s>-int<8|4|2>")
-    run.add_argument("--out", help="output folder (default profiles/<cpu|gpu>)")
+    run.add_argument("--out", help="output folder (default: a new profiles/runs/<model>-<date>-"
+                     "<time> under the current directory)")
     run.add_argument("--repeats", type=int, default=3,
                      help="timed runs per preset; the median is reported (default 3)")
     run.add_argument("--no-plots", action="store_true", help="write the table and profiles only")
@@ -168,18 +228,36 @@ def _parser() -> argparse.ArgumentParser:
     draw.set_defaults(handler=cmd_plot)
 
     listing = commands.add_parser("strategies", help="list the policy presets")
+    presets_options(listing)
     listing.set_defaults(handler=cmd_strategies)
     return parser
 
 
+def _memory_message(args: argparse.Namespace) -> str:
+    sizes = ", ".join(getattr(args, "size", [])) or "the default sizes"
+    model = getattr(args, "model", "the model")
+    return (f"out of memory running {model} with {sizes}; try smaller sizes (e.g. halve the "
+            "largest --size value)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; returns the exit status (see `EXIT_CODES`)."""
     args = _parser().parse_args(argv)
     try:
         return args.handler(args)
-    except (CheckpointADError, ValueError, TypeError, OSError) as exc:
+    except CheckpointADError as exc:
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         print(f"checkpoint-ad: error: {message}", file=sys.stderr)
-        return 2
+        return EXIT_ERROR
+    except MemoryError:
+        print(f"checkpoint-ad: error: {_memory_message(args)}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("checkpoint-ad: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BUG
 
 
 if __name__ == "__main__":

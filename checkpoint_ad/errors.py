@@ -72,3 +72,36 @@ class ModelConfigError(CheckpointADError, ValueError):
 
 class UnknownModelError(ModelConfigError):
     """`build` was given a name that is not in `MODELS`."""
+
+
+class PresetError(CheckpointADError, ValueError):
+    """A preset cannot be found, parsed, trusted, or turned into strategies."""
+
+
+class UsageError(CheckpointADError, ValueError):
+    """A command-line argument the library would reject later, caught early."""
+
+
+class PlotError(CheckpointADError, ValueError):
+    """Nothing to plot (an empty sweep or profile) or an axis the plots do not know."""
+
+
+class FileFormatError(CheckpointADError, ValueError):
+    """A saved JSON document is not in the form this version of checkpoint-ad writes."""
+
+
+class ProfileFormatError(FileFormatError):
+    """A JSON document is not a checkpoint-ad profile this version can read."""
+
+
+class SweepFormatError(FileFormatError):
+    """A JSON document is not a sweep table (``sweep-<model>.json``) this version can read."""
+
+
+class OutputError(CheckpointADError, OSError):
+    """A file cannot be written where asked: a symlink in the way, a name that would leave its
+    folder, or the operating system refused (read-only, full, over a size limit)."""
+
+
+class SweepConfigError(CheckpointADError, ValueError):
+    """A sweep was asked to run with arguments it cannot use (e.g. repeats below 1)."""

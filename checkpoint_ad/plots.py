@@ -31,8 +31,9 @@ from matplotlib.text import Annotation
 from matplotlib.ticker import FuncFormatter, NullFormatter
 from matplotlib.transforms import Bbox
 
-from .errors import CheckpointADError
+from .errors import PlotError
 from .profiler import Profile
+from .safe_files import child, write_with
 from .sweep import SweepResult, SweepRow
 
 __all__ = ["PlotError", "breakdown", "pareto_front", "plot_sweep", "save", "timeline",
@@ -62,10 +63,6 @@ LOSSLESS_COLOUR = "#4c72b0"
 # of YlOrRd is cut off because it vanishes on white.
 ERROR_CMAP = LinearSegmentedColormap.from_list(
     "grad_error", mpl.colormaps["YlOrRd"](np.linspace(0.3, 1.0, 256)))
-
-
-class PlotError(CheckpointADError, ValueError):
-    """Nothing to plot (an empty sweep or profile) or an axis the plots do not know."""
 
 
 # ------------------------------------------------------------------ units
@@ -611,11 +608,11 @@ def save(fig: Figure, stem: str | Path) -> list[Path]:
     """Write `stem.png` (at DPI) and `stem.svg`, creating folders; return both paths.
 
     The suffixes are appended, never substituted, so a stem like ``rnn-revolve-4.0`` is safe.
+    Each file is written atomically and never through a symlink (`checkpoint_ad.safe_files`).
     """
     png, svg = Path(f"{stem}.png"), Path(f"{stem}.svg")
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=DPI, facecolor="white")
-    fig.savefig(svg, facecolor="white")
+    write_with(png, lambda f: fig.savefig(f, format="png", dpi=DPI, facecolor="white"))
+    write_with(svg, lambda f: fig.savefig(f, format="svg", facecolor="white"))
     return [png, svg]
 
 
@@ -623,22 +620,23 @@ def plot_sweep(result: SweepResult, folder: str | Path) -> list[Path]:
     """Write a sweep's trade-off plot, and the timeline and breakdown of two runs, to `folder`.
 
     The two runs are keep-all (the reference) and the lossless run with the least peak tape
-    memory (ties go to the faster); a run is skipped when its profile is not in the result.
-    Files are named ``<model>-tradeoff.*`` and ``<model>-<preset>-{timeline,breakdown}.*``.
+    memory (ties go to the first name in sort order, so the choice never depends on timing);
+    a run is skipped when its profile is not in the result. Files are named
+    ``<model>-tradeoff.*`` and ``<model>-<preset>-{timeline,breakdown}.*``, each name reduced
+    to one safe path component (model and preset names come from data).
     """
     folder = Path(folder)
-    written = save(tradeoff(result), folder / f"{result.model}-tradeoff")
+    written = save(tradeoff(result), child(folder, f"{result.model}-tradeoff"))
     lossless = [r for r in result.rows if r.lossless and r.preset in result.profiles]
     chosen = [KEEP_ALL] if KEEP_ALL in result.profiles else []
     if lossless:
-        leanest = min(lossless, key=lambda r: (r.peak_tape_bytes, r.time_ratio))
+        leanest = min(lossless, key=lambda r: (r.peak_tape_bytes, r.preset))
         if leanest.preset not in chosen:
             chosen.append(leanest.preset)
     for name in chosen:
         prof = result.profiles[name]
-        stem = folder / f"{result.model}-{name}"
         if prof.timeline_seconds:
-            written += save(timeline(prof), f"{stem}-timeline")
+            written += save(timeline(prof), child(folder, f"{result.model}-{name}-timeline"))
         if prof.records:
-            written += save(breakdown(prof), f"{stem}-breakdown")
+            written += save(breakdown(prof), child(folder, f"{result.model}-{name}-breakdown"))
     return written

@@ -8,10 +8,12 @@ objects are built from it on demand, the loop strategy once the loop's length is
 ``strategies/README.md``; every file is checked completely when it is loaded, including
 importing a user's class, so a typo fails before a sweep starts rather than half-way through.
 
-Presets are found by name on a search path: the directories in the ``CHECKPOINT_AD_PRESETS``
-environment variable (``os.pathsep``-separated), then ``./strategies`` under the current
-directory, then the ``strategies/`` folder shipped next to this package. The first file named
-``<name>.toml`` wins, so a user's directory can shadow a shipped preset.
+Presets are data, and loading one runs no code unless asked: a preset naming a Python class
+(``kind = "python"``) is refused unless ``allow_python=True`` (``--allow-python-presets``), and
+nothing is read from the current directory. Presets are found by name in the directories given
+explicitly (``dirs=``, ``--presets-dir``), then those in the ``CHECKPOINT_AD_PRESETS`` environment
+variable (``os.pathsep``-separated), then the shipped presets (`shipped_dir`). A user's file may
+not take a shipped preset's name: that is an error, never a silent shadow.
 
 >>> preset = load_preset("revolve-8-int8")
 >>> preset.loop_strategy(n_steps=100)
@@ -23,11 +25,12 @@ Binomial(snapshots=8, storage=Quantized(bits=8, group_size=128, stochastic=False
 from __future__ import annotations
 
 import importlib
+import importlib.resources
 import math
 import os
 import re
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,7 +40,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-from .errors import CheckpointADError
+from .errors import PresetError
 from .strategies import (
     Binomial,
     KeepAll,
@@ -60,10 +63,28 @@ __all__ = [
     "list_presets",
     "load_preset",
     "search_path",
+    "shipped_dir",
 ]
 
 ENV_VAR = "CHECKPOINT_AD_PRESETS"
-SHIPPED_DIR = Path(__file__).resolve().parents[1] / "strategies"
+PACKAGED = "_presets"  # the folder inside the installed package that holds the shipped files
+
+
+def shipped_dir() -> Path:
+    """Where the shipped presets are: the top-level ``strategies/`` folder of a source checkout
+    (which is what users read and edit, also under an editable install), else the copy that
+    the wheel carries inside the package (see ``[tool.setuptools]`` in pyproject.toml).
+
+    A checkout is recognised by its ``pyproject.toml`` beside the package, so an installed
+    package never reads a stray ``strategies/`` folder that happens to sit in site-packages.
+    """
+    root = Path(__file__).resolve().parents[1]
+    if (root / "pyproject.toml").is_file() and (root / "strategies").is_dir():
+        return root / "strategies"
+    return Path(str(importlib.resources.files(__package__) / PACKAGED))
+
+
+SHIPPED_DIR = shipped_dir()
 
 # The presets a default sweep runs: the reference, the lossless memory/compute trade-offs from
 # cheapest to leanest, then the lossy storage at each bit width. A tuple, so no caller can
@@ -80,10 +101,6 @@ DEFAULT_SWEEP = (
     "int2",
     "revolve-8-int8",
 )
-
-
-class PresetError(CheckpointADError, ValueError):
-    """A preset cannot be found, parsed, or turned into strategies."""
 
 
 # ------------------------------------------------------------------ value checks
@@ -153,7 +170,7 @@ def _user_strategy(**options: Any) -> Strategy:
         obj: Any = importlib.import_module(module_name)
         for part in qualname.split("."):
             obj = getattr(obj, part)
-    except (ImportError, AttributeError) as err:
+    except Exception as err:  # a user's module can fail on import in any way: say which
         raise PresetError(
             f"class = {target!r} cannot be imported ({type(err).__name__}: {err}); check the "
             f"spelling and that {module_name!r} is importable (on sys.path / PYTHONPATH)"
@@ -345,15 +362,31 @@ def _parse(data: dict[str, Any], path: Path) -> Preset:
     return Preset(name, description, loop, storage, path)
 
 
-def _read(path: Path) -> Preset:
+def _python_classes(preset: Preset) -> list[str]:
+    """The ``class = ...`` import paths a preset names (its ``kind = "python"`` tables)."""
+    parts = [preset.storage, preset.loop.storage]
+    return [str(part.options["class"]) for part in parts
+            if part is not None and part.kind == "python"]
+
+
+def _read(path: Path, allow_python: bool = False) -> Preset:
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as err:
         raise PresetError(
             f"{path}: not valid TOML: {err}; fix that line (schema: strategies/README.md)"
         ) from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise PresetError(f"{path}: cannot be read ({err}); check the file") from err
     try:
         preset = _parse(data, path)
+        classes = _python_classes(preset)
+        if classes and not allow_python:
+            raise PresetError(
+                f"names Python code (class = {classes[0]!r}), which loading would import and "
+                "run; if you trust this file, pass allow_python=True (on the command line: "
+                "--allow-python-presets)"
+            )
         preset.loop_strategy(1)  # build everything once: imports and arguments fail here
         _ = preset.storage_strategy
     except PresetError as err:
@@ -362,23 +395,45 @@ def _read(path: Path) -> Preset:
 
 
 # ------------------------------------------------------------------ finding presets
-def search_path() -> list[Path]:
-    """The directories searched for ``<name>.toml``, first match first (duplicates dropped)."""
-    dirs = [Path(d) for d in os.environ.get(ENV_VAR, "").split(os.pathsep) if d]
-    dirs += [Path.cwd() / "strategies", SHIPPED_DIR]
+PresetDirs = Iterable[str | os.PathLike[str]]
+
+
+def search_path(dirs: PresetDirs = ()) -> list[Path]:
+    """The directories searched for ``<name>.toml``, first match first (duplicates dropped):
+    `dirs`, then those in the environment variable `ENV_VAR`, then `shipped_dir`. The current
+    directory is never searched unless named: a checkout of someone else's project must not
+    be able to change what ``keep-all`` means."""
+    if isinstance(dirs, (str, os.PathLike)):
+        dirs = [dirs]
+    chosen = [Path(d) for d in dirs]
+    chosen += [Path(d) for d in os.environ.get(ENV_VAR, "").split(os.pathsep) if d]
+    chosen.append(SHIPPED_DIR)
     unique: dict[Path, Path] = {}
-    for directory in dirs:
+    for directory in chosen:
         unique.setdefault(directory.resolve(), directory)
     return list(unique.values())
 
 
-def _preset_files() -> dict[str, Path]:
-    """Every preset file on the search path by name; the first directory that has it wins."""
+def _preset_files(dirs: PresetDirs = ()) -> dict[str, Path]:
+    """Every preset file on the search path by name; the first user directory that has it wins,
+    and a user file that takes a shipped preset's name is an error."""
+    shipped = {p.stem: p for p in SHIPPED_DIR.glob("*.toml")}
     files: dict[str, Path] = {}
-    for directory in search_path():
-        if directory.is_dir():
-            for path in sorted(directory.glob("*.toml")):
-                files.setdefault(path.stem, path)
+    for directory in search_path(dirs):
+        if directory.resolve() == SHIPPED_DIR.resolve():
+            continue
+        if not directory.is_dir():
+            raise PresetError(f"preset folder {str(directory)!r} does not exist; check "
+                              f"--presets-dir / {ENV_VAR}")
+        for path in sorted(directory.glob("*.toml")):
+            if path.stem in shipped:
+                raise PresetError(
+                    f"{path} has the name of the shipped preset {path.stem!r}; a preset "
+                    "folder may not replace a shipped preset: rename the file and its name = "
+                    f"(e.g. {path.stem}-mine.toml)"
+                )
+            files.setdefault(path.stem, path)
+    files.update(shipped)
     return dict(sorted(files.items()))
 
 
@@ -389,8 +444,12 @@ def _looks_like_path(name_or_path: str | os.PathLike[str]) -> bool:
     return name_or_path.endswith(".toml") or any(s in name_or_path for s in separators)
 
 
-def load_preset(name_or_path: str | os.PathLike[str]) -> Preset:
+def load_preset(name_or_path: str | os.PathLike[str], *, dirs: PresetDirs = (),
+                allow_python: bool = False) -> Preset:
     """Load a preset by name (looked up on `search_path`) or from a ``.toml`` file path.
+
+    `dirs` are folders of your own presets, searched first; `allow_python` lets a preset
+    import the Python class it names (``kind = "python"``), which runs that module's code.
 
     >>> load_preset("revolve-16").loop_strategy(n_steps=1000)
     Binomial(snapshots=16, storage=None)
@@ -403,9 +462,9 @@ def load_preset(name_or_path: str | os.PathLike[str]) -> Preset:
         path = Path(name_or_path)
         if not path.is_file():
             raise PresetError(f"no preset file at {path}; check the path, or load a preset by "
-                              f"name: {_quoted(_preset_files())}")
-        return _read(path)
-    files = _preset_files()
+                              f"name: {_quoted(_preset_files(dirs))}")
+        return _read(path, allow_python)
+    files = _preset_files(dirs)
     if name_or_path not in files:
         generated = _parametric(str(name_or_path))
         if generated is not None:
@@ -413,9 +472,10 @@ def load_preset(name_or_path: str | os.PathLike[str]) -> Preset:
         raise PresetError(
             f"unknown preset {name_or_path!r}; known presets: {_quoted(files)}, and generated "
             f"revolve-<s>, every-<k>, int<8|4|2>, revolve-<s>-int<8|4|2> (add "
-            f"{name_or_path}.toml to one of {[str(d) for d in search_path()]}, or set {ENV_VAR})"
+            f"{name_or_path}.toml to a folder of yours and pass it with --presets-dir, "
+            f"dirs=..., or {ENV_VAR})"
         )
-    return _read(files[name_or_path])
+    return _read(files[name_or_path], allow_python)
 
 
 _PARAMETRIC = re.compile(r"(?:revolve-(?P<s>\d+)|every-(?P<k>\d+))?-?(?:int(?P<bits>[842]))?")
@@ -446,9 +506,10 @@ def _parametric(name: str) -> Preset | None:
         return None
 
 
-def list_presets() -> list[Preset]:
-    """Every preset on the search path, sorted by name (a name's first file wins)."""
-    return [_read(path) for path in _preset_files().values()]
+def list_presets(dirs: PresetDirs = (), allow_python: bool = False) -> list[Preset]:
+    """Every preset on the search path, sorted by name; an empty list only when nothing ships
+    (a broken install), which callers should report."""
+    return [_read(path, allow_python) for path in _preset_files(dirs).values()]
 
 
 def _quoted(names: Mapping[str, Any]) -> str:

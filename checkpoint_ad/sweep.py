@@ -15,7 +15,12 @@ from typing import Any
 
 import numpy as np
 
+from .errors import SweepConfigError, SweepFormatError
 from .profiler import Profile, profile
+from .profiler.records import from_plain
+from .safe_files import child, write_text
+
+SCHEMA = "checkpoint-ad/sweep"
 
 
 @dataclass(frozen=True)
@@ -72,20 +77,44 @@ class SweepResult:
                 "rows": [asdict(r) for r in self.rows]}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> SweepResult:
-        return cls(data["model"], data["device"], data["meta"],
-                   [SweepRow(**r) for r in data["rows"]])
+    def from_dict(cls, data: Any) -> SweepResult:
+        """The table from its `to_dict` form (profiles are separate files), every key and type
+        checked; `SweepFormatError` names the first wrong key and what was expected."""
+        if not isinstance(data, dict) or "profiles" in data:
+            raise SweepFormatError("a sweep table must be a JSON object with keys model, "
+                                   f"device, meta, rows; got {type(data).__name__}"
+                                   + (" with a 'profiles' key" if isinstance(data, dict) else ""))
+        return from_plain(cls, {**data, "profiles": {}}, "sweep table", SweepFormatError)
+
+    @classmethod
+    def load(cls, path: str | Path) -> SweepResult:
+        """Read a ``sweep-<model>.json`` written by `save` (the table only, no profiles)."""
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise SweepFormatError(f"cannot read sweep table {str(path)!r}: {exc}") from exc
+        try:
+            return cls.from_dict(data)
+        except SweepFormatError as exc:
+            raise SweepFormatError(f"{path}: {exc}") from exc
+
+    def file_names(self) -> dict[str, str]:
+        """The file name `save` gives each preset's profile: ``<model>-<preset>.json``, made
+        safe as one path component (names come from data, so they must not steer the path)."""
+        return {name: child(".", f"{self.model}-{name}.json").name
+                for name in [r.preset for r in self.rows] + list(self.profiles)}
 
     def save(self, folder: str | Path) -> Path:
-        """Write the table (CSV, JSON, text) and each run's profile JSON under `folder`."""
+        """Write the table (CSV, JSON, text) and each run's profile JSON under `folder`, each
+        file atomically and never through a symlink (`checkpoint_ad.safe_files`)."""
         folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
         stem = f"sweep-{self.model}"
-        (folder / f"{stem}.csv").write_text(self.to_csv())
-        (folder / f"{stem}.json").write_text(json.dumps(self.to_dict(), indent=1))
-        (folder / f"{stem}.txt").write_text(self.table() + "\n")
+        write_text(child(folder, f"{stem}.csv"), self.to_csv())
+        write_text(child(folder, f"{stem}.json"), json.dumps(self.to_dict(), indent=1))
+        write_text(child(folder, f"{stem}.txt"), self.table() + "\n")
+        names = self.file_names()
         for name, prof in self.profiles.items():
-            prof.save(folder / f"{self.model}-{name}.json")
+            prof.save(folder / names[name])
         return folder
 
 
@@ -140,11 +169,15 @@ def sweep(
     sizes: dict[str, Any] | None = None,
     progress: bool = True,
     repeats: int = 3,
+    *,
+    dirs: Sequence[str | Path] = (),
+    allow_python: bool = False,
 ) -> SweepResult:
     """Run `model` under each preset (keep-all first, as the reference) and collect a table.
 
     Each preset runs once profiled (memory, saved values, recompute counts) and `repeats`
-    times unprofiled for its median time.
+    times unprofiled for its median time. Presets named by string are looked up with
+    `load_preset` (`dirs` and `allow_python` are passed on).
 
     >>> from checkpoint_ad.sweep import sweep
     >>> result = sweep("rnn", ["keep-all", "revolve-4"], sizes={"steps": 8}, progress=False,
@@ -155,13 +188,13 @@ def sweep(
     from .models import build
     from .presets import DEFAULT_SWEEP, load_preset
 
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+        raise SweepConfigError(f"sweep: repeats must be a positive int, got {repeats!r}")
     sizes = dict(sizes or {})
-    chosen = [load_preset(p) if isinstance(p, (str, Path)) else p
-              for p in (presets or DEFAULT_SWEEP)]
+    chosen = [load_preset(p, dirs=dirs, allow_python=allow_python)
+              if isinstance(p, (str, Path)) else p for p in (presets or DEFAULT_SWEEP)]
     reference = load_preset("keep-all")
     order = [reference] + [p for p in chosen if p.name != reference.name]
-    if not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"sweep: repeats must be a positive int, got {repeats!r}")
     meta = {"model": model, **sizes}
     result = SweepResult(model, device, meta)
     # one unmeasured run first: imports, caches and allocator pools settle before measuring

@@ -67,3 +67,153 @@ def test_malformed_preset_file_is_one_line(tmp_path):
     result = _run("sweep", "--presets", str(bad), "--no-plots", *TINY)
     assert result.returncode == 2 and result.stderr.count("\n") == 1
     assert "broken.toml" in result.stderr
+
+
+# ----------------------------------------------------------------- files are safe
+def _tiny_sweep_folder(tmp_path: Path) -> Path:
+    folder = tmp_path / "run"
+    assert main(["sweep", "--presets", "keep-all,revolve-4", "--out", str(folder), "--quiet",
+                 "--no-plots", "--repeats", "1", *TINY]) == 0
+    return folder
+
+
+def test_plot_keeps_names_from_data_inside_the_output_folder(tmp_path):
+    import json
+
+    folder = _tiny_sweep_folder(tmp_path)
+    table = json.loads((folder / "sweep-rnn.json").read_text())
+    table["model"] = "../escaped/pwn"
+    (folder / "sweep-rnn.json").write_text(json.dumps(table))
+    out = tmp_path / "out" / "plots"
+    assert main(["plot", str(folder), "--out", str(out)]) == 0
+    assert not (tmp_path / "out" / "escaped").exists() and not (tmp_path / "escaped").exists()
+    names = sorted(p.name for p in out.iterdir())
+    assert names and all(n.startswith("escaped_pwn-") for n in names)
+
+
+def test_a_planted_link_in_the_output_folder_is_never_written_through(tmp_path):
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".write-test").symlink_to(target)
+    (out / "sweep-rnn.csv").symlink_to(target)
+    result = _run("sweep", "--presets", "keep-all", "--out", str(out), "--quiet", "--no-plots",
+                  "--repeats", "1", *TINY)
+    assert result.returncode == 2, result.stderr
+    assert "symbolic link" in result.stderr and result.stderr.count("\n") == 1
+    assert target.read_text() == "keep me"
+
+
+def test_the_main_job_writes_a_fresh_run_folder_not_the_committed_profiles(tmp_path):
+    for _ in range(2):
+        result = _run("sweep", "--presets", "keep-all", "--quiet", "--no-plots", "--repeats",
+                      "1", *TINY, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+    runs = sorted((tmp_path / "profiles" / "runs").iterdir())
+    assert len(runs) == 2 and all(r.name.startswith("rnn-") for r in runs)
+    assert all((r / "sweep-rnn.json").is_file() for r in runs)
+    assert sorted(p.name for p in (tmp_path / "profiles").iterdir()) == ["runs"]
+
+
+def test_a_profile_save_cut_short_leaves_the_old_file_whole(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text('{"old": true}')
+    script = ("import resource, sys\n"
+              "from checkpoint_ad.cli import main\n"
+              "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))\n"
+              f"sys.exit(main(['profile', '--save', {str(path)!r}, *{TINY!r}]))\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            check=False,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert result.returncode == 2, result.stderr
+    assert "cannot write" in result.stderr and "nothing was changed" in result.stderr
+    assert path.read_text() == '{"old": true}'
+    assert [p.name for p in tmp_path.iterdir()] == ["p.json"]  # no temporary file left
+
+
+# ----------------------------------------------------------------- bad input at the door
+def test_profile_save_to_a_read_only_place_fails_before_the_run(monkeypatch, capsys):
+    from checkpoint_ad import sweep
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the run started before the output place was checked")
+
+    monkeypatch.setattr(sweep, "run_one", must_not_run)
+    assert main(["profile", "--save", "/proc/nope/p.json", *TINY]) == 2
+    assert "cannot write" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args", [
+    ["--presets", "no-such-preset"],
+    ["--model", "transformer"],
+    ["--size", "steps=-3"],
+    ["--repeats", "0"],
+])
+def test_failed_validation_leaves_no_output_folder(tmp_path, args):
+    out = tmp_path / "new" / "deeper"
+    assert main(["sweep", "--out", str(out), "--quiet", "--no-plots", *args]) == 2
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_too_large_a_size_is_one_line_that_names_it():
+    result = _run("sweep", "--size", "hidden=200000", "--presets", "keep-all", "--no-plots",
+                  "--quiet", "--out", os.devnull + "-not-used")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "out of memory" in result.stderr and "hidden=200000" in result.stderr
+    assert "smaller" in result.stderr
+
+
+@pytest.mark.parametrize(("raised", "code", "words"), [
+    (KeyboardInterrupt(), 130, "interrupted"),
+    (MemoryError(), 2, "out of memory running rnn with steps=6"),
+])
+def test_interrupts_and_memory_errors_are_one_line(monkeypatch, capsys, raised, code, words):
+    from checkpoint_ad import sweep
+
+    def fail(*args, **kwargs):
+        raise raised
+
+    monkeypatch.setattr(sweep, "sweep", fail)
+    assert main(["sweep", "--out", os.devnull + "-unused", "--quiet", *TINY]) == code
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1
+
+
+def test_a_bug_is_not_hidden_as_a_one_line_error(monkeypatch):
+    from checkpoint_ad import sweep
+
+    def buggy(*args, **kwargs):
+        raise ValueError("an honest bug")
+
+    monkeypatch.setattr(sweep, "sweep", buggy)
+    with pytest.raises(ValueError, match="an honest bug"):
+        main(["sweep", "--quiet", "--no-plots", "--out", "unused", *TINY])
+
+
+def test_exit_codes_are_documented_in_the_help(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for words in ("0 done", "2 bad input", "130 interrupted", "1 an unexpected"):
+        assert words in help_text
+
+
+def test_strategies_with_no_presets_is_an_error(monkeypatch, tmp_path, capsys):
+    from checkpoint_ad import presets
+
+    monkeypatch.setattr(presets, "SHIPPED_DIR", tmp_path)
+    assert main(["strategies"]) == 2
+    assert "no presets found" in capsys.readouterr().err
+
+
+def test_python_presets_need_the_flag(tmp_path):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "mine.toml").write_text(
+        'name = "mine"\ndescription = "d"\n[storage]\nkind = "python"\n'
+        'class = "checkpoint_ad.strategies:KeepAll"\n')
+    refused = _run("strategies", "--presets-dir", str(tmp_path / "mine"))
+    assert refused.returncode == 2 and "--allow-python-presets" in refused.stderr
+    allowed = _run("strategies", "--presets-dir", str(tmp_path / "mine"),
+                   "--allow-python-presets")
+    assert allowed.returncode == 0 and "mine" in allowed.stdout

@@ -135,11 +135,31 @@ def test_save_appends_suffixes_to_dotted_stems(tmp_path):
 def test_plot_sweep_writes_tradeoff_and_two_runs(tmp_path):
     written = plots.plot_sweep(_result(), tmp_path / "out")
     names = [p.name for p in written]
-    # recompute and revolve-4 tie on memory; the faster one is chosen
+    # recompute and revolve-4 tie on memory; the first by name is chosen
     assert names == [f"rnn-{stem}.{ext}" for stem in
                      ["tradeoff", "keep-all-timeline", "keep-all-breakdown",
                       "recompute-timeline", "recompute-breakdown"] for ext in ("png", "svg")]
     assert all(p.exists() and p.stat().st_size > 10_000 for p in written)
+
+
+def test_which_run_is_plotted_does_not_depend_on_timing(tmp_path):
+    result = _result()
+    for i, row in enumerate(result.rows):  # revolve-4 now the faster of the two tied
+        if row.preset in ("recompute", "revolve-4"):
+            result.rows[i] = _row(row.preset, 0.3, 1.6 if row.preset == "recompute" else 1.3)
+    names = [p.name for p in plots.plot_sweep(result, tmp_path)]
+    assert "rnn-recompute-timeline.png" in names and not any("revolve-4" in n for n in names)
+
+
+def test_plot_file_names_from_data_stay_in_the_folder(tmp_path):
+    result = _result()
+    result.model = "../../up/and away"
+    result.profiles["../x"] = result.profiles.pop("keep-all")
+    result.rows[0] = _row("../x", 0.1, 1.0)
+    written = plots.plot_sweep(result, tmp_path / "out")
+    assert written and all(p.parent == tmp_path / "out" for p in written)
+    assert "up_and_away-_x-timeline.png" in [p.name for p in written]
+    assert not any(".." in p.name for p in written)
 
 
 def test_plot_sweep_skips_runs_without_profiles(tmp_path):

@@ -22,6 +22,7 @@ from checkpoint_ad.presets import (
     list_presets,
     load_preset,
     search_path,
+    shipped_dir,
 )
 from checkpoint_ad.strategies import (
     Binomial,
@@ -186,7 +187,7 @@ def test_a_preset_can_name_a_users_strategy_class(tmp_path, user_module):
         [storage.args]
         tag = "hello"
     """)
-    preset = load_preset(path)
+    preset = load_preset(path, allow_python=True)
     strategy = preset.storage_strategy
     assert type(strategy).__name__ == "Tagged" and strategy.tag == "hello"
     assert preset.lossless  # a Strategy is lossless unless its class says otherwise
@@ -206,7 +207,7 @@ def test_a_user_class_can_store_snapshots_and_its_lossless_flag_counts(tmp_path,
         kind = "python"
         class = "{user_module}:Float32Storage"
     """)
-    preset = load_preset(path)
+    preset = load_preset(path, allow_python=True)
     loop = preset.loop_strategy(9)
     assert isinstance(loop, Periodic) and loop.every == 3
     assert type(loop.storage).__name__ == "Float32Storage"
@@ -218,24 +219,70 @@ def test_a_user_class_can_store_snapshots_and_its_lossless_flag_counts(tmp_path,
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
 
 
+MARKING_MODULE = """
+from pathlib import Path
+Path(__file__).with_suffix(".imported").write_text("ran")
+from checkpoint_ad.strategies import KeepAll as Marked
+"""
+
+
+def test_python_presets_are_refused_unless_allowed_and_nothing_is_imported(tmp_path,
+                                                                           monkeypatch):
+    name = f"marking_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(MARKING_MODULE, encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = preset_file(tmp_path, f'[loop]\nkind = "periodic"\nevery = 2\n[loop.storage]\n'
+                                 f'kind = "python"\nclass = "{name}:Marked"\n')
+    with pytest.raises(PresetError, match=rf"mine\.toml: names Python code \(class = "
+                       rf"'{name}:Marked'\).*allow_python=True.*--allow-python-presets"):
+        load_preset(path)
+    with pytest.raises(PresetError, match="names Python code"):
+        list_presets(dirs=[path.parent])
+    assert not (tmp_path / f"{name}.imported").exists()
+    assert load_preset(path, allow_python=True).loop_strategy(4).storage == KeepAll()
+    assert (tmp_path / f"{name}.imported").read_text() == "ran"
+
+
+def test_a_module_failing_on_import_is_a_preset_error(tmp_path, monkeypatch):
+    name = f"failing_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text("raise RuntimeError('boom at import')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = preset_file(tmp_path, f'[storage]\nkind = "python"\nclass = "{name}:X"\n')
+    with pytest.raises(PresetError, match=r"cannot be imported \(RuntimeError: boom at import"):
+        load_preset(path, allow_python=True)
+
+
 # ----------------------------------------------------------------- the search path
-def test_the_environment_directory_shadows_a_shipped_name(tmp_path, monkeypatch):
+def test_given_folders_come_first_then_the_environment(tmp_path, monkeypatch):
     first, second = tmp_path / "first", tmp_path / "second"
-    write(first, "int8", 'name = "int8"\ndescription = "mine"\n')
-    write(second, "int8", 'name = "int8"\ndescription = "not reached"\n')
+    write(first, "mine", 'name = "mine"\ndescription = "first"\n')
+    write(second, "mine", 'name = "mine"\ndescription = "not reached"\n')
     write(second, "extra", 'name = "extra"\ndescription = "only here"\n')
-    monkeypatch.setenv(ENV_VAR, os.pathsep.join([str(first), "", str(second)]))
-    assert search_path()[:2] == [first, second]
-    preset = load_preset("int8")
-    assert preset.description == "mine" and preset.path == first / "int8.toml"
-    assert preset.storage_strategy == KeepAll() and preset.lossless
-    assert load_preset("extra").path == second / "extra.toml"
-    listed = {p.name: p for p in list_presets()}
-    assert listed["int8"].path == first / "int8.toml"
-    assert set(listed) == set(SHIPPED) | {"extra"}
+    monkeypatch.setenv(ENV_VAR, os.pathsep.join([str(second), ""]))
+    assert search_path([first]) == [first, second, SHIPPED_DIR]
+    assert search_path(str(first))[0] == first
+    assert load_preset("mine", dirs=[first]).description == "first"
+    assert load_preset("mine").description == "not reached"
+    assert load_preset("extra", dirs=[first]).path == second / "extra.toml"
+    assert {p.name for p in list_presets(dirs=[first])} == set(SHIPPED) | {"mine", "extra"}
 
 
-def test_the_current_directory_comes_before_the_shipped_folder(tmp_path, monkeypatch):
+@pytest.mark.parametrize("where", ["dirs", "env"])
+def test_a_user_folder_cannot_replace_a_shipped_preset(tmp_path, monkeypatch, where):
+    folder = tmp_path / "mine"
+    write(folder, "keep-all", 'name = "keep-all"\ndescription = "not what you think"\n'
+          '[loop]\nkind = "binomial"\nsnapshots = 1\n')
+    dirs = [folder] if where == "dirs" else []
+    if where == "env":
+        monkeypatch.setenv(ENV_VAR, str(folder))
+    for call in (lambda: load_preset("keep-all", dirs=dirs),
+                 lambda: load_preset("int8", dirs=dirs), lambda: list_presets(dirs=dirs)):
+        with pytest.raises(PresetError, match=r"keep-all\.toml has the name of the shipped "
+                           r"preset 'keep-all'.*rename the file"):
+            call()
+
+
+def test_the_current_directory_is_never_searched(tmp_path):
     write(tmp_path / "strategies", "revolve-4", """
         name = "revolve-4"
         description = "local"
@@ -243,17 +290,30 @@ def test_the_current_directory_comes_before_the_shipped_folder(tmp_path, monkeyp
         kind = "binomial"
         snapshots = 5
     """)
-    assert load_preset("revolve-4").loop_strategy(10) == Binomial(5)
-    elsewhere = tmp_path / "env"
-    write(elsewhere, "revolve-4", 'name = "revolve-4"\ndescription = "env"\n')
-    monkeypatch.setenv(ENV_VAR, str(elsewhere))
-    assert load_preset("revolve-4").description == "env"
-    assert search_path() == [elsewhere, Path.cwd() / "strategies", SHIPPED_DIR]
+    write(tmp_path / "local", "local-only", 'name = "local-only"\ndescription = "d"\n')
+    assert load_preset("revolve-4").loop_strategy(10) == Binomial(4)
+    assert search_path() == [SHIPPED_DIR]
+    (tmp_path / "strategies" / "local-only.toml").write_text('name = "local-only"\n')
+    with pytest.raises(PresetError, match=r"unknown preset 'local-only'.*--presets-dir"):
+        load_preset("local-only")
+    assert load_preset("local-only", dirs=["local"]).description == "d"
+    with pytest.raises(PresetError, match="shipped preset 'revolve-4'"):
+        load_preset("revolve-4", dirs=["strategies"])  # named explicitly: still no shadowing
+
+
+def test_a_missing_preset_folder_is_an_error(tmp_path):
+    with pytest.raises(PresetError, match=r"preset folder '.*nowhere' does not exist"):
+        load_preset("int8", dirs=[tmp_path / "nowhere"])
 
 
 def test_the_repository_root_is_not_searched_twice(monkeypatch):
     monkeypatch.chdir(SHIPPED_DIR.parent)
-    assert search_path() == [Path.cwd() / "strategies"]
+    assert search_path([SHIPPED_DIR]) == [SHIPPED_DIR]
+
+
+def test_a_checkout_reads_its_strategies_folder():
+    root = Path(__file__).parents[1]
+    assert shipped_dir() == SHIPPED_DIR == (root / "strategies").resolve()
 
 
 # ----------------------------------------------------------------- errors
@@ -338,8 +398,8 @@ ERRORS = [
      '[storage]\nkind = "python"\nclass = "checkpoint_ad.strategies:Nope"\n',
      r"cannot be imported \(AttributeError: .*Nope"),
     ("class not a Strategy",
-     '[storage]\nkind = "python"\nclass = "pathlib:Path"\n',
-     r"class = 'pathlib:Path' is <class 'pathlib.Path'>, not a subclass of "
+     '[storage]\nkind = "python"\nclass = "fractions:Fraction"\n',
+     r"class = 'fractions:Fraction' is <class 'fractions.Fraction'>, not a subclass of "
      r"checkpoint_ad.strategies.Strategy"),
     ("class with wrong arguments",
      '[storage]\nkind = "python"\nclass = "checkpoint_ad.strategies:KeepAll"\n'
@@ -352,7 +412,7 @@ ERRORS = [
 def test_every_mistake_is_reported_with_the_file_and_what_to_do(tmp_path, body, message):
     path = preset_file(tmp_path, body)
     with pytest.raises(PresetError, match=message) as caught:
-        load_preset(path)
+        load_preset(path, allow_python=True)
     text = str(caught.value)
     assert text.startswith(f"{path}: ") and "\n" not in text
 
@@ -370,6 +430,12 @@ def test_name_and_description_are_required_strings(tmp_path):
         load_preset(write(tmp_path, "x", 'name = "x"\n'))
     with pytest.raises(PresetError, match=r"name must be a non-empty string; got 3"):
         load_preset(write(tmp_path, "y", 'name = 3\ndescription = "d"\n'))
+
+
+def test_preset_error_moved_to_errors_and_still_imports_from_presets():
+    from checkpoint_ad import errors
+
+    assert PresetError is errors.PresetError
 
 
 def test_a_broken_file_on_the_path_is_reported_when_listed(tmp_path, monkeypatch):

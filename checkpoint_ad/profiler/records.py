@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import types
+import typing
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+from ..errors import FileFormatError, ProfileFormatError
+from ..safe_files import write_text
+
+__all__ = ["Profile", "ProfileFormatError", "SavedRecord", "from_plain"]
 
 SCHEMA = "checkpoint-ad/profile"
 VERSION = 1
-
-
-class ProfileFormatError(ValueError):
-    """A JSON document is not a checkpoint-ad profile this version can read."""
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -134,6 +139,10 @@ class Profile:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Profile:
+        """A profile from its `to_dict` form, every key and type checked: a file that is not
+        one fails here with the key and what was expected, not later inside a plot."""
+        if not isinstance(data, dict):
+            raise ProfileFormatError(f"a profile must be a JSON object; got {_kind(data)}")
         if data.get("schema") != SCHEMA:
             raise ProfileFormatError(
                 f"not a checkpoint-ad profile (schema {data.get('schema')!r}); expected {SCHEMA!r}"
@@ -143,13 +152,12 @@ class Profile:
                 f"profile version {data.get('version')!r} is not readable by this version "
                 f"(reads {VERSION}); re-record it with this version of checkpoint-ad"
             )
-        fields = {k: v for k, v in data.items() if k not in ("schema", "version", "records")}
-        known = set(cls.__dataclass_fields__)
-        unknown = set(fields) - known
+        fields = {k: v for k, v in data.items() if k not in ("schema", "version")}
+        unknown = set(fields) - set(cls.__dataclass_fields__)
         if unknown:
-            raise ProfileFormatError(f"unknown profile fields {sorted(unknown)}")
-        records = [SavedRecord(**{**r, "shape": tuple(r["shape"])}) for r in data["records"]]
-        return cls(records=records, **fields)
+            raise ProfileFormatError(f"unknown profile fields {sorted(unknown)}; this version "
+                                     "writes none of them: was the file made by another tool?")
+        return from_plain(cls, fields, "profile", ProfileFormatError)
 
     @classmethod
     def from_json(cls, text: str) -> Profile:
@@ -162,11 +170,82 @@ class Profile:
         return cls.from_dict(data)
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(self.to_json(indent=1))
-        return path
+        """Write the JSON to `path` atomically, never through a symlink (`safe_files`)."""
+        return write_text(path, self.to_json(indent=1))
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
-        return cls.from_json(Path(path).read_text())
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ProfileFormatError(f"cannot read profile {str(path)!r}: {exc}") from exc
+        try:
+            return cls.from_json(text)
+        except ProfileFormatError as exc:
+            raise ProfileFormatError(f"{path}: {exc}") from exc
+
+
+# ------------------------------------------------------------- checked loading
+def _kind(value: Any) -> str:
+    shown = repr(value)
+    return f"{type(value).__name__} {shown if len(shown) <= 40 else shown[:37] + '...'}"
+
+
+def _describe(hint: Any) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _describe(a) for a in args)
+    if origin is list or origin is tuple:
+        return f"a list, each item {_describe(args[0])}"
+    if origin is dict:
+        return "an object"
+    if dataclasses.is_dataclass(hint):
+        return f"an object with keys {', '.join(f.name for f in dataclasses.fields(hint))}"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
+        hint, str(hint))
+
+
+def _check(value: Any, hint: Any, where: str, error: type[FileFormatError]) -> Any:
+    """`value` as `hint` asks (lists become tuples where a tuple is declared), or `error`."""
+    if hint is Any:
+        return value
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for option in (a for a in args if a is not type(None)):
+            try:
+                return _check(value, option, where, error)
+            except FileFormatError:
+                continue
+    elif dataclasses.is_dataclass(hint):
+        if isinstance(value, dict):
+            return from_plain(hint, value, where, error)
+    elif origin in (list, tuple) and isinstance(value, list):
+        items = [_check(v, args[0], f"{where}[{i}]", error) for i, v in enumerate(value)]
+        return items if origin is list else tuple(items)
+    elif origin is dict and isinstance(value, dict):
+        return {k: _check(v, args[1], f"{where}.{k}", error) for k, v in value.items()}
+    elif hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    elif hint in (int, str, bool) and type(value) is hint:
+        return value
+    raise error(f"{where} must be {_describe(hint)}; got {_kind(value)}")
+
+
+def from_plain(cls: type[T], data: Any, where: str, error: type[FileFormatError]) -> T:
+    """Build the dataclass `cls` from parsed JSON, checking that every field is present, has
+    its declared type (nested dataclasses, lists and optionals included) and nothing else is
+    there; `error` names the first key that is wrong and what it should be."""
+    if not isinstance(data, dict):
+        raise error(f"{where} must be {_describe(cls)}; got {_kind(data)}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    missing = [n for n in names if n not in data]
+    if missing:
+        raise error(f"{where} is missing key {missing[0]!r} ({_describe(hints[missing[0]])}); "
+                    "the file is incomplete or was written by another tool")
+    extra = sorted(set(data) - set(names))
+    if extra:
+        raise error(f"{where} has unknown key {extra[0]!r}; expected only {', '.join(names)}")
+    return cls(**{n: _check(data[n], hints[n], f"{where}.{n}", error) for n in names})

@@ -42,12 +42,23 @@ class Quantized(Strategy):
     lossless: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
-        if self.bits not in (8, 4, 2):
-            raise QuantizationError(f"Quantized(bits={self.bits!r}): bits must be 8, 4 or 2")
-        if not isinstance(self.group_size, int) or self.group_size < 1:
+        def is_int(value: Any) -> bool:  # bool is an int to Python, never to a user
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        if not is_int(self.bits) or self.bits not in (8, 4, 2):
+            raise QuantizationError(
+                f"Quantized(bits={self.bits!r}): bits must be the integer 8, 4 or 2")
+        if not is_int(self.group_size) or self.group_size < 1:
             raise QuantizationError(
                 f"Quantized(group_size={self.group_size!r}): group_size must be a positive int"
             )
+        if not isinstance(self.stochastic, bool):
+            raise QuantizationError(
+                f"Quantized(stochastic={self.stochastic!r}): stochastic must be True or False")
+        if self.seed is not None and (not is_int(self.seed) or self.seed < 0):
+            raise QuantizationError(
+                f"Quantized(seed={self.seed!r}): seed must be None or a non-negative int "
+                "(it seeds the stochastic rounding)")
 
     def for_leaf(self) -> Strategy:
         return KEEP  # the caller holds parameters and inputs anyway: quantizing saves nothing
