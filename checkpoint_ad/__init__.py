@@ -28,7 +28,16 @@ from .tensor import Tensor, _install_operators, tensor
 
 _install_operators()
 
-from . import strategies  # noqa: E402 - strategies build on the engine above
+# Names PyTorch, JAX and numpy users reach for (docs/coming-from-pytorch-and-jax.md)
+from . import (  # noqa: E402 - they build on everything above
+    factories,
+    nn,
+    optim,
+    strategies,
+)
+from .factories import *  # noqa: E402, F403 - factories shadow the ops' zeros_like/ones_like
+from .factories import __all__ as _factory_names  # noqa: E402
+from .ops import linalg  # noqa: E402
 from .profiler import Profile, profile  # noqa: E402
 from .strategies import checkpoint, checkpoint_sequential, scan, use  # noqa: E402
 
@@ -68,4 +77,9 @@ __all__ = [
     "use",
     "use_packer",
     *_op_names,
+    *_factory_names,
+    "factories",
+    "linalg",
+    "nn",
+    "optim",
 ]
