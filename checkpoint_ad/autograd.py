@@ -241,7 +241,7 @@ def sweep(
 
 def _seed(output: Tensor, gradient: Any, position: str) -> Any:
     if gradient is None:
-        if output.size != 1:
+        if output.numel() != 1:
             raise BackwardError(
                 f"{position} has shape {list(output.shape)}: an implicit gradient of 1 is only "
                 "defined for single-element outputs; pass gradient= (grad_outputs= for grad()) "

@@ -103,13 +103,6 @@ class Tensor:
         return self._data.ndim
 
     @property
-    def size(self) -> int:
-        count = 1
-        for dim in self._data.shape:
-            count *= dim
-        return count
-
-    @property
     def device(self) -> str:
         return device_name(self._data)
 
@@ -152,7 +145,7 @@ class Tensor:
         return to_device(self._data, "cpu")
 
     def item(self) -> float:
-        if self.size != 1:
+        if self.numel() != 1:
             raise ValueError(
                 f"item() needs a tensor with exactly one element, this one has shape "
                 f"{list(self.shape)}; index or reduce it first (e.g. .sum())"
@@ -173,14 +166,6 @@ class Tensor:
         from .ops import elementwise
 
         return elementwise.copy(self)
-
-    def to(self, device: str) -> Tensor:
-        """This tensor on `device` ('cpu' or 'cuda[:N]'); differentiable."""
-        from .ops import elementwise
-
-        if device == self.device or (device == "cuda" and self.device == "cuda:0"):
-            return self
-        return elementwise.to_device(self, device)
 
     def cpu(self) -> Tensor:
         return self.to("cpu")
@@ -307,9 +292,9 @@ class Tensor:
         return self.shape[0]
 
     def __bool__(self) -> bool:
-        if self.size != 1:
+        if self.numel() != 1:
             raise ValueError(
-                f"the truth value of a tensor with {self.size} elements is ambiguous; "
+                f"the truth value of a tensor with {self.numel()} elements is ambiguous; "
                 "use .any()/.all() style reductions or compare .item()"
             )
         return bool(self.item())
@@ -322,6 +307,139 @@ class Tensor:
             yield self[i]
 
     __hash__ = object.__hash__
+
+    # ---- PyTorch-style methods
+    # What a PyTorch user types without thinking. Each is an ordinary method that forwards to
+    # the public op function, so there is one implementation per operation.
+    def size(self, dim: int | None = None) -> Any:
+        """The shape (``size()``) or the length of one axis (``size(d)``), as in PyTorch.
+
+        >>> import checkpoint_ad as cad
+        >>> x = cad.zeros(2, 3)
+        >>> x.size(), x.size(-1), x.numel()
+        ((2, 3), 3, 6)
+        """
+        if dim is None:
+            return self.shape
+        if not -self.ndim <= dim < max(self.ndim, 1):
+            raise IndexError(f"size({dim}): a {self.ndim}-d tensor has no dimension {dim}")
+        return self.shape[dim]
+
+    def numel(self) -> int:
+        """The number of elements."""
+        count = 1
+        for d in self._data.shape:
+            count *= int(d)
+        return count
+
+    def dim(self) -> int:
+        """The number of axes (PyTorch's name for `ndim`)."""
+        return self.ndim
+
+    def view(self, *shape: Any) -> Tensor:
+        """`reshape`, PyTorch's name: ``x.view(3, -1)`` or ``x.view((3, -1))``."""
+        if len(shape) == 1 and not isinstance(shape[0], int):
+            shape = tuple(shape[0])
+        return _ops().reshape(self, shape)
+
+    def unsqueeze(self, dim: int) -> Tensor:
+        return _ops().unsqueeze(self, dim)
+
+    def permute(self, *dims: Any) -> Tensor:
+        return _ops().permute(self, *dims)
+
+    def swapaxes(self, a: int, b: int) -> Tensor:
+        return _ops().swapaxes(self, a, b)
+
+    def flatten(self, start_dim: int = 0, end_dim: int = -1) -> Tensor:
+        return _ops().flatten(self, start_dim, end_dim)
+
+    def expand(self, *sizes: Any) -> Tensor:
+        return _ops().expand(self, *sizes)
+
+    def t(self) -> Tensor:
+        """The transpose of a matrix (a 0-d or 1-d tensor is returned as it is)."""
+        return self if self.ndim < 2 else _ops().transpose(self, 0, 1)
+
+    def chunk(self, chunks: int, dim: int = 0) -> list[Tensor]:
+        return _ops().chunk(self, chunks, dim)
+
+    def split(self, split_size: int | Sequence[int], dim: int = 0) -> list[Tensor]:
+        """Pieces of `split_size` (or of the listed sizes) along `dim`, PyTorch's meaning."""
+        return _ops().split(self, split_size, dim=dim)
+
+    def repeat(self, *sizes: Any) -> Tensor:
+        """Whole-tensor repetition, PyTorch's meaning (numpy's `tile`)."""
+        if len(sizes) == 1 and not isinstance(sizes[0], int):
+            sizes = tuple(sizes[0])
+        return _ops().tile(self, sizes)
+
+    def float(self) -> Tensor:
+        return _ops().astype(self, "float32")
+
+    def double(self) -> Tensor:
+        return _ops().astype(self, "float64")
+
+    def half(self) -> Tensor:
+        return _ops().astype(self, "float16")
+
+    def to(self, *args: Any, dtype: Any = None, device: str | None = None) -> Tensor:
+        """This tensor converted: ``to("cuda")``, ``to("float64")``, ``to(dtype=...)``,
+        ``to(other)`` (other's dtype and device). Differentiable; returns self when nothing
+        changes.
+
+        >>> import checkpoint_ad as cad
+        >>> cad.ones(2).to("float64").dtype.name
+        'float64'
+        """
+        for arg in args:
+            if isinstance(arg, Tensor):
+                dtype, device = arg.dtype, arg.device
+            elif isinstance(arg, str) and arg.split(":")[0] in ("cpu", "cuda"):
+                device = arg
+            else:
+                dtype = arg
+        out = self
+        if device is not None and not (
+            device == out.device or (device == "cuda" and out.device == "cuda:0")
+        ):
+            out = _ops().to_device(out, device)
+        if dtype is not None:
+            out = _ops().astype(out, dtype)
+        return out
+
+    def masked_fill(self, mask: Any, value: float) -> Tensor:
+        return _ops().masked_fill(self, mask, value)
+
+    def clamp(self, min: float | None = None, max: float | None = None) -> Tensor:
+        return _ops().clamp(self, min, max)
+
+    def prod(self, dim: int | None = None, keepdim: bool = False) -> Tensor:
+        return _ops().prod(self, dim=dim, keepdim=keepdim)
+
+    def cumsum(self, dim: int) -> Tensor:
+        return _ops().cumsum(self, dim=dim)
+
+    def argmax(self, dim: int | None = None, keepdim: bool = False) -> Tensor:
+        return _ops().argmax(self, dim=dim, keepdim=keepdim)
+
+    def argmin(self, dim: int | None = None, keepdim: bool = False) -> Tensor:
+        return _ops().argmin(self, dim=dim, keepdim=keepdim)
+
+    def flip(self, *dims: Any) -> Tensor:
+        if len(dims) == 1 and not isinstance(dims[0], int):
+            dims = tuple(dims[0])
+        return _ops().flip(self, dims=dims)
+
+    def norm(self, p: float | str | None = None, dim: Any = None, keepdim: bool = False) -> Tensor:
+        return _ops().norm(self, p, dim=dim, keepdim=keepdim)
+
+
+def _ops() -> Any:
+    """The op functions, looked up when a PyTorch-style method runs (ops imports this module)."""
+    from . import ops
+
+    return ops
 
 
 def _default_float(xp: Any) -> Any:
