@@ -80,7 +80,7 @@ def gelu(x: Tensor, approximate: str = "none") -> Tensor:
 
     ``approximate="tanh"`` is the tanh formula; ``"none"`` uses erf, here from a polynomial
     approximation accurate to 1.5e-7 (we have no erf primitive), so float64 results match
-    PyTorch's to about 1e-7, not to the last bit.
+    PyTorch's to within 1e-7 * |x|, not to the last bit.
 
     >>> import checkpoint_ad as cad
     >>> from checkpoint_ad.nn import functional as F
