@@ -39,7 +39,14 @@ from .factories import *  # noqa: E402, F403 - factories shadow the ops' zeros_l
 from .factories import __all__ as _factory_names  # noqa: E402
 from .ops import linalg  # noqa: E402
 from .profiler import Profile, profile  # noqa: E402
-from .strategies import checkpoint, checkpoint_sequential, scan, use  # noqa: E402
+from .strategies import (  # noqa: E402
+    checkpoint,
+    checkpoint_policies,
+    checkpoint_sequential,
+    remat,
+    scan,
+    use,
+)
 
 __version__ = "0.1.0"
 
@@ -61,6 +68,7 @@ __all__ = [
     "Tensor",
     "backward",
     "checkpoint",
+    "checkpoint_policies",
     "checkpoint_sequential",
     "enable_grad",
     "grad",
@@ -68,6 +76,7 @@ __all__ = [
     "is_grad_enabled",
     "no_grad",
     "profile",
+    "remat",
     "saved_values_hooks",
     "scan",
     "strategies",

@@ -6,7 +6,10 @@ decide how a `scan` is checkpointed (`Binomial`, `Periodic`, `Recompute`). Apply
 ``checkpoint_ad.use(strategy)`` or a ``strategy=`` argument.
 """
 
+from . import jax_policies
+from . import jax_policies as checkpoint_policies
 from .base import KeepAll, StoreInputs, StoreOutputs, Strategy
+from .jax_policies import remat
 from .policy import Policy
 from .quantized import Quantized
 from .recompute import Recompute, RecomputeError, checkpoint, checkpoint_sequential
@@ -27,10 +30,13 @@ __all__ = [
     "StoreOutputs",
     "binomial_plan",
     "checkpoint",
+    "checkpoint_policies",
     "checkpoint_sequential",
     "current_loop_strategy",
     "optimal_evaluations",
+    "jax_policies",
     "periodic_plan",
+    "remat",
     "scan",
     "simulate_plan",
     "use",
