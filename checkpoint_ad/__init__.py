@@ -5,10 +5,7 @@ storage strategies (store inputs/outputs, recompute, quantize, binomial checkpoi
 decide how each is kept, and the profiler can measure it.
 """
 
-from . import (
-    strategies,
-    testing,
-)
+from . import factories, nn, optim, random, strategies, testing
 from .autograd import backward, grad
 from .errors import (
     BackwardError,
@@ -19,17 +16,32 @@ from .errors import (
     InplaceError,
     SavedValueModifiedError,
     ShapeError,
+    StrategyConfigError,
 )
+from .factories import *  # noqa: F403 - zeros, ones, rand... are public API
+from .factories import __all__ as _factory_names
 from .function import Function, FunctionCtx
 from .grad_mode import enable_grad, inference_mode, is_grad_enabled, no_grad
 from .gradient_tape import GradientTape
 from .inspect import TapeView, tape_of
 from .ops import *  # noqa: F403 - the op functions are the public API
 from .ops import __all__ as _op_names
+from .ops import linalg
 from .profiler import Profile, profile
 from .saved import Packer, saved_values_hooks, use_packer
-from .strategies import checkpoint, checkpoint_sequential, scan, use
+from .strategies import (
+    checkpoint,
+    checkpoint_policies,
+    checkpoint_sequential,
+    remat,
+    scan,
+    use,
+)
 from .tensor import Tensor, tensor
+
+# isort: split
+# the factories' zeros_like/ones_like (dtype=, device=, requires_grad=) win over the ops' ones
+from .factories import ones_like, zeros_like  # noqa: F401
 
 __version__ = "0.1.0"
 
@@ -47,10 +59,12 @@ __all__ = [
     "Profile",
     "SavedValueModifiedError",
     "ShapeError",
+    "StrategyConfigError",
     "TapeView",
     "Tensor",
     "backward",
     "checkpoint",
+    "checkpoint_policies",
     "checkpoint_sequential",
     "enable_grad",
     "grad",
@@ -58,6 +72,8 @@ __all__ = [
     "is_grad_enabled",
     "no_grad",
     "profile",
+    "random",
+    "remat",
     "saved_values_hooks",
     "scan",
     "strategies",
@@ -67,4 +83,9 @@ __all__ = [
     "use",
     "use_packer",
     *_op_names,
+    *_factory_names,
+    "factories",
+    "linalg",
+    "nn",
+    "optim",
 ]

@@ -14,11 +14,13 @@ import numpy as np
 
 from . import ops
 from .autograd import backward as _backward
-from .backend import device_name, is_array, namespace, resolve_dtype, to_device
+from .backend import is_array
 from .errors import InplaceError
 from .grad_mode import _state, no_grad
 from .saved import VersionCounter
-from .tensor_base import TensorBase, as_tensor_like, make_tensor
+from .tensor_base import TensorBase, as_tensor, as_tensor_like, make_tensor, tensor
+
+__all__ = ["Tensor", "as_tensor", "tensor"]
 
 
 class Tensor(TensorBase, made_by_engine=True):
@@ -53,10 +55,6 @@ class Tensor(TensorBase, made_by_engine=True):
     ) -> Tensor:
         """Fast internal constructor: no checks, optional shared version counter (views)."""
         return make_tensor(data, entry, index, counter)
-
-    @property
-    def size(self) -> int:
-        return self._element_count()
 
     # ----------------------------------------------------------------- operators
     def __add__(self, other: Any) -> Tensor:
@@ -149,12 +147,6 @@ class Tensor(TensorBase, made_by_engine=True):
     def clone(self) -> Tensor:
         """A copy with its own storage, still differentiable."""
         return ops.copy(self)
-
-    def to(self, device: str) -> Tensor:
-        """This tensor on `device` ('cpu' or 'cuda[:N]'); differentiable."""
-        if device == self.device or (device == "cuda" and self.device == "cuda:0"):
-            return self
-        return ops.to_device(self, device)
 
     def cpu(self) -> Tensor:
         return self.to("cpu")
@@ -267,49 +259,128 @@ class Tensor(TensorBase, made_by_engine=True):
         for i in range(len(self)):
             yield self[i]
 
+    # ---- PyTorch-style methods
+    # What a PyTorch user types without thinking. Each is an ordinary method that forwards to
+    # the public op function, so there is one implementation per operation.
+    def size(self, dim: int | None = None) -> Any:
+        """The shape (``size()``) or the length of one axis (``size(d)``), as in PyTorch.
 
+        >>> import checkpoint_ad as cad
+        >>> x = cad.zeros(2, 3)
+        >>> x.size(), x.size(-1), x.numel()
+        ((2, 3), 3, 6)
+        """
+        if dim is None:
+            return self.shape
+        if not -self.ndim <= dim < max(self.ndim, 1):
+            raise IndexError(f"size({dim}): a {self.ndim}-d tensor has no dimension {dim}")
+        return self.shape[dim]
 
-def tensor(
-    data: Any, requires_grad: bool = False, dtype: Any = None, device: str | None = None
-) -> Tensor:
-    """Make a leaf tensor.
+    def numel(self) -> int:
+        """The number of elements."""
+        count = 1
+        for d in self._data.shape:
+            count *= int(d)
+        return count
 
-    Arrays keep their dtype and array library; Python scalars and lists become float32
-    unless `dtype` says otherwise. `device` is 'cpu' or 'cuda[:N]' (cupy); by default the
-    data stays where it is (numpy arrays and Python data on the CPU).
+    def dim(self) -> int:
+        """The number of axes (PyTorch's name for `ndim`)."""
+        return self.ndim
 
-    An array of the right dtype and device is not copied (like ``torch.from_numpy``): large
-    inputs cost no second copy, and an in-place update of the tensor (under `no_grad`, e.g. an
-    optimizer step) is seen through the caller's array. Pass ``array.copy()`` to keep them
-    apart.
+    def view(self, *shape: Any) -> Tensor:
+        """`reshape`, PyTorch's name: ``x.view(3, -1)`` or ``x.view((3, -1))``."""
+        if len(shape) == 1 and not isinstance(shape[0], int):
+            shape = tuple(shape[0])
+        return ops.reshape(self, shape)
 
-    >>> import checkpoint_ad as cad
-    >>> cad.tensor([1, 2]).dtype
-    dtype('float32')
-    """
-    if isinstance(data, Tensor):
-        data = data._data
-    if isinstance(data, np.generic):
-        data = np.asarray(data)
-    if is_array(data):
-        if device is not None and device_name(data) != device and not (
-            device == "cuda" and device_name(data).startswith("cuda")
+    def unsqueeze(self, dim: int) -> Tensor:
+        return ops.unsqueeze(self, dim)
+
+    def permute(self, *dims: Any) -> Tensor:
+        return ops.permute(self, *dims)
+
+    def swapaxes(self, a: int, b: int) -> Tensor:
+        return ops.swapaxes(self, a, b)
+
+    def flatten(self, start_dim: int = 0, end_dim: int = -1) -> Tensor:
+        return ops.flatten(self, start_dim, end_dim)
+
+    def expand(self, *sizes: Any) -> Tensor:
+        return ops.expand(self, *sizes)
+
+    def t(self) -> Tensor:
+        """The transpose of a matrix (a 0-d or 1-d tensor is returned as it is)."""
+        return self if self.ndim < 2 else ops.transpose(self, 0, 1)
+
+    def chunk(self, chunks: int, dim: int = 0) -> list[Tensor]:
+        return ops.chunk(self, chunks, dim)
+
+    def split(self, split_size: int | Sequence[int], dim: int = 0) -> list[Tensor]:
+        """Pieces of `split_size` (or of the listed sizes) along `dim`, PyTorch's meaning."""
+        return ops.split(self, split_size, dim=dim)
+
+    def repeat(self, *sizes: Any) -> Tensor:
+        """Whole-tensor repetition, PyTorch's meaning (numpy's `tile`)."""
+        if len(sizes) == 1 and not isinstance(sizes[0], int):
+            sizes = tuple(sizes[0])
+        return ops.tile(self, sizes)
+
+    def float(self) -> Tensor:
+        return ops.astype(self, "float32")
+
+    def double(self) -> Tensor:
+        return ops.astype(self, "float64")
+
+    def half(self) -> Tensor:
+        return ops.astype(self, "float16")
+
+    def to(self, *args: Any, dtype: Any = None, device: str | None = None) -> Tensor:
+        """This tensor converted: ``to("cuda")``, ``to("float64")``, ``to(dtype=...)``,
+        ``to(other)`` (other's dtype and device). Differentiable; returns self when nothing
+        changes.
+
+        >>> import checkpoint_ad as cad
+        >>> cad.ones(2).to("float64").dtype.name
+        'float64'
+        """
+        for arg in args:
+            if isinstance(arg, Tensor):
+                dtype, device = arg.dtype, arg.device
+            elif isinstance(arg, str) and arg.split(":")[0] in ("cpu", "cuda"):
+                device = arg
+            else:
+                dtype = arg
+        out = self
+        if device is not None and not (
+            device == out.device or (device == "cuda" and out.device == "cuda:0")
         ):
-            data = to_device(data, device)
-        xp = namespace(data)
+            out = ops.to_device(out, device)
         if dtype is not None:
-            data = xp.astype(data, resolve_dtype(xp, dtype))
-    else:
-        host = np.asarray(data, dtype=resolve_dtype(np, dtype) or np.float32)
-        data = to_device(host, device or "cpu")
-    return Tensor(data, requires_grad=requires_grad)
+            out = ops.astype(out, dtype)
+        return out
 
+    def masked_fill(self, mask: Any, value: float) -> Tensor:
+        return ops.masked_fill(self, mask, value)
 
-def as_tensor(value: Any, like: Sequence[Any] = ()) -> Tensor:
-    """`value` as a Tensor; Python scalars take the dtype and device of the first tensor in
-    `like` so that `x * 2` keeps x's float32."""
-    if isinstance(value, TensorBase):
-        return value  # type: ignore[return-value]
-    if any(isinstance(t, TensorBase) for t in like):
-        return as_tensor_like(value, like)
-    return tensor(value)
+    def clamp(self, min: float | None = None, max: float | None = None) -> Tensor:
+        return ops.clamp(self, min, max)
+
+    def prod(self, dim: int | None = None, keepdim: bool = False) -> Tensor:
+        return ops.prod(self, dim=dim, keepdim=keepdim)
+
+    def cumsum(self, dim: int) -> Tensor:
+        return ops.cumsum(self, dim=dim)
+
+    def argmax(self, dim: int | None = None, keepdim: bool = False) -> Tensor:
+        return ops.argmax(self, dim=dim, keepdim=keepdim)
+
+    def argmin(self, dim: int | None = None, keepdim: bool = False) -> Tensor:
+        return ops.argmin(self, dim=dim, keepdim=keepdim)
+
+    def flip(self, *dims: Any) -> Tensor:
+        if len(dims) == 1 and not isinstance(dims[0], int):
+            dims = tuple(dims[0])
+        return ops.flip(self, dims=dims)
+
+    def norm(self, p: float | str | None = None, dim: Any = None, keepdim: bool = False) -> Tensor:
+        return ops.norm(self, p, dim=dim, keepdim=keepdim)

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from .backend import device_name, is_array, is_floating, namespace, to_device
+from .backend import device_name, is_array, is_floating, namespace, resolve_dtype, to_device
 from .errors import BackwardError, DTypeError
 from .grad_mode import _state
 from .saved import VersionCounter
@@ -209,3 +209,53 @@ def as_tensor_like(value: Any, like: Sequence[Any]) -> Any:
     except TypeError:  # namespaces without a device keyword
         data = xp.asarray(value, dtype=ref.dtype)
     return make_tensor(data)
+
+
+def tensor(
+    data: Any, requires_grad: bool = False, dtype: Any = None, device: str | None = None
+) -> Any:
+    """Make a leaf tensor.
+
+    Arrays keep their dtype and array library; Python scalars and lists become float32
+    unless `dtype` says otherwise. `device` is 'cpu' or 'cuda[:N]' (cupy); by default the
+    data stays where it is (numpy arrays and Python data on the CPU).
+
+    An array of the right dtype and device is not copied (like ``torch.from_numpy``): large
+    inputs cost no second copy, and an in-place update of the tensor (under `no_grad`, e.g. an
+    optimizer step) is seen through the caller's array. Pass ``array.copy()`` to keep them
+    apart.
+
+    >>> import checkpoint_ad as cad
+    >>> cad.tensor([1, 2]).dtype
+    dtype('float32')
+    """
+    if isinstance(data, TensorBase):
+        data = data._data
+    if isinstance(data, np.generic):
+        data = np.asarray(data)
+    if is_array(data):
+        if device is not None and device_name(data) != device and not (
+            device == "cuda" and device_name(data).startswith("cuda")
+        ):
+            data = to_device(data, device)
+        xp = namespace(data)
+        if dtype is not None:
+            data = xp.astype(data, resolve_dtype(xp, dtype))
+    else:
+        host = np.asarray(data, dtype=resolve_dtype(np, dtype) or np.float32)
+        data = to_device(host, device or "cpu")
+    if not is_array(data):
+        raise TypeError(f"tensor() could not make an array from {type(data).__name__}")
+    result = make_tensor(data)
+    result.requires_grad = requires_grad
+    return result
+
+
+def as_tensor(value: Any, like: Sequence[Any] = ()) -> Any:
+    """`value` as a Tensor; Python scalars take the dtype and device of the first tensor in
+    `like` so that `x * 2` keeps x's float32."""
+    if isinstance(value, TensorBase):
+        return value  # type: ignore[return-value]
+    if any(isinstance(t, TensorBase) for t in like):
+        return as_tensor_like(value, like)
+    return tensor(value)

@@ -38,11 +38,11 @@ RANDOM_DIRECTIONS = 2
 
 def _directions(xs: list[Tensor], rng: np.random.Generator) -> Iterator[tuple[str, list[Any]]]:
     """(what, one direction per input): each element alone for small inputs, then random."""
-    if int(np.sum([x.size for x in xs])) <= FULL_CHECK_MAX_ELEMENTS:  # `sum` is the op here
+    if int(np.sum([x.numel() for x in xs])) <= FULL_CHECK_MAX_ELEMENTS:  # `sum` is the op here
         for i, x in enumerate(xs):
             xp = namespace(x._data)
-            for k in range(x.size):
-                basis = np.zeros(x.size)
+            for k in range(x.numel()):
+                basis = np.zeros(x.numel())
                 basis[k] = 1.0
                 where = tuple(int(j) for j in np.unravel_index(k, x.shape))
                 yield (f"element {list(where)} of inputs[{i}]",

@@ -292,13 +292,13 @@ def test_parameter_is_a_trainable_leaf():
 
 def test_linear_shapes_init_and_reproducibility():
     layer = nn.Linear(5, 3, seed=7, dtype="float64")
-    assert layer.weight.shape == (5, 3) and layer.bias.shape == (3,)
+    assert layer.weight.shape == (3, 5) and layer.bias.shape == (3,)  # PyTorch's (out, in)
     assert np.abs(layer.weight.numpy()).max() <= 1 / np.sqrt(5)
     same = nn.Linear(5, 3, rng=np.random.default_rng(7), dtype="float64")
     np.testing.assert_array_equal(layer.weight.numpy(), same.weight.numpy())
     x = np.random.default_rng(0).standard_normal((4, 5))
     out = layer(cad.tensor(x))
-    np.testing.assert_allclose(out.numpy(), x @ layer.weight.numpy() + layer.bias.numpy())
+    np.testing.assert_allclose(out.numpy(), x @ layer.weight.numpy().T + layer.bias.numpy())
     no_bias = nn.Linear(5, 3, bias=False)
     assert no_bias.bias is None and len(no_bias.parameters()) == 1
     assert no_bias.weight.dtype == np.float32

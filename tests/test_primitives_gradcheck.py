@@ -527,6 +527,8 @@ FORM_EXAMPLES = {
     "log_softmax": (lambda x: cad.log_softmax(x, axis=-1), [(2, 3, 4)], "any"),
     "logsumexp": (lambda x: cad.logsumexp(x, axis=1, keepdims=False), [(2, 3, 4)], "any"),
     "divide": (cad.divide, [(2, 3), (3,)], "positive"),
+    "expm1": (cad.expm1, [(2, 3)], "any"),
+    "tan": (lambda x: cad.tan(cad.tanh(x)), [(2, 3)], "any"),  # inside (-1, 1): far from pi/2
 }
 MULTI_FORM = [(p.name, f.kind) for p in _primitives() if len(p.forms) > 1 for f in p.forms]
 
@@ -576,6 +578,14 @@ NOT_DIFFERENTIABLE = {
 }
 # checked in the float32 tests (a float32 cast cannot be finite-differenced in float64)
 CHECKED_ELSEWHERE = {"astype"}
+# the ops added for PyTorch/JAX users: tests/test_ops_added.py gradchecks each and checks this list
+CHECKED_ELSEWHERE |= {
+    "ValuesIndices", "arctan", "argmax", "argmin", "argsort", "atan", "cat", "chunk", "clamp",
+    "cosh", "cumsum", "diag", "dot", "expm1", "flatten", "flip", "linalg", "log1p",
+    "masked_fill", "norm", "outer", "pad", "permute", "prod", "repeat", "repeat_interleave",
+    "roll", "sinh", "sort", "split", "std", "swapaxes", "take_along_axis", "tan", "tensordot",
+    "tile", "trace", "unsqueeze", "var",
+}
 
 
 def _gradchecked_names() -> set[str]:

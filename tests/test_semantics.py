@@ -25,7 +25,7 @@ def test_tensor_dtypes_follow_the_rules():
 
 def test_tensor_attributes():
     x = cad.tensor(np.ones((2, 3)), requires_grad=True)
-    assert x.shape == (2, 3) and x.ndim == 2 and x.size == 6 and x.device == "cpu"
+    assert x.shape == (2, 3) and x.ndim == 2 and x.numel() == 6 and x.device == "cpu"
     assert x.is_leaf and x.grad_fn is None and x.grad is None
     y = x * 2
     assert not y.is_leaf and y.grad_fn.name == "multiply"

@@ -1,21 +1,49 @@
 """The primitive tables, one module per op family, and the public op functions."""
 
+from . import linalg
+from .composite import (
+    cat,
+    chunk,
+    clamp,
+    diag,
+    dot,
+    expand,
+    flatten,
+    masked_fill,
+    outer,
+    pad,
+    permute,
+    repeat,
+    repeat_interleave,
+    split,
+    std,
+    tensordot,
+    tile,
+    trace,
+    unsqueeze,
+    var,
+)
 from .elementwise import (
     abs,
     add,
+    arctan,
     astype,
+    atan,
     clip,
     copy,
     cos,
+    cosh,
     divide,
     equal,
     exp,
+    expm1,
     greater,
     greater_equal,
     isfinite,
     less,
     less_equal,
     log,
+    log1p,
     logical_and,
     logical_not,
     logical_or,
@@ -30,27 +58,36 @@ from .elementwise import (
     sigmoid,
     sign,
     sin,
+    sinh,
     sqrt,
     subtract,
+    tan,
     tanh,
     to_device,
     where,
     zeros_like,
 )
-from .linalg import einsum, matmul
+from .linalg import einsum, matmul, norm
 from .normalizing import log_softmax, logsumexp, softmax
-from .reductions import max, mean, min, sum
+from .reductions import argmax, argmin, cumsum, max, mean, min, prod, sum
 from .shape import (
+    ValuesIndices,
+    argsort,
     broadcast_to,
     concatenate,
     expand_dims,
+    flip,
     getitem,
     matrix_transpose,
     reshape,
+    roll,
     setitem,
+    sort,
     squeeze,
     stack,
     sum_to,
+    swapaxes,
+    take_along_axis,
     transpose,
 )
 
@@ -62,4 +99,10 @@ __all__ = [
     "multiply", "negative", "not_equal", "ones_like", "power", "relu", "reshape", "setitem",
     "sigmoid", "sign", "sin", "softmax", "sqrt", "squeeze", "stack", "subtract", "sum",
     "sum_to", "tanh", "to_device", "transpose", "where", "zeros_like",
+    # added for PyTorch/JAX users
+    "ValuesIndices", "arctan", "argmax", "argmin", "argsort", "atan", "cat", "chunk", "clamp",
+    "cosh", "cumsum", "diag", "dot", "expand", "expm1", "flatten", "flip", "linalg", "log1p",
+    "masked_fill", "norm", "outer", "pad", "permute", "prod", "repeat", "repeat_interleave",
+    "roll", "sinh", "sort", "split", "std", "swapaxes", "take_along_axis", "tan", "tensordot",
+    "tile", "trace", "unsqueeze", "var",
 ]

@@ -278,3 +278,82 @@ def logical_or(a: Any, b: Any) -> Any:
 
 def logical_not(x: Any) -> Any:
     return LOGICAL_NOT(x)
+
+
+# ------------------------------------------------------------------ added for PyTorch/JAX users
+LOG1P = define("log1p", lambda xp, x: xp.log1p(x), "x", [{"x": vjp("x", lambda g, x: g / (1 + x))}])
+EXPM1 = define("expm1", lambda xp, x: xp.expm1(x), "x", [
+    {"x": vjp("out", lambda g, out: g * (out + 1))},
+    {"x": vjp("x", lambda g, x: g * exp(x))},
+])
+TAN = define("tan", lambda xp, x: xp.tan(x), "x", [
+    {"x": vjp("out", lambda g, out: g * (1 + out * out))},
+    {"x": vjp("x", lambda g, x: g / cos(x) ** 2)},
+])
+ARCTAN = define("arctan", lambda xp, x: xp.atan(x) if hasattr(xp, "atan") else xp.arctan(x),
+                "x", [{"x": vjp("x", lambda g, x: g / (1 + x * x))}])
+SINH = define("sinh", lambda xp, x: xp.sinh(x), "x", [{"x": vjp("x", lambda g, x: g * cosh(x))}])
+COSH = define("cosh", lambda xp, x: xp.cosh(x), "x", [{"x": vjp("x", lambda g, x: g * sinh(x))}])
+
+
+def log1p(x: Any) -> Any:
+    """log(1 + x), accurate for tiny x.
+
+    >>> import checkpoint_ad as cad
+    >>> round(cad.log1p(cad.tensor(1e-10, dtype="float64")).item() * 1e10, 6)
+    1.0
+    """
+    return LOG1P(x)
+
+
+def expm1(x: Any) -> Any:
+    """exp(x) - 1, accurate for tiny x.
+
+    >>> import checkpoint_ad as cad
+    >>> round(cad.expm1(cad.tensor(1e-10, dtype="float64")).item() * 1e10, 6)
+    1.0
+    """
+    return EXPM1(x)
+
+
+def tan(x: Any) -> Any:
+    """Tangent (radians).
+
+    >>> import checkpoint_ad as cad
+    >>> round(cad.tan(cad.tensor(0.5)).item(), 4)
+    0.5463
+    """
+    return TAN(x)
+
+
+def arctan(x: Any) -> Any:
+    """Inverse tangent, in (-pi/2, pi/2); PyTorch's ``atan``.
+
+    >>> import checkpoint_ad as cad
+    >>> round(cad.arctan(cad.tensor(1.0)).item(), 4)
+    0.7854
+    """
+    return ARCTAN(x)
+
+
+def sinh(x: Any) -> Any:
+    """Hyperbolic sine.
+
+    >>> import checkpoint_ad as cad
+    >>> round(cad.sinh(cad.tensor(1.0)).item(), 4)
+    1.1752
+    """
+    return SINH(x)
+
+
+def cosh(x: Any) -> Any:
+    """Hyperbolic cosine.
+
+    >>> import checkpoint_ad as cad
+    >>> round(cad.cosh(cad.tensor(1.0)).item(), 4)
+    1.5431
+    """
+    return COSH(x)
+
+
+atan = arctan

@@ -8,6 +8,11 @@ from typing import Any
 from ..errors import ShapeError
 from ..tape import define, vjp
 from ..tensor_base import TensorBase, as_tensor_like
+from .elementwise import abs, power, sqrt
+from .reductions import axis_keywords
+from .reductions import max as reduce_max
+from .reductions import min as reduce_min
+from .reductions import sum as reduce_sum
 from .shape import broadcast_to, expand_dims, matrix_transpose, reshape, squeeze
 
 
@@ -83,3 +88,47 @@ def einsum(subscripts: str, *operands: Any) -> Any:
     """Einstein summation (no ellipsis or repeated indices within one operand)."""
     _parse(subscripts, len(operands))
     return EINSUM(list(operands), subscripts=subscripts)
+
+
+# ------------------------------------------------------------------ added for PyTorch/JAX users
+def norm(x: Any, ord: float | str | None = None, axis: int | Sequence[int] | None = None,
+         keepdims: bool = False, *, dim: Any = None, keepdim: bool | None = None) -> Any:
+    """Vector or matrix norm (``numpy.linalg.norm``/``torch.linalg.norm``), composed of
+    differentiable reductions.
+
+    Vector norms (one axis, or a 1-d x): `ord` None or 2, 1, inf, -inf, or any p > 0. Matrix
+    norms (two axes, or a 2-d x with no axis): None or 'fro' only. With no axis and more than 2
+    dimensions, the 2-norm of the flattened tensor. At x = 0 the 2-norm's gradient is undefined
+    (division by 0), as with sqrt.
+
+    >>> import checkpoint_ad as cad
+    >>> cad.linalg.norm(cad.tensor([3.0, 4.0])).item()
+    5.0
+    >>> cad.linalg.norm(cad.tensor([[1.0, -2.0], [3.0, 0.0]]), ord=1, dim=1).tolist()
+    [3.0, 3.0]
+    """
+    axis, keepdims = axis_keywords("norm", axis, keepdims, dim, keepdim)
+    ndim = getattr(x, "ndim", None)
+    if ndim is None:
+        ndim = len(getattr(x, "shape", ()))
+    axes = (axis,) if isinstance(axis, int) else (tuple(axis) if axis is not None else None)
+    matrix = (axes is not None and len(axes) == 2) or (axes is None and ndim == 2)
+    if ord is None or (ord == "fro" and matrix):
+        return sqrt(reduce_sum(x * x, axis=axis, keepdims=keepdims))
+    if matrix:
+        raise ShapeError(
+            f"norm: matrix norm ord={ord!r} is not available (it needs an SVD); use None or 'fro'"
+        )
+    if axes is None and ndim != 1:
+        raise ShapeError(f"norm: ord={ord!r} needs one axis; pass dim= or flatten first")
+    if ord == float("inf"):
+        return reduce_max(abs(x), axis=axis, keepdims=keepdims)
+    if ord == float("-inf"):
+        return reduce_min(abs(x), axis=axis, keepdims=keepdims)
+    if isinstance(ord, str) or ord <= 0:
+        raise ShapeError(f"norm: vector ord must be inf, -inf or a number > 0, got {ord!r}")
+    if ord == 1:
+        return reduce_sum(abs(x), axis=axis, keepdims=keepdims)
+    if ord == 2:
+        return sqrt(reduce_sum(x * x, axis=axis, keepdims=keepdims))
+    return power(reduce_sum(power(abs(x), ord), axis=axis, keepdims=keepdims), 1.0 / ord)

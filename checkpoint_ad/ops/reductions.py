@@ -6,9 +6,19 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from ..errors import ShapeError
 from ..tape import define, vjp
 from .elementwise import ones_like, where, zeros_like
-from .shape import SUM, broadcast_to, kept_shape, normalize_axes, reshape, unreduce
+from .shape import (
+    SUM,
+    ValuesIndices,
+    broadcast_to,
+    flip,
+    kept_shape,
+    normalize_axes,
+    reshape,
+    unreduce,
+)
 
 __all__ = ["SUM", "kept_shape", "max", "mean", "min", "sum", "unreduce"]
 
@@ -38,22 +48,155 @@ def _reduce(prim: Any, x: Any, axis: Any, keepdims: bool) -> Any:
     return prim(x, axis=axes, keepdims=bool(keepdims), source=source)
 
 
-def sum(x: Any, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Any:
-    """Sum over `axis` (all axes by default)."""
+def sum(x: Any, axis: int | Sequence[int] | None = None, keepdims: bool = False, *,
+        dim: int | Sequence[int] | None = None, keepdim: bool | None = None) -> Any:
+    """Sum over `axis` (all axes by default); PyTorch's ``dim=``/``keepdim=`` work too."""
+    axis, keepdims = axis_keywords("sum", axis, keepdims, dim, keepdim)
     return _reduce(SUM, x, axis, keepdims)
 
 
-def mean(x: Any, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Any:
-    """Mean over `axis` (all axes by default)."""
+def mean(x: Any, axis: int | Sequence[int] | None = None, keepdims: bool = False, *,
+        dim: int | Sequence[int] | None = None, keepdim: bool | None = None) -> Any:
+    """Mean over `axis` (all axes by default); PyTorch's ``dim=``/``keepdim=`` work too."""
+    axis, keepdims = axis_keywords("mean", axis, keepdims, dim, keepdim)
     return _reduce(MEAN, x, axis, keepdims)
 
 
-def max(x: Any, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Any:
-    """Maximum over `axis`; ties share the gradient evenly."""
+def max(x: Any, axis: int | Sequence[int] | None = None, keepdims: bool = False, *,
+        dim: int | None = None, keepdim: bool | None = None) -> Any:
+    """Maximum over `axis`; ties share the gradient evenly.
+
+    Spelled PyTorch's way, ``max(x, dim=d)`` returns ``(values, indices)`` as PyTorch does.
+    """
+    if dim is not None:
+        return _extreme_with_indices("max", x, dim, bool(keepdim))
+    axis, keepdims = axis_keywords("max", axis, keepdims, None, keepdim)
     return _reduce(MAX, x, axis, keepdims)
 
 
-def min(x: Any, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Any:
-    """Minimum over `axis`; ties share the gradient evenly."""
+def min(x: Any, axis: int | Sequence[int] | None = None, keepdims: bool = False, *,
+        dim: int | None = None, keepdim: bool | None = None) -> Any:
+    """Minimum over `axis`; ties share the gradient evenly.
+
+    Spelled PyTorch's way, ``min(x, dim=d)`` returns ``(values, indices)`` as PyTorch does.
+    """
+    if dim is not None:
+        return _extreme_with_indices("min", x, dim, bool(keepdim))
+    axis, keepdims = axis_keywords("min", axis, keepdims, None, keepdim)
     return _reduce(MIN, x, axis, keepdims)
 
+
+
+# ------------------------------------------------------------------ added for PyTorch/JAX users
+def axis_keywords(op: str, axis: Any, keepdims: Any, dim: Any, keepdim: Any) -> tuple[Any, bool]:
+    """One (axis, keepdims) pair from numpy's and PyTorch's spellings, refusing both at once."""
+    if dim is not None:
+        if axis is not None:
+            raise TypeError(f"{op}: got both axis={axis!r} and dim={dim!r}; pass one of them")
+        axis = dim
+    if keepdim is not None:
+        if keepdims:
+            raise TypeError(f"{op}: got both keepdims and keepdim; pass one of them")
+        keepdims = keepdim
+    return axis, bool(keepdims)
+
+
+def _prod_rule(g: Any, x: Any, out: Any, *, axis: Any, keepdims: Any, source: Any) -> Any:
+    """d prod / d x_i is the product of the others; exact zeros are handled without 0/0."""
+    zero = x == 0
+    safe = where(zero, ones_like(x), x)
+    zeros_in_slice = SUM(where(zero, ones_like(x), zeros_like(x)), axis=axis, keepdims=True,
+                         source=source)
+    nonzero_product = PROD(safe, axis=axis, keepdims=True, source=source)
+    at_the_zero = where(zeros_in_slice == 1, nonzero_product, zeros_like(nonzero_product))
+    elsewhere = broadcast_to(reshape(out, kept_shape(source, axis)), source) / safe
+    return unreduce(g, source, axis) * where(zero, broadcast_to(at_the_zero, source), elsewhere)
+
+
+def _cumsum(xp: Any, x: Any, *, axis: int) -> Any:
+    return xp.cumulative_sum(x, axis=axis) if hasattr(xp, "cumulative_sum") else xp.cumsum(
+        x, axis=axis)
+
+
+PROD = define("prod", lambda xp, x, *, axis, keepdims, source: xp.prod(
+    x, axis=axis, keepdims=keepdims), "x", [{"x": vjp("x out", _prod_rule)}])
+CUMSUM = define("cumsum", _cumsum, "x", [
+    {"x": vjp("", lambda g, *, axis: flip(cumsum(flip(g, axis), axis), axis))},
+])
+ARGMAX = define("argmax", lambda xp, x, *, axis, keepdims: xp.argmax(
+    x, axis=axis, keepdims=keepdims), differentiable=False)
+ARGMIN = define("argmin", lambda xp, x, *, axis, keepdims: xp.argmin(
+    x, axis=axis, keepdims=keepdims), differentiable=False)
+
+
+def prod(x: Any, axis: int | Sequence[int] | None = None, keepdims: bool = False, *,
+         dim: int | Sequence[int] | None = None, keepdim: bool | None = None) -> Any:
+    """Product over `axis`; its gradient stays exact where an entry is 0.
+
+    >>> import checkpoint_ad as cad
+    >>> cad.prod(cad.tensor([[1.0, 2.0], [3.0, 4.0]]), dim=1).tolist()
+    [2.0, 12.0]
+    """
+    axis, keepdims = axis_keywords("prod", axis, keepdims, dim, keepdim)
+    return _reduce(PROD, x, axis, keepdims)
+
+
+def cumsum(x: Any, axis: int | None = None, *, dim: int | None = None) -> Any:
+    """Running sum along `axis` (over the flattened tensor when no axis is given, as numpy).
+
+    >>> import checkpoint_ad as cad
+    >>> cad.cumsum(cad.tensor([1.0, 2.0, 3.0]), dim=0).tolist()
+    [1.0, 3.0, 6.0]
+    """
+    axis, _ = axis_keywords("cumsum", axis, False, dim, None)
+    if axis is None:
+        x, axis = reshape(x, (-1,)), 0
+    shape = tuple(getattr(x, "_data", x).shape)
+    if not isinstance(axis, int):
+        raise ShapeError(f"cumsum takes one axis (an int), got {axis!r}")
+    (axis,) = normalize_axes(axis, len(shape), "cumsum")
+    return CUMSUM(x, axis=axis)
+
+
+def _arg_extreme(prim: Any, x: Any, axis: Any, keepdims: bool) -> Any:
+    shape = tuple(getattr(x, "_data", x).shape)
+    if axis is None:
+        flat = reshape(x, (-1,))
+        return prim(flat, axis=0, keepdims=False) if not keepdims else reshape(
+            prim(flat, axis=0, keepdims=False), (1,) * len(shape))
+    if not isinstance(axis, int):
+        raise ShapeError(f"{prim.name} takes one axis (an int) or None, got {axis!r}")
+    (axis,) = normalize_axes(axis, len(shape), prim.name)
+    return prim(x, axis=axis, keepdims=keepdims)
+
+
+def argmax(x: Any, axis: int | None = None, keepdims: bool = False, *, dim: int | None = None,
+           keepdim: bool | None = None) -> Any:
+    """Position of the largest entry along `axis` (of the flattened tensor by default).
+
+    >>> import checkpoint_ad as cad
+    >>> cad.argmax(cad.tensor([[1.0, 5.0], [7.0, 2.0]]), dim=1).tolist()
+    [1, 0]
+    """
+    axis, keepdims = axis_keywords("argmax", axis, keepdims, dim, keepdim)
+    return _arg_extreme(ARGMAX, x, axis, keepdims)
+
+
+def argmin(x: Any, axis: int | None = None, keepdims: bool = False, *, dim: int | None = None,
+           keepdim: bool | None = None) -> Any:
+    """Position of the smallest entry along `axis` (of the flattened tensor by default).
+
+    >>> import checkpoint_ad as cad
+    >>> cad.argmin(cad.tensor([3.0, 1.0, 2.0])).item()
+    1
+    """
+    axis, keepdims = axis_keywords("argmin", axis, keepdims, dim, keepdim)
+    return _arg_extreme(ARGMIN, x, axis, keepdims)
+
+
+def _extreme_with_indices(op: str, x: Any, dim: Any, keepdim: bool) -> ValuesIndices:
+    if not isinstance(dim, int):
+        raise ShapeError(f"{op}(dim=...) takes one dimension (an int), got {dim!r}")
+    values = _reduce(MAX if op == "max" else MIN, x, dim, keepdim)
+    indices = (argmax if op == "max" else argmin)(x, dim, keepdim)
+    return ValuesIndices(values, indices)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -110,10 +110,11 @@ def normalize_axes(axis: int | Sequence[int] | None, ndim: int, op: str) -> tupl
     return normalized
 
 
-def reshape(x: Any, shape: Sequence[int] | int) -> Any:
-    """x with a new shape (one entry may be -1)."""
+def reshape(x: Any, shape: Sequence[int] | int, *more: int) -> Any:
+    """x with a new shape (one entry may be -1); ``reshape(x, 3, 2)`` works as PyTorch's."""
     source = tuple(_data(x).shape)
     target = (shape,) if isinstance(shape, int) else tuple(shape)
+    target += tuple(more)
     size = math.prod(source)
     if -1 in target:
         known = math.prod(d for d in target if d != -1)
@@ -128,9 +129,19 @@ def reshape(x: Any, shape: Sequence[int] | int) -> Any:
     return RESHAPE(x, shape=target, source=source)
 
 
-def transpose(x: Any, axes: Sequence[int] | None = None) -> Any:
-    """Permute axes (reverse them when `axes` is None)."""
+def transpose(x: Any, axes: Sequence[int] | int | None = None, *more: int) -> Any:
+    """Permute axes (reverse them when `axes` is None).
+
+    Two ints, ``transpose(x, a, b)``, swap axes a and b (PyTorch's meaning); more ints are a
+    permutation (numpy's ``x.transpose(1, 0, 2)``).
+    """
     ndim = _data(x).ndim
+    if isinstance(axes, int):
+        axes = (axes, *more)
+        if len(axes) == 2:
+            return swapaxes(x, *axes)
+    elif more:
+        raise ShapeError("transpose: pass the axes as one sequence or as separate ints")
     if axes is None:
         axes = tuple(reversed(range(ndim)))
     axes = tuple(_axis(a, ndim, "transpose") for a in axes)
@@ -271,3 +282,165 @@ def stack(xs: Sequence[Any], axis: int = 0) -> Any:
     ndim = _data(xs[0]).ndim + 1
     axis = _axis(axis, ndim, "stack")
     return concatenate([expand_dims(x, axis) for x in xs], axis=axis)
+
+
+# ------------------------------------------------------------------ added for PyTorch/JAX users
+def _index_grid(xp: Any, indices: Any, axis: int) -> tuple[Any, ...]:
+    """Integer arrays that address, for every entry of `indices`, its place in the source."""
+    ndim = len(indices.shape)
+    grid = []
+    for d, n in enumerate(indices.shape):
+        if d == axis:
+            grid.append(indices)
+        else:
+            shape = tuple(n if i == d else 1 for i in range(ndim))
+            grid.append(xp.reshape(xp.arange(n), shape))
+    return tuple(grid)
+
+
+def _put_along(xp: Any, g: Any, *, indices: Any, axis: int, source: tuple[int, ...]) -> Any:
+    target = xp.zeros(source, dtype=g.dtype, device=getattr(g, "device", None))
+    return scatter_add(xp, target, _index_grid(xp, indices, axis), g)
+
+
+FLIP = define("flip", lambda xp, x, *, axis: xp.flip(x, axis=axis), "x", [
+    {"x": vjp("", lambda g, *, axis: FLIP(g, axis=axis))},
+])
+ROLL = define("roll", lambda xp, x, *, shift, axis: xp.roll(x, shift, axis=axis), "x", [
+    {"x": vjp("", lambda g, *, shift, axis: ROLL(g, shift=tuple(-s for s in shift), axis=axis))},
+])
+TAKE_ALONG_AXIS = define(
+    "take_along_axis", lambda xp, x, *, indices, axis, source: xp.take_along_axis(
+        x, indices, axis=axis), "x", [
+        {"x": vjp("", lambda g, *, indices, axis, source: PUT_ALONG_AXIS(
+            g, indices=indices, axis=axis, source=source))},
+    ])
+PUT_ALONG_AXIS = define("put_along_axis", _put_along, "g", [
+    {"g": vjp("", lambda gg, *, indices, axis, source: TAKE_ALONG_AXIS(
+        gg, indices=indices, axis=axis, source=source))},
+])
+ARGSORT = define("argsort", lambda xp, x, *, axis, descending: xp.argsort(
+    -x if descending else x, axis=axis, stable=True), differentiable=False)
+
+
+def swapaxes(x: Any, a: int, b: int) -> Any:
+    """x with axes `a` and `b` exchanged (PyTorch's ``transpose(a, b)``).
+
+    >>> import checkpoint_ad as cad
+    >>> cad.swapaxes(cad.zeros(2, 3, 4), 0, 2).shape
+    (4, 3, 2)
+    """
+    ndim = _data(x).ndim
+    a, b = _axis(a, ndim, "swapaxes"), _axis(b, ndim, "swapaxes")
+    axes = list(range(ndim))
+    axes[a], axes[b] = axes[b], axes[a]
+    return TRANSPOSE(x, axes=tuple(axes))
+
+
+class ValuesIndices(NamedTuple):
+    """What ``sort``, ``max`` and ``min`` return when called with PyTorch's ``dim=``."""
+
+    values: Any
+    indices: Any
+
+
+def flip(x: Any, axis: int | Sequence[int] | None = None, *,
+         dims: int | Sequence[int] | None = None) -> Any:
+    """x with the order of entries reversed along `axis` (every axis when None).
+
+    >>> import checkpoint_ad as cad
+    >>> cad.flip(cad.tensor([[1.0, 2.0], [3.0, 4.0]]), dims=1).tolist()
+    [[2.0, 1.0], [4.0, 3.0]]
+    """
+    if dims is not None:
+        if axis is not None:
+            raise TypeError("flip: pass axis or dims, not both")
+        axis = dims
+    return FLIP(x, axis=normalize_axes(axis, _data(x).ndim, "flip"))
+
+
+def roll(x: Any, shift: int | Sequence[int], axis: int | Sequence[int] | None = None, *,
+         dims: int | Sequence[int] | None = None) -> Any:
+    """Entries shifted cyclically by `shift` along `axis` (the flattened tensor when None).
+
+    >>> import checkpoint_ad as cad
+    >>> cad.roll(cad.tensor([1.0, 2.0, 3.0]), 1).tolist()
+    [3.0, 1.0, 2.0]
+    """
+    if dims is not None:
+        if axis is not None:
+            raise TypeError("roll: pass axis or dims, not both")
+        axis = dims
+    shifts = (shift,) if isinstance(shift, int) else tuple(shift)
+    if axis is None:
+        if len(shifts) != 1:
+            raise ShapeError(f"roll without an axis takes one shift, got {list(shifts)}")
+        flat = reshape(x, (-1,))
+        return reshape(ROLL(flat, shift=shifts, axis=(0,)), _data(x).shape)
+    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    if len(axes) != len(shifts):
+        raise ShapeError(f"roll: {len(shifts)} shifts for {len(axes)} axes; give one per axis")
+    ndim = _data(x).ndim
+    return ROLL(x, shift=shifts, axis=tuple(_axis(a, ndim, "roll") for a in axes))
+
+
+def take_along_axis(x: Any, indices: Any, axis: int = -1) -> Any:
+    """Entries of x picked along `axis` by integer `indices` of the same rank (PyTorch's
+    ``gather``); repeated indices add up in the gradient.
+
+    >>> import numpy as np, checkpoint_ad as cad
+    >>> x = cad.tensor([[1.0, 2.0], [3.0, 4.0]])
+    >>> cad.take_along_axis(x, np.array([[1], [0]]), 1).tolist()
+    [[2.0], [3.0]]
+    """
+    data = _data(x)
+    index = _data(indices)
+    if not hasattr(index, "dtype"):
+        index = np.asarray(index)
+    if "int" not in str(index.dtype):
+        raise ShapeError(f"take_along_axis wants integer indices, got dtype {index.dtype}")
+    if len(index.shape) != data.ndim:
+        raise ShapeError(
+            f"take_along_axis: indices have {len(index.shape)} dimensions, x has {data.ndim}; "
+            "give indices the same rank (size 1 along axes you do not pick from is not enough)"
+        )
+    axis = _axis(axis, data.ndim, "take_along_axis")
+    for d, (n, m) in enumerate(zip(index.shape, data.shape)):
+        if d != axis and n != m:
+            raise ShapeError(
+                f"take_along_axis: indices of shape {list(index.shape)} and x of shape "
+                f"{list(data.shape)} differ along axis {d}; they may differ only along {axis}"
+            )
+    if not isinstance(index, type(data)):
+        index = namespace(data).asarray(index)
+    return TAKE_ALONG_AXIS(x, indices=index, axis=axis, source=tuple(data.shape))
+
+
+def argsort(x: Any, axis: int = -1, descending: bool = False, *, dim: int | None = None) -> Any:
+    """Positions that sort x along `axis` (stable: ties keep their order).
+
+    >>> import checkpoint_ad as cad
+    >>> cad.argsort(cad.tensor([3.0, 1.0, 2.0])).tolist()
+    [1, 2, 0]
+    """
+    if dim is not None:
+        axis = dim
+    axis = _axis(axis, _data(x).ndim, "argsort")
+    return ARGSORT(x, axis=axis, descending=bool(descending))
+
+
+def sort(x: Any, axis: int = -1, descending: bool = False, *, dim: int | None = None) -> Any:
+    """x sorted along `axis`; the gradient goes back to each value's original place.
+
+    numpy's spelling returns the sorted values; PyTorch's (``dim=``) returns
+    ``(values, indices)`` as PyTorch does.
+
+    >>> import checkpoint_ad as cad
+    >>> cad.sort(cad.tensor([3.0, 1.0, 2.0])).tolist()
+    [1.0, 2.0, 3.0]
+    >>> cad.sort(cad.tensor([3.0, 1.0, 2.0]), dim=0, descending=True).indices.tolist()
+    [0, 2, 1]
+    """
+    order = argsort(x, axis if dim is None else dim, descending)
+    values = take_along_axis(x, order, axis if dim is None else dim)
+    return values if dim is None else ValuesIndices(values, order)

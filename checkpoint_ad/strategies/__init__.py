@@ -8,8 +8,10 @@ of them with ``checkpoint_ad.use(strategy)`` or a ``strategy=`` argument.
 """
 
 from ..errors import RecomputeError
-from . import revolve
+from . import jax_policies, revolve
+from . import jax_policies as checkpoint_policies
 from .base import StoreInputs, StoreOutputs
+from .jax_policies import remat
 from .kinds import KeepAll, LoopStrategy, RegionStrategy, Strategy
 from .loop_strategies import Binomial, Periodic
 from .policy import Policy
@@ -34,10 +36,13 @@ __all__ = [
     "StoreOutputs",
     "binomial_plan",
     "checkpoint",
+    "checkpoint_policies",
     "checkpoint_sequential",
     "current_loop_strategy",
     "optimal_evaluations",
+    "jax_policies",
     "periodic_plan",
+    "remat",
     "revolve",
     "scan",
     "simulate_plan",

@@ -194,12 +194,22 @@ def checkpoint(
     *args: Any,
     strategy: Recompute | None = None,
     debug: bool = False,
+    use_reentrant: bool | None = None,
+    preserve_rng_state: bool = True,
     **kwargs: Any,
 ) -> Any:
     """Run ``fn(*args, **kwargs)`` keeping only its inputs; re-run it during backward.
 
     Tensors `fn` captures by closure get their gradients too. numpy's global random state is
     replayed, so random masks drawn inside `fn` come back the same.
+
+    PyTorch's keywords are accepted and never passed to `fn`: `use_reentrant` is ignored (a
+    region here always behaves like PyTorch's non-reentrant checkpoint: it works under
+    `grad()`, with keyword arguments, and when no input requires grad). `preserve_rng_state`
+    is accepted for source compatibility, but the re-run always replays numpy's global random
+    state (the engine's generator, used by `nn.Dropout` and the random factories): replaying
+    costs one small state copy, and a re-run drawing other masks would give gradients of a
+    different function.
 
     >>> import checkpoint_ad as cad
     >>> w = cad.tensor([0.5, -1.0], requires_grad=True)

@@ -590,7 +590,7 @@ def simulate_plan(
     >>> simulate_plan([Reverse(1)], n_steps=2, snapshots=1)
     Traceback (most recent call last):
     ...
-    checkpoint_ad.strategies.revolve.PlanInvariantError: action 0 Reverse(step=1) breaks invariant 'state-in-hand': it needs state 1 in hand, but the state in hand is state 0
+    checkpoint_ad.errors.PlanInvariantError: action 0 Reverse(step=1) breaks invariant 'state-in-hand': it needs state 1 in hand, but the state in hand is state 0
     """  # noqa: E501
     if n_steps is None or snapshots is None:
         if not isinstance(plan, Plan):

@@ -1,0 +1,110 @@
+"""JAX's names for rematerialisation: `remat` and the policies of ``jax.checkpoint_policies``.
+
+Each named policy maps onto a strategy this library already has:
+
+- `nothing_saveable` (JAX's default): save only the region's inputs and recompute everything
+  during backward: our `Recompute` region (`checkpoint`).
+- `everything_saveable`: recompute nothing: the region runs as plain code (`KeepAll`).
+- `dots_saveable`: keep what matrix products (matmul, einsum: JAX's dot_general) save, and let
+  every other primitive save its inputs and recompute its output inside its rule: a per-op
+  `Policy` answering "save" for products and "recompute" (`StoreInputs`) otherwise. Unlike in
+  JAX, an elementwise chain is not re-derived from the products alone: each of its primitives
+  keeps the inputs its rule needs.
+
+A policy may also be any callable taking a `Primitive` and answering True (save) / False
+(recompute) or one of `Policy`'s answers, or any storage strategy object.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..tape import Primitive
+from .base import KeepAll, Strategy
+from .policy import Policy
+from .recompute import checkpoint
+from .scope import use
+
+_PRODUCTS = frozenset({"matmul", "einsum"})
+
+
+def save_products(prim: Primitive) -> str:
+    """`dots_saveable`'s answer for one primitive: keep products, recompute the rest."""
+    return "save" if prim.name in _PRODUCTS else "recompute"
+
+
+@dataclass(frozen=True)
+class NamedPolicy:
+    """One of JAX's named checkpoint policies, with the strategy it maps onto."""
+
+    name: str
+
+    def __repr__(self) -> str:
+        return f"checkpoint_policies.{self.name}"
+
+    def strategy(self) -> Strategy | None:
+        """The storage strategy for the region, or None for a recomputed region."""
+        if self.name == "nothing_saveable":
+            return None
+        if self.name == "everything_saveable":
+            return KeepAll()
+        return Policy(save_products)
+
+
+nothing_saveable = NamedPolicy("nothing_saveable")
+everything_saveable = NamedPolicy("everything_saveable")
+dots_saveable = NamedPolicy("dots_saveable")
+
+
+def _as_strategy(policy: Any) -> Strategy | None:
+    if policy is None:
+        return None
+    if isinstance(policy, NamedPolicy):
+        return policy.strategy()
+    if isinstance(policy, Strategy):
+        return policy
+    if callable(policy):
+        def decide(prim: Primitive) -> Any:
+            answer = policy(prim)
+            if isinstance(answer, bool):
+                return "save" if answer else "recompute"
+            return answer
+
+        return Policy(decide)
+    raise TypeError(
+        f"remat: policy must be one of checkpoint_policies (e.g. dots_saveable), a callable "
+        f"taking a primitive, or a strategy; got {type(policy).__name__}"
+    )
+
+
+def remat(fn: Callable[..., Any], *, policy: Any = None, prevent_cse: bool = True,
+          static_argnums: tuple[int, ...] = ()) -> Callable[..., Any]:
+    """JAX's ``jax.checkpoint``/``jax.remat``: `fn` wrapped so its saved values follow `policy`.
+
+    Returns a function (as JAX does; `checkpoint` instead runs at once, as PyTorch does). With
+    no policy the region keeps only its inputs and is re-run during backward.
+    `prevent_cse` and `static_argnums` are accepted for source compatibility and have no
+    effect here (nothing is traced or compiled).
+
+    >>> import checkpoint_ad as cad
+    >>> w = cad.tensor([[0.5, -1.0], [2.0, 0.3]], requires_grad=True)
+    >>> layer = cad.remat(lambda h: cad.tanh(h @ w), policy=cad.checkpoint_policies.dots_saveable)
+    >>> layer(cad.ones(1, 2)).sum().backward()
+    >>> w.grad.shape
+    (2, 2)
+    """
+    if not callable(fn):
+        raise TypeError(f"remat needs a function, got {type(fn).__name__}")
+    strategy = _as_strategy(policy)
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if strategy is None:
+            return checkpoint(fn, *args, **kwargs)
+        with use(strategy):
+            return fn(*args, **kwargs)
+
+    return wrapped

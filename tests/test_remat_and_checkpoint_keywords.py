@@ -1,0 +1,94 @@
+"""PyTorch's checkpoint keywords and JAX's remat with its named policies."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import checkpoint_ad as cad
+from checkpoint_ad.strategies import jax_policies
+
+RNG = np.random.default_rng(0)
+
+
+def test_checkpoint_takes_pytorch_keywords_and_never_passes_them_on() -> None:
+    seen = {}
+
+    def fn(x, **kwargs):
+        seen.update(kwargs)
+        return cad.tanh(x * 2.0)
+
+    x = cad.tensor(RNG.standard_normal(3), requires_grad=True)
+    for reentrant in (None, True, False):
+        for preserve in (True, False):
+            y = cad.checkpoint(fn, x, use_reentrant=reentrant, preserve_rng_state=preserve,
+                               scale=1)
+            (g,) = cad.grad(cad.sum(y), [x])
+            np.testing.assert_allclose(g.numpy(), 2 * (1 - np.tanh(2 * x.numpy()) ** 2))
+    assert seen == {"scale": 1}
+
+
+def test_checkpoint_replays_dropout_masks() -> None:
+    w = cad.tensor(RNG.standard_normal(50), requires_grad=True)
+    x = cad.ones(50, dtype="float64")
+
+    def region(v):
+        return cad.nn.functional.dropout(v * w, 0.5)
+
+    cad.manual_seed(1)
+    (plain,) = cad.grad(cad.sum(region(x) * w), [w])
+    for preserve in (True, False):
+        cad.manual_seed(1)
+        y = cad.checkpoint(region, x, preserve_rng_state=preserve)
+        (again,) = cad.grad(cad.sum(y * w), [w])
+        np.testing.assert_array_equal(plain.numpy(), again.numpy())
+
+
+POLICIES = {
+    "default": None,
+    "nothing_saveable": cad.checkpoint_policies.nothing_saveable,
+    "everything_saveable": cad.checkpoint_policies.everything_saveable,
+    "dots_saveable": cad.checkpoint_policies.dots_saveable,
+    "callable": lambda prim: prim.name == "matmul",
+    "strategy": cad.strategies.StoreOutputs(),
+}
+RERUNS = {"default": 1, "nothing_saveable": 1}
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_remat_policies_keep_gradients_and_rerun_only_when_recomputing(name: str) -> None:
+    w = cad.tensor(RNG.standard_normal((3, 3)), requires_grad=True)
+    x = cad.tensor(RNG.standard_normal((2, 3)))
+    calls = []
+
+    def layer(h):
+        calls.append(1)
+        return cad.tanh(h @ w) * cad.sigmoid(h)
+
+    (want,) = cad.grad(cad.sum(layer(x) ** 2), [w])
+    calls.clear()
+    (got,) = cad.grad(cad.sum(cad.remat(layer, policy=POLICIES[name])(x) ** 2), [w])
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-13)
+    assert len(calls) == 1 + RERUNS.get(name, 0)
+
+
+def test_dots_saveable_saves_products_and_recomputes_the_rest() -> None:
+    w = cad.tensor(RNG.standard_normal((3, 3)), requires_grad=True)
+    y = cad.remat(lambda h: cad.tanh(h @ w), policy=cad.checkpoint_policies.dots_saveable)(
+        cad.tensor(RNG.standard_normal((2, 3))))
+    forms = {e.op: e.form for e in cad.tape_of(y)}
+    assert forms["tanh"] == "inputs"  # its output is recomputed inside the rule
+    assert forms["matmul"] == "inputs"  # a product keeps what its rule needs
+    assert jax_policies.save_products(cad.ops.linalg.MATMUL) == "save"
+    assert jax_policies.save_products(cad.ops.elementwise.TANH) == "recompute"
+
+
+def test_policy_objects_print_compare_and_refuse_nonsense() -> None:
+    assert repr(cad.checkpoint_policies.dots_saveable) == "checkpoint_policies.dots_saveable"
+    assert cad.checkpoint_policies.dots_saveable == jax_policies.NamedPolicy("dots_saveable")
+    assert cad.checkpoint_policies.dots_saveable.strategy() == cad.strategies.Policy(
+        jax_policies.save_products)
+    with pytest.raises(TypeError, match="policy must be"):
+        cad.remat(abs, policy=3)
+    with pytest.raises(TypeError, match="remat needs a function"):
+        cad.remat(3)
