@@ -62,7 +62,9 @@ class Capture:
     `initial` gives a starting value per position (gradients then add onto it in arrival
     order); `owned` (id -> array) lists sums made by the caller that nobody else sees, which
     are then added into in place, so a gradient accumulated over many passes is allocated
-    once. Only entries on a path to a captured node are run.
+    once. Only entries on a path to a captured node are run; with `newer_than`, only entries
+    recorded after that sequence number (a loop's own steps: what lies before them is the
+    outer tape's business, and its gradients are the caller's to pass on).
     """
 
     def __init__(
@@ -70,10 +72,12 @@ class Capture:
         keys: dict[tuple[int, int], int],
         initial: list[Any] | None = None,
         owned: dict[int, Any] | None = None,
+        newer_than: int = -1,
     ) -> None:
         self.keys = keys
         self.values: list[Any] = list(initial) if initial is not None else [None] * len(keys)
         self.owned = owned
+        self.newer_than = newer_than
         self.needed: set[Entry] = set()
 
     def add(self, position: int, grad: Any) -> None:
@@ -90,14 +94,17 @@ class Capture:
             self.values[position] = total
 
 
-def _needed_entries(roots: list[Any], wanted: dict[tuple[int, int], int]) -> set[Entry]:
-    """Entries whose backward leads to a wanted leaf or non-leaf output (for `grad`)."""
+def _needed_entries(
+    roots: list[Any], wanted: dict[tuple[int, int], int], newer_than: int
+) -> set[Entry]:
+    """Entries recorded after `newer_than` whose backward leads to a wanted leaf or non-leaf
+    output (for `grad`)."""
     order: list[Entry] = []
     seen: set[int] = set()
     stack = [node for node, _ in roots if type(node) is Entry]
     while stack:
         entry = stack.pop()
-        if id(entry) in seen:
+        if id(entry) in seen or entry.seq <= newer_than:
             continue
         seen.add(id(entry))
         order.append(entry)
@@ -132,7 +139,9 @@ def backpropagate(
     heap: list[tuple[int, int, Entry]] = []
     keys = capture.keys if capture is not None else None
     if capture is not None:
-        capture.needed = _needed_entries([edge for edge, _ in roots], capture.keys)
+        capture.needed = _needed_entries(
+            [edge for edge, _ in roots], capture.keys, capture.newer_than
+        )
 
     def deliver(node: Any, index: int, grad: Any) -> None:
         if capture is not None:
@@ -181,7 +190,7 @@ def backpropagate(
                         t = ref()
                         if t is not None and grads[index] is not None:
                             _accumulate_into(t, grads[index], create_graph)
-                results = entry.op.backward(entry, grads, create_graph)
+                results = entry.op.backward(entry, grads, create_graph, retain_graph)
                 if not retain_graph:
                     entry.release()
                 for edge, grad in zip(entry.edges, results):

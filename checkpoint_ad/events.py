@@ -1,21 +1,24 @@
 """Engine events for observers (the profiler): free when nobody listens.
 
 The engine calls `emit` only behind an `if listeners:` check, so an unobserved program pays
-one list truth-test per event site.
+one list truth-test per event site. A listener hears the events of the thread that subscribed
+it only: a profile taken in one thread does not count another thread's work.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 Listener = Callable[[str, Any], None]
 
-listeners: list[Listener] = []
+listeners: list[tuple[int, Listener]] = []  # (subscribing thread, listener), every thread's
 
 
 def emit(kind: str, payload: Any) -> None:
-    """Send one event to every listener.
+    """Send one event to every listener subscribed from the calling thread.
 
     Kinds and payloads: 'record' (a new tape entry), 'apply' (a primitive run without
     recording), 'pack' (a new saved buffer), 'free' (id of a saved buffer that died),
@@ -23,16 +26,34 @@ def emit(kind: str, payload: Any) -> None:
     'backward_begin' / 'backward_end' (a sweep, None), 'recompute_begin' / 'recompute_end'
     (a region or loop re-running forward work, its name).
     """
-    for listener in tuple(listeners):
-        listener(kind, payload)
+    me = threading.get_ident()
+    for thread, listener in tuple(listeners):
+        if thread == me:
+            listener(kind, payload)
 
 
 def subscribe(listener: Listener) -> Callable[[], None]:
-    """Start delivering events to `listener`; returns a function that stops it."""
-    listeners.append(listener)
+    """Start delivering the calling thread's events to `listener`; returns a function that
+    stops it."""
+    item = (threading.get_ident(), listener)
+    listeners.append(item)
 
     def unsubscribe() -> None:
-        if listener in listeners:
-            listeners.remove(listener)
+        if item in listeners:
+            listeners.remove(item)
 
     return unsubscribe
+
+
+@contextmanager
+def recomputing(name: str) -> Iterator[None]:
+    """Bracket forward work re-run for the backward sweep with 'recompute_begin'/'_end'; the
+    end is sent even when the work raises, so observers never stay in the recompute phase."""
+    if not listeners:
+        yield
+        return
+    emit("recompute_begin", name)
+    try:
+        yield
+    finally:
+        emit("recompute_end", name)

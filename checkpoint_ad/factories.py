@@ -7,8 +7,8 @@ keywords ``dtype=``, ``device=`` and ``requires_grad=``. Values are built on the
 and moved to `device` once.
 
 Random factories draw from the generator you pass (a ``numpy.random.Generator`` or an int
-seed); without one they draw from numpy's global random state, which `manual_seed` seeds and
-which `checkpoint_ad.checkpoint` replays when it re-runs a region.
+seed); without one they draw from the engine's generator (`checkpoint_ad.random`), which
+`manual_seed` seeds and which checkpointed regions and every `scan` step replay when re-run.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from . import random
 from .backend import device_name, to_device
 from .backend import resolve_dtype as _resolve_dtype
 from .errors import DTypeError, ShapeError
@@ -61,19 +62,6 @@ def _leaf(host: np.ndarray, device: str | None, requires_grad: bool) -> Tensor:
     return Tensor(data, requires_grad=requires_grad)
 
 
-def _generator(generator: Generator, op: str) -> Any:
-    if generator is None:
-        return np.random  # the global state: seeded by manual_seed, replayed by checkpoint
-    if isinstance(generator, (int, np.integer)) and not isinstance(generator, bool):
-        return np.random.default_rng(int(generator))
-    if isinstance(generator, (np.random.Generator, np.random.RandomState)):
-        return generator
-    raise TypeError(
-        f"{op}: generator must be a numpy.random.Generator, an int seed or None, got "
-        f"{type(generator).__name__}"
-    )
-
-
 def _like(x: Any, dtype: Any, device: str | None) -> tuple[tuple[int, ...], Any, str]:
     data = getattr(x, "_data", x)
     if not hasattr(data, "shape"):
@@ -83,7 +71,8 @@ def _like(x: Any, dtype: Any, device: str | None) -> tuple[tuple[int, ...], Any,
 
 
 def manual_seed(seed: int) -> None:
-    """Seed numpy's global random state, which random factories and `nn.Dropout` use by default.
+    """Seed the calling thread's engine generator (what random factories and `nn.Dropout` draw
+    from by default) and numpy's global random state.
 
     >>> import checkpoint_ad as cad
     >>> cad.manual_seed(0); a = cad.rand(3)
@@ -91,6 +80,7 @@ def manual_seed(seed: int) -> None:
     >>> bool((a == b).numpy().all())
     True
     """
+    random.manual_seed(seed)
     np.random.seed(seed)
 
 
@@ -186,7 +176,7 @@ def eye(n: int, m: int | None = None, *, dtype: Any = None, device: str | None =
 
 def rand(*size: Any, generator: Generator = None, dtype: Any = None,
          device: str | None = None, requires_grad: bool = False) -> Tensor:
-    """Uniform values in [0, 1), drawn from `generator` (numpy's global state by default).
+    """Uniform values in [0, 1), drawn from `generator` (default: the engine's).
 
     >>> import checkpoint_ad as cad
     >>> a, b = cad.rand(3, generator=7), cad.rand(3, generator=7)
@@ -194,7 +184,7 @@ def rand(*size: Any, generator: Generator = None, dtype: Any = None,
     (True, True)
     """
     shape = _sizes("rand", size)
-    rng = _generator(generator, "rand")
+    rng = random.resolve(generator, "rand")
     values = rng.random(shape) if isinstance(rng, np.random.Generator) else rng.random_sample(
         shape)
     return _leaf(np.asarray(values, dtype=_host_dtype(dtype)), device, requires_grad)
@@ -202,14 +192,14 @@ def rand(*size: Any, generator: Generator = None, dtype: Any = None,
 
 def randn(*size: Any, generator: Generator = None, dtype: Any = None,
           device: str | None = None, requires_grad: bool = False) -> Tensor:
-    """Standard normal values, drawn from `generator` (numpy's global state by default).
+    """Standard normal values, drawn from `generator` (default: the engine's).
 
     >>> import checkpoint_ad as cad
     >>> cad.randn(2, 3, generator=0).shape
     (2, 3)
     """
     shape = _sizes("randn", size)
-    values = _generator(generator, "randn").standard_normal(shape)
+    values = random.resolve(generator, "randn").standard_normal(shape)
     return _leaf(np.asarray(values, dtype=_host_dtype(dtype)), device, requires_grad)
 
 
@@ -225,7 +215,7 @@ def randint(low: int, high: int, size: Sequence[int], *, generator: Generator = 
     shape = _sizes("randint", tuple(size))
     if high <= low:
         raise ValueError(f"randint: high ({high}) must be greater than low ({low})")
-    rng = _generator(generator, "randint")
+    rng = random.resolve(generator, "randint")
     values = rng.integers(low, high, shape) if isinstance(rng, np.random.Generator) else (
         rng.randint(low, high, shape))
     return _leaf(np.asarray(values, dtype=_host_dtype(dtype, np.int64)), device, False)

@@ -67,7 +67,9 @@ class _FunctionOp:
         self.positions = tensor_positions
         self.name = cls.__name__
 
-    def backward(self, entry: Entry, grads: list[Any], create_graph: bool) -> list[Any]:
+    def backward(
+        self, entry: Entry, grads: list[Any], create_graph: bool, retain_graph: bool = False
+    ) -> list[Any]:
         ctx = self.ctx
         ctx._create_graph = create_graph
         present = next(g for g in grads if g is not None)

@@ -1,16 +1,19 @@
-"""Randomness the engine can replay: one generator per thread, forked per region and step.
+"""Randomness the engine can replay: one generator per thread, restorable for re-runs.
 
 A checkpointed region or a loop step that draws random numbers (a dropout mask) must draw the
 same ones when it is re-run for the backward sweep, or its gradients are wrong. Code that draws
-through `generator()` gets that for free: `checkpoint` runs its region, and `scan` each step,
-under a generator forked from a seed taken once from the enclosing one, and re-runs fork the
-same seed again. Forks are per thread, so threads never share a stream.
+through `generator()` (random factories, `nn.Dropout`) gets that for free: `checkpoint` keeps
+the generator's state where its region starts, a planned `scan` keeps it with each snapshot,
+and a re-run draws from a copy restored from that state, so the re-run sees the same numbers
+and the caller's stream is not advanced twice. Draws are in the same order as without
+checkpointing, so a checkpointed function returns what the plain one does. Each thread has its
+own generator, so threads never share a stream.
 
 >>> import checkpoint_ad as cad
 >>> cad.random.manual_seed(0)
->>> with cad.random.fork(cad.random.new_seed()) as seed:
-...     first = cad.random.generator().random()
->>> with cad.random.fork(seed):
+>>> saved = cad.random.get_state()
+>>> first = cad.random.generator().random()
+>>> with cad.random.replaying(saved):
 ...     again = cad.random.generator().random()
 >>> first == again
 True
@@ -18,14 +21,17 @@ True
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from threading import local
+from typing import Any
 
 import numpy as np
 
+GeneratorState = tuple[type, dict[str, Any]]
 
-class _Streams(threading.local):
+
+class _Streams(local):
     def __init__(self) -> None:
         self.stack: list[np.random.Generator] = [np.random.default_rng()]
 
@@ -34,27 +40,58 @@ _streams = _Streams()
 
 
 def generator() -> np.random.Generator:
-    """The generator to draw from here: the innermost region's or step's, else the thread's."""
+    """The generator to draw from here: a re-run's replayed one inside it, else the thread's."""
     return _streams.stack[-1]
 
 
 def manual_seed(seed: int) -> None:
-    """Reseed the calling thread's own generator (regions and steps fork from it)."""
+    """Reseed the calling thread's generator."""
     _streams.stack[0] = np.random.default_rng(seed)
 
 
-def new_seed() -> tuple[int, ...]:
-    """A fresh seed drawn from the current generator, for a region or loop to fork from."""
-    return (int(generator().integers(2**63)),)
+def get_state() -> GeneratorState:
+    """The current generator's state, to replay what is drawn from here on."""
+    bits = generator().bit_generator
+    return type(bits), bits.state
+
+
+def restored(state: GeneratorState) -> np.random.Generator:
+    """A new generator that draws what the one saved as `state` would have drawn next."""
+    kind, values = state
+    bits = kind()
+    bits.state = values
+    return np.random.Generator(bits)
 
 
 @contextmanager
-def fork(seed: tuple[int, ...], *path: int) -> Iterator[tuple[int, ...]]:
-    """Draw from a generator made from `seed` (and `path`, e.g. a step number) inside the
-    block; the same arguments give the same stream every time."""
-    stream = np.random.default_rng(np.random.SeedSequence([*seed, *path]))
+def replaying(state: GeneratorState) -> Iterator[np.random.Generator]:
+    """Draw from a copy of the generator as it was at `state` inside the block (the caller's
+    generator does not move)."""
+    with using(restored(state)) as stream:
+        yield stream
+
+
+@contextmanager
+def using(stream: np.random.Generator) -> Iterator[np.random.Generator]:
+    """Draw from `stream` inside the block."""
     _streams.stack.append(stream)
     try:
-        yield seed
+        yield stream
     finally:
         _streams.stack.pop()
+
+
+def resolve(given: object, op: str) -> np.random.Generator | np.random.RandomState:
+    """What a `generator=` argument means: None is the engine's replayable generator, an int
+    a fresh generator seeded with it, a numpy Generator or RandomState itself (it advances,
+    and is not replayed)."""
+    if given is None:
+        return generator()
+    if isinstance(given, (int, np.integer)) and not isinstance(given, bool):
+        return np.random.default_rng(int(given))
+    if isinstance(given, (np.random.Generator, np.random.RandomState)):
+        return given
+    raise TypeError(
+        f"{op}: generator must be a numpy.random.Generator, an int seed or None, got "
+        f"{type(given).__name__}"
+    )

@@ -121,7 +121,9 @@ class Primitive:
                 return record(self, args, attrs)
         return self.forward(namespace(args[0]), *args, **attrs)
 
-    def backward(self, entry: Entry, grads: list[Any], create_graph: bool) -> list[Any]:
+    def backward(
+        self, entry: Entry, grads: list[Any], create_graph: bool, retain_graph: bool = False
+    ) -> list[Any]:
         """Apply the recorded form's rules to the output gradient (one per argument)."""
         g = grads[0]
         if g is None:
@@ -277,9 +279,11 @@ def add_entry(
     """Append one entry to the tape and return its output tensors: the only way entries are
     made, by primitives, custom functions and loops alike.
 
-    `op` has ``backward(entry, grads, create_graph)`` and a ``name``; `edges` are the inputs'
-    `edge_of`; `outputs` the result arrays (None for an absent output); `save(entry, results)`
-    returns the entry's saved slots; `counter` is the version counter a view shares.
+    `op` has ``backward(entry, grads, create_graph, retain_graph)`` (input gradients from
+    output gradients; `retain_graph` says whether the entry must answer again) and a ``name``;
+    `edges` are the inputs' `edge_of`; `outputs` the result arrays (None for an absent
+    output); `save(entry, results)` returns the entry's saved slots; `counter` is the version
+    counter a view shares.
     """
     entry = Entry(op, edges, attrs)
     entry.out_meta = tuple(

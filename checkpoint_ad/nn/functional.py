@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import ops
+from .. import ops, random
 from ..backend import to_device
 from ..errors import ShapeError
 from ..tensor import Tensor
@@ -113,26 +113,13 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return out if bias is None else out + bias
 
 
-def _mask_generator(generator: Any) -> Any:
-    if generator is None:
-        return np.random  # numpy's global state: replayed by checkpoint_ad.checkpoint
-    if isinstance(generator, (int, np.integer)) and not isinstance(generator, bool):
-        return np.random.default_rng(int(generator))
-    if isinstance(generator, (np.random.Generator, np.random.RandomState)):
-        return generator
-    raise TypeError(
-        f"dropout: generator must be a numpy.random.Generator, an int seed or None, got "
-        f"{type(generator).__name__}"
-    )
-
-
 def dropout(x: Tensor, p: float = 0.5, training: bool = True, generator: Any = None) -> Tensor:
     """Zero each entry with probability `p` and scale the rest by 1/(1-p) (identity when not
     training).
 
-    The mask comes from `generator`: None draws from numpy's global state, which
-    `checkpoint_ad.checkpoint` saves and restores, so a checkpointed re-run replays the same
-    mask; an int seed gives the same mask on every call; a numpy Generator advances.
+    The mask comes from `generator`: None draws from the engine's generator, which checkpointed
+    regions and `scan` steps replay, so a re-run for the backward sweep draws the same mask;
+    an int seed gives the same mask on every call; a numpy Generator advances.
 
     >>> import checkpoint_ad as cad
     >>> from checkpoint_ad.nn import functional as F
@@ -145,7 +132,7 @@ def dropout(x: Tensor, p: float = 0.5, training: bool = True, generator: Any = N
         raise ValueError(f"dropout: p must lie in [0, 1], got {p!r}")
     if not training or p == 0.0:
         return x
-    rng = _mask_generator(generator)
+    rng = random.resolve(generator, "dropout")
     draws = rng.random(x.shape) if isinstance(rng, np.random.Generator) else rng.random_sample(
         x.shape)
     keep = np.asarray(draws >= p, dtype=np.dtype(str(x.dtype)))

@@ -130,12 +130,11 @@ class LayerNorm(Module):
 class Dropout(Module):
     """Zero entries with probability `p` while training; the identity after `eval()`.
 
-    `generator` is where masks come from: None (numpy's global state, which
-    `checkpoint_ad.checkpoint` replays on a re-run), a numpy Generator owned by this layer, or
-    an int seed (the layer then owns ``numpy.random.default_rng(seed)``). An owned generator
-    advances on every call, the re-run of a checkpointed region included, so inside
-    `checkpoint` leave `generator` None. Loop strategies of `scan` do not replay random state:
-    keep dropout outside scanned steps (the recurrent layers apply theirs between layers).
+    `generator` is where masks come from: None (the engine's generator, which checkpointed
+    regions and every `scan` step replay on a re-run, in any thread), a numpy Generator owned
+    by this layer, or an int seed (the layer then owns ``numpy.random.default_rng(seed)``). An
+    owned generator advances on every call, the re-run for the backward sweep included, so
+    under checkpointing leave `generator` None.
 
     >>> import checkpoint_ad as cad
     >>> from checkpoint_ad.nn import Dropout

@@ -63,6 +63,7 @@ class StepLoop:
         return [unflatten(self.xs_spec, iter(row)) for row in zip(*per_leaf)]
 
     def call(self, t: int, carry_leaves: list[Any], x: Any) -> tuple[list[Any], list[Any]]:
+        """Run step `t` on a carry (its leaves) and scanned input; (new carry leaves, y leaves)."""
         self.evaluations += 1
         carry, y = self._checked(self.step(unflatten(self.carry_spec, iter(carry_leaves)), x), t)
         new_leaves, spec = flatten(carry)
@@ -71,6 +72,15 @@ class StepLoop:
                 f"scan: step {t} returned a carry structured as {spec}, but the initial carry "
                 f"is {self.carry_spec}; the carry must keep its structure"
             )
+        for k, (old, new) in enumerate(zip(carry_leaves, new_leaves)):
+            if old is not None and new is not None and (
+                old.shape != new.shape or old.dtype != new.dtype
+            ):
+                raise ShapeError(
+                    f"scan: step {t} changed carry leaf {k} from {old.dtype}{list(old.shape)} "
+                    f"to {new.dtype}{list(new.shape)}; a carry must keep its shape and dtype "
+                    "(cast or reshape inside the step, e.g. .astype(carry.dtype))"
+                )
         y_leaves, y_spec = flatten(y)
         if self.y_spec is None:
             self.y_spec = y_spec

@@ -28,9 +28,10 @@ class Binomial(LoopStrategy):
     """Revolve checkpointing of a `scan` with at most `snapshots` stored carries.
 
     Optimal in recomputation for its memory (Griewank & Walther, ACM TOMS 26(1), 2000): the
-    loop of n steps costs ``(r+1)*n - C(s+r, s+1)`` step evaluations, r the smallest integer
-    with ``C(s+r, s) >= n`` (plus one, to hand the loop's outputs to the caller). Snapshots are
-    kept with `storage` (e.g. ``Quantized(8)``; as they are by default).
+    loop of n steps costs exactly ``(r+1)*n - C(s+r, s+1)`` step evaluations, r the smallest
+    integer with ``C(s+r, s) >= n`` (the last step is run with its tape during the forward,
+    so the first reverse needs no re-run). Snapshots are kept with `storage` (e.g.
+    ``Quantized(8)``; as they are by default).
     """
 
     snapshots: int

@@ -1,29 +1,79 @@
 """The plan executor: runs a `scan` under a loop strategy's plan as one tape entry.
 
-Its forward runs the steps without a tape, taking the plan's snapshots; its backward executes
-the rest of the plan (restore, advance, re-run a step with a tape and back-propagate through
-it, free), so at any time it holds at most the plan's snapshots plus one step's (or one
-segment's) tape. Tensors the step function captures by closure get their gradients, and those
-flow on down the outer tape. Snapshots are saved values of the loop's entry (packed through
-the one saving path with the strategy's `storage`), so the profiler sees them.
+Its forward runs the steps without a tape, taking the plan's snapshots, except the last step
+(or segment), which it runs with a tape kept for the first reverse action: so a loop costs
+exactly the plan's step evaluations. Its backward executes the rest of the plan (restore,
+advance, re-run a step with a tape and pull the adjoint back through it, free), holding at most
+the plan's snapshots plus one step's (or one segment's) tape. Snapshots are saved values of the
+loop's entry, packed through the one saving path with the strategy's `storage`, so the profiler
+sees them.
+
+What makes the loop's gradients the same as keeping every step's tape:
+- every step draws its randomness from a generator forked for that step (`StepLoop.call`), and
+  numpy's global random state is stored with each snapshot and restored with it;
+- the initial carry, `xs` and the tensors the step captures are version-checked before the
+  backward re-runs anything (a value changed in place raises `SavedValueModifiedError`);
+- outputs that are the new carry itself (or several times the same tensor) add their adjoints;
+- with `retain_graph` the backward works on copies and leaves the forward's state as it was;
+  an exception in a re-run leaves the loop rebuildable (the next backward re-runs the forward
+  part of the plan from the initial carry), so a retry works;
+- under `create_graph` the loop is re-run once with a tape from its real inputs (higher-order
+  gradients need every step's graph anyway) and differentiated like a plain loop.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
-from .. import events
+import numpy as np
+
+from .. import events, random
 from ..autograd import Capture, backpropagate
 from ..backend import is_floating, namespace
-from ..errors import BackwardError
+from ..errors import BackwardError, SavedValueModifiedError
 from ..grad_mode import enable_grad, no_grad
 from ..pytree import flatten, unflatten
-from ..saved import KEEP, SavedSlot, pack_value
+from ..saved import KEEP, SavedBuffer, SavedSlot, freed_error, pack_value
 from ..tape import Entry, add_entry, edge_of, next_sequence
 from ..tensor import Tensor
 from .kinds import LoopStrategy
-from .loop import StepLoop, columns
+from .loop import StepLoop, columns, stack_outputs
 from .revolve import Advance, Free, Restore, Reverse, ReverseSegment, Snapshot
+
+
+@dataclass
+class _Snapshot:
+    """A stored carry, and the random states (the engine's and numpy's) at that step."""
+
+    buffers: list[SavedBuffer | None]
+    engine_state: random.GeneratorState
+    numpy_state: Any
+
+
+@dataclass
+class _TapedSegment:
+    """Steps start..stop-1 run with a tape, ready to pull an adjoint back through them."""
+
+    start: int
+    stop: int
+    carry_in: list[Any]
+    x_parts: list[tuple[int, list[Any]]]
+    y_out: list[tuple[int, list[Any]]]
+    carry_out: list[Any]
+    seq_before: int
+
+
+@dataclass
+class _ForwardState:
+    """What the forward leaves for the backward: snapshots, the plan position, the taped end."""
+
+    snapshots: dict[int, _Snapshot] = field(default_factory=dict)
+    cursor: int = 0
+    current: list[Any] | None = None  # state in hand at `cursor`, and its random states
+    current_engine_state: random.GeneratorState | None = None
+    current_numpy_state: Any = None
+    kept: _TapedSegment | None = None  # the first reverse action's steps, taped in forward
 
 
 class PlannedLoop:
@@ -35,61 +85,104 @@ class PlannedLoop:
         self.storage = strategy.storage or KEEP
         self.plan = strategy.plan(loop.n)
         self.name = f"scan[{type(strategy).__name__.lower()}]"
-        self.snapshots: dict[int, list[Any]] = {}
         self.same: dict[int, int] = {}
         self.externals: dict[tuple[int, int], Any] = {}
+        self.state: _ForwardState | None = None
+        self.consumed = False
 
     # ------------------------------------------------------------- forward
     def run(self, carry_leaves: list[Any]) -> tuple[Any, Any]:
         loop = self.loop
+        self.carry_inputs = carry_leaves
         self.carry_rg = [t is not None and t.requires_grad for t in carry_leaves]
         self.carry_meta = [None if t is None else (t.shape, t.dtype) for t in carry_leaves]
-        state = [None if t is None else t._data for t in carry_leaves]
-        position = 0
+        self.initial = [None if t is None else t._data for t in carry_leaves]
+        self.initial_engine_state = random.get_state()
+        self.initial_numpy_state = np.random.get_state()
+        per_step = self._run_forward_prefix(discover=True)
+        state = self.state
+        assert state is not None
+        final = state.kept.carry_out if state.kept is not None else None
+        if final is None:  # no taped end: run the remaining steps to hand the outputs over
+            arrays = state.current
+            for t in range(len(per_step), loop.n):
+                arrays, ys = self._forward_step(t, arrays, discover=True)
+                per_step.append(ys)
+            final_arrays = arrays
+        else:
+            final_arrays = _arrays(final)
+        self.guards = self._guards(carry_leaves)
+        outputs = list(final_arrays) + [
+            None if c[0] is None else namespace(c[0]).stack(c, axis=0) for c in columns(per_step)
+        ]
+        return self._record(carry_leaves, outputs, len(final_arrays))
+
+    def _run_forward_prefix(self, discover: bool) -> list[list[Any]]:
+        """Run the plan up to its first reverse action from the initial carry, taking its
+        snapshots, and tape the steps of that reverse action when they end the loop; returns
+        every step's outputs (arrays) up to where it stopped. The loop's first run draws from
+        the caller's generator, as a plain loop would; a rebuild replays those draws."""
+        if discover:
+            return self._forward_prefix(discover)
+        np.random.set_state(self.initial_numpy_state)
+        with random.replaying(self.initial_engine_state):
+            return self._forward_prefix(discover)
+
+    def _forward_prefix(self, discover: bool) -> list[list[Any]]:
+        loop = self.loop
+        state = _ForwardState()
+        arrays = list(self.initial)
+        per_step: list[list[Any]] = []
         actions = self.plan  # decoded action by action: a 10^6-step plan stays compact
         cursor = 0
-        per_step: list[list[Any]] = []
         while cursor < len(actions) and not isinstance(actions[cursor], (Reverse, ReverseSegment)):
             action = actions[cursor]
             if isinstance(action, Snapshot):
-                self.snapshots[action.step] = self._pack(state)
+                state.snapshots[action.step] = self._pack(arrays)
             elif isinstance(action, Advance):
                 for t in range(action.start, action.stop):
-                    state, ys = self._forward_step(t, state)
+                    arrays, ys = self._forward_step(t, arrays, discover)
                     per_step.append(ys)
-                position = action.stop
             cursor += 1
-        self.cursor = cursor
-        self.current = state  # the state in hand that the first reverse action starts from
-        for t in range(position, loop.n):
-            state, ys = self._forward_step(t, state)
-            per_step.append(ys)
-        final = [None if a is None else Tensor._wrap(a) for a in state]
-        outputs = final + [
-            None if c[0] is None else namespace(c[0]).stack(c, axis=0) for c in columns(per_step)
-        ]
-        return self._record(carry_leaves, outputs, len(final))
-
-    def _forward_step(self, t: int, state: list[Any]) -> tuple[list[Any], list[Any]]:
-        loop = self.loop
-        if t == 0:
-            self._seq_before = next_sequence()
-            carry = self._as_tensors(state, grad=True)
-            x = self._x_tensors(t)
-            with enable_grad():
-                new, ys = loop.call(t, carry, x)
-            inputs = carry + (flatten(x)[0] if x is not None else [])
-            self.externals = self._discover(new + ys, inputs)
-            # outputs that are the new carry itself (RNNs return h, h): their adjoints are
-            # added in the order a plain tape would add them
-            self.same = {k: next(j for j, c in enumerate(new) if c is y)
-                         for k, y in enumerate(ys) if y is not None and any(c is y for c in new)}
+        state.cursor = cursor
+        start, stop = _span(actions[cursor]) if cursor < len(actions) else (loop.n, loop.n)
+        if start == len(per_step) and stop == loop.n and start < stop:
+            state.kept = self._tape_steps(start, stop, arrays)
+            if discover and start == 0:
+                self._discover_from(state.kept)
+            per_step.extend(_arrays(ys) for _, ys in state.kept.y_out)
+            state.current = None
         else:
-            with no_grad():
-                new, ys = loop.call(t, self._as_tensors(state, grad=False), loop.x_at(t))
-        return [None if v is None else v._data for v in new], [
-            None if y is None else y._data for y in ys
-        ]
+            state.current = arrays
+            state.current_engine_state = random.get_state()
+            state.current_numpy_state = np.random.get_state()
+        self.state = state
+        return per_step
+
+    def _forward_step(
+        self, t: int, arrays: list[Any], discover: bool
+    ) -> tuple[list[Any], list[Any]]:
+        loop = self.loop
+        if t == 0 and discover:  # step 0 runs with a tape once, to find what it captures
+            segment = self._tape_steps(0, 1, arrays)
+            self._discover_from(segment)
+            return _arrays(segment.carry_out), _arrays(segment.y_out[0][1])
+        with no_grad():
+            new, ys = loop.call(t, self._as_tensors(arrays, grad=False), loop.x_at(t))
+        return _arrays(new), _arrays(ys)
+
+    def _discover_from(self, segment: _TapedSegment) -> None:
+        ys = segment.y_out[0][1]
+        new = segment.carry_out if segment.stop == 1 else None
+        inputs = segment.carry_in + [p for _, parts in segment.x_parts for p in parts]
+        produced = segment.carry_out + [y for _, ys_ in segment.y_out for y in ys_]
+        self.externals = self._discover(produced, inputs, segment.seq_before)
+        if new is None:  # the carry step 0 made is not in hand: find aliases by position
+            return
+        # outputs that are the new carry itself (RNNs return h, h): their adjoints are added
+        # to the carry's, in the order a plain tape would add them
+        self.same = {k: j for k, y in enumerate(ys) for j, c in enumerate(new)
+                     if y is not None and c is y}
 
     def _as_tensors(self, state: list[Any], grad: bool) -> list[Any]:
         out = []
@@ -116,7 +209,9 @@ class PlannedLoop:
             parts.append(part)
         return unflatten(loop.xs_spec, iter(parts))
 
-    def _discover(self, outputs: list[Any], step_inputs: list[Any]) -> dict[Any, Any]:
+    def _discover(
+        self, outputs: list[Any], step_inputs: list[Any], seq_before: int
+    ) -> dict[Any, Any]:
         """The tensors outside the loop that a step's tape reaches (closure captures)."""
         inside = {id(c) for c in step_inputs if c is not None}
         stack_ = [o._entry for o in outputs if o is not None and o._entry is not None]
@@ -132,7 +227,7 @@ class PlannedLoop:
                     continue
                 node, index = edge
                 if type(node) is Entry:
-                    if node.seq > self._seq_before:  # recorded by the step examined
+                    if node.seq > seq_before:  # recorded by the steps examined
                         stack_.append(node)
                     else:
                         found[(id(node), index)] = edge
@@ -140,18 +235,35 @@ class PlannedLoop:
                     found[(id(node), index)] = edge
         return found
 
-    def _pack(self, state: list[Any]) -> list[Any]:
-        return [None if a is None else pack_value(a, self.storage) for a in state]
+    def _guards(self, carry_leaves: list[Any]) -> list[tuple[Any, int, str]]:
+        """(version counter, version, description) of every value the backward re-reads."""
+        guards = []
+        named = [(t, f"the initial carry's leaf {k}") for k, t in enumerate(carry_leaves)]
+        named += [(x, f"xs leaf {k}") for k, x in enumerate(self.loop.xs_leaves)]
+        named += [(node, "a tensor the step captures") for node, _ in self.externals.values()
+                  if type(node) is not Entry]
+        for t, what in named:
+            if t is not None:
+                guards.append((t._version, t._version.value, f"{what} ({t.dtype}{list(t.shape)})"))
+        return guards
 
-    def _unpack(self, stored: list[Any]) -> list[Any]:
-        return [None if s is None else s.unpack() for s in stored]
+    def _pack(self, arrays: list[Any]) -> _Snapshot:
+        buffers = [None if a is None else pack_value(a, self.storage) for a in arrays]
+        return _Snapshot(buffers, random.get_state(), np.random.get_state())
+
+    def _restore(self, snapshot: _Snapshot) -> tuple[list[Any], np.random.Generator]:
+        """The snapshot's carry, and a generator that draws what its steps drew."""
+        np.random.set_state(snapshot.numpy_state)
+        arrays = [None if b is None else b.unpack() for b in snapshot.buffers]
+        return arrays, random.restored(snapshot.engine_state)
 
     def _snapshot_slots(self, entry: Entry, results: list[Any]) -> tuple[SavedSlot, ...]:
         """The snapshots held when the loop's entry is recorded, as its saved values."""
+        assert self.state is not None
         return tuple(
             SavedSlot(f"snapshot{step}.{k}", buffer, None, None)
-            for step, buffers in sorted(self.snapshots.items())
-            for k, buffer in enumerate(buffers)
+            for step, snapshot in sorted(self.state.snapshots.items())
+            for k, buffer in enumerate(snapshot.buffers)
             if buffer is not None
         )
 
@@ -159,64 +271,94 @@ class PlannedLoop:
         loop = self.loop
         inputs = [*carry_leaves, *loop.xs_leaves]
         edges = [None if t is None else edge_of(t) for t in inputs] + list(self.externals.values())
-        arrays = [None if o is None else (o._data if isinstance(o, Tensor) else o)
-                  for o in outputs]
         self.n_inputs = len(inputs)
-        results = add_entry(self, tuple(edges), arrays, {}, self._snapshot_slots)
+        results = add_entry(self, tuple(edges), outputs, {}, self._snapshot_slots)
         carry = unflatten(loop.carry_spec, iter(results[:n_carry]))
         ys = unflatten(loop.y_spec, iter(results[n_carry:])) if loop.y_spec is not None else None
         return carry, ys
 
     # ------------------------------------------------------------- backward
-    def backward(self, entry: Entry, grads: list[Any], create_graph: bool) -> list[Any]:
-        if create_graph:
-            raise BackwardError(
-                f"{self.name} does not support create_graph=True (higher-order gradients "
-                "through a checkpointed loop); use scan without a loop strategy for those"
-            )
-        if self.cursor is None:
-            raise BackwardError(
-                f"trying to backward through {entry.describe()} a second time; its snapshots "
-                "were freed by the first backward; pass retain_graph=True to keep them"
-            )
-        entry.slots = ()  # the plan frees snapshots as it goes: the entry must not keep them
+    def backward(
+        self, entry: Entry, grads: list[Any], create_graph: bool, retain_graph: bool = False
+    ) -> list[Any]:
+        if self.consumed:
+            raise freed_error(entry.describe())
+        self._check_versions(entry)
+        outer_numpy_state = np.random.get_state()
+        try:
+            if create_graph:
+                return self._backward_with_graph(entry, grads)
+            if self.state is None:  # an earlier backward broke off: rebuild the forward state
+                self._run_forward_prefix(discover=False)
+            return self._backward(entry, grads, retain_graph)
+        except BaseException:
+            self.state = None  # perhaps half consumed: the next backward rebuilds it
+            raise
+        finally:
+            np.random.set_state(outer_numpy_state)
+
+    def _check_versions(self, entry: Entry) -> None:
+        for counter, version, what in self.guards:
+            if counter.value != version:
+                raise SavedValueModifiedError(
+                    f"{entry.describe()} re-reads {what} in its backward, but it was modified "
+                    f"in place since the loop ran (version {version}, now {counter.value}); "
+                    "use out-of-place operations on tensors a loop uses, or modify a copy"
+                )
+
+    def _backward(self, entry: Entry, grads: list[Any], retain_graph: bool) -> list[Any]:
         loop = self.loop
+        forward = self.state
+        assert forward is not None
+        if retain_graph:  # work on copies: the forward's state must answer again
+            snapshots = dict(forward.snapshots)
+        else:
+            snapshots = forward.snapshots
+            entry.slots = ()  # the plan frees snapshots as it goes: the entry must not keep them
         n_carry = len(self.carry_meta)
-        adj_carry = [None if g is None else g for g in grads[:n_carry]]
+        adj_carry = list(grads[:n_carry])
         adj_ys = grads[n_carry:]
         adj_xs: list[list[Any]] = [[None] * loop.n for _ in loop.xs_leaves]
         adj_ext: dict[tuple[int, int], Any] = {}
-        self.owned: dict[int, Any] = {}  # gradient sums made here, safe to add into in place
-        state = self.current
-        for index in range(self.cursor, len(self.plan)):
+        owned: dict[int, Any] = {}  # gradient sums made here, safe to add into in place
+        arrays = forward.current
+        stream = random.generator()  # replaced by a replaying one before any step re-runs
+        if forward.current_engine_state is not None:
+            np.random.set_state(forward.current_numpy_state)
+            stream = random.restored(forward.current_engine_state)
+        for index in range(forward.cursor, len(self.plan)):
             action = self.plan[index]
             if isinstance(action, Snapshot):
-                self.snapshots[action.step] = self._pack(state)
+                with random.using(stream):
+                    snapshots[action.step] = self._pack(arrays)
             elif isinstance(action, Advance):
-                if events.listeners:
-                    events.emit("recompute_begin", self.name)
-                with no_grad():
+                with events.recomputing(self.name), no_grad(), random.using(stream):
                     for t in range(action.start, action.stop):
-                        new, _ = loop.call(t, self._as_tensors(state, False), loop.x_at(t))
-                        state = [None if v is None else v._data for v in new]
-                if events.listeners:
-                    events.emit("recompute_end", self.name)
+                        new, _ = loop.call(t, self._as_tensors(arrays, False), loop.x_at(t))
+                        arrays = _arrays(new)
             elif isinstance(action, Restore):
-                state = self._unpack(self.snapshots[action.step])
+                arrays, stream = self._restore(snapshots[action.step])
             elif isinstance(action, Free):
-                del self.snapshots[action.step]
-            elif isinstance(action, (Reverse, ReverseSegment)):
-                start = action.step if isinstance(action, Reverse) else action.start
-                stop = start + 1 if isinstance(action, Reverse) else action.stop
-                adj_carry = self._reverse(start, stop, state, adj_carry, adj_ys, adj_xs, adj_ext)
-                state = None
-        self.cursor = None
-        self.owned = {}  # the sums now leave as gradients: never touch them again
-        self.current = None
-        self.snapshots.clear()
-        results = []
-        for i, meta in enumerate(self.carry_meta):
-            results.append(None if meta is None else adj_carry[i])
+                del snapshots[action.step]
+            else:
+                start, stop = _span(action)
+                kept = forward.kept if index == forward.cursor else None
+                if kept is None:
+                    with events.recomputing(self.name), random.using(stream):
+                        segment = self._tape_steps(start, stop, arrays)
+                else:
+                    segment = kept
+                    if not retain_graph:
+                        forward.kept = None
+                adj_carry = self._pull_back(
+                    segment, adj_carry, adj_ys, adj_xs, adj_ext, owned,
+                    retain_graph=retain_graph and kept is not None,
+                )
+                arrays = None
+        if not retain_graph:
+            self.state = None
+            self.consumed = True
+        results = list(adj_carry)
         for k, x in enumerate(loop.xs_leaves):
             if x is None or not x.requires_grad:
                 results.append(None)
@@ -228,35 +370,41 @@ class PlannedLoop:
             results.append(adj_ext.get(key))
         return results
 
-    def _reverse(
-        self,
-        start: int,
-        stop: int,
-        state: list[Any],
-        adj_carry: list[Any],
-        adj_ys: list[Any],
-        adj_xs: list[list[Any]],
-        adj_ext: dict[tuple[int, int], Any],
-    ) -> list[Any]:
-        """Re-run steps start..stop-1 with a tape and back-propagate through them."""
+    def _tape_steps(self, start: int, stop: int, arrays: list[Any]) -> _TapedSegment:
+        """Run steps start..stop-1 from the carry `arrays` with a tape."""
         loop = self.loop
-        carry_in = self._as_tensors(state, grad=True)
+        carry_in = self._as_tensors(arrays, grad=True)
         carry = carry_in
         x_parts: list[tuple[int, list[Any]]] = []
         y_out: list[tuple[int, list[Any]]] = []
-        self._seq_before = next_sequence()
-        if events.listeners:
-            events.emit("recompute_begin", self.name)
+        seq_before = next_sequence()
         with enable_grad():
             for t in range(start, stop):
                 x = self._x_tensors(t)
                 carry, ys = loop.call(t, carry, x)
                 x_parts.append((t, flatten(x)[0] if x is not None else []))
                 y_out.append((t, ys))
-        if events.listeners:
-            events.emit("recompute_end", self.name)
-        produced = carry + [y for _, ys in y_out for y in ys]
-        found = self._discover(produced, carry_in + [p for _, parts in x_parts for p in parts])
+        return _TapedSegment(start, stop, carry_in, x_parts, y_out, carry, seq_before)
+
+    def _pull_back(
+        self,
+        segment: _TapedSegment,
+        adj_carry: list[Any],
+        adj_ys: list[Any],
+        adj_xs: list[list[Any]],
+        adj_ext: dict[tuple[int, int], Any],
+        owned: dict[int, Any],
+        retain_graph: bool,
+    ) -> list[Any]:
+        """Back-propagate the adjoint of the carry after `segment` (and of its outputs) to the
+        carry before it, its scanned inputs and the captured tensors."""
+        loop = self.loop
+        start, stop, carry_in = segment.start, segment.stop, segment.carry_in
+        produced = segment.carry_out + [y for _, ys in segment.y_out for y in ys]
+        found = self._discover(
+            produced, carry_in + [p for _, parts in segment.x_parts for p in parts],
+            segment.seq_before,
+        )
         if not set(found) <= set(self.externals):
             raise BackwardError(
                 f"scan: steps {start}..{stop - 1} used tensors from outside the loop that step 0 "
@@ -264,49 +412,90 @@ class PlannedLoop:
                 "tensors (pass values that vary by step through xs instead)"
             )
         roots = []
-        for c, g in zip(carry, adj_carry):
+        for c, g in zip(segment.carry_out, adj_carry):
             if c is not None and g is not None and c.requires_grad:
                 roots.append((edge_of(c), g))
-        for t, ys in y_out:
+        for t, ys in segment.y_out:
             for k, (y, g) in enumerate(zip(ys, adj_ys)):
                 if t == stop - 1 and stop < loop.n and k in self.same:
                     continue  # already added into adj_carry when the next step was reversed
                 if y is not None and g is not None and y.requires_grad:
                     roots.append((edge_of(y), g[t]))
-        capture: dict[tuple[int, int], int] = {}
+        keys: dict[tuple[int, int], int] = {}
         for c in carry_in:
             if c is not None and c.requires_grad:
-                capture[(id(c), 0)] = len(capture)
-        for _, parts in x_parts:
+                keys[(id(c), 0)] = len(keys)
+        for _, parts in segment.x_parts:
             for p in parts:
                 if p is not None and p.requires_grad:
-                    capture[(id(p), 0)] = len(capture)
+                    keys[(id(p), 0)] = len(keys)
         for key in self.externals:
-            capture.setdefault(key, len(capture))
+            keys.setdefault(key, len(keys))
         # carry on adding each captured tensor's gradient in the order a plain tape would
-        initial: list[Any] = [None] * len(capture)
+        initial: list[Any] = [None] * len(keys)
         if start > 0:
-            for k, j in self.same.items():
-                c = carry_in[j]
+            for k in sorted(self.same, reverse=True):
+                c = carry_in[self.same[k]]
                 if c is not None and c.requires_grad and adj_ys[k] is not None:
-                    initial[capture[(id(c), 0)]] = adj_ys[k][start - 1]
+                    position = keys[(id(c), 0)]
+                    g = adj_ys[k][start - 1]
+                    initial[position] = g if initial[position] is None else initial[position] + g
         for key in self.externals:
-            initial[capture[key]] = adj_ext.get(key)
-        sink = Capture(capture, initial=initial, owned=self.owned)
+            initial[keys[key]] = adj_ext.get(key)
+        sink = Capture(keys, initial=initial, owned=owned, newer_than=segment.seq_before)
         if roots:
-            backpropagate(roots, retain_graph=False, create_graph=False, capture=sink)
+            backpropagate(roots, retain_graph=retain_graph, create_graph=False, capture=sink)
         captured = sink.values
         new_adj = []
         for c in carry_in:
             keep = c is not None and c.requires_grad
-            new_adj.append(captured[capture[(id(c), 0)]] if keep else None)
-        for t, parts in x_parts:
+            new_adj.append(captured[keys[(id(c), 0)]] if keep else None)
+        for t, parts in segment.x_parts:
             for k, p in enumerate(parts):
                 if p is not None and p.requires_grad:
-                    adj_xs[k][t] = captured[capture[(id(p), 0)]]
+                    adj_xs[k][t] = captured[keys[(id(p), 0)]]
         for key in self.externals:
-            if captured[capture[key]] is not None:
-                adj_ext[key] = captured[capture[key]]
+            if captured[keys[key]] is not None:
+                adj_ext[key] = captured[keys[key]]
         return new_adj
 
+    def _backward_with_graph(self, entry: Entry, grads: list[Any]) -> list[Any]:
+        """Differentiate the loop with a graph of its own gradient (create_graph=True): re-run
+        every step with a tape from the loop's real inputs, like a plain loop, and pull the
+        gradients back through that tape with create_graph."""
+        loop = self.loop
+        np.random.set_state(self.initial_numpy_state)
+        with events.recomputing(self.name), enable_grad(), random.replaying(
+            self.initial_engine_state
+        ):
+            carry = list(self.carry_inputs)
+            per_step = []
+            for t, x in enumerate(loop.all_x()):
+                carry, ys = loop.call(t, carry, x)
+                per_step.append(ys)
+            outputs = carry + stack_outputs(per_step)
+        roots = []
+        for out, g in zip(outputs, grads):
+            if out is not None and g is not None and out.requires_grad:
+                roots.append((edge_of(out), g if isinstance(g, Tensor) else Tensor._wrap(g)))
+        keys: dict[tuple[int, int], int] = {}
+        for edge in entry.edges:
+            if edge is not None:
+                keys.setdefault((id(edge[0]), edge[1]), len(keys))
+        sink = Capture(keys, newer_than=entry.seq)
+        backpropagate(roots, retain_graph=True, create_graph=True, capture=sink)
+        return [
+            None if edge is None else sink.values[keys[(id(edge[0]), edge[1])]]
+            for edge in entry.edges
+        ]
 
+
+def _span(action: Any) -> tuple[int, int]:
+    """The steps a reverse action covers, as (start, stop)."""
+    if isinstance(action, Reverse):
+        return action.step, action.step + 1
+    return action.start, action.stop
+
+
+def _arrays(tensors: list[Any]) -> list[Any]:
+    return [None if t is None else t._data for t in tensors]

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import events
+from .. import events, random
 from ..backend import to_device
 from ..errors import RecomputeError
 from ..grad_mode import enable_grad, is_grad_enabled
@@ -146,14 +146,18 @@ def _random_state() -> Any:
 class _Region:
     """One `checkpoint` call: its inputs, and how to re-run it."""
 
-    def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict, debug: bool) -> None:
+    def __init__(
+        self, fn: Callable[..., Any], args: tuple, kwargs: dict, debug: bool, replay_rng: bool
+    ) -> None:
         self.fn = fn
         self.debug = debug
+        self.replay_rng = replay_rng
         self.name = getattr(fn, "__qualname__", repr(fn))
         outer = current_packer()
         self.args = [self._keep(a, outer) for a in args]
         self.kwargs = {k: self._keep(v, outer) for k, v in kwargs.items()}
         self.rng = _random_state()
+        self.engine_state = random.get_state()
         self.packer = RegionPacker(self, 0, outer.choose_form)
 
     def _keep(self, value: Any, packer: Any) -> Any:
@@ -172,21 +176,24 @@ class _Region:
         return t
 
     def materialize(self, key: int) -> None:
-        if events.listeners:
-            events.emit("recompute_begin", self.name)
-        args = [self._restore(a) for a in self.args]
-        kwargs = {k: self._restore(v) for k, v in self.kwargs.items()}
-        collector = Collector(self.packer._choose)
-        outer_rng = _random_state()
-        np.random.set_state(self.rng)
-        try:
-            with enable_grad(), use_packer(collector):
-                self.fn(*args, **kwargs)
-        finally:
-            np.random.set_state(outer_rng)
-        self.packer.accept(collector.values, f"checkpointed function {self.name!r}")
-        if events.listeners:
-            events.emit("recompute_end", self.name)
+        with events.recomputing(self.name):
+            args = [self._restore(a) for a in self.args]
+            kwargs = {k: self._restore(v) for k, v in self.kwargs.items()}
+            collector = Collector(self.packer._choose)
+            if not self.replay_rng:
+                with enable_grad(), use_packer(collector):
+                    self.fn(*args, **kwargs)
+            else:
+                outer_rng = _random_state()
+                np.random.set_state(self.rng)
+                try:
+                    with enable_grad(), use_packer(collector), random.replaying(
+                        self.engine_state
+                    ):
+                        self.fn(*args, **kwargs)
+                finally:
+                    np.random.set_state(outer_rng)
+            self.packer.accept(collector.values, f"checkpointed function {self.name!r}")
 
 
 def checkpoint(
@@ -200,16 +207,17 @@ def checkpoint(
 ) -> Any:
     """Run ``fn(*args, **kwargs)`` keeping only its inputs; re-run it during backward.
 
-    Tensors `fn` captures by closure get their gradients too. numpy's global random state is
-    replayed, so random masks drawn inside `fn` come back the same.
+    Tensors `fn` captures by closure get their gradients too. Randomness is replayed: the
+    re-run draws what the first run drew from the engine's generator
+    (`checkpoint_ad.random.generator()`, which `nn.Dropout` and the random factories use; exact
+    in any thread) and from numpy's global random state (exact while one thread draws from it),
+    so a checkpointed function computes what the plain one does.
 
     PyTorch's keywords are accepted and never passed to `fn`: `use_reentrant` is ignored (a
     region here always behaves like PyTorch's non-reentrant checkpoint: it works under
-    `grad()`, with keyword arguments, and when no input requires grad). `preserve_rng_state`
-    is accepted for source compatibility, but the re-run always replays numpy's global random
-    state (the engine's generator, used by `nn.Dropout` and the random factories): replaying
-    costs one small state copy, and a re-run drawing other masks would give gradients of a
-    different function.
+    `grad()`, with keyword arguments, and when no input requires grad);
+    ``preserve_rng_state=False`` skips the replay (faster, for functions that draw nothing,
+    or whose re-run may draw other numbers).
 
     >>> import checkpoint_ad as cad
     >>> w = cad.tensor([0.5, -1.0], requires_grad=True)
@@ -224,7 +232,9 @@ def checkpoint(
         raise TypeError(f"checkpoint(strategy=...) takes a Recompute(), got {strategy!r}")
     if not is_grad_enabled():
         return fn(*args, **kwargs)
-    region = _Region(fn, args, kwargs, debug or bool(strategy and strategy.debug))
+    region = _Region(
+        fn, args, kwargs, debug or bool(strategy and strategy.debug), bool(preserve_rng_state)
+    )
     with use_packer(region.packer):
         return fn(*args, **kwargs)
 
