@@ -11,6 +11,7 @@ from . import (
 )
 from .autograd import backward, grad
 from .errors import (
+    AnomalyError,
     BackwardError,
     CheckpointADError,
     DeviceError,
@@ -21,7 +22,15 @@ from .errors import (
     ShapeError,
 )
 from .function import Function, FunctionCtx
-from .grad_mode import enable_grad, inference_mode, is_grad_enabled, no_grad
+from .grad_mode import (
+    detect_anomaly,
+    enable_grad,
+    inference_mode,
+    is_anomaly_enabled,
+    is_grad_enabled,
+    no_grad,
+    set_grad_enabled,
+)
 from .gradient_tape import GradientTape
 from .inspect import TapeView, tape_of
 from .ops import *  # noqa: F403 - the op functions are the public API
@@ -34,6 +43,7 @@ from .tensor import Tensor, tensor
 __version__ = "0.1.0"
 
 __all__ = [
+    "AnomalyError",
     "BackwardError",
     "CheckpointADError",
     "DTypeError",
@@ -52,14 +62,17 @@ __all__ = [
     "backward",
     "checkpoint",
     "checkpoint_sequential",
+    "detect_anomaly",
     "enable_grad",
     "grad",
     "inference_mode",
+    "is_anomaly_enabled",
     "is_grad_enabled",
     "no_grad",
     "profile",
     "saved_values_hooks",
     "scan",
+    "set_grad_enabled",
     "strategies",
     "tape_of",
     "tensor",

@@ -72,3 +72,7 @@ class ModelConfigError(CheckpointADError, ValueError):
 
 class UnknownModelError(ModelConfigError):
     """`build` was given a name that is not in `MODELS`."""
+
+
+class AnomalyError(CheckpointADError, RuntimeError):
+    """Under `detect_anomaly()`, a backward rule produced a nan or inf gradient."""

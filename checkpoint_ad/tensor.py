@@ -7,7 +7,7 @@ guarded by version counters, and `backward`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -15,9 +15,10 @@ import numpy as np
 from . import ops
 from .autograd import backward as _backward
 from .backend import device_name, is_array, namespace, resolve_dtype, to_device
-from .errors import InplaceError
+from .errors import BackwardError, InplaceError
 from .grad_mode import _state, no_grad
 from .saved import VersionCounter
+from .tape import RemovableHandle, add_hook
 from .tensor_base import TensorBase, as_tensor_like, make_tensor
 
 
@@ -167,9 +168,37 @@ class Tensor(TensorBase, made_by_engine=True):
         gradient: Any = None,
         retain_graph: bool | None = None,
         create_graph: bool = False,
+        inputs: Sequence[Tensor] | None = None,
     ) -> None:
-        """Accumulate d(self)/d(leaf) into `.grad` of every leaf that requires grad."""
-        _backward(self, gradient, retain_graph=retain_graph, create_graph=create_graph)
+        """Accumulate d(self)/d(leaf) into `.grad` of every leaf that requires grad (only
+        into `inputs`, leaves or not, when given)."""
+        _backward(self, gradient, retain_graph, create_graph, inputs)
+
+    def register_hook(self, hook: Callable[[Tensor], Tensor | None]) -> RemovableHandle:
+        """Call `hook(grad)` with this tensor's gradient during backward; a Tensor it returns
+        replaces the gradient. For a leaf, hooks see the gradient summed over the pass,
+        before it reaches `.grad`. Returns a handle whose `.remove()` unregisters it.
+
+        >>> import checkpoint_ad as cad
+        >>> x = cad.tensor([1.0, 2.0], requires_grad=True)
+        >>> handle = x.register_hook(lambda g: g * 10)
+        >>> (x * x).sum().backward()
+        >>> x.grad.tolist()
+        [20.0, 40.0]
+        >>> handle.remove()
+        """
+        if not self._requires_grad:
+            raise BackwardError(
+                f"cannot register a hook on a tensor that does not require grad ({self.dtype}"
+                f"{list(self.shape)}): it gets no gradient; set requires_grad=True first"
+            )
+        if self._entry is None:
+            target = self if self._leaf_target is None else self._leaf_target
+            if target._hooks is None:
+                target._hooks = {}
+            return add_hook(target._hooks, hook)
+        table = self._entry._hooks().outputs.setdefault(self._index, {})
+        return add_hook(table, hook)
 
     # ----------------------------------------------------------------- in-place
     def _tracked(self, other: Any) -> bool:

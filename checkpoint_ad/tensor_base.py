@@ -48,7 +48,7 @@ class TensorBase:
     _leaf_target: TensorBase | None
     _inference: bool
     _base: TensorBase | None
-    _hooks: list[Any] | None
+    _hooks: dict[int, Any] | None  # a leaf's gradient hooks (non-leaves: on their entry)
     grad: Any
 
     def __init_subclass__(cls, made_by_engine: bool = False, **kwargs: Any) -> None:

@@ -41,3 +41,190 @@ def test_power_exponent_gradient_at_zero_base():
     (a**c).sum().backward()
     np.testing.assert_allclose(a.grad.numpy(), [0.0, 1.5 * 2.0**0.5], rtol=1e-12)
     np.testing.assert_allclose(c.grad.numpy(), [0.0, 2.0**1.5 * np.log(2.0)], rtol=1e-12)
+
+
+# ----------------------------------------------------------------- 7. grad modes
+def test_one_no_grad_object_entered_twice_restores_the_mode():
+    """PyTorch `test_no_grad_python_function` / nested `torch.no_grad()` objects: each exit
+    restores what its own entry replaced."""
+    ng = cad.no_grad()
+    with ng:
+        with ng:
+            assert not cad.is_grad_enabled()
+        assert not cad.is_grad_enabled()
+    assert cad.is_grad_enabled()
+    eg = cad.enable_grad()
+    with ng, eg:
+        with ng:
+            assert not cad.is_grad_enabled()
+        assert cad.is_grad_enabled()
+    assert cad.is_grad_enabled()
+
+
+def test_set_grad_enabled_as_function_context_and_decorator():
+    """PyTorch `test_set_grad_enabled`: a call sets the mode, a block restores it."""
+    x = leaf([1.0])
+    with cad.set_grad_enabled(False):
+        assert not (x * 2).requires_grad
+        with cad.set_grad_enabled(True):
+            assert (x * 2).requires_grad
+        assert not cad.is_grad_enabled()
+    assert cad.is_grad_enabled()
+    try:
+        cad.set_grad_enabled(False)
+        assert not cad.is_grad_enabled() and not (x * 2).requires_grad
+    finally:
+        cad.set_grad_enabled(True)
+    assert cad.is_grad_enabled()
+
+    @cad.set_grad_enabled(False)
+    def double(t):
+        return t * 2
+
+    assert cad.is_grad_enabled()  # decorating changes nothing
+    assert not double(x).requires_grad and cad.is_grad_enabled()
+    assert repr(cad.set_grad_enabled(True)) == "set_grad_enabled(True)"
+
+
+# ----------------------------------------------------------------- 4. hooks, backward(inputs=)
+def test_leaf_hook_sees_the_summed_gradient_once_and_may_replace_it():
+    """PyTorch `test_hooks`: a leaf's hook runs once per backward with the total gradient,
+    and what it returns is what reaches `.grad`."""
+    x = leaf([1.0, 2.0])
+    seen = []
+
+    def hook(g):
+        seen.append(g.numpy().copy())
+        return g * 10
+
+    handle = x.register_hook(hook)
+    (x * x + 3 * x).sum().backward()  # two paths into x
+    assert len(seen) == 1
+    np.testing.assert_allclose(seen[0], 2 * x.numpy() + 3)
+    np.testing.assert_allclose(x.grad.numpy(), 10 * (2 * x.numpy() + 3))
+    handle.remove()
+    handle.remove()  # twice is harmless
+    x.grad = None
+    (x * x).sum().backward()
+    np.testing.assert_allclose(x.grad.numpy(), 2 * x.numpy())
+    assert len(seen) == 1 and "removed" in repr(handle)
+
+
+def test_non_leaf_hook_changes_what_flows_below_it():
+    """PyTorch `test_hooks` on an intermediate: the hook's result is the gradient passed on,
+    with backward() and with grad() alike; returning None keeps the gradient."""
+    x = leaf([1.0, -2.0])
+    h = x * 3
+    calls = []
+    h.register_hook(lambda g: calls.append(1))  # observes only
+    h.register_hook(lambda g: g * 2)
+    (h * h).sum().backward(retain_graph=True)
+    np.testing.assert_allclose(x.grad.numpy(), 2 * (2 * h.numpy()) * 3)
+    (gx,) = cad.grad((h * h).sum(), [x])
+    np.testing.assert_allclose(gx.numpy(), 2 * (2 * h.numpy()) * 3)
+    assert len(calls) == 2
+
+
+def test_hook_errors_are_specific():
+    """PyTorch: a hook on a tensor without grad is refused; a bad replacement is reported."""
+    with pytest.raises(cad.BackwardError, match="does not require grad"):
+        cad.tensor([1.0]).register_hook(lambda g: g)
+    x = leaf([1.0, 2.0])
+    x.register_hook(lambda g: cad.tensor(np.ones(3)))
+    with pytest.raises(cad.ShapeError, match="keep the shape"):
+        (x * 2).sum().backward()
+    y = leaf([1.0])
+    z = y * 2
+    z.register_hook(lambda g: 3.0)
+    with pytest.raises(cad.BackwardError, match="returned float"):
+        z.sum().backward()
+    with pytest.raises(TypeError, match="callable"):
+        y.register_hook(3)
+
+
+def test_entry_hook_sees_input_and_output_gradients():
+    """PyTorch `Node.register_hook(fn(grad_inputs, grad_outputs))`: may replace grad_inputs."""
+    a, b = leaf([2.0]), leaf([5.0])
+    y = a * b
+    seen = {}
+
+    def hook(grad_inputs, grad_outputs):
+        seen["in"] = [g.item() for g in grad_inputs]
+        seen["out"] = [g.item() for g in grad_outputs]
+        return (grad_inputs[0] * 0, grad_inputs[1])
+
+    y.grad_fn.register_hook(hook)
+    (y * 3).sum().backward()
+    assert seen == {"in": [3 * 5.0, 3 * 2.0], "out": [3.0]}
+    assert a.grad.item() == 0.0 and b.grad.item() == 6.0
+
+
+def test_backward_over_several_outputs_sums_in_one_pass():
+    """PyTorch `torch.autograd.backward(tensors, grad_tensors)`: one pass, gradients summed
+    (so outputs sharing a graph need no retain_graph)."""
+    x = leaf([1.0, 2.0])
+    h = cad.tanh(x)
+    a, b = (h * 2).sum(), h * h
+    cad.backward([a, b], grad_tensors=[None, cad.tensor(np.array([1.0, 10.0]))])
+    t = np.tanh(x.numpy())
+    np.testing.assert_allclose(x.grad.numpy(), (2 + np.array([1.0, 10.0]) * 2 * t) * (1 - t * t))
+    with pytest.raises(ValueError, match="grad_tensors has 1 entries"):
+        cad.backward([x * 2, x * 3], grad_tensors=[None])
+    with pytest.raises(ValueError, match="at least one"):
+        cad.backward([])
+
+
+def test_backward_inputs_accumulates_only_into_those():
+    """PyTorch `test_backward_with_inputs`: leaves and non-leaves named in inputs get .grad,
+    nothing else does."""
+    x, w = leaf([1.0, 2.0]), leaf([3.0, 4.0])
+    h = x * w
+    y = (h * h).sum()
+    y.backward(inputs=[x], retain_graph=True)
+    np.testing.assert_allclose(x.grad.numpy(), 2 * h.numpy() * w.numpy())
+    assert w.grad is None and h.grad is None
+    cad.backward(y, inputs=[h, w, w])
+    np.testing.assert_allclose(h.grad.numpy(), 2 * h.numpy())
+    np.testing.assert_allclose(w.grad.numpy(), 2 * h.numpy() * x.numpy())
+    np.testing.assert_allclose(x.grad.numpy(), 2 * h.numpy() * w.numpy())  # unchanged
+    with pytest.raises(cad.BackwardError, match="does not require grad"):
+        (x * 2).sum().backward(inputs=[cad.tensor([1.0])])
+    with pytest.raises(ValueError, match="no tensors"):
+        (x * 2).sum().backward(inputs=[])
+
+
+# ----------------------------------------------------------------- 6. detect_anomaly
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_detect_anomaly_names_the_op_its_line_and_the_input():
+    """PyTorch `test_anomaly_detect_nan`: inside detect_anomaly the first backward making a
+    nan/inf raises, naming the forward op and where it was recorded."""
+    import inspect
+
+    b = leaf([0.0, 1.0])
+    one = cad.tensor(np.ones(2))
+    y = one / b  # d/db = -1/b**2: inf, then nan, at b = 0
+    line = inspect.currentframe().f_lineno - 1
+    z = (y * 0 + 1).sum()
+    with cad.detect_anomaly(), pytest.raises(cad.AnomalyError) as info:
+        z.backward(retain_graph=True)
+    message = str(info.value)
+    assert "'divide'" in message and f"test_torch_semantics.py:{line}" in message
+    assert "input 1 ('b')" in message
+    assert isinstance(info.value, RuntimeError)
+    assert not cad.is_anomaly_enabled()
+    z.backward()  # outside: no check, the nan goes through silently (as in PyTorch)
+    assert np.isnan(b.grad.numpy()[0])
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_detect_anomaly_is_quiet_for_finite_gradients_and_can_be_disabled():
+    """PyTorch `detect_anomaly(check_nan=...)`-style switch: enabled=False turns it off."""
+    x = leaf([0.5, 2.0])
+    with cad.detect_anomaly():
+        cad.log(x).sum().backward()
+        with cad.detect_anomaly(enabled=False):
+            assert not cad.is_anomaly_enabled()
+            cad.sqrt(x - 0.5).sum().backward()  # inf at x = 0.5, unchecked
+        assert cad.is_anomaly_enabled()
+    np.testing.assert_allclose(x.grad.numpy(), [np.inf, 0.5 + 1 / (2 * np.sqrt(1.5))])
+    assert "enabled=True" in repr(cad.detect_anomaly())
