@@ -327,7 +327,7 @@ def _seed(output: TensorBase, gradient: Any, position: str) -> Any:
 def _root_edge(output: TensorBase, position: str) -> Any:
     if not isinstance(output, TensorBase):
         raise TypeError(f"{position} must be a Tensor, got {type(output).__name__}")
-    edge = edge_of(output)
+    edge = edge_of(output._current())
     if edge is None:
         raise BackwardError(
             f"{position} does not require grad: it was computed only from tensors with "
@@ -405,7 +405,7 @@ def _capture_keys(ins: list[Any], name: str) -> dict[tuple[int, int], int]:
     for i, t in enumerate(ins):
         if not isinstance(t, TensorBase):
             raise TypeError(f"{name}[{i}] must be a Tensor, got {type(t).__name__}")
-        edge = edge_of(t)
+        edge = edge_of(t._current())
         if edge is None:
             raise BackwardError(
                 f"{name}[{i}] ({t.dtype}{list(t.shape)}) does not require grad, so it has no "

@@ -374,6 +374,8 @@ def record(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> 
     kind = type(first)
     requires_grad = False
     for t in tensors:
+        if t._base is not None and t._view[1] is not t._base._entry:  # type: ignore[index]
+            refresh_view(t)
         if t._requires_grad:
             requires_grad = True
         if type(t._data) is not kind:
@@ -428,9 +430,37 @@ def record(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> 
         edges = tuple([edge_of(t) for t in tensors])
         (result,) = add_entry(prim, edges, (out,), attrs or _NO_ATTRS, save, counter)
     if prim.view:
-        base = tensors[0]._base
-        result._base = tensors[0] if base is None else base
+        parent = tensors[0]
+        base = parent._base
+        if base is None:
+            result._base = parent
+            result._view = (((prim, attrs),), parent._entry)
+        else:
+            result._base = base
+            result._view = (parent._view[0] + ((prim, attrs),), base._entry)  # type: ignore[index]
     return result
+
+
+def refresh_view(view: Any) -> Any:
+    """Re-derive `view`'s history from its base after the base was changed in place (PyTorch
+    regenerates a view's grad_fn the same way): the view primitives are recorded again on
+    the base's current history; the view keeps its storage. Returns `view`."""
+    base = view._base
+    chain = view._view[0]
+    enabled = _state.grad_enabled
+    _state.grad_enabled = True  # the history exists whatever the current mode
+    try:
+        current = base
+        for prim, attrs in chain:
+            current = record(prim, (current,), attrs)
+    finally:
+        _state.grad_enabled = enabled
+    view._entry = current._entry
+    view._index = current._index
+    view._requires_grad = current._requires_grad
+    view._view = (chain, base._entry)
+    return view
+
 
 
 _needs_cache: dict[tuple[Form, tuple[bool, ...]], tuple[tuple[str, int], ...]] = {}

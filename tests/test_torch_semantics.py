@@ -228,3 +228,188 @@ def test_detect_anomaly_is_quiet_for_finite_gradients_and_can_be_disabled():
         assert cad.is_anomaly_enabled()
     np.testing.assert_allclose(x.grad.numpy(), [np.inf, 0.5 + 1 / (2 * np.sqrt(1.5))])
     assert "enabled=True" in repr(cad.detect_anomaly())
+
+
+# ----------------------------------------------------------------- 2. in-place on non-leaves
+def test_inplace_writes_the_same_storage_seen_by_views_and_detached_aliases():
+    """PyTorch `test_inplace_on_view_*` / `test_detach`: an in-place op on a non-leaf changes
+    its storage, so views and detached aliases see it and share the bumped version."""
+    x = leaf([1.0, 2.0, 3.0])
+    y = x * 2
+    d, v = y.detach(), y[0:2]
+    version = y.version
+    y.mul_(3)
+    np.testing.assert_allclose(d.numpy(), 6 * x.numpy())
+    np.testing.assert_allclose(v.numpy(), 6 * x.numpy()[:2])
+    assert y.version == d.version == v.version == version + 1
+    assert y.requires_grad and y.grad_fn.name == "multiply"
+    y.sum().backward()
+    np.testing.assert_allclose(x.grad.numpy(), [6.0, 6.0, 6.0])
+
+
+def test_every_recorded_inplace_form_changes_the_storage():
+    """PyTorch: `y += z`, `y[idx] = v`, `zero_()`, `copy_()` all write into y's storage."""
+    x, z = leaf([1.0, 2.0]), leaf([10.0, 20.0])
+    forms = {
+        "iadd": (lambda y: y.__iadd__(z), lambda a: a + z.numpy()),
+        "setitem": (lambda y: y.__setitem__(0, z[1]), lambda a: np.array([20.0, a[1]])),
+        "zero_": (lambda y: y.zero_(), lambda a: np.zeros(2)),
+        "copy_": (lambda y: y.copy_(z), lambda a: z.numpy()),
+    }
+    for name, (change, expected) in forms.items():
+        y = x * 1
+        alias = y.detach()
+        before = y.numpy().copy()
+        change(y)
+        np.testing.assert_allclose(alias.numpy(), expected(before), err_msg=name)
+        assert y.requires_grad, name
+
+
+def test_a_saved_value_changed_in_place_is_caught():
+    """PyTorch `test_inplace_*` 'one of the variables needed for gradient computation has
+    been modified by an inplace operation': saved inputs and saved outputs alike."""
+    x = leaf([1.0, 2.0])
+    y = x * 2
+    z = (y * y).sum()  # saves y
+    y.mul_(2)
+    with pytest.raises(cad.SavedValueModifiedError, match="modified in place"):
+        z.backward()
+    e = cad.exp(x)  # saves its output
+    e.add_(1)
+    with pytest.raises(cad.SavedValueModifiedError):
+        e.sum().backward()
+    h = x * 2
+    z = (h * h).sum()
+    h[0:1].mul_(3)  # through a view: the same storage, the same counter
+    with pytest.raises(cad.SavedValueModifiedError):
+        z.backward()
+
+
+def test_an_inplace_op_keeps_the_value_it_needs_itself():
+    """PyTorch saves `original_self` for in-place ops whose rule needs it: y.mul_(w) then
+    backward works, with d/dw = y before the change (x * 3 here)."""
+    x, w = leaf([1.0, 2.0]), leaf([5.0, 7.0])
+    y = x * 3
+    y.mul_(w)
+    y.mul_(w)  # y = 3 x w^2
+    y.sum().backward()
+    np.testing.assert_allclose(w.grad.numpy(), 6 * x.numpy() * w.numpy())
+    np.testing.assert_allclose(x.grad.numpy(), 3 * w.numpy() ** 2)
+
+
+def test_retain_grad_then_inplace_stores_the_gradient_of_the_new_version():
+    """PyTorch `test_retain_grad_inplace`: y.retain_grad(); y.mul_(2) gives y.grad = 1."""
+    x = leaf([1.0, 2.0])
+    y = x * 1
+    y.retain_grad()
+    y.mul_(2)
+    y.sum().backward()
+    np.testing.assert_allclose(y.grad.numpy(), [1.0, 1.0])
+    np.testing.assert_allclose(x.grad.numpy(), [2.0, 2.0])
+
+
+def test_zero_and_copy_of_a_constant_keep_the_history_with_gradient_zero():
+    """PyTorch: zero_()/copy_(constant) on a non-leaf leave it requiring grad (ZeroBackward,
+    CopyBackwards): the gradient through it is 0, through the other use it is intact."""
+    x = leaf([1.0, 2.0])
+    y = x * 2
+    y.zero_()
+    assert y.requires_grad and not y.is_leaf
+    (y + x).sum().backward()
+    np.testing.assert_allclose(x.grad.numpy(), [1.0, 1.0])
+    x.grad = None
+    y = x * 2
+    y.copy_(3.0)
+    assert y.requires_grad
+    np.testing.assert_allclose(y.numpy(), [3.0, 3.0])
+    (y * x).sum().backward()
+    np.testing.assert_allclose(x.grad.numpy(), [3.0, 3.0])
+
+
+def test_copy_of_a_tensor_sends_the_gradient_to_the_source():
+    """PyTorch `test_copy_`: y.copy_(src) differentiates into src, and y's old history gets
+    no gradient (its old value is gone)."""
+    x, w = leaf([1.0, 2.0]), leaf([3.0, -1.0])
+    y = x * 2
+    y.copy_(w * w)
+    (y * y).sum().backward()
+    np.testing.assert_allclose(w.grad.numpy(), 4 * w.numpy() ** 3)
+    assert x.grad is None or not x.grad.numpy().any()
+
+
+def test_inplace_cannot_change_the_shape():
+    """PyTorch: 'output with shape [2] doesn't match the broadcast shape [2, 2]'."""
+    y = leaf([1.0, 2.0]) * 1
+    with pytest.raises(cad.ShapeError, match="cannot change the shape"):
+        y += leaf(np.ones((2, 2)))
+
+
+# ----------------------------------------------------------------- 3. in-place on views
+def test_inplace_on_a_view_rebases_the_base():
+    """PyTorch `test_inplace_on_view_backward`: v = y[0:2]; v.mul_(3) changes y, and the
+    gradient to y's inputs reflects it; the view itself is re-derived from the new base."""
+    x = leaf([1.0, 2.0, 3.0, 4.0])
+    y = x * 2
+    v = y[0:2]
+    v.mul_(3)
+    np.testing.assert_allclose(y.numpy(), [6.0, 12.0, 6.0, 8.0])
+    (y * y).sum().backward(retain_graph=True)
+    np.testing.assert_allclose(x.grad.numpy(), 2 * y.numpy() * [6, 6, 2, 2])
+    x.grad = None
+    (v * v).sum().backward()
+    np.testing.assert_allclose(x.grad.numpy(), [2 * 6.0 * 6, 2 * 12.0 * 6, 0.0, 0.0])  # v = 6 x
+
+
+def _view_program(x, w):
+    y = x * x
+    y[1:3].mul_(w)  # a view of a non-leaf, scaled by a differentiable tensor
+    m = (y * 1).reshape((2, 2)).T  # transpose of a reshape
+    m[0].add_(cad.sin(w))  # column 0 of the 2x2, via two view primitives
+    return m * y.reshape((2, 2))
+
+
+def test_inplace_on_views_gradcheck_second_order():
+    """HIPS autograd `check_grads(order=2)` through in-place updates of nested views."""
+    x, w = leaf([0.3, -0.7, 1.1, 0.5]), leaf([1.3, -0.4])
+    assert cad.testing.gradcheck(_view_program, [x, w], order=2)
+
+
+def test_other_views_follow_the_base_after_an_inplace_change():
+    """PyTorch regenerates a view's grad_fn when its base changed in place."""
+    x = leaf([1.0, 2.0, 3.0])
+    y = x * 2
+    a, b = y[0:2], y[1:3]
+    a.mul_(5)  # y = [10 x0, 10 x1, 2 x2]
+    (b * 1).sum().backward()
+    np.testing.assert_allclose(b.numpy(), [20.0, 6.0])
+    np.testing.assert_allclose(x.grad.numpy(), [0.0, 10.0, 2.0])
+
+
+def test_inplace_on_a_view_of_a_constant_makes_it_differentiable():
+    """PyTorch: h = zeros(3); h[0:2].add_(a) gives h a history (CopySlices)."""
+    a = leaf([1.0, 2.0])
+    h = cad.tensor(np.zeros(3))
+    rest = h[1:3]
+    h[0:2].add_(a * a)
+    assert h.requires_grad
+    (h * cad.tensor(np.array([1.0, 10.0, 100.0]))).sum().backward(retain_graph=True)
+    np.testing.assert_allclose(a.grad.numpy(), [2.0, 40.0])
+    assert rest.requires_grad  # re-derived from the new base
+    np.testing.assert_allclose(rest.numpy(), [4.0, 0.0])
+
+
+def test_inplace_on_views_that_are_not_views_or_cannot_be_written():
+    """PyTorch: advanced indexing copies (the base is untouched); a view of a leaf that
+    requires grad, or of an expanded tensor, cannot be modified in place."""
+    x = leaf([1.0, 2.0, 3.0])
+    y = x * 2
+    c = y[np.array([0, 2])]
+    c.mul_(10)
+    np.testing.assert_allclose(y.numpy(), 2 * x.numpy())
+    y.sum().backward()
+    np.testing.assert_allclose(x.grad.numpy(), [2.0, 2.0, 2.0])
+    with pytest.raises(cad.InplaceError, match="view of a leaf"):
+        x[0:2].mul_(2)
+    wide = cad.broadcast_to(x * 1, (2, 3))
+    with pytest.raises(cad.InplaceError, match="broadcast_to"):
+        wide.mul_(2)
