@@ -21,7 +21,7 @@ from .errors import (
     SavedValueModifiedError,
     ShapeError,
 )
-from .function import Function, FunctionCtx
+from .function import Function, FunctionCtx, once_differentiable
 from .grad_mode import (
     detect_anomaly,
     enable_grad,
@@ -69,6 +69,7 @@ __all__ = [
     "is_anomaly_enabled",
     "is_grad_enabled",
     "no_grad",
+    "once_differentiable",
     "profile",
     "saved_values_hooks",
     "scan",

@@ -413,3 +413,145 @@ def test_inplace_on_views_that_are_not_views_or_cannot_be_written():
     wide = cad.broadcast_to(x * 1, (2, 3))
     with pytest.raises(cad.InplaceError, match="broadcast_to"):
         wide.mul_(2)
+
+
+# ----------------------------------------------------------------- 5. custom Function extras
+class _ScaleInPlace(cad.Function):
+    """forward modifies its input in place (PyTorch `test_mark_dirty`-style)."""
+
+    @staticmethod
+    def forward(ctx, x, k):
+        ctx.k = k
+        x.mul_(k)
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.k, None
+
+
+def test_mark_dirty_rebases_the_modified_input():
+    """PyTorch `test_dirty_tensors`-style: the returned input is the same tensor, modified,
+    with the function as its history; values saved from it before are caught."""
+    x = leaf([1.0, 2.0])
+    y = x * 2
+    alias = y.detach()
+    z = (y * y).sum()  # saves y before the change
+    out = _ScaleInPlace.apply(y, 3.0)
+    assert out is y and y.grad_fn.name == "_ScaleInPlace"
+    np.testing.assert_allclose(alias.numpy(), 6 * x.numpy())
+    (y * 1).sum().backward()
+    np.testing.assert_allclose(x.grad.numpy(), [6.0, 6.0])
+    with pytest.raises(cad.SavedValueModifiedError):
+        z.backward()
+    with pytest.raises(cad.InplaceError, match="leaf tensor that requires grad"):
+        _ScaleInPlace.apply(leaf([1.0]), 2.0)
+
+
+def test_mark_dirty_misuse_is_reported():
+    """PyTorch: a dirty tensor must be an input, and be returned."""
+
+    class NotReturned(cad.Function):
+        @staticmethod
+        def forward(ctx, x):
+            x.mul_(2)
+            ctx.mark_dirty(x)
+            return x * 1
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    class NotAnInput(cad.Function):
+        @staticmethod
+        def forward(ctx, x):
+            y = x * 1
+            ctx.mark_dirty(y)
+            return y
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    with pytest.raises(cad.BackwardError, match="did not return"):
+        NotReturned.apply(leaf([1.0]) * 1)
+    with pytest.raises(cad.BackwardError, match="not one of its inputs"):
+        NotAnInput.apply(leaf([1.0]) * 1)
+
+
+class _SortWithIndices(cad.Function):
+    """Two outputs, the second (the permutation) not differentiable."""
+
+    @staticmethod
+    def forward(ctx, x):
+        order = np.argsort(x.numpy())
+        ctx.order = order
+        values = cad.tensor(x.numpy()[order])
+        indices = cad.tensor(order.astype(np.float64))
+        ctx.mark_non_differentiable(indices)
+        return values, indices
+
+    @staticmethod
+    def backward(ctx, g_values, g_indices):
+        ctx.seen = g_indices
+        grad = np.zeros_like(g_values.numpy())
+        grad[ctx.order] = g_values.numpy()
+        return cad.tensor(grad)
+
+
+def test_mark_non_differentiable_outputs_do_not_require_grad():
+    """PyTorch `test_mark_non_differentiable`: the marked output does not require grad and
+    backward gets zeros for it."""
+    x = leaf([3.0, 1.0, 2.0])
+    values, indices = _SortWithIndices.apply(x)
+    assert values.requires_grad and not indices.requires_grad
+    (values * cad.tensor(np.array([1.0, 10.0, 100.0]))).sum().backward()
+    np.testing.assert_allclose(x.grad.numpy(), [100.0, 1.0, 10.0])
+    assert values.grad_fn.op.ctx.seen.numpy().tolist() == [0.0, 0.0, 0.0]
+
+
+def test_set_materialize_grads_false_passes_none():
+    """PyTorch `test_set_materialize_grads`: backward gets None for an unused output."""
+    seen = []
+
+    class Two(cad.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.set_materialize_grads(False)
+            return x * 2, x * 3
+
+        @staticmethod
+        def backward(ctx, ga, gb):
+            seen.append((ga is None, gb is None))
+            return ga * 2 if ga is not None else None
+
+    x = leaf([1.0])
+    a, _ = Two.apply(x)
+    a.sum().backward()
+    assert seen == [(False, True)] and x.grad.item() == 2.0
+
+
+class _CubeOnce(cad.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x * x
+
+    @staticmethod
+    @cad.once_differentiable
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * 3 * x * x
+
+
+def test_once_differentiable_gives_first_order_and_refuses_second():
+    """PyTorch `test_once_differentiable`: first order works (also under create_graph), a
+    second order through it raises instead of silently giving 0."""
+    x = leaf([0.5, -2.0])
+    _CubeOnce.apply(x).sum().backward()
+    np.testing.assert_allclose(x.grad.numpy(), 3 * x.numpy() ** 2)
+    (g,) = cad.grad(_CubeOnce.apply(x).sum(), [x], create_graph=True)
+    np.testing.assert_allclose(g.numpy(), 3 * x.numpy() ** 2)
+    with pytest.raises(cad.BackwardError, match="once_differentiable"):
+        cad.grad(g.sum(), [x])
