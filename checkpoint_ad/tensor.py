@@ -218,7 +218,7 @@ class Tensor(TensorBase, made_by_engine=True):
         self._current()
         if not self._tracked(other):
             with no_grad():
-                result = compute(self)
+                result = self._same_shape(op_name, compute(self))
             if result.dtype != self.dtype:
                 result = result.astype(self.dtype)
             self._write(op_name, result._data)
@@ -259,19 +259,22 @@ class Tensor(TensorBase, made_by_engine=True):
     def _inplace_result(self, op_name: str, compute: Any) -> Tensor:
         """The recorded out-of-place value of an in-place op, in this tensor's shape and
         dtype, and still carrying this tensor's history when the op itself drops it."""
-        result = compute(self)
-        if result.shape != self.shape:
-            raise ShapeError(
-                f"{op_name} would make a result of shape {list(result.shape)} in a tensor of "
-                f"shape {list(self.shape)}; in-place ops cannot change the shape: broadcast "
-                "the other operand to it, or use the out-of-place op"
-            )
+        result = self._same_shape(op_name, compute(self))
         if result.dtype != self.dtype:
             result = ops.astype(result, self.dtype)
         if self._requires_grad and not result._requires_grad:
             # zero_() or copy_(constant): the result still depends on self, with gradient 0
             zero = ops.zeros_like(self)
             result = ops.where(ops.not_equal(zero, zero), self, result)
+        return result
+
+    def _same_shape(self, op_name: str, result: Tensor) -> Tensor:
+        if result.shape != self.shape:
+            raise ShapeError(
+                f"{op_name} would make a result of shape {list(result.shape)} in a tensor of "
+                f"shape {list(self.shape)}; in-place ops cannot change the shape: broadcast "
+                "the other operand to it, or use the out-of-place op"
+            )
         return result
 
     def _write(self, op_name: str, data: Any) -> None:

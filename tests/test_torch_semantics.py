@@ -285,13 +285,20 @@ def test_a_saved_value_changed_in_place_is_caught():
         z.backward()
 
 
-def test_an_inplace_op_keeps_the_value_it_needs_itself():
+@pytest.mark.parametrize("packing", ["keep", "aliasing hooks"])
+def test_an_inplace_op_keeps_the_value_it_needs_itself(packing):
     """PyTorch saves `original_self` for in-place ops whose rule needs it: y.mul_(w) then
-    backward works, with d/dw = y before the change (x * 3 here)."""
+    backward works, with d/dw = y before the change (x * 3 here), also when a packer keeps
+    the very array it was given."""
     x, w = leaf([1.0, 2.0]), leaf([5.0, 7.0])
     y = x * 3
-    y.mul_(w)
-    y.mul_(w)  # y = 3 x w^2
+    if packing == "keep":
+        y.mul_(w)
+        y.mul_(w)  # y = 3 x w^2
+    else:
+        with cad.saved_values_hooks(lambda a: a, lambda a: a):
+            y.mul_(w)
+            y.mul_(w)
     y.sum().backward()
     np.testing.assert_allclose(w.grad.numpy(), 6 * x.numpy() * w.numpy())
     np.testing.assert_allclose(x.grad.numpy(), 3 * w.numpy() ** 2)
@@ -342,6 +349,10 @@ def test_inplace_cannot_change_the_shape():
     y = leaf([1.0, 2.0]) * 1
     with pytest.raises(cad.ShapeError, match="cannot change the shape"):
         y += leaf(np.ones((2, 2)))
+    c = cad.tensor(np.ones(2))  # not recorded: the same rule
+    with pytest.raises(cad.ShapeError, match="cannot change the shape"):
+        c.add_(np.ones((2, 2)))
+    np.testing.assert_array_equal(c.numpy(), [1.0, 1.0])
 
 
 # ----------------------------------------------------------------- 3. in-place on views
