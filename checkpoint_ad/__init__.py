@@ -8,6 +8,7 @@ decide how each is kept, and the profiler can measure it.
 from . import factories, nn, optim, random, strategies, testing
 from .autograd import backward, grad
 from .errors import (
+    AnomalyError,
     BackwardError,
     CheckpointADError,
     DeviceError,
@@ -20,8 +21,16 @@ from .errors import (
 )
 from .factories import *  # noqa: F403 - zeros, ones, rand... are public API
 from .factories import __all__ as _factory_names
-from .function import Function, FunctionCtx
-from .grad_mode import enable_grad, inference_mode, is_grad_enabled, no_grad
+from .function import Function, FunctionCtx, once_differentiable
+from .grad_mode import (
+    detect_anomaly,
+    enable_grad,
+    inference_mode,
+    is_anomaly_enabled,
+    is_grad_enabled,
+    no_grad,
+    set_grad_enabled,
+)
 from .gradient_tape import GradientTape
 from .inspect import TapeView, tape_of
 from .ops import *  # noqa: F403 - the op functions are the public API
@@ -46,6 +55,7 @@ from .factories import ones_like, zeros_like  # noqa: F401
 __version__ = "0.1.0"
 
 __all__ = [
+    "AnomalyError",
     "BackwardError",
     "CheckpointADError",
     "DTypeError",
@@ -66,16 +76,20 @@ __all__ = [
     "checkpoint",
     "checkpoint_policies",
     "checkpoint_sequential",
+    "detect_anomaly",
     "enable_grad",
     "grad",
     "inference_mode",
+    "is_anomaly_enabled",
     "is_grad_enabled",
     "no_grad",
+    "once_differentiable",
     "profile",
     "random",
     "remat",
     "saved_values_hooks",
     "scan",
+    "set_grad_enabled",
     "strategies",
     "tape_of",
     "tensor",

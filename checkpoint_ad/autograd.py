@@ -16,10 +16,10 @@ import numpy as np
 
 from . import events
 from .backend import namespace
-from .errors import BackwardError, DeviceError, ShapeError
-from .grad_mode import enable_grad, no_grad
+from .errors import AnomalyError, BackwardError, DeviceError, ShapeError
+from .grad_mode import _state, enable_grad, no_grad
 from .ops import astype
-from .tape import Entry, edge_of
+from .tape import Entry, Primitive, edge_of
 from .tensor_base import TensorBase, as_tensor_like, make_tensor
 
 
@@ -53,6 +53,84 @@ def _accumulate_into(t: TensorBase, g: Any, create_graph: bool) -> None:
     else:
         g = g._data if isinstance(g, TensorBase) else g
         t.grad = make_tensor(g if t.grad is None else t.grad._data + g)
+
+
+def _as_tensor(grad: Any) -> Any:
+    return grad if grad is None or isinstance(grad, TensorBase) else make_tensor(grad)
+
+
+def _hook_result(new: Any, old: Any, create_graph: bool, what: str) -> Any:
+    """A hook's replacement gradient, checked and in the form the sweep carries."""
+    if new is None:
+        return old
+    if not isinstance(new, TensorBase):
+        raise BackwardError(
+            f"a hook on {what} returned {type(new).__name__}; return a Tensor shaped like the "
+            "gradient it was given, or None to keep it"
+        )
+    if tuple(new.shape) != tuple(old.shape):
+        raise ShapeError(
+            f"a hook on {what} returned a gradient of shape {list(new.shape)} for one of shape "
+            f"{list(old.shape)}; a replacement must keep the shape"
+        )
+    return new if create_graph else new._data
+
+
+def run_tensor_hooks(hooks: dict[int, Any], grad: Any, create_graph: bool, what: str) -> Any:
+    """Pass `grad` through each hook in registration order (each may replace it)."""
+    for fn in list(hooks.values()):
+        grad = _hook_result(fn(_as_tensor(grad)), grad, create_graph, what)
+    return grad
+
+
+def _run_entry_hooks(entry: Entry, grads: list[Any], create_graph: bool) -> list[Any]:
+    """Apply the tensor hooks registered on `entry`'s outputs to their gradients."""
+    for index, hooks in entry.hooks.outputs.items():  # type: ignore[union-attr]
+        if hooks and grads[index] is not None:
+            what = f"output {index} of {entry.describe()}"
+            grads[index] = run_tensor_hooks(hooks, grads[index], create_graph, what)
+    return grads
+
+
+def _run_post_hooks(
+    entry: Entry, results: list[Any], grads: list[Any], create_graph: bool
+) -> list[Any]:
+    """Call `Entry.register_hook` hooks with (grad_inputs, grad_outputs)."""
+    for fn in list(entry.hooks.post.values()):  # type: ignore[union-attr]
+        grad_inputs = tuple(_as_tensor(g) for g in results)
+        new = fn(grad_inputs, tuple(_as_tensor(g) for g in grads))
+        if new is None:
+            continue
+        if len(new) != len(results):
+            raise BackwardError(
+                f"a hook on {entry.describe()} returned {len(new)} gradients for its "
+                f"{len(results)} inputs; return one per input (None for no gradient)"
+            )
+        results = [
+            None if n is None else _hook_result(n, g, create_graph, entry.describe())
+            for n, g in zip(new, grad_inputs)
+        ]
+    return results
+
+
+def _check_finite(entry: Entry, results: list[Any]) -> None:
+    """Raise `AnomalyError` for the first nan/inf in an entry's input gradients."""
+    for i, g in enumerate(results):
+        if g is None:
+            continue
+        data = g._data if isinstance(g, TensorBase) else g
+        xp = namespace(data)
+        if bool(xp.all(xp.isfinite(data))):
+            continue
+        bad = "nan" if bool(xp.any(xp.isnan(data))) else "inf"
+        op = entry.op
+        named = f" ({op.args[i]!r})" if type(op) is Primitive and not op.variadic else ""
+        raise AnomalyError(
+            f"backward of {entry.describe()} gave {bad} in the gradient of its input {i}"
+            f"{named}, shape {list(data.shape)}; the values it saved or the gradient it "
+            "received make its derivative undefined there: check the inputs of that line "
+            "(e.g. log or sqrt at 0, division by 0) or guard them with where/clip"
+        )
 
 
 class Capture:
@@ -142,13 +220,26 @@ def backpropagate(
         capture.needed = _needed_entries(
             [edge for edge, _ in roots], capture.keys, capture.newer_than
         )
+    anomaly = _state.anomaly
+    held: dict[int, list[Any]] = {}  # leaves with hooks: [leaf, summed grad, capture position]
+
+    def hold(leaf: TensorBase, grad: Any, position: int | None) -> None:
+        """Sum a hooked leaf's gradient over the pass: its hooks see the total, once."""
+        item = held.get(id(leaf))
+        if item is None:
+            held[id(leaf)] = [leaf, grad, position]
+        else:
+            item[1] = item[1] + grad
 
     def deliver(node: Any, index: int, grad: Any) -> None:
         if capture is not None:
             position = keys.get((id(node), index))  # type: ignore[union-attr]
             if type(node) is not Entry or (node not in capture.needed and position is None):
                 if position is not None:
-                    capture.add(position, grad)
+                    if type(node) is not Entry and node._hooks:
+                        hold(node, grad, position)
+                    else:
+                        capture.add(position, grad)
                 return
             if position is not None and capture.values[position] is not None:
                 # a captured non-leaf with a starting value: add onto it in arrival order
@@ -156,7 +247,10 @@ def backpropagate(
                 grads[index] = capture.values[position] if grads[index] is None else grads[index]
                 capture.values[position] = None
         elif type(node) is not Entry:
-            _accumulate_into(node, grad, create_graph)
+            if node._hooks:
+                hold(node, grad, None)
+            else:
+                _accumulate_into(node, grad, create_graph)
             return
         grads = _pending(node)
         grads[index] = grad if grads[index] is None else grads[index] + grad
@@ -177,6 +271,9 @@ def backpropagate(
             while heap:
                 entry = heapq.heappop(heap)[2]
                 grads = pending.pop(entry)
+                hooks = entry.hooks
+                if hooks is not None and hooks.outputs:
+                    grads = _run_entry_hooks(entry, grads, create_graph)
                 if capture is not None:
                     for index, grad in enumerate(grads):
                         position = keys.get((id(entry), index))  # type: ignore[union-attr]
@@ -191,6 +288,10 @@ def backpropagate(
                         if t is not None and grads[index] is not None:
                             _accumulate_into(t, grads[index], create_graph)
                 results = entry.op.backward(entry, grads, create_graph, retain_graph)
+                if hooks is not None and hooks.post:
+                    results = _run_post_hooks(entry, results, grads, create_graph)
+                if anomaly:
+                    _check_finite(entry, results)
                 if not retain_graph:
                     entry.release()
                 for edge, grad in zip(entry.edges, results):
@@ -198,6 +299,12 @@ def backpropagate(
                         continue
                     node, index = edge
                     deliver(node, index, _conform(grad, node, index, entry))
+            for leaf, grad, position in held.values():
+                grad = run_tensor_hooks(leaf._hooks, grad, create_graph, "a leaf tensor")
+                if position is not None:
+                    capture.add(position, grad)  # type: ignore[union-attr]
+                else:
+                    _accumulate_into(leaf, grad, create_graph)
     finally:
         if events.listeners:
             events.emit("backward_end", None)
@@ -229,7 +336,7 @@ def _seed(output: TensorBase, gradient: Any, position: str) -> Any:
 def _root_edge(output: TensorBase, position: str) -> Any:
     if not isinstance(output, TensorBase):
         raise TypeError(f"{position} must be a Tensor, got {type(output).__name__}")
-    edge = edge_of(output)
+    edge = edge_of(output._current())
     if edge is None:
         raise BackwardError(
             f"{position} does not require grad: it was computed only from tensors with "
@@ -246,18 +353,75 @@ def _seed_value(seed: Any, create_graph: bool) -> Any:
 
 
 def backward(
-    output: TensorBase,
-    gradient: Any = None,
+    tensors: Any,
+    grad_tensors: Any = None,
     retain_graph: bool | None = None,
     create_graph: bool = False,
+    inputs: Any = None,
 ) -> None:
-    """Accumulate gradients of `output` into `.grad` of the leaves it depends on."""
-    edge = _root_edge(output, "the tensor backward() was called on")
-    seed = _seed(output, gradient, "the tensor backward() was called on")
+    """Accumulate the gradients of `tensors` (one or several, summed in one pass) into `.grad`.
+
+    `grad_tensors` gives each output's seed (None: 1 for single-element outputs); `inputs`
+    limits accumulation to those tensors (leaves or not), as PyTorch's ``inputs=``.
+
+    >>> import checkpoint_ad as cad
+    >>> x = cad.tensor(2.0, requires_grad=True)
+    >>> w = cad.tensor(5.0, requires_grad=True)
+    >>> cad.backward([x * x, x * w], inputs=[x])
+    >>> x.grad.item(), w.grad
+    (9.0, None)
+    """
+    outs, single = _as_list(tensors)
+    if not outs:
+        raise ValueError("backward() needs at least one output tensor")
+    seeds = _seeds_for(outs, grad_tensors, "grad_tensors")
+    roots = []
+    for i, (out, seed) in enumerate(zip(outs, seeds)):
+        name = "the tensor backward() was called on" if single else f"tensors[{i}]"
+        roots.append((_root_edge(out, name), _seed_value(_seed(out, seed, name), create_graph)))
     retain = create_graph if retain_graph is None else retain_graph
-    backpropagate(
-        [(edge, _seed_value(seed, create_graph))], retain_graph=retain, create_graph=create_graph
-    )
+    if inputs is None:
+        backpropagate(roots, retain_graph=retain, create_graph=create_graph)
+        return
+    ins, _ = _as_list(inputs)
+    if not ins:
+        raise ValueError("backward(inputs=...) was given no tensors; leave inputs out instead")
+    keys = _capture_keys(ins, "inputs")
+    captured = Capture(keys)
+    backpropagate(roots, retain_graph=retain, create_graph=create_graph, capture=captured)
+    done: set[tuple[int, int]] = set()
+    for t in ins:
+        edge = edge_of(t)
+        key = (id(edge[0]), edge[1])
+        value = captured.values[keys[key]]
+        if value is not None and key not in done:
+            done.add(key)
+            _accumulate_into(t, value, create_graph)
+
+
+def _seeds_for(outs: list[Any], given: Any, name: str) -> list[Any]:
+    if given is None:
+        return [None] * len(outs)
+    seeds = [given] if isinstance(given, TensorBase) else list(given)
+    if len(seeds) != len(outs):
+        raise ValueError(f"{name} has {len(seeds)} entries for {len(outs)} outputs; give one each")
+    return seeds
+
+
+def _capture_keys(ins: list[Any], name: str) -> dict[tuple[int, int], int]:
+    """(graph node id, output index) -> position for each tensor in `ins`."""
+    keys: dict[tuple[int, int], int] = {}
+    for i, t in enumerate(ins):
+        if not isinstance(t, TensorBase):
+            raise TypeError(f"{name}[{i}] must be a Tensor, got {type(t).__name__}")
+        edge = edge_of(t._current())
+        if edge is None:
+            raise BackwardError(
+                f"{name}[{i}] ({t.dtype}{list(t.shape)}) does not require grad, so it has no "
+                "gradient; set requires_grad=True on it before computing the outputs"
+            )
+        keys.setdefault((id(edge[0]), edge[1]), i)
+    return keys
 
 
 def _as_list(value: Any) -> tuple[list[Any], bool]:
@@ -286,25 +450,8 @@ def grad(
     ins, single = _as_list(inputs)
     if not ins or not outs:
         raise ValueError("grad() needs at least one output and one input tensor")
-    if grad_outputs is None:
-        seeds: list[Any] = [None] * len(outs)
-    else:
-        seeds = [grad_outputs] if isinstance(grad_outputs, TensorBase) else list(grad_outputs)
-        if len(seeds) != len(outs):
-            raise ValueError(
-                f"grad_outputs has {len(seeds)} entries for {len(outs)} outputs; give one each"
-            )
-    capture: dict[tuple[int, int], int] = {}
-    for i, t in enumerate(ins):
-        if not isinstance(t, TensorBase):
-            raise TypeError(f"inputs[{i}] must be a Tensor, got {type(t).__name__}")
-        edge = edge_of(t)
-        if edge is None:
-            raise BackwardError(
-                f"inputs[{i}] ({t.dtype}{list(t.shape)}) does not require grad, so it has no "
-                "gradient; set requires_grad=True on it before computing the outputs"
-            )
-        capture.setdefault((id(edge[0]), edge[1]), i)
+    seeds = _seeds_for(outs, grad_outputs, "grad_outputs")
+    capture = _capture_keys(ins, "inputs")
     roots = []
     for i, (out, seed) in enumerate(zip(outs, seeds)):
         name = f"outputs[{i}]"

@@ -105,3 +105,7 @@ class OutputError(CheckpointADError, OSError):
 
 class SweepConfigError(CheckpointADError, ValueError):
     """A sweep was asked to run with arguments it cannot use (e.g. repeats below 1)."""
+
+
+class AnomalyError(CheckpointADError, RuntimeError):
+    """Under `detect_anomaly()`, a backward rule produced a nan or inf gradient."""

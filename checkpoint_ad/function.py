@@ -6,10 +6,12 @@ strategy (and the profiler) sees them.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 from .backend import namespace
-from .errors import BackwardError
+from .errors import BackwardError, InplaceError
 from .grad_mode import _state, enable_grad, no_grad
 from .saved import SavedSlot, current_packer
 from .tape import Entry, add_entry, edge_of, save_tensor, unpack_saved
@@ -25,6 +27,24 @@ class FunctionCtx:
         self._saved_count = 0
         self._entry: Entry | None = None  # set only while backward runs (no reference cycle)
         self._create_graph = False
+        self._dirty: tuple[Any, ...] = ()
+        self._non_differentiable: tuple[Any, ...] = ()
+        self._materialize = True
+
+    def mark_dirty(self, *tensors: Any) -> None:
+        """Declare inputs that forward modified in place (and returns): the input tensors
+        themselves become the outputs, with this function as their history."""
+        self._dirty = tensors
+
+    def mark_non_differentiable(self, *outputs: Any) -> None:
+        """Declare outputs that carry no gradient (indices, masks): they will not require
+        grad, and backward receives zeros for them (None without materialized grads)."""
+        self._non_differentiable = outputs
+
+    def set_materialize_grads(self, value: bool) -> None:
+        """With False, backward receives None (not zeros) for outputs that got no gradient,
+        so it can skip work for them."""
+        self._materialize = bool(value)
 
     def save_for_backward(self, *tensors: Any) -> None:
         """Keep these tensors (inputs or outputs of forward, or None) for backward."""
@@ -77,6 +97,9 @@ class _FunctionOp:
         wrapped = []
         for g, (shape, dtype) in zip(grads, entry.out_meta):
             if g is None:
+                if not ctx._materialize:
+                    wrapped.append(None)
+                    continue
                 g = xp.zeros(shape, dtype=dtype)
             wrapped.append(g if isinstance(g, Tensor) else Tensor._wrap(g))
         mode = enable_grad() if create_graph else no_grad()
@@ -171,10 +194,128 @@ class Function:
                     slots.append(save_tensor(t, f"saved{i}", packer, entry))
             return tuple(slots)
 
+        dirty = _check_dirty(cls.__name__, ctx._dirty, tensors, outputs)
         op = _FunctionOp(cls, ctx, positions)
-        edges = tuple(edge_of(t) for t in tensors)
+        edges = tuple(edge_of(t._current()) for t in tensors)
         results = add_entry(op, edges, [o._data for o in outputs], {}, save)
         ctx._saved_count = len(to_save)
         ctx._to_save = None
+        for i in dirty:
+            results[i] = _rebase_dirty(outputs[i], results[i])
+        for i, o in enumerate(outputs):
+            if any(o is n for n in ctx._non_differentiable):
+                results[i] = Tensor._wrap(o._data, counter=results[i]._version)
         return results[0] if single else results
 
+
+
+def _check_dirty(
+    name: str, dirty: tuple[Any, ...], inputs: list[Any], outputs: tuple[Any, ...]
+) -> list[int]:
+    """Output positions of the inputs marked dirty, after checking they may be rebased."""
+    positions = []
+    for t in dirty:
+        if not any(t is i for i in inputs):
+            raise BackwardError(
+                f"{name}.forward marked a tensor dirty that is not one of its inputs; "
+                "mark_dirty takes the inputs that forward modified in place"
+            )
+        position = next((k for k, o in enumerate(outputs) if o is t), None)
+        if position is None:
+            raise BackwardError(
+                f"{name}.forward modified an input in place (mark_dirty) but did not return "
+                "it; return the modified input as an output"
+            )
+        if t._entry is None and t._requires_grad:
+            raise InplaceError(
+                f"{name}.forward modified a leaf tensor that requires grad in place "
+                f"({t.dtype}{list(t.shape)}); that would lose its history: pass a .clone()"
+            )
+        if t._base is not None:
+            raise InplaceError(
+                f"{name}.forward modified a view in place (mark_dirty); that is only "
+                "supported for tensors that own their storage: pass a .clone()"
+            )
+        positions.append(position)
+    return positions
+
+
+def _rebase_dirty(t: Tensor, result: Tensor) -> Tensor:
+    """Make input `t`, modified in place by forward, the function's output: its storage and
+    version counter stay (so values saved from it earlier are caught), its history moves."""
+    t._version.value += 1  # even if forward bypassed the counter (writing .data)
+    entry = result._entry
+    t._rebase(result)
+    for slot in entry.slots or ():
+        if slot.edge == result._index and isinstance(slot.edge, int):
+            slot.counter = t._version  # saved as an output: later changes of t are caught
+            slot.version = t._version.value
+    return t
+
+
+class _OnceDifferentiated:
+    """The history of a `once_differentiable` backward's results: differentiating them
+    again raises instead of silently giving zero."""
+
+    def __init__(self, name: str) -> None:
+        self.name = f"{name}.backward"
+
+    def backward(
+        self, entry: Entry, grads: list[Any], create_graph: bool, retain_graph: bool = False
+    ) -> list[Any]:
+        raise BackwardError(
+            f"{self.name} is decorated with once_differentiable, so its result cannot be "
+            "differentiated again (as asked by a higher-order gradient); write that backward "
+            "with differentiable operations and drop the decorator"
+        )
+
+
+def once_differentiable(backward: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a `Function.backward` that cannot itself be differentiated (it uses raw arrays,
+    or is not worth differentiating): it runs without recording, and a higher-order
+    gradient through it raises `BackwardError` instead of silently giving zero.
+
+    >>> import checkpoint_ad as cad
+    >>> class Square(cad.Function):
+    ...     @staticmethod
+    ...     def forward(ctx, x):
+    ...         ctx.save_for_backward(x)
+    ...         return x * x
+    ...     @staticmethod
+    ...     @cad.once_differentiable
+    ...     def backward(ctx, g):
+    ...         (x,) = ctx.saved_tensors
+    ...         return 2 * x * g
+    >>> x = cad.tensor(3.0, requires_grad=True)
+    >>> (g,) = cad.grad(Square.apply(x), [x], create_graph=True)
+    >>> g.item()
+    6.0
+    >>> cad.grad(g, [x])
+    Traceback (most recent call last):
+    ...
+    checkpoint_ad.errors.BackwardError: Square.backward is decorated with once_differentiable...
+    """
+
+    @functools.wraps(backward)
+    def wrapper(ctx: FunctionCtx, *grads: Any) -> Any:
+        if not ctx._create_graph:
+            return backward(ctx, *grads)
+        with no_grad():
+            result = backward(ctx, *grads)
+        entry = ctx._entry
+        edges = tuple(
+            e
+            for e in (*(edge_of(g) for g in grads if isinstance(g, Tensor)), *entry.edges)
+            if e is not None
+        )
+        if not edges:
+            return result
+        op = _OnceDifferentiated(entry.op.name)
+        single = not isinstance(result, tuple)
+        wrapped = tuple(
+            add_entry(op, edges, [r._data])[0] if isinstance(r, Tensor) else r
+            for r in ((result,) if single else result)
+        )
+        return wrapped[0] if single else wrapped
+
+    return wrapper

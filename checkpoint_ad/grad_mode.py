@@ -1,4 +1,5 @@
-"""Whether operations are recorded on the tape: `no_grad`, `enable_grad`, `inference_mode`."""
+"""Whether operations are recorded on the tape (`no_grad`, `enable_grad`, `set_grad_enabled`,
+`inference_mode`), and whether backward checks its gradients (`detect_anomaly`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 class _ModeState(threading.local):
     grad_enabled: bool = True
     inference: bool = False
+    anomaly: bool = False
 
 
 _state = _ModeState()
@@ -27,27 +29,41 @@ def is_inference_mode_enabled() -> bool:
     return _state.inference
 
 
+def is_anomaly_enabled() -> bool:
+    """True inside `detect_anomaly()`: backward checks every gradient for nan/inf."""
+    return _state.anomaly
+
+
 class _GradModeContext:
-    """Context manager and decorator that sets the recording mode, restoring it on exit."""
+    """Context manager and decorator that sets the recording mode, restoring it on exit.
+
+    One object may be entered again while it is active (``with ng: ... with ng:``): each
+    entry pushes the state it replaced, each exit pops its own.
+    """
 
     _enabled: bool
     _inference: bool | None = None
 
+    def __init__(self) -> None:
+        self._saved: list[tuple[bool, bool]] = []
+
     def __enter__(self) -> None:
-        self._saved = (_state.grad_enabled, _state.inference)
+        self._saved.append((_state.grad_enabled, _state.inference))
         _state.grad_enabled = self._enabled
         if self._inference is not None:
             _state.inference = self._inference
 
     def __exit__(self, *exc: object) -> None:
-        _state.grad_enabled, _state.inference = self._saved
+        _state.grad_enabled, _state.inference = self._saved.pop()
+
+    def _fresh(self) -> _GradModeContext:
+        """An equal context with its own stack (one per decorated call: thread-safe)."""
+        return type(self)()
 
     def __call__(self, func: F) -> F:
-        mode = type(self)
-
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            with mode():
+            with self._fresh():
                 return func(*args, **kwargs)
 
         return wrapper  # type: ignore[return-value]
@@ -85,3 +101,83 @@ class inference_mode(_GradModeContext):
 
     _enabled = False
     _inference = True
+
+
+class set_grad_enabled(_GradModeContext):
+    """Turn recording on or off: at once when called, or for a block or a decorated function.
+
+    The mode is set when the object is made (so a plain call works like PyTorch's), and a
+    `with` block restores what was there before the call.
+
+    >>> import checkpoint_ad as cad
+    >>> x = cad.tensor([1.0], requires_grad=True)
+    >>> with cad.set_grad_enabled(False):
+    ...     (x * 2).requires_grad
+    False
+    >>> _ = cad.set_grad_enabled(False); cad.is_grad_enabled()
+    False
+    >>> _ = cad.set_grad_enabled(True); cad.is_grad_enabled()
+    True
+    """
+
+    def __init__(self, mode: bool) -> None:
+        super().__init__()
+        self._enabled = bool(mode)
+        self._before: tuple[bool, bool] | None = (_state.grad_enabled, _state.inference)
+        _state.grad_enabled = self._enabled
+
+    def __enter__(self) -> None:
+        before, self._before = self._before, None
+        super().__enter__()
+        if before is not None:  # the first block restores the mode from before the call
+            self._saved[-1] = before
+
+    def _fresh(self) -> _GradModeContext:
+        return set_grad_enabled(self._enabled)
+
+    def __call__(self, func: F) -> F:
+        if self._before is not None:  # used as a decorator: the call itself changes nothing
+            _state.grad_enabled, _state.inference = self._before
+            self._before = None
+        enabled = self._enabled
+
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with set_grad_enabled(enabled):
+                return func(*args, **kwargs)
+
+        return wrapper  # type: ignore[return-value]
+
+    def __repr__(self) -> str:
+        return f"set_grad_enabled({self._enabled})"
+
+
+class detect_anomaly:
+    """Check every gradient of a backward run inside the block for nan and inf.
+
+    The first tape entry whose backward makes one raises `AnomalyError`, naming the forward
+    operation, the line of user code that recorded it, and which input's gradient went bad.
+    Outside the block backward pays one flag check per entry.
+
+    >>> import checkpoint_ad as cad
+    >>> x = cad.tensor([0.0], requires_grad=True)
+    >>> with cad.detect_anomaly():
+    ...     cad.sqrt(x).sum().backward()  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    checkpoint_ad.errors.AnomalyError: backward of tape entry ... 'sqrt' ... gave inf ...
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        self._enabled = bool(enabled)
+        self._saved: list[bool] = []
+
+    def __enter__(self) -> None:
+        self._saved.append(_state.anomaly)
+        _state.anomaly = self._enabled
+
+    def __exit__(self, *exc: object) -> None:
+        _state.anomaly = self._saved.pop()
+
+    def __repr__(self) -> str:
+        return f"detect_anomaly(enabled={self._enabled})"

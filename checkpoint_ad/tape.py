@@ -163,6 +163,7 @@ class Entry:
         "attrs",
         "edges",
         "form",
+        "hooks",
         "in_shapes",
         "op",
         "origin_frame",
@@ -185,6 +186,7 @@ class Entry:
         self.origin_frame = _user_frame()
         self.released = False
         self.retained: dict[int, Any] | None = None
+        self.hooks: EntryHooks | None = None  # made by the first register_hook only
 
     @property
     def name(self) -> str:
@@ -213,9 +215,72 @@ class Entry:
         if events.listeners:
             events.emit("release", self)
 
+    def register_hook(self, fn: Callable[[tuple[Any, ...], tuple[Any, ...]], Any]) -> Any:
+        """Call ``fn(grad_inputs, grad_outputs)`` after this entry's backward runs.
+
+        Both are tuples of Tensors (None where there is no gradient); `fn` may return a
+        replacement for `grad_inputs`. Like PyTorch's ``grad_fn.register_hook``.
+
+        >>> import checkpoint_ad as cad
+        >>> x = cad.tensor([1.0, 2.0], requires_grad=True)
+        >>> y = x * 3
+        >>> handle = y.grad_fn.register_hook(lambda gi, go: (gi[0] * 0, gi[1]))
+        >>> y.sum().backward()
+        >>> x.grad.tolist()
+        [0.0, 0.0]
+        >>> handle.remove()
+        """
+        return add_hook(self._hooks().post, fn)
+
+    def _hooks(self) -> EntryHooks:
+        if self.hooks is None:
+            self.hooks = EntryHooks()
+        return self.hooks
+
     def __repr__(self) -> str:
         shapes = ", ".join(str(list(s)) for s, _ in self.out_meta)
         return f"<Entry #{self.seq} {self.name} -> {shapes} at {self.origin}>"
+
+
+class EntryHooks:
+    """Hooks of one entry: on the gradient of each output (tensor hooks of non-leaf tensors,
+    by output index) and after its backward (`Entry.register_hook`)."""
+
+    __slots__ = ("outputs", "post")
+
+    def __init__(self) -> None:
+        self.outputs: dict[int, dict[int, Callable[[Any], Any]]] = {}
+        self.post: dict[int, Callable[..., Any]] = {}
+
+
+class RemovableHandle:
+    """What `register_hook` returns: `remove()` unregisters the hook (a second call is a
+    no-op)."""
+
+    __slots__ = ("_key", "_table")
+
+    def __init__(self, table: dict[int, Any], key: int) -> None:
+        self._table = table
+        self._key = key
+
+    def remove(self) -> None:
+        self._table.pop(self._key, None)
+
+    def __repr__(self) -> str:
+        state = "active" if self._key in self._table else "removed"
+        return f"<RemovableHandle #{self._key} {state}>"
+
+
+_hook_ids = itertools.count()
+
+
+def add_hook(table: dict[int, Any], fn: Callable[..., Any]) -> RemovableHandle:
+    """Put `fn` last in `table` (hooks run in registration order) and return its handle."""
+    if not callable(fn):
+        raise TypeError(f"register_hook takes a callable, got {type(fn).__name__}")
+    key = next(_hook_ids)
+    table[key] = fn
+    return RemovableHandle(table, key)
 
 
 _internal_code: dict[Any, bool] = {}  # code object -> defined inside this package
@@ -313,6 +378,8 @@ def record(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> 
     kind = type(first)
     requires_grad = False
     for t in tensors:
+        if t._base is not None and t._view[1] is not t._base._entry:  # type: ignore[index]
+            refresh_view(t)
         if t._requires_grad:
             requires_grad = True
         if type(t._data) is not kind:
@@ -367,9 +434,37 @@ def record(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> 
         edges = tuple([edge_of(t) for t in tensors])
         (result,) = add_entry(prim, edges, (out,), attrs or _NO_ATTRS, save, counter)
     if prim.view:
-        base = tensors[0]._base
-        result._base = tensors[0] if base is None else base
+        parent = tensors[0]
+        base = parent._base
+        if base is None:
+            result._base = parent
+            result._view = (((prim, attrs),), parent._entry)
+        else:
+            result._base = base
+            result._view = (parent._view[0] + ((prim, attrs),), base._entry)  # type: ignore[index]
     return result
+
+
+def refresh_view(view: Any) -> Any:
+    """Re-derive `view`'s history from its base after the base was changed in place (PyTorch
+    regenerates a view's grad_fn the same way): the view primitives are recorded again on
+    the base's current history; the view keeps its storage. Returns `view`."""
+    base = view._base
+    chain = view._view[0]
+    enabled = _state.grad_enabled
+    _state.grad_enabled = True  # the history exists whatever the current mode
+    try:
+        current = base
+        for prim, attrs in chain:
+            current = record(prim, (current,), attrs)
+    finally:
+        _state.grad_enabled = enabled
+    view._entry = current._entry
+    view._index = current._index
+    view._requires_grad = current._requires_grad
+    view._view = (chain, base._entry)
+    return view
+
 
 
 _needs_cache: dict[tuple[Form, tuple[bool, ...]], tuple[tuple[str, int], ...]] = {}

@@ -7,17 +7,20 @@ guarded by version counters, and `backward`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from . import ops
 from .autograd import backward as _backward
-from .backend import is_array
-from .errors import InplaceError
+from .backend import is_array, namespace
+from .errors import BackwardError, InplaceError, ShapeError
 from .grad_mode import _state, no_grad
-from .saved import VersionCounter
+from .ops.shape import GETITEM, RESHAPE, TRANSPOSE
+from .saved import VersionCounter, pack_value
+from .tape import Entry, RemovableHandle, add_hook, next_sequence, refresh_view
 from .tensor_base import TensorBase, as_tensor, as_tensor_like, make_tensor, tensor
 
 __all__ = ["Tensor", "as_tensor", "tensor"]
@@ -48,6 +51,9 @@ class Tensor(TensorBase, made_by_engine=True):
             )
         self._init(data, None, 0, VersionCounter())
         self.requires_grad = requires_grad
+
+    def _rederive(self) -> None:
+        refresh_view(self)
 
     @classmethod
     def _wrap(
@@ -159,9 +165,37 @@ class Tensor(TensorBase, made_by_engine=True):
         gradient: Any = None,
         retain_graph: bool | None = None,
         create_graph: bool = False,
+        inputs: Sequence[Tensor] | None = None,
     ) -> None:
-        """Accumulate d(self)/d(leaf) into `.grad` of every leaf that requires grad."""
-        _backward(self, gradient, retain_graph=retain_graph, create_graph=create_graph)
+        """Accumulate d(self)/d(leaf) into `.grad` of every leaf that requires grad (only
+        into `inputs`, leaves or not, when given)."""
+        _backward(self, gradient, retain_graph, create_graph, inputs)
+
+    def register_hook(self, hook: Callable[[Tensor], Tensor | None]) -> RemovableHandle:
+        """Call `hook(grad)` with this tensor's gradient during backward; a Tensor it returns
+        replaces the gradient. For a leaf, hooks see the gradient summed over the pass,
+        before it reaches `.grad`. Returns a handle whose `.remove()` unregisters it.
+
+        >>> import checkpoint_ad as cad
+        >>> x = cad.tensor([1.0, 2.0], requires_grad=True)
+        >>> handle = x.register_hook(lambda g: g * 10)
+        >>> (x * x).sum().backward()
+        >>> x.grad.tolist()
+        [20.0, 40.0]
+        >>> handle.remove()
+        """
+        if not self._current()._requires_grad:
+            raise BackwardError(
+                f"cannot register a hook on a tensor that does not require grad ({self.dtype}"
+                f"{list(self.shape)}): it gets no gradient; set requires_grad=True first"
+            )
+        if self._entry is None:
+            target = self if self._leaf_target is None else self._leaf_target
+            if target._hooks is None:
+                target._hooks = {}
+            return add_hook(target._hooks, hook)
+        table = self._entry._hooks().outputs.setdefault(self._index, {})
+        return add_hook(table, hook)
 
     # ----------------------------------------------------------------- in-place
     def _tracked(self, other: Any) -> bool:
@@ -169,34 +203,92 @@ class Tensor(TensorBase, made_by_engine=True):
         return _state.grad_enabled and (self._requires_grad or other_grad)
 
     def _inplace(self, op_name: str, compute: Any, other: Any = None) -> Tensor:
-        if self._tracked(other):
-            if self._entry is None and self._requires_grad:
-                raise InplaceError(
-                    f"{op_name} on a leaf tensor that requires grad ({self.dtype}"
-                    f"{list(self.shape)}) would lose its history; do it under "
-                    "checkpoint_ad.no_grad() (e.g. an optimizer step) or use an out-of-place op"
-                )
-            if self._base is not None:
-                raise InplaceError(
-                    f"{op_name} on a view or detached alias of another tensor cannot be "
-                    "recorded for differentiation; apply it to the base tensor or use an "
-                    "out-of-place op"
-                )
-            result = compute(self)
-            self._data = result._data
-            self._entry = result._entry
-            self._index = result._index
-            self._requires_grad = result._requires_grad
-            self._version = VersionCounter(self._version.value + 1)
-            self._saved_ref = None
+        """Change this tensor's storage in place, as PyTorch does: views and detached aliases
+        see the new values and share the bumped version counter (so values saved before are
+        caught at backward), and the history is rebased onto the recorded operation; on a
+        view, the base's history is rebased onto an out-of-place write of the view into it."""
+        self._current()
+        if not self._tracked(other):
+            with no_grad():
+                result = self._same_shape(op_name, compute(self))
+            if result.dtype != self.dtype:
+                result = result.astype(self.dtype)
+            self._write(op_name, result._data)
+            self._version.value += 1
             return self
-        with no_grad():
-            result = compute(self)
-        if result.dtype != self.dtype:
-            result = result.astype(self.dtype)
-        self._data[...] = result._data
+        if self._entry is None and self._requires_grad:
+            raise InplaceError(
+                f"{op_name} on a leaf tensor that requires grad ({self.dtype}"
+                f"{list(self.shape)}) would lose its history; do it under "
+                "checkpoint_ad.no_grad() (e.g. an optimizer step) or use an out-of-place op"
+            )
+        base = self._base
+        if base is not None and not _shares_storage(self._data, base._data):
+            # advanced indexing copies: not a view after all, so it changes alone
+            self._base = self._view = None
+            self._version = VersionCounter(self._version.value)
+            base = None
+        if base is not None and base._entry is None and base._requires_grad:
+            raise InplaceError(
+                f"{op_name} on a view of a leaf tensor that requires grad ({base.dtype}"
+                f"{list(base.shape)}) would change the leaf; do it under checkpoint_ad.no_grad() "
+                "or apply an out-of-place op to a .clone() of the leaf"
+            )
+        mark = next_sequence()
+        result = self._inplace_result(op_name, compute)
+        _protect_saved(result, self._version, mark)
+        if base is None:
+            self._write(op_name, result._data)
+            self._rebase(result)
+        else:
+            new_base = _put(base, self._view[0], result, op_name)  # type: ignore[index]
+            self._write(op_name, result._data)  # the view's storage is the base's
+            base._rebase(new_base)
+            refresh_view(self)
         self._version.value += 1
         return self
+
+    def _inplace_result(self, op_name: str, compute: Any) -> Tensor:
+        """The recorded out-of-place value of an in-place op, in this tensor's shape and
+        dtype, and still carrying this tensor's history when the op itself drops it."""
+        result = self._same_shape(op_name, compute(self))
+        if result.dtype != self.dtype:
+            result = ops.astype(result, self.dtype)
+        if self._requires_grad and not result._requires_grad:
+            # zero_() or copy_(constant): the result still depends on self, with gradient 0
+            zero = ops.zeros_like(self)
+            result = ops.where(ops.not_equal(zero, zero), self, result)
+        return result
+
+    def _same_shape(self, op_name: str, result: Tensor) -> Tensor:
+        if result.shape != self.shape:
+            raise ShapeError(
+                f"{op_name} would make a result of shape {list(result.shape)} in a tensor of "
+                f"shape {list(self.shape)}; in-place ops cannot change the shape: broadcast "
+                "the other operand to it, or use the out-of-place op"
+            )
+        return result
+
+    def _write(self, op_name: str, data: Any) -> None:
+        try:
+            self._data[...] = data
+        except (ValueError, TypeError) as exc:
+            raise InplaceError(
+                f"{op_name} cannot write into this {self.dtype}{list(self.shape)} tensor's "
+                f"storage ({exc}); a broadcast view is read-only: .clone() it first"
+            ) from exc
+
+    def _rebase(self, result: TensorBase) -> None:
+        """Make this tensor the output of `result`'s entry (its storage is kept); a
+        retain_grad() moves to the new version, as in PyTorch."""
+        retained = self._entry.retained if self._entry is not None else None
+        ref = retained.pop(self._index, None) if retained else None
+        self._entry = result._entry
+        self._index = result._index
+        self._requires_grad = result._requires_grad
+        self._saved_ref = None
+        if ref is not None and ref() is self and self._entry is not None:
+            self.retain_grad()
 
     def add_(self, other: Any) -> Tensor:
         return self._inplace("add_", lambda s: s + other, other)
@@ -384,3 +476,59 @@ class Tensor(TensorBase, made_by_engine=True):
 
     def norm(self, p: float | str | None = None, dim: Any = None, keepdim: bool = False) -> Tensor:
         return ops.norm(self, p, dim=dim, keepdim=keepdim)
+
+
+def _shares_storage(a: Any, b: Any) -> bool:
+    """Whether two arrays may overlap in memory (True where the library cannot say)."""
+    if isinstance(a, np.ndarray):
+        return bool(np.may_share_memory(a, b))
+    library = sys.modules.get(type(a).__module__.split(".")[0])
+    check = getattr(library, "may_share_memory", None)  # cupy has it; others: assume a view
+    return True if check is None else bool(check(a, b))
+
+
+def _protect_saved(result: TensorBase, counter: VersionCounter, mark: int) -> None:
+    """Give the entries an in-place op just recorded (after `mark`) their own copy of any
+    value they saved from the storage about to be overwritten: they need the old value,
+    as PyTorch's in-place rules save `original_self`."""
+    stack = [result._entry] if result._entry is not None else []
+    seen: set[int] = set()
+    while stack:
+        entry = stack.pop()
+        if entry.seq <= mark or id(entry) in seen:
+            continue
+        seen.add(id(entry))
+        for slot in entry.slots or ():
+            buffer = slot.buffer
+            if slot.counter is not counter or buffer is None:
+                continue
+            array = buffer.packed if buffer.source is None else buffer.source()
+            if array is not None:
+                copied = namespace(array).asarray(array, copy=True)
+                slot.buffer = pack_value(copied, buffer.packer)
+            slot.counter = None
+        stack.extend(e[0] for e in entry.edges if e is not None and type(e[0]) is Entry)
+
+
+def _unview(prim: Any, base: Tensor, value: Tensor, attrs: dict[str, Any], op_name: str) -> Any:
+    """`base` with the part that view primitive `prim` selects replaced by `value`."""
+    if prim is GETITEM:
+        return ops.setitem(base, attrs["index"], value)
+    if prim is RESHAPE:
+        return ops.reshape(value, attrs["source"])
+    if prim is TRANSPOSE:
+        axes = attrs["axes"]
+        return ops.transpose(value, tuple(sorted(range(len(axes)), key=axes.__getitem__)))
+    raise InplaceError(
+        f"{op_name} on a view made by {prim.name!r} cannot be written back into its base "
+        "(several elements share one memory location); .clone() the view first"
+    )
+
+
+def _put(base: Tensor, chain: Any, value: Tensor, op_name: str) -> Any:
+    """Out-of-place: `base` with the view that `chain` makes of it replaced by `value`
+    (recorded, so the base's new history leads through the view's new value)."""
+    (prim, attrs), rest = chain[0], chain[1:]
+    if rest:
+        value = _put(prim(base, **attrs), rest, value, op_name)
+    return _unview(prim, base, value, attrs, op_name)

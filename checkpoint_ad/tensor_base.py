@@ -35,6 +35,7 @@ class TensorBase:
         "_requires_grad",
         "_saved_ref",
         "_version",
+        "_view",
         "grad",
     )
 
@@ -47,8 +48,11 @@ class TensorBase:
     _version: VersionCounter
     _leaf_target: TensorBase | None
     _inference: bool
-    _base: TensorBase | None
-    _hooks: list[Any] | None
+    _base: TensorBase | None  # the tensor whose storage this view shares (views only)
+    # views only: (the view primitives and attributes that make it from _base, the entry
+    # _base had then); a differing base entry means the base was changed in place since
+    _view: tuple[tuple[tuple[Any, dict[str, Any]], ...], Any] | None
+    _hooks: dict[int, Any] | None  # a leaf's gradient hooks (non-leaves: on their entry)
     grad: Any
 
     def __init_subclass__(cls, made_by_engine: bool = False, **kwargs: Any) -> None:
@@ -65,6 +69,7 @@ class TensorBase:
         self._leaf_target = None
         self._inference = _state.inference
         self._base = None
+        self._view = None
         self._saved_ref = None
         self._hooks = None
         self.grad = None
@@ -93,7 +98,7 @@ class TensorBase:
 
     @property
     def requires_grad(self) -> bool:
-        return self._requires_grad
+        return self._current()._requires_grad
 
     @requires_grad.setter
     def requires_grad(self, value: bool) -> None:
@@ -112,12 +117,23 @@ class TensorBase:
     @property
     def is_leaf(self) -> bool:
         """True unless the tensor was produced by a recorded operation."""
-        return self._entry is None
+        return self._current()._entry is None
 
     @property
     def grad_fn(self) -> Any:
         """The tape entry that produced this tensor (None for leaves)."""
-        return self._entry
+        return self._current()._entry
+
+    def _current(self) -> Any:
+        """This tensor, its history re-derived first if it is a view whose base was changed
+        in place since the view was made (as PyTorch regenerates a view's grad_fn)."""
+        base = self._base
+        if base is not None and self._view[1] is not base._entry:  # type: ignore[index]
+            self._rederive()
+        return self
+
+    def _rederive(self) -> None:
+        raise NotImplementedError("the engine's Tensor re-records views (tape.refresh_view)")
 
     @property
     def version(self) -> int:
@@ -147,10 +163,9 @@ class TensorBase:
         return self.numpy().tolist()
 
     def detach(self) -> Any:
-        """The same storage without history: shares the version counter."""
-        t = make_tensor(self._data, counter=self._version)
-        t._base = self
-        return t
+        """The same storage without history: shares the version counter, so an in-place
+        change through either is seen by both and caught where it was saved."""
+        return make_tensor(self._data, counter=self._version)
 
     def requires_grad_(self, requires_grad: bool = True) -> Any:
         self.requires_grad = requires_grad
@@ -158,7 +173,7 @@ class TensorBase:
 
     def retain_grad(self) -> Any:
         """Fill `.grad` of this non-leaf tensor during `backward()` as for leaves."""
-        if self._entry is None:
+        if self._current()._entry is None:
             if not self._requires_grad:
                 raise BackwardError(
                     "retain_grad() on a tensor that does not require grad has no effect; "

@@ -267,11 +267,18 @@ def test_setitem_builds_differentiable_tensors():
     np.testing.assert_allclose(b.grad.numpy(), [600.0])
 
 
-def test_inplace_on_a_view_that_needs_recording_is_refused():
+def test_inplace_on_a_view_is_recorded_through_its_base():
     x = leaf([1.0, 2.0])
     h = x * 2
-    with pytest.raises(cad.InplaceError, match="view"):
-        h[0:1].add_(x[0:1])
+    h[0:1].add_(x[0:1])  # h = [3 x0, 2 x1]
+    h.sum().backward()
+    np.testing.assert_allclose(x.grad.numpy(), [3.0, 2.0])
+
+
+def test_inplace_on_a_view_of_a_leaf_that_requires_grad_is_refused():
+    x = leaf([1.0, 2.0])
+    with pytest.raises(cad.InplaceError, match="view of a leaf"):
+        x[0:1].add_(1.0)
 
 
 def test_copy_and_zero():

@@ -47,7 +47,9 @@ DIVIDE = define("divide", lambda xp, a, b: a / b, "a b", [
     {"a": vjp("b", lambda g, b: g / b), "b": vjp("a b", lambda g, a, b: -g * (a / b) / b)},
 ], broadcasts=True)
 POWER = define("power", lambda xp, a, b: a**b, "a b", [
-    {"a": vjp("a b", lambda g, a, b: g * b * a ** (b - 1)),
+    # b == 0 takes exponent 1 (not -1): the factor b makes it 0 either way, and 0 ** -1 = inf
+    # would turn 0 * inf into nan at a = 0 (d/da a**0 is 0 everywhere, also at any order)
+    {"a": vjp("a b", lambda g, a, b: g * b * a ** where(b == 0, ones_like(b), b - 1)),
      "b": vjp("a out", lambda g, a, out: g * out * log(where(a > 0, a, ones_like(a))))},
 ], broadcasts=True)
 NEGATIVE = define("negative", lambda xp, x: -x, "x", [{"x": vjp("", lambda g: -g)}])
