@@ -416,7 +416,10 @@ class PlannedLoop:
             if c is not None and g is not None and c.requires_grad:
                 roots.append((edge_of(c), g))
         for t, ys in segment.y_out:
-            for k, (y, g) in enumerate(zip(ys, adj_ys)):
+            # later outputs first: their stacks were recorded last, so a plain tape adds
+            # their adjoints first where outputs alias one tensor
+            for k in reversed(range(len(ys))):
+                y, g = ys[k], adj_ys[k]
                 if t == stop - 1 and stop < loop.n and k in self.same:
                     continue  # already added into adj_carry when the next step was reversed
                 if y is not None and g is not None and y.requires_grad:

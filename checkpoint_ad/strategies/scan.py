@@ -9,9 +9,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..grad_mode import is_grad_enabled
+import numpy as np
+
+from .. import random
+from ..backend import namespace
+from ..grad_mode import is_grad_enabled, no_grad
 from ..pytree import flatten, unflatten
 from ..saved import Strategy, use_packer
+from ..tensor_base import make_tensor
 from .kinds import LoopStrategy
 from .loop import StepLoop, loop_length, stack_outputs
 from .plan_executor import PlannedLoop
@@ -24,14 +29,20 @@ def scan(
     xs: Any = None,
     length: int | None = None,
     strategy: Any = None,
+    reverse: bool = False,
+    unroll: int | bool = 1,
 ) -> tuple[Any, Any]:
     """Run ``carry, y = step(carry, x)`` over the leading axis of `xs`; return (carry, ys).
 
     Semantics of JAX's `lax.scan`: carries and outputs may be Tensors, None, or tuples, lists
-    and dicts of them; `ys` stacks each output along a new leading axis. `strategy` (or the
-    innermost loop strategy given to `use`) says how the loop is checkpointed: None keeps every
-    step's tape; `Binomial(s)`, `Periodic(k)` and `Recompute()` trade recomputation for memory;
-    a storage strategy (e.g. `Quantized`) applies to the values every step saves.
+    and dicts of them; `ys` stacks each output along a new leading axis (a loop of length 0
+    gives `ys` with a leading axis of 0, their shapes found by one untaped call of `step`).
+    `reverse=True` runs from the last row of `xs` to the first, and `ys[t]` still belongs to
+    `xs[t]`. `unroll` is accepted for JAX code and changes nothing here: steps always run one
+    at a time. `strategy` (or the innermost loop strategy given to `use`) says how the loop is
+    checkpointed: None keeps every step's tape; `Binomial(s)`, `Periodic(k)` and `Recompute()`
+    trade recomputation for memory; a storage strategy (e.g. `Quantized`) applies to the values
+    every step saves.
 
     >>> import checkpoint_ad as cad
     >>> w = cad.tensor(0.5, requires_grad=True)
@@ -40,10 +51,8 @@ def scan(
     >>> ys.shape
     (3,)
     """
-    carry_leaves, carry_spec = flatten(init)
-    xs_leaves, xs_spec = ([], None) if xs is None else flatten(xs)
-    n = loop_length(xs_leaves, length)
-    loop = StepLoop(step, carry_spec, xs_leaves, xs_spec, n)
+    if not isinstance(unroll, bool) and (not isinstance(unroll, int) or unroll < 1):
+        raise ValueError(f"scan: unroll must be an int >= 1 or a bool, got {unroll!r}")
     if strategy is None:
         strategy = current_loop_strategy()
     if strategy is not None and not isinstance(strategy, (LoopStrategy, Strategy)):
@@ -51,16 +60,48 @@ def scan(
             f"scan(strategy=...) takes a loop strategy (Binomial, Periodic, Recompute) or a "
             f"saved-value strategy (e.g. Quantized), got {strategy!r}"
         )
+    if reverse and xs is not None:
+        xs = _flipped(xs)
+    carry_leaves, carry_spec = flatten(init)
+    xs_leaves, xs_spec = ([], None) if xs is None else flatten(xs)
+    n = loop_length(xs_leaves, length)
+    loop = StepLoop(step, carry_spec, xs_leaves, xs_spec, n)
     if n == 0:
-        return init, None
-    if isinstance(strategy, LoopStrategy):
-        if not is_grad_enabled():  # nothing will be differentiated: no plan needed
-            return _keep_all(loop, carry_leaves)
-        return PlannedLoop(loop, strategy).run(carry_leaves)
-    if isinstance(strategy, Strategy):
+        return init, _empty_outputs(loop, carry_leaves)
+    if isinstance(strategy, LoopStrategy) and is_grad_enabled():
+        carry, ys = PlannedLoop(loop, strategy).run(carry_leaves)
+    elif isinstance(strategy, Strategy):
         with use_packer(strategy):
-            return _keep_all(loop, carry_leaves)
-    return _keep_all(loop, carry_leaves)
+            carry, ys = _keep_all(loop, carry_leaves)
+    else:  # no strategy, or a loop strategy with nothing to differentiate: no plan needed
+        carry, ys = _keep_all(loop, carry_leaves)
+    return carry, (_flipped(ys) if reverse and ys is not None else ys)
+
+
+def _flipped(tree: Any) -> Any:
+    """Every tensor in `tree` with its leading axis reversed (a differentiable view)."""
+    leaves, spec = flatten(tree)
+    return unflatten(spec, [None if t is None else t[::-1] for t in leaves])
+
+
+def _empty_outputs(loop: StepLoop, carry_leaves: list[Any]) -> Any:
+    """The stacked outputs of a loop of no steps: one untaped call of the step finds their
+    structure, shapes and dtypes (randomness it draws is not kept)."""
+    x = None
+    if loop.xs_spec is not None:
+        parts = [None if x is None else make_tensor(
+            namespace(x._data).zeros(x.shape[1:], dtype=x.dtype)) for x in loop.xs_leaves]
+        x = unflatten(loop.xs_spec, parts)
+    numpy_state = np.random.get_state()
+    try:
+        with no_grad(), random.replaying(random.get_state()):
+            _, y_leaves = loop.call(0, carry_leaves, x)
+    finally:
+        np.random.set_state(numpy_state)
+    loop.evaluations = 0
+    empty = [None if y is None else make_tensor(
+        namespace(y._data).zeros((0, *y.shape), dtype=y.dtype)) for y in y_leaves]
+    return unflatten(loop.y_spec, empty)
 
 
 def _keep_all(loop: StepLoop, carry_leaves: list[Any]) -> tuple[Any, Any]:
