@@ -232,7 +232,7 @@ class StorageSpec:
 
     @property
     def lossless(self) -> bool:
-        return bool(getattr(self.build(), "lossless", True))
+        return bool(self.build().lossless)
 
 
 @dataclass(frozen=True)
