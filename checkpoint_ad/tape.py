@@ -295,7 +295,7 @@ def _is_internal(code: Any) -> bool:
 
 def _user_frame() -> tuple[Any, int]:
     """(code, line) of the nearest caller outside this package; formatted only when asked."""
-    frame = sys._getframe(2)
+    frame = sys._getframe(3)  # past Entry.__init__ and add_entry: entries come from there
     while frame is not None and _is_internal(frame.f_code):
         frame = frame.f_back
     if frame is None:
@@ -338,8 +338,9 @@ def add_entry(
     edges: tuple[Any, ...],
     outputs: Sequence[Any],
     attrs: dict[str, Any] = _NO_ATTRS,
-    save: Callable[[Entry, list[Any]], tuple[SavedSlot, ...]] | None = None,
+    save: Callable[..., tuple[SavedSlot, ...]] | None = None,
     counter: Any = None,
+    save_args: tuple[Any, ...] = (),
 ) -> list[Any]:
     """Append one entry to the tape and return its output tensors: the only way entries are
     made, by primitives, custom functions and loops alike.
@@ -347,18 +348,24 @@ def add_entry(
     `op` has ``backward(entry, grads, create_graph, retain_graph)`` (input gradients from
     output gradients; `retain_graph` says whether the entry must answer again) and a ``name``;
     `edges` are the inputs' `edge_of`; `outputs` the result arrays (None for an absent
-    output); `save(entry, results)` returns the entry's saved slots; `counter` is the version
-    counter a view shares.
+    output); `save(entry, results, *save_args)` returns the entry's saved slots; `counter` is
+    the version counter a view shares.
     """
     entry = Entry(op, edges, attrs)
-    entry.out_meta = tuple(
-        ((), None) if a is None else (tuple(a.shape), a.dtype) for a in outputs
-    )
-    results = [
-        None if a is None else make_tensor(a, entry, i, counter) for i, a in enumerate(outputs)
-    ]
+    if len(outputs) == 1 and outputs[0] is not None:  # most entries: skip the generic loops
+        out = outputs[0]
+        entry.out_meta = ((tuple(out.shape), out.dtype),)
+        results = [make_tensor(out, entry, 0, counter)]
+    else:
+        entry.out_meta = tuple(
+            ((), None) if a is None else (tuple(a.shape), a.dtype) for a in outputs
+        )
+        results = [
+            None if a is None else make_tensor(a, entry, i, counter)
+            for i, a in enumerate(outputs)
+        ]
     if save is not None:
-        entry.slots = save(entry, results)
+        entry.slots = save(entry, results, *save_args)
     tapes = _tapes.items
     if tapes:
         for tape in tapes:
@@ -372,7 +379,9 @@ def record(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> 
     """Run `prim` on tensors and, when gradients are needed, append an entry to the tape."""
     for t in tensors:
         if not isinstance(t, TensorBase):
-            tensors = tuple(as_tensor_like(t, tensors) for t in tensors)
+            tensors = tuple(
+                t if isinstance(t, TensorBase) else as_tensor_like(t, tensors) for t in tensors
+            )
             break
     first = tensors[0]._data
     kind = type(first)
@@ -412,27 +421,11 @@ def record(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> 
             packer = packer.for_primitive(prim)
         form = prim.forms[0] if type(packer) is KeepAll else packer.choose_form(prim)
 
-        def save(entry: Entry, results: list[Any]) -> tuple[SavedSlot, ...]:
-            entry.form = form
-            if prim.broadcasts:
-                entry.in_shapes = tuple(tuple(d.shape) for d in datas)
-            if prim.variadic:
-                if not form.rules["xs"].needs:
-                    return ()
-                return tuple(save_tensor(t, f"x{i}", packer, entry) for i, t in enumerate(tensors))
-            mask = tuple([t._requires_grad for t in tensors])
-            needed = _needs_cache.get((form, mask))
-            if needed is None:
-                needed = _needs_cache[(form, mask)] = _needed_values(prim, form, mask)
-            return tuple([
-                save_tensor(results[0], name, packer, entry, own=True)
-                if position < 0
-                else save_tensor(tensors[position], name, packer, entry)
-                for name, position in needed
-            ])
-
         edges = tuple([edge_of(t) for t in tensors])
-        (result,) = add_entry(prim, edges, (out,), attrs or _NO_ATTRS, save, counter)
+        (result,) = add_entry(
+            prim, edges, (out,), attrs or _NO_ATTRS, _save_primitive_values, counter,
+            (prim, form, packer, tensors, datas),
+        )
     if prim.view:
         parent = tensors[0]
         base = parent._base
@@ -468,6 +461,36 @@ def refresh_view(view: Any) -> Any:
 
 
 _needs_cache: dict[tuple[Form, tuple[bool, ...]], tuple[tuple[str, int], ...]] = {}
+
+
+def _save_primitive_values(
+    entry: Entry,
+    results: list[Any],
+    prim: Primitive,
+    form: Form,
+    packer: Strategy,
+    tensors: tuple[Any, ...],
+    datas: list[Any],
+) -> tuple[SavedSlot, ...]:
+    """The saved slots of a primitive's entry: what `form`'s rules read, for the arguments
+    that need a gradient."""
+    entry.form = form
+    if prim.broadcasts:
+        entry.in_shapes = tuple(tuple(d.shape) for d in datas)
+    if prim.variadic:
+        if not form.rules["xs"].needs:
+            return ()
+        return tuple(save_tensor(t, f"x{i}", packer, entry) for i, t in enumerate(tensors))
+    mask = tuple([t._requires_grad for t in tensors])
+    needed = _needs_cache.get((form, mask))
+    if needed is None:
+        needed = _needs_cache[(form, mask)] = _needed_values(prim, form, mask)
+    return tuple([
+        save_tensor(results[0], name, packer, entry, own=True)
+        if position < 0
+        else save_tensor(tensors[position], name, packer, entry)
+        for name, position in needed
+    ])
 
 
 def _needed_values(

@@ -48,7 +48,7 @@ class _Snapshot:
 
     buffers: list[SavedBuffer | None]
     engine_state: random.GeneratorState
-    numpy_state: Any
+    numpy_state: Any  # None unless the loop draws from numpy's global state
 
 
 @dataclass
@@ -89,6 +89,7 @@ class PlannedLoop:
         self.externals: dict[tuple[int, int], Any] = {}
         self.state: _ForwardState | None = None
         self.consumed = False
+        self.tracks_numpy = False  # set when the steps draw from numpy's global random state
 
     # ------------------------------------------------------------- forward
     def run(self, carry_leaves: list[Any]) -> tuple[Any, Any]:
@@ -112,6 +113,14 @@ class PlannedLoop:
         else:
             final_arrays = _arrays(final)
         self.guards = self._guards(carry_leaves)
+        if not _same_numpy_state(np.random.get_state(), self.initial_numpy_state):
+            # the steps draw from numpy's global state (rare, and costly to keep: 40 us a
+            # get or set): take the forward part of the plan again, keeping it this time
+            end_state = np.random.get_state()
+            self.tracks_numpy = True
+            self._run_forward_prefix(discover=False)
+            np.random.set_state(end_state)
+            state = self.state
         outputs = list(final_arrays) + [
             None if c[0] is None else namespace(c[0]).stack(c, axis=0) for c in columns(per_step)
         ]
@@ -155,7 +164,7 @@ class PlannedLoop:
         else:
             state.current = arrays
             state.current_engine_state = random.get_state()
-            state.current_numpy_state = np.random.get_state()
+            state.current_numpy_state = self._numpy_state()
         self.state = state
         return per_step
 
@@ -249,13 +258,18 @@ class PlannedLoop:
 
     def _pack(self, arrays: list[Any]) -> _Snapshot:
         buffers = [None if a is None else pack_value(a, self.storage) for a in arrays]
-        return _Snapshot(buffers, random.get_state(), np.random.get_state())
+        return _Snapshot(buffers, random.get_state(), self._numpy_state())
 
-    def _restore(self, snapshot: _Snapshot) -> tuple[list[Any], np.random.Generator]:
-        """The snapshot's carry, and a generator that draws what its steps drew."""
-        np.random.set_state(snapshot.numpy_state)
-        arrays = [None if b is None else b.unpack() for b in snapshot.buffers]
-        return arrays, random.restored(snapshot.engine_state)
+    def _numpy_state(self) -> Any:
+        return np.random.get_state() if self.tracks_numpy else None
+
+    def _restore(self, snapshot: _Snapshot, stream: np.random.Generator) -> list[Any]:
+        """The snapshot's carry; `stream` (and numpy's state) rewound to draw what its steps
+        drew."""
+        if snapshot.numpy_state is not None:
+            np.random.set_state(snapshot.numpy_state)
+        random.rewind(stream, snapshot.engine_state)
+        return [None if b is None else b.unpack() for b in snapshot.buffers]
 
     def _snapshot_slots(self, entry: Entry, results: list[Any]) -> tuple[SavedSlot, ...]:
         """The snapshots held when the loop's entry is recorded, as its saved values."""
@@ -322,10 +336,11 @@ class PlannedLoop:
         adj_ext: dict[tuple[int, int], Any] = {}
         owned: dict[int, Any] = {}  # gradient sums made here, safe to add into in place
         arrays = forward.current
-        stream = random.generator()  # replaced by a replaying one before any step re-runs
+        stream = random.restored(self.initial_engine_state)  # rewound before any step re-runs
         if forward.current_engine_state is not None:
-            np.random.set_state(forward.current_numpy_state)
-            stream = random.restored(forward.current_engine_state)
+            if forward.current_numpy_state is not None:
+                np.random.set_state(forward.current_numpy_state)
+            random.rewind(stream, forward.current_engine_state)
         for index in range(forward.cursor, len(self.plan)):
             action = self.plan[index]
             if isinstance(action, Snapshot):
@@ -337,7 +352,7 @@ class PlannedLoop:
                         new, _ = loop.call(t, self._as_tensors(arrays, False), loop.x_at(t))
                         arrays = _arrays(new)
             elif isinstance(action, Restore):
-                arrays, stream = self._restore(snapshots[action.step])
+                arrays = self._restore(snapshots[action.step], stream)
             elif isinstance(action, Free):
                 del snapshots[action.step]
             else:
@@ -502,3 +517,8 @@ def _span(action: Any) -> tuple[int, int]:
 
 def _arrays(tensors: list[Any]) -> list[Any]:
     return [None if t is None else t._data for t in tensors]
+
+
+def _same_numpy_state(a: Any, b: Any) -> bool:
+    """Whether two states of numpy's global generator are the same (nothing drawn between)."""
+    return bool(a[0] == b[0] and a[2:] == b[2:] and np.array_equal(a[1], b[1]))
