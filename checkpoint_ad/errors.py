@@ -109,3 +109,18 @@ class SweepConfigError(CheckpointADError, ValueError):
 
 class AnomalyError(CheckpointADError, RuntimeError):
     """Under `detect_anomaly()`, a backward rule produced a nan or inf gradient."""
+
+
+class ModuleConfigError(CheckpointADError, ValueError):
+    """A layer was asked for with sizes or options that cannot work (e.g. zero features)."""
+
+
+class StateDictError(CheckpointADError, KeyError):
+    """A state dict does not fit the module: missing or unexpected names, or other shapes."""
+
+    def __str__(self) -> str:  # KeyError would print the message with quotes around it
+        return str(self.args[0]) if self.args else ""
+
+
+class OptimizerConfigError(CheckpointADError, ValueError):
+    """An optimizer was given no parameters, a non-leaf tensor, or an invalid hyperparameter."""

@@ -416,3 +416,12 @@ def test_pure_renames_are_differentiable(name: str) -> None:
         "masked_fill": lambda t: cad.masked_fill(t, np.eye(2, 3, dtype=bool), 1.0) ** 2,
     }
     check(fns[name], x)
+
+
+def test_softmax_family_takes_pytorchs_dim_keyword() -> None:
+    x = cad.tensor(np.array([[1.0, 2.0], [3.0, 5.0]]))
+    np.testing.assert_array_equal(x.softmax(dim=0).numpy(), cad.softmax(x, axis=0).numpy())
+    np.testing.assert_array_equal(x.log_softmax(dim=1).numpy(), cad.log_softmax(x).numpy())
+    assert cad.logsumexp(x, dim=1, keepdim=True).shape == (2, 1)
+    with pytest.raises(TypeError, match="both axis"):
+        cad.softmax(x, axis=0, dim=1)

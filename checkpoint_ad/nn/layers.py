@@ -13,9 +13,10 @@ from typing import Any
 import numpy as np
 
 from .. import ops
+from ..errors import ModuleConfigError
 from ..tensor import Tensor
 from . import functional as F
-from .module import Module, ModuleConfigError, Parameter, check_last_axis, check_size
+from .module import Module, Parameter, check_last_axis, check_size
 
 
 def make_rng(layer: str, rng: np.random.Generator | None, seed: int | None) -> Any:

@@ -14,21 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CheckpointADError, ShapeError
+from ..errors import ModuleConfigError, ShapeError, StateDictError
 from ..grad_mode import no_grad
 from ..ops import copy
 from ..tensor import Tensor, tensor
-
-
-class ModuleConfigError(CheckpointADError, ValueError):
-    """A layer was asked for with sizes or options that cannot work (e.g. zero features)."""
-
-
-class StateDictError(CheckpointADError, KeyError):
-    """A state dict does not fit the module: missing or unexpected names, or other shapes."""
-
-    def __str__(self) -> str:  # KeyError would print the message with quotes around it
-        return str(self.args[0]) if self.args else ""
 
 
 class Parameter(Tensor):

@@ -19,12 +19,12 @@ from typing import Any
 import numpy as np
 
 from .. import ops
-from ..errors import ShapeError
+from ..errors import ModuleConfigError, ShapeError
 from ..strategies.scan import scan
 from ..tensor import Tensor
 from . import functional as F
 from .layers import make_rng
-from .module import Module, ModuleConfigError, Parameter, check_size
+from .module import Module, Parameter, check_size
 
 _GATES = {"RNN": 1, "GRU": 3, "LSTM": 4}
 

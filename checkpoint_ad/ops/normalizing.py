@@ -7,7 +7,7 @@ from typing import Any
 
 from ..tape import define, vjp
 from .elementwise import exp
-from .reductions import SUM, kept_shape, unreduce
+from .reductions import SUM, axis_keywords, kept_shape, unreduce
 from .shape import normalize_axes, reshape
 
 
@@ -57,19 +57,37 @@ def _axes(x: Any, axis: Any, op: str) -> tuple[tuple[int, ...], tuple[int, ...]]
     return normalize_axes(axis, len(source), op), source
 
 
-def logsumexp(x: Any, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> Any:
-    """log(sum(exp(x))) over `axis`, without overflow."""
+def logsumexp(
+    x: Any,
+    axis: int | Sequence[int] | None = None,
+    keepdims: bool = False,
+    *,
+    dim: int | Sequence[int] | None = None,
+    keepdim: bool | None = None,
+) -> Any:
+    """log(sum(exp(x))) over `axis` (or PyTorch's `dim`), without overflow."""
+    axis, keepdims = axis_keywords("logsumexp", axis, keepdims, dim, keepdim)
     axes, source = _axes(x, axis, "logsumexp")
     return LOGSUMEXP(x, axis=axes, keepdims=bool(keepdims), source=source)
 
 
-def softmax(x: Any, axis: int | Sequence[int] = -1) -> Any:
-    """exp(x) normalised to sum to 1 over `axis`."""
+def softmax(
+    x: Any, axis: int | Sequence[int] | None = None, *, dim: int | Sequence[int] | None = None
+) -> Any:
+    """exp(x) normalised to sum to 1 over `axis` (or PyTorch's `dim`; the last by default)."""
+    axis = _last_by_default(axis_keywords("softmax", axis, False, dim, None)[0])
     axes, source = _axes(x, axis, "softmax")
     return SOFTMAX(x, axis=axes, source=source)
 
 
-def log_softmax(x: Any, axis: int | Sequence[int] = -1) -> Any:
-    """log(softmax(x)), computed stably."""
+def log_softmax(
+    x: Any, axis: int | Sequence[int] | None = None, *, dim: int | Sequence[int] | None = None
+) -> Any:
+    """log(softmax(x)) over `axis` (or `dim`; the last by default), computed stably."""
+    axis = _last_by_default(axis_keywords("log_softmax", axis, False, dim, None)[0])
     axes, source = _axes(x, axis, "log_softmax")
     return LOG_SOFTMAX(x, axis=axes, source=source)
+
+
+def _last_by_default(axis: Any) -> Any:
+    return -1 if axis is None else axis

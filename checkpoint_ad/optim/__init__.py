@@ -5,8 +5,9 @@ holds StepLR, CosineAnnealingLR and LambdaLR. Everything the former ``optim.py``
 here.
 """
 
+from ..errors import OptimizerConfigError
 from . import lr_scheduler
-from .optimizers import SGD, Adam, AdamW, Optimizer, OptimizerConfigError, RMSprop
+from .optimizers import SGD, Adam, AdamW, Optimizer, RMSprop
 
 __all__ = ["SGD", "Adam", "AdamW", "Optimizer", "OptimizerConfigError", "RMSprop",
            "lr_scheduler"]

@@ -10,7 +10,8 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .optimizers import Optimizer, OptimizerConfigError
+from ..errors import OptimizerConfigError
+from .optimizers import Optimizer
 
 
 class LRScheduler:

@@ -16,14 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CheckpointADError
+from ..errors import OptimizerConfigError
 from ..grad_mode import enable_grad, no_grad
 from ..ops import copy, maximum, sqrt, zeros_like
 from ..tensor import Tensor, tensor
-
-
-class OptimizerConfigError(CheckpointADError, ValueError):
-    """An optimizer was given no parameters, a non-leaf tensor, or an invalid hyperparameter."""
 
 
 def _check_range(name: str, value: float, low: float, high: float | None = None,

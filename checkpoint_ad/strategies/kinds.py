@@ -16,6 +16,7 @@
 A saved-value strategy of your own, in five lines:
 
 >>> from dataclasses import dataclass
+>>> import numpy as np
 >>> import checkpoint_ad as cad
 >>> @dataclass(frozen=True)
 ... class Float16(cad.strategies.Strategy):
@@ -37,8 +38,13 @@ A loop strategy of your own (every step's carry kept: the plan of a store-all sc
 >>> carry, _ = cad.scan(lambda h, x: (h * w + x, None), cad.tensor(0.0),
 ...                     xs=cad.tensor([1.0, 2.0]), strategy=StoreEveryCarry())
 
-A region strategy is used by `checkpoint(fn, *args, strategy=...)`; `Recompute(debug=True)`
-is the built-in one that also checks every recomputed value against the first run.
+A region strategy of your own (a region that keeps its inputs as 8-bit codes):
+
+>>> @dataclass(frozen=True)
+... class RecomputeFromInt8(cad.strategies.RegionStrategy):
+...     storage: cad.strategies.Strategy = cad.strategies.Quantized(bits=8)
+>>> h = cad.tanh(cad.tensor(np.linspace(-1, 1, 512), requires_grad=True))
+>>> y = cad.checkpoint(lambda v: cad.sin(v) * w, h, strategy=RecomputeFromInt8())
 """
 
 from __future__ import annotations
@@ -63,4 +69,11 @@ class LoopStrategy:
 
 
 class RegionStrategy:
-    """What `checkpoint(fn, ...)` does with a region of code (see `Recompute`)."""
+    """What `checkpoint(fn, ...)` does with a region of code: keep only the region's inputs,
+    stored with `storage` (None: as the enclosing saved-value strategy stores them), and
+    re-run the region when the backward sweep needs its values; with `debug`, the re-run
+    checks every value against the first run's. Subclasses are frozen dataclasses that set
+    these fields (`Recompute` is the built-in one)."""
+
+    storage: Strategy | None = None
+    debug: bool = False

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -147,22 +147,30 @@ class _Region:
     """One `checkpoint` call: its inputs, and how to re-run it."""
 
     def __init__(
-        self, fn: Callable[..., Any], args: tuple, kwargs: dict, debug: bool, replay_rng: bool
+        self,
+        fn: Callable[..., Any],
+        args: tuple,
+        kwargs: dict,
+        strategy: RegionStrategy,
+        replay_rng: bool,
     ) -> None:
         self.fn = fn
-        self.debug = debug
+        self.debug = strategy.debug
         self.replay_rng = replay_rng
         self.name = getattr(fn, "__qualname__", repr(fn))
         outer = current_packer()
-        self.args = [self._keep(a, outer) for a in args]
-        self.kwargs = {k: self._keep(v, outer) for k, v in kwargs.items()}
+        keep_with = strategy.storage or outer
+        self.args = [self._keep(a, keep_with) for a in args]
+        self.kwargs = {k: self._keep(v, keep_with) for k, v in kwargs.items()}
         self.rng = _random_state()
         self.engine_state = random.get_state()
         self.packer = RegionPacker(self, 0, outer.choose_form)
 
-    def _keep(self, value: Any, packer: Any) -> Any:
+    def _keep(self, value: Any, packer: Strategy) -> Any:
         if not isinstance(value, Tensor):
             return ("value", value)
+        if value._entry is None:
+            packer = packer.for_leaf()  # the caller holds it anyway
         slot = SavedSlot("input", buffer_for(value, packer), value._version, None)
         return ("tensor", slot, value.requires_grad)
 
@@ -199,7 +207,7 @@ class _Region:
 def checkpoint(
     fn: Callable[..., Any],
     *args: Any,
-    strategy: Recompute | None = None,
+    strategy: RegionStrategy | None = None,
     debug: bool = False,
     use_reentrant: bool | None = None,
     preserve_rng_state: bool = True,
@@ -228,13 +236,17 @@ def checkpoint(
     """
     if not callable(fn):
         raise TypeError(f"checkpoint needs a function to re-run, got {type(fn).__name__}")
-    if strategy is not None and not isinstance(strategy, Recompute):
-        raise TypeError(f"checkpoint(strategy=...) takes a Recompute(), got {strategy!r}")
+    if strategy is not None and not isinstance(strategy, RegionStrategy):
+        raise TypeError(
+            f"checkpoint(strategy=...) takes a region strategy such as Recompute(), got "
+            f"{strategy!r}"
+        )
     if not is_grad_enabled():
         return fn(*args, **kwargs)
-    region = _Region(
-        fn, args, kwargs, debug or bool(strategy and strategy.debug), bool(preserve_rng_state)
-    )
+    strategy = strategy or Recompute()
+    if debug and not strategy.debug:
+        strategy = replace(strategy, debug=True)
+    region = _Region(fn, args, kwargs, strategy, bool(preserve_rng_state))
     with use_packer(region.packer):
         return fn(*args, **kwargs)
 
