@@ -231,42 +231,6 @@ def _walk_modules(items: Any, prefix: str) -> Iterator[tuple[str, Module]]:
             yield from _walk_modules(value, f"{name}.")
 
 
-class Sequential(Module):
-    """Modules applied in order, each to the previous one's output; named '0', '1', ...
-
-    >>> import checkpoint_ad as cad
-    >>> from checkpoint_ad import nn
-    >>> model = nn.Sequential(nn.Linear(3, 4, seed=0), nn.Tanh(), nn.Linear(4, 1, seed=1))
-    >>> model(cad.ones(2, 3)).shape, list(model.state_dict())[:2]
-    ((2, 1), ['0.weight', '0.bias'])
-    """
-
-    def __init__(self, *modules: Module) -> None:
-        for i, m in enumerate(modules):
-            if not isinstance(m, Module):
-                raise ModuleConfigError(
-                    f"Sequential: argument {i} is a {type(m).__name__}, not a Module"
-                )
-            setattr(self, str(i), m)
-
-    def _items(self) -> list[Module]:
-        return [m for _, m in _walk_modules(vars(self), "")]
-
-    def __iter__(self) -> Iterator[Module]:
-        return iter(self._items())
-
-    def __len__(self) -> int:
-        return len(self._items())
-
-    def __getitem__(self, index: int) -> Module:
-        return self._items()[index]
-
-    def forward(self, x: Any) -> Any:
-        for m in self._items():
-            x = m(x)
-        return x
-
-
 class ModuleList(Module):
     """A list of modules whose parameters are found (names '0', '1', ...); indexable.
 
@@ -297,6 +261,30 @@ class ModuleList(Module):
 
     def __getitem__(self, index: int) -> Module:
         return self._items()[index]
+
+
+class Sequential(ModuleList):
+    """Modules applied in order, each to the previous one's output; named '0', '1', ...
+
+    >>> import checkpoint_ad as cad
+    >>> from checkpoint_ad import nn
+    >>> model = nn.Sequential(nn.Linear(3, 4, seed=0), nn.Tanh(), nn.Linear(4, 1, seed=1))
+    >>> model(cad.ones(2, 3)).shape, list(model.state_dict())[:2]
+    ((2, 1), ['0.weight', '0.bias'])
+    """
+
+    def __init__(self, *modules: Module) -> None:
+        for i, m in enumerate(modules):
+            if not isinstance(m, Module):
+                raise ModuleConfigError(
+                    f"Sequential: argument {i} is a {type(m).__name__}, not a Module"
+                )
+        super().__init__(modules)
+
+    def forward(self, x: Any) -> Any:
+        for m in self._items():
+            x = m(x)
+        return x
 
 
 def check_size(layer: str, label: str, value: Any) -> int:
