@@ -27,8 +27,9 @@ plain binomial plans. Unlimited disk (``disk=None``) uses ``m - 1 = m = infinity
 
 The tables cost ``O(d * x**2)``; up to ``EXACT_STEPS`` steps (fewer past 3 disk slots) every
 split is tried and the plan is the H-Revolve optimum. Longer loops put disk splits on a grid of
-``ceil(n / cells)`` steps (binomial leaves stay exact), which bounds the build time; the plan then says
-``exact=False`` and its cost is an upper bound on the optimum (see the tests for the gap).
+``ceil(n / cells)`` steps (binomial leaves stay exact), which bounds the build time; the plan
+then says ``exact=False`` and its cost is an upper bound on the optimum (the tests measure the
+gap). H-Revolve's own tables are the same ``O(d * n**2)`` and stop at a few thousand steps.
 
 >>> from checkpoint_ad.strategies.revolve import optimal_evaluations, simulate_plan
 >>> plan = multilevel_plan(20, snapshots=2, disk=2, write_cost=2.0, read_cost=2.0)
@@ -165,8 +166,12 @@ class _Tables:
     def __init__(self, n: int, s: int, d: int | None, w: float, r: float) -> None:
         self.w, self.r = w, r
         cells = _cells(d)
-        if d is not None and d >= min(n, cells):
-            d, cells = None, _cells(None)  # one slot per cell is as good as unlimited
+        if d is not None and d >= n:
+            d, cells = None, _cells(None)  # a slot per state is as good as unlimited
+        elif d is not None and d >= cells:
+            # Disk-level positions are multiples of the grid, at most cells + 1 of them: with
+            # cells = d - 1 the unlimited table never holds more than d disk snapshots.
+            d, cells = None, min(_cells(None), d - 1)
         self.grid = max(1, ceil(n / cells))
         self.disk = d  # the budget the tables were made for (None once as good as unlimited)
         self.rem = n % self.grid
