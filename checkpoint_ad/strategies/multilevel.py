@@ -77,7 +77,7 @@ def _cells(d: int | None) -> int:
     return max(128, 3 * EXACT_STEPS // levels)
 
 
-@dataclass(frozen=True, eq=False, slots=True)
+@dataclass(frozen=True, eq=False, repr=False, slots=True)
 class MultiLevelPlan(Plan):
     """A :class:`Plan` using RAM and disk snapshots, with what its disk traffic costs."""
 
