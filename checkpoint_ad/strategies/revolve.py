@@ -22,6 +22,8 @@ Actions and what the executor does for each:
                            state in hand is consumed
 ``ReverseSegment(a, b)``   the state in hand is ``a``; run steps ``a..b-1`` with one tape and
                            pull the adjoint of state ``b`` back to state ``a``; consumed
+``DiskSnapshot(step)``     like ``Snapshot``, but to the second level (disk), at a write cost
+``DiskRestore(step)``      like ``Restore``, from the disk snapshot, at a read cost
 =========================  ===================================================================
 
 Every plan reverses each step exactly once and frees every snapshot it takes. A snapshot is
@@ -55,6 +57,8 @@ __all__ = [
     "Free",
     "Reverse",
     "ReverseSegment",
+    "DiskSnapshot",
+    "DiskRestore",
     "Plan",
     "PlanStats",
     "ScheduleError",
@@ -122,6 +126,25 @@ class ReverseSegment(Action):
     stop: int
 
 
+@dataclass(frozen=True, slots=True)
+class DiskSnapshot(Action):
+    """Write the state in hand, which is state ``step``, to the second storage level (disk).
+
+    Multi-level plans (see ``multilevel.py``) use it; a disk write costs ``write_cost`` in
+    units of one step. ``Free(step)`` drops the snapshot of ``step`` on whichever level holds
+    it (a state is held on one level at a time).
+    """
+
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
+class DiskRestore(Action):
+    """Read the disk snapshot of state ``step`` into hand; the disk snapshot stays stored."""
+
+    step: int
+
+
 # Plans hold millions of actions, so they are stored packed, one int64 each:
 # ``kind + first * _FIRST + second * _SECOND`` with 30 bits per step field. A one-step action
 # repeats its step in the second field, so that adding ``pos * _BOTH`` to every code of a
@@ -137,6 +160,7 @@ MAX_STEPS = _STEP_MASK
 """The longest loop a plan can describe (2**30 - 1 steps), a limit of the packed storage."""
 
 _SNAPSHOT, _ADVANCE, _RESTORE, _FREE, _REVERSE, _REVERSE_SEGMENT = range(6)
+_DISK_SNAPSHOT, _DISK_RESTORE = 6, 7  # the last two kinds that fit in _KIND_BITS
 _DECODERS = (
     lambda first, second: Snapshot(first),
     Advance,
@@ -144,6 +168,8 @@ _DECODERS = (
     lambda first, second: Free(first),
     lambda first, second: Reverse(first),
     ReverseSegment,
+    lambda first, second: DiskSnapshot(first),
+    lambda first, second: DiskRestore(first),
 )
 
 
@@ -187,6 +213,8 @@ class Plan(Sequence[Action]):
     """The most steps recorded on one tape (1 for binomial plans)."""
     _codes: array = field(repr=False)
     """The packed actions (see the module source); read-only by convention."""
+    disk_snapshots: int | None = 0
+    """The disk snapshot budget of a multi-level plan (None: unlimited); 0 for one level."""
 
     @property
     def evaluations(self) -> int:
@@ -565,15 +593,44 @@ class PlanStats:
     longest_tape: int
     snapshots_taken: int
     restores: int
+    disk_snapshots: int | None = 0
+    """The disk budget checked (None: unlimited)."""
+    disk_snapshots_taken: int = 0
+    """``DiskSnapshot`` actions: disk writes."""
+    disk_restores: int = 0
+    """``DiskRestore`` actions: disk reads."""
+    max_live_disk_snapshots: int = 0
 
     @property
     def evaluations(self) -> int:
         """All step evaluations: advanced plus taped."""
         return self.advanced_steps + self.taped_steps
 
+    def cost(self, step: float = 1.0, write: float = 0.0, read: float = 0.0) -> float:
+        """Advanced steps x ``step`` + disk writes x ``write`` + disk reads x ``read``.
+
+        The ``n_steps`` taped steps, which every plan pays once, are left out; H-Revolve's
+        makespan with unit forward and backward costs is this cost plus ``n_steps``.
+
+        >>> simulate_plan([DiskSnapshot(0), Advance(0, 1), Reverse(1), DiskRestore(0),
+        ...                Free(0), Reverse(0)], 2, 0, disk=1).cost(write=3, read=2)
+        6.0
+        """
+        return (
+            self.advanced_steps * step
+            + self.disk_snapshots_taken * write
+            + self.disk_restores * read
+        )
+
+
+_AS_PLANNED: Any = object()
+
 
 def simulate_plan(
-    plan: Iterable[Action], n_steps: int | None = None, snapshots: int | None = None
+    plan: Iterable[Action],
+    n_steps: int | None = None,
+    snapshots: int | None = None,
+    disk: int | None = _AS_PLANNED,
 ) -> PlanStats:
     """Replay ``plan`` on bookkeeping alone and check every invariant after each action.
 
@@ -582,7 +639,9 @@ def simulate_plan(
     or freed; no snapshot is overwritten while alive; never more than ``snapshots`` alive;
     steps are reversed once each, from ``n_steps - 1`` down to 0, and nothing is advanced past
     the next step to reverse; at the end every step is reversed and every snapshot freed.
-    ``n_steps`` and ``snapshots`` default to those of a :class:`Plan`. Raises
+    ``n_steps`` and ``snapshots`` default to those of a :class:`Plan`; ``disk`` (the budget of
+    ``DiskSnapshot`` snapshots, None for unlimited) to its ``disk_snapshots``, else 0. A state
+    is stored on one level at a time, and the disk budget is checked like the RAM one. Raises
     :class:`PlanInvariantError` naming the action's index and the invariant.
 
     >>> simulate_plan([Reverse(0)], n_steps=1, snapshots=0).evaluations
@@ -597,7 +656,10 @@ def simulate_plan(
             raise TypeError("simulate_plan needs n_steps and snapshots when the plan is not a Plan")
         n_steps = plan.n_steps if n_steps is None else n_steps
         snapshots = plan.snapshots if snapshots is None else snapshots
+    if disk is _AS_PLANNED:
+        disk = plan.disk_snapshots if isinstance(plan, Plan) else 0
     replay = _Replay(_count(n_steps, "n_steps"), _count(snapshots, "snapshots"))
+    replay.disk = None if disk is None else _count(disk, "disk")
     for action in plan:
         replay.apply(action)
     return replay.finish()
@@ -615,6 +677,9 @@ class _Replay:
         self.next_reverse = n - 1
         self.advanced = self.taped = self.longest_tape = 0
         self.max_live = self.taken = self.restores = 0
+        self.disk: int | None = 0
+        self.disk_live: set[int] = set()
+        self.disk_taken = self.disk_restores = self.max_disk_live = 0
 
     def apply(self, action: object) -> None:
         self.action = action
@@ -626,7 +691,7 @@ class _Replay:
 
     def snapshot(self, action: Snapshot) -> None:
         self.need_in_hand(action.step)
-        if action.step in self.live:
+        if action.step in self.live or action.step in self.disk_live:
             raise self.fail("no-overwrite", f"a snapshot of state {action.step} is alive already")
         if len(self.live) >= self.s:
             raise self.fail(
@@ -654,8 +719,30 @@ class _Replay:
         self.in_hand = action.step
 
     def free(self, action: Free) -> None:
+        if action.step in self.disk_live:
+            self.disk_live.remove(action.step)
+            return
         self.need_stored(action.step)
         self.live.remove(action.step)
+
+    def disk_snapshot(self, action: DiskSnapshot) -> None:
+        self.need_in_hand(action.step)
+        if action.step in self.live or action.step in self.disk_live:
+            raise self.fail("no-overwrite", f"a snapshot of state {action.step} is alive already")
+        if self.disk is not None and len(self.disk_live) >= self.disk:
+            raise self.fail(
+                "disk-limit",
+                f"the disk budget ({self.disk}) is used up by states {sorted(self.disk_live)}",
+            )
+        self.disk_live.add(action.step)
+        self.disk_taken += 1
+        self.max_disk_live = max(self.max_disk_live, len(self.disk_live))
+
+    def disk_restore(self, action: DiskRestore) -> None:
+        if action.step not in self.disk_live:
+            raise self.fail("snapshot-stored", f"no disk snapshot of state {action.step} is alive")
+        self.disk_restores += 1
+        self.in_hand = action.step
 
     def reverse(self, action: Reverse) -> None:
         self.reverse_steps(action.step, action.step + 1)
@@ -672,6 +759,8 @@ class _Replay:
         Free: free,
         Reverse: reverse,
         ReverseSegment: reverse_segment,
+        DiskSnapshot: disk_snapshot,
+        DiskRestore: disk_restore,
     }
 
     def reverse_steps(self, start: int, stop: int) -> None:
@@ -709,10 +798,9 @@ class _Replay:
         self.action = None
         if self.next_reverse >= 0:
             raise self.fail("complete", f"steps {self.next_reverse}..0 were never reversed")
-        if self.live:
-            raise self.fail(
-                "complete", f"snapshots of states {sorted(self.live)} are still alive; free them"
-            )
+        if self.live or self.disk_live:
+            alive = sorted(self.live | self.disk_live)
+            raise self.fail("complete", f"snapshots of states {alive} are still alive; free them")
         return PlanStats(
             n_steps=self.n,
             snapshots=self.s,
@@ -723,4 +811,8 @@ class _Replay:
             longest_tape=self.longest_tape,
             snapshots_taken=self.taken,
             restores=self.restores,
+            disk_snapshots=self.disk,
+            disk_snapshots_taken=self.disk_taken,
+            disk_restores=self.disk_restores,
+            max_live_disk_snapshots=self.max_disk_live,
         )
