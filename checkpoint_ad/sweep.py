@@ -200,7 +200,7 @@ def sweep(
     >>> [r.preset for r in result.rows]
     ['keep-all', 'revolve-4']
     """
-    from .models import build
+    from .models import build, sizes_of
     from .presets import DEFAULT_SWEEP, load_preset
 
     if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
@@ -210,11 +210,11 @@ def sweep(
               if isinstance(p, (str, Path)) else p for p in (presets or DEFAULT_SWEEP)]
     reference = load_preset("keep-all")
     order = [reference] + [p for p in chosen if p.name != reference.name]
-    meta = {"model": model, **sizes}
-    result = SweepResult(model, device, meta)
     # one unmeasured run first: imports, caches and allocator pools settle before measuring
-    run_one(build(model, device=None if device == "cpu" else device, **sizes), reference,
-            device, meta)
+    first = build(model, device=None if device == "cpu" else device, **sizes)
+    meta = {"model": model, **sizes_of(first), **sizes}  # every size, the defaults included
+    result = SweepResult(model, device, meta)
+    run_one(first, reference, device, meta)
     runs = _progress(order, progress)
     base: tuple[Profile, list] | None = None
     for preset in runs:
