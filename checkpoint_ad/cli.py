@@ -20,8 +20,6 @@ from typing import Any
 from .errors import CheckpointADError, OutputError, UsageError
 from .safe_files import check_writable, child
 
-# sizes of the main job: about a minute for the default sweep on a laptop-class CPU
-DEFAULT_SIZES = {"rnn": {"steps": 256, "batch": 32, "input_size": 32, "hidden": 128}}
 RUNS_DIR = Path("profiles") / "runs"  # where a sweep writes when no --out is given
 EXIT_OK, EXIT_BUG, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
 EXIT_CODES = ("exit status: 0 done; 2 bad input or a reported error (one line on stderr); "
@@ -31,7 +29,10 @@ __all__ = ["UsageError", "main"]  # UsageError lives in errors.py; kept importab
 
 
 def _sizes(model: str, pairs: Sequence[str]) -> dict[str, Any]:
-    sizes: dict[str, Any] = dict(DEFAULT_SIZES.get(model, {}))
+    """The main job's sizes for `model` (`models.SWEEP_SIZES`), with --size pairs over them."""
+    from .models import SWEEP_SIZES
+
+    sizes: dict[str, Any] = dict(SWEEP_SIZES.get(model, {}))
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:

@@ -31,6 +31,11 @@ class DTypeError(CheckpointADError, TypeError):
     """A dtype is not allowed where it was given (e.g. gradients of integer tensors)."""
 
 
+class RequiresGradConversionError(CheckpointADError, TypeError):
+    """A tensor that requires grad was asked to become a plain array (numpy, DLPack), which
+    would silently leave the graph; PyTorch refuses the same way."""
+
+
 class GradcheckError(CheckpointADError, AssertionError):
     """Analytic and numerical derivatives disagree."""
 

@@ -25,7 +25,12 @@ SCHEMA = "checkpoint-ad/sweep"
 
 @dataclass(frozen=True)
 class SweepRow:
-    """One strategy's figures; ratios are to the keep-everything run of the same sweep."""
+    """One strategy's figures; ratios are to the keep-everything run of the same sweep.
+
+    `peak_tape_bytes` is the profile's: the most bytes of saved values the tape *owns* alive
+    at once, which is what a strategy can save; saved references to the caller's own arrays
+    are in `aliased_bytes`.
+    """
 
     preset: str
     label: str
@@ -38,6 +43,10 @@ class SweepRow:
     grad_error: float  # max over parameters of |g - g_keep| / |g_keep|
     memory_ratio: float  # peak tape bytes / keep-everything's
     time_ratio: float  # seconds / keep-everything's
+    # most bytes of the caller's own memory (parameters, input data) the tape held by
+    # reference at once: not in peak_tape_bytes, which counts what the tape owns; None in a
+    # table written before the two were told apart (its peak_tape_bytes includes them)
+    aliased_bytes: int | None = None
 
 
 @dataclass
@@ -52,14 +61,16 @@ class SweepResult:
 
     def table(self) -> str:
         """The table as text, one row per strategy."""
-        head = (f"{'strategy':<22}{'peak tape MiB':>14}{'x keep':>8}{'device MiB':>12}"
-                f"{'seconds':>9}{'x keep':>8}{'re-run ops':>11}{'grad error':>12}")
+        head = (f"{'strategy':<22}{'peak tape MiB':>14}{'x keep':>8}{'aliased MiB':>12}"
+                f"{'device MiB':>12}{'seconds':>9}{'x keep':>8}{'re-run ops':>11}"
+                f"{'grad error':>12}")
         lines = [head, "-" * len(head)]
         for r in self.rows:
             device = "-" if r.device_peak_bytes is None else f"{r.device_peak_bytes / 2**20:.2f}"
+            aliased = "-" if r.aliased_bytes is None else f"{r.aliased_bytes / 2**20:.3f}"
             lines.append(
                 f"{r.preset:<22}{r.peak_tape_bytes / 2**20:>14.3f}{r.memory_ratio:>8.2f}"
-                f"{device:>12}{r.seconds:>9.3f}{r.time_ratio:>8.2f}"
+                f"{aliased:>12}{device:>12}{r.seconds:>9.3f}{r.time_ratio:>8.2f}"
                 f"{r.recomputed_primitives:>11}{r.grad_error:>12.2e}"
             )
         return "\n".join(lines)
@@ -84,6 +95,10 @@ class SweepResult:
             raise SweepFormatError("a sweep table must be a JSON object with keys model, "
                                    f"device, meta, rows; got {type(data).__name__}"
                                    + (" with a 'profiles' key" if isinstance(data, dict) else ""))
+        rows = data.get("rows")
+        if isinstance(rows, list):  # tables from before owned and aliased bytes were apart
+            data = {**data, "rows": [{"aliased_bytes": None, **r} if isinstance(r, dict) else r
+                                     for r in rows]}
         return from_plain(cls, {**data, "profiles": {}}, "sweep table", SweepFormatError)
 
     @classmethod
@@ -185,7 +200,7 @@ def sweep(
     >>> [r.preset for r in result.rows]
     ['keep-all', 'revolve-4']
     """
-    from .models import build
+    from .models import build, sizes_of
     from .presets import DEFAULT_SWEEP, load_preset
 
     if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
@@ -195,11 +210,11 @@ def sweep(
               if isinstance(p, (str, Path)) else p for p in (presets or DEFAULT_SWEEP)]
     reference = load_preset("keep-all")
     order = [reference] + [p for p in chosen if p.name != reference.name]
-    meta = {"model": model, **sizes}
-    result = SweepResult(model, device, meta)
     # one unmeasured run first: imports, caches and allocator pools settle before measuring
-    run_one(build(model, device=None if device == "cpu" else device, **sizes), reference,
-            device, meta)
+    first = build(model, device=None if device == "cpu" else device, **sizes)
+    meta = {"model": model, **sizes_of(first), **sizes}  # every size, the defaults included
+    result = SweepResult(model, device, meta)
+    run_one(first, reference, device, meta)
     runs = _progress(order, progress)
     base: tuple[Profile, list] | None = None
     for preset in runs:
@@ -225,6 +240,7 @@ def sweep(
             grad_error=_relative_error(grads, base_grads),
             memory_ratio=prof.peak_tape_bytes / max(base_prof.peak_tape_bytes, 1),
             time_ratio=seconds / max(base_prof.meta["median_seconds"], 1e-12),
+            aliased_bytes=prof.aliased_bytes,
         ))
     return result
 

@@ -16,7 +16,7 @@ import numpy as np
 from . import ops
 from .autograd import backward as _backward
 from .backend import is_array, namespace
-from .errors import BackwardError, InplaceError, ShapeError
+from .errors import BackwardError, InplaceError, RequiresGradConversionError, ShapeError
 from .grad_mode import _state, no_grad
 from .ops.shape import GETITEM, RESHAPE, TRANSPOSE
 from .saved import VersionCounter, pack_value
@@ -335,6 +335,53 @@ class Tensor(TensorBase, made_by_engine=True):
         if self.ndim == 0:
             raise TypeError("len() of a 0-d tensor")
         return self.shape[0]
+
+    # ----------------------------------------------------------------- array interop
+    def _plain_array(self, what: str) -> Any:
+        """The underlying array, refused for a tensor that requires grad: the array would carry
+        on without the graph, and gradients through what is done with it would be lost."""
+        if self._requires_grad:
+            raise RequiresGradConversionError(
+                f"cannot convert a tensor that requires grad ({self.dtype}{list(self.shape)} on "
+                f"{self.device}) with {what}: the result would silently leave the graph; call "
+                "t.detach().numpy() (or pass t.detach()) to take its values"
+            )
+        return self._data
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        """NumPy's conversion hook, so ``np.asarray(t)`` gives the values as one array (not an
+        object array of 0-d tensors); device arrays are copied to the host.
+
+        >>> import numpy as np, checkpoint_ad as cad
+        >>> np.asarray(cad.tensor([1.0, 2.0]))
+        array([1., 2.], dtype=float32)
+        """
+        data = self._plain_array("np.asarray / __array__")
+        host = data if isinstance(data, np.ndarray) else self.numpy()
+        if copy is False and (host is not data or (dtype is not None and host.dtype != dtype)):
+            raise ValueError(
+                f"np.asarray(copy=False) of a {self.dtype} tensor on {self.device} needs a copy "
+                "(to the host or to another dtype); pass copy=None or copy=True"
+            )
+        if dtype is not None:
+            host = host.astype(dtype, copy=False)
+        return np.array(host, copy=True) if copy else host
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        """DLPack export (``np.from_dlpack(t)``, ``torch.from_dlpack(t)``), delegated to the
+        underlying array; the same refusal as `__array__` for tensors that require grad."""
+        data = self._plain_array("DLPack (__dlpack__)")
+        if not hasattr(data, "__dlpack__"):
+            raise TypeError(f"the {type(data).__name__} behind this tensor has no DLPack "
+                            "export; use t.numpy()")
+        return data.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        """The (device type, device id) pair of the underlying array, for DLPack consumers."""
+        if not hasattr(self._data, "__dlpack_device__"):
+            raise TypeError(f"the {type(self._data).__name__} behind this tensor has no DLPack "
+                            "export; use t.numpy()")
+        return self._data.__dlpack_device__()
 
     def __bool__(self) -> bool:
         if self._element_count() != 1:

@@ -184,7 +184,7 @@ def test_plot_sweep_on_a_real_sweep(tmp_path):
 def test_tradeoff_labels_every_strategy_and_lossy_errors():
     fig = plots.tradeoff(_result())
     ax, colorbar = fig.axes
-    assert ax.get_xlabel() == "peak tape memory (MiB)"
+    assert ax.get_xlabel() == "peak owned tape memory (MiB)"
     assert ax.get_ylabel() == "time relative to keep-all (\N{MULTIPLICATION SIGN})"
     assert colorbar.get_ylabel() == "relative gradient error (lossy)"
     assert ax.get_title() == "memory/compute trade-off: rnn (steps=20) on cpu"
@@ -231,7 +231,7 @@ def test_tradeoff_small_bytes_use_kib_and_zero_errors_need_no_colorbar():
     rows = [_row("keep-all", 0.004, 1.0), _row("int8", 0.004, 1.1, lossless=False)]
     fig = plots.tradeoff(SweepResult("rnn", "cpu", {}, rows))
     assert len(fig.axes) == 1  # no colorbar: every error is zero
-    assert fig.axes[0].get_xlabel() == "peak tape memory (KiB)"
+    assert fig.axes[0].get_xlabel() == "peak owned tape memory (KiB)"
     assert "int8\nerr 0" in _texts(fig)
 
 

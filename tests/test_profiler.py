@@ -4,6 +4,7 @@ tracemalloc measurement on a long RNN, and its JSON round-trips."""
 from __future__ import annotations
 
 import gc
+import itertools
 import tracemalloc
 
 import numpy as np
@@ -36,7 +37,8 @@ def test_records_and_peak_are_exact_on_a_hand_counted_program():
     assert prof.timeline_bytes[-1] == 0  # the sweep freed everything it passed
     assert set(prof.timeline_phase) >= {"forward", "backward"}
     assert prof.meta == {"model": "hand"} and prof.primitives == 4
-    assert prof.by_op()["multiply"] == {"count": 3, "logical": 16_000, "stored": 16_000}
+    assert prof.by_op()["multiply"] == {"count": 3, "logical": 16_000, "stored": 16_000,
+                                        "aliased": 0}
     assert "test_profiler.py" in prof.records[0].origin
 
 
@@ -171,3 +173,83 @@ def test_snapshot_storage_shows_in_stored_bytes():
     plain_bytes = sum(r.stored_bytes for r in plain.records if r.op == "scan[binomial]")
     packed_bytes = sum(r.stored_bytes for r in packed.records if r.op == "scan[binomial]")
     assert 0 < packed_bytes < 0.5 * plain_bytes
+
+
+# ------------------------------------------------------------- owned and aliased bytes
+def test_parameters_and_input_slices_are_aliases_not_tape_memory():
+    rng = np.random.default_rng(0)
+    w = cad.tensor(rng.standard_normal((64, 64)), requires_grad=True)  # 32 KiB parameter
+    xs = cad.tensor(rng.standard_normal((10, 4, 64)))  # input data: each xs[t] is a view
+    with cad.profile() as prof:
+        h = cad.tensor(np.zeros((4, 64)))
+        for t in range(10):
+            h = cad.tanh(h @ w + xs[t] * 1.0)
+        h.sum().backward()
+    owned = {(r.op, r.role) for r in prof.records if r.owned}
+    aliased = {(r.op, r.role) for r in prof.records if not r.owned}
+    assert ("tanh", "out") in owned and ("matmul", "b") in aliased  # w is the caller's
+    assert ("matmul", "a") in owned  # h: made by the tape (the zeros too: nobody else has them)
+    # owned: 10 tanh outputs (shared with the next matmul) and the initial zeros, 2 KiB each
+    assert prof.peak_tape_bytes == 11 * 4 * 64 * 8
+    assert prof.aliased_bytes == 64 * 64 * 8  # the parameter, once
+    assert prof.saved_bytes == prof.peak_tape_bytes
+    assert prof.by_op()["matmul"]["aliased"] == 64 * 64 * 8
+    assert "the caller's" in prof.summary()
+
+
+def test_a_packed_copy_of_a_parameter_is_owned_and_quantize_leaves_parameters_alone():
+    w = cad.tensor(np.random.default_rng(0).standard_normal(4096).astype(np.float32),
+                   requires_grad=True)
+    with cad.profile() as prof, cad.saved_values_hooks(lambda a: a.copy(), lambda a: a):
+        y = (w * w).sum()
+    assert [r.owned for r in prof.records] == [True, True]  # the packed form is new memory
+    assert prof.peak_tape_bytes == 4096 * 4 and prof.aliased_bytes == 0
+    with cad.profile() as prof, cad.use(Quantized(bits=8)):
+        y = (w * w).sum()
+    assert [r.owned for r in prof.records] == [False, False]  # by reference: costs nothing
+    assert prof.peak_tape_bytes == 0 and prof.aliased_bytes == 4096 * 4
+    del y
+
+
+def test_a_version_1_profile_still_loads_with_everything_owned():
+    x = cad.tensor(np.ones(10), requires_grad=True)
+    with cad.profile() as prof:
+        cad.tanh(x).sum().backward()
+    old = prof.to_dict() | {"version": 1}
+    del old["aliased_bytes"]
+    for record in old["records"]:
+        del record["owned"]
+    loaded = Profile.from_dict(old)
+    assert loaded.aliased_bytes is None and all(r.owned for r in loaded.records)
+    assert loaded.peak_tape_bytes == prof.peak_tape_bytes
+
+
+def test_the_pareto_front_agrees_with_measured_device_peaks_on_the_rnn():
+    """The trade-off plot's memory axis must rank strategies as the allocator does: for the
+    presets on the front, ordered by peak tape bytes, the tracemalloc peak of the same run
+    rises too (within 5% of keep-all's peak: tape entries and gradients are not tape bytes)."""
+    from checkpoint_ad.plots import pareto_front
+    from checkpoint_ad.sweep import sweep
+
+    presets = ["keep-all", "store-outputs", "sqrt-segments", "recompute", "revolve-4",
+               "revolve-16"]
+    result = sweep("rnn", presets, sizes={"steps": 128, "batch": 16, "input_size": 16,
+                                          "hidden": 64}, progress=False, repeats=1)
+    rows = {r.preset: r for r in result.rows}
+    assert all(r.device_peak_bytes for r in rows.values())  # tracemalloc measured each run
+    tolerance = 0.05 * rows["keep-all"].device_peak_bytes
+    front = [result.rows[i] for i in pareto_front(
+        [(r.peak_tape_bytes, r.time_ratio) for r in result.rows])]
+    for smaller, larger in itertools.pairwise(front):
+        assert smaller.device_peak_bytes <= larger.device_peak_bytes + tolerance, (
+            smaller.preset, larger.preset)
+    # and across every pair, not only the front: less tape never means clearly more memory
+    for a in rows.values():
+        for b in rows.values():
+            if a.peak_tape_bytes < b.peak_tape_bytes:
+                assert a.device_peak_bytes <= b.device_peak_bytes + tolerance, (a.preset, b.preset)
+    revolve = min(rows["revolve-4"].peak_tape_bytes, rows["revolve-16"].peak_tape_bytes)
+    if rows["recompute"].peak_tape_bytes < revolve:  # only if the allocator agrees
+        assert rows["recompute"].device_peak_bytes < min(
+            rows["revolve-4"].device_peak_bytes, rows["revolve-16"].device_peak_bytes)
+    assert rows["recompute"].peak_tape_bytes > revolve  # it keeps every step's carry

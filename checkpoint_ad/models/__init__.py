@@ -42,6 +42,28 @@ MODELS: dict[str, ModelEntry] = {
 }
 
 
+# Sizes of the main job (`checkpoint-ad sweep`), per model: large enough that saved values
+# dominate the measured memory and that every saved activation is worth quantizing (the configs'
+# own defaults are tiny, for doctests: there an LSTM's (4, 8) float32 states are 128 bytes, below
+# `quantize.MIN_WORTH_BYTES`, so int8 and int4 stored them exactly and changed nothing), small
+# enough that a default sweep of each takes well under a minute on a laptop-class CPU.
+SWEEP_SIZES: dict[str, dict[str, int]] = {
+    "rnn": {"steps": 256, "batch": 32, "input_size": 32, "hidden": 128},
+    "lstm": {"steps": 128, "batch": 32, "input_size": 32, "hidden": 64},
+    "residual_mlp": {"layers": 64, "width": 64, "batch": 64},
+    "heat": {"grid": 32, "steps": 128},
+    "neural_ode": {"dim": 16, "hidden": 64, "batch": 64, "steps": 64},
+}
+
+
+def sizes_of(model: UnrolledModel) -> dict[str, Any]:
+    """The integer sizes of a built model's config (its seed left out), for table headers and
+    plot titles: what a reader needs to know which problem was measured."""
+    config = model.config
+    return {f.name: getattr(config, f.name) for f in fields(config)
+            if f.name != "seed" and isinstance(getattr(config, f.name), int)}
+
+
 def build(name: str, **overrides: Any) -> UnrolledModel:
     """The model registered as `name`, with its config's defaults replaced by `overrides`.
 
@@ -65,6 +87,7 @@ def build(name: str, **overrides: Any) -> UnrolledModel:
 
 __all__ = [
     "MODELS",
+    "SWEEP_SIZES",
     "HeatConfig",
     "LSTMConfig",
     "ModelConfigError",
@@ -81,4 +104,5 @@ __all__ = [
     "make_residual_mlp",
     "make_rnn",
     "python_loop",
+    "sizes_of",
 ]

@@ -1,14 +1,24 @@
-"""`profile()`: listen to the engine's events and fill a `Profile` while a block runs."""
+"""`profile()`: listen to the engine's events and fill a `Profile` while a block runs.
+
+Owned and aliased bytes: a saved value stored by reference whose memory belongs to a leaf the
+caller holds anyway (a parameter, a slice of the input data) costs nothing a strategy could
+save, so it is counted apart (`Profile.aliased_bytes`), not in `peak_tape_bytes`. Which one a
+buffer is can only be told from the slot that saved it, so a buffer stored by reference waits
+(uncounted) from its 'pack' event to the 'record' event of its entry, which follows at once in
+the engine; one that no record claims before the next other event is owned.
+"""
 
 from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from .. import events
+from ..tensor_base import TensorBase
 from .memory import probe_for, rss_bytes, synchronize
 from .records import Profile, SavedRecord
 
@@ -21,9 +31,14 @@ class _Recorder:
         self.device = device
         self.probe = probe_for(device)
         self.serials: dict[int, int] = {}  # id(buffer) -> serial (ids are reused; serials not)
-        self.sizes: dict[int, int] = {}  # id(buffer) -> stored bytes, for live buffers
+        # id(buffer) -> (owned, bytes counted, id of its array if owned and by reference)
+        self.counted: dict[int, tuple[bool, int, int | None]] = {}
+        self.roots: dict[int, int] = {}  # id(array) -> live owned buffers holding it
+        self.pending: dict[int, Any] = {}  # id(buffer) -> buffer stored by reference, unclaimed
+        self.leaf_roots: dict[int, Any] = {}  # id(root array) -> weakref of a caller's leaf's
         self.counter = itertools.count()
         self.live = 0
+        self.live_aliased = 0
         self.backward_depth = 0
         self.recompute_depth = 0
         self.backward_started = 0.0
@@ -40,6 +55,8 @@ class _Recorder:
         }
 
     def __call__(self, kind: str, payload: Any) -> None:
+        if self.pending and kind not in ("pack", "record"):
+            self._claim_pending()
         handler = self.handlers.get(kind)
         if handler is not None:
             handler(payload)
@@ -68,13 +85,80 @@ class _Recorder:
         if rss is not None and (self.profile.rss_peak_bytes or 0) < rss:
             self.profile.rss_peak_bytes = rss
 
+    def _count(self, buffer: Any, owned: bool) -> None:
+        """Start counting a live buffer as owned (tape memory) or aliased (the caller's). A
+        buffer stored by reference holding the very array a live owned buffer holds (a loop's
+        restored snapshot, saved again by the step re-run from it) adds no bytes."""
+        key, size, root_id = id(buffer), buffer.stored_nbytes, None
+        if buffer.source is None and owned:
+            root_id = id(buffer.packed)
+            if self.roots.get(root_id):
+                size = 0
+            self.roots[root_id] = self.roots.get(root_id, 0) + 1
+        self.counted[key] = (owned, size, root_id)
+        self._add(owned, size)
+
+    def _add(self, owned: bool, size: int) -> None:
+        if owned:
+            self.live += size
+            self.profile.peak_tape_bytes = max(self.profile.peak_tape_bytes, self.live)
+        else:
+            self.live_aliased += size
+            self.profile.aliased_bytes = max(self.profile.aliased_bytes or 0, self.live_aliased)
+
+    def _claim_pending(self) -> None:
+        """Buffers stored by reference that no entry claimed: owned (a loop's snapshots, a
+        checkpointed region's inputs)."""
+        for buffer in self.pending.values():
+            self._count(buffer, owned=True)
+        self.pending.clear()
+        self._point()
+
+    def _learn_leaves(self, entry: Any) -> None:
+        """Remember the arrays of leaves that require grad and take part in the forward
+        computation: parameters and inputs the caller holds. (Leaves a loop or a checkpointed
+        region makes while re-running steps for the backward sweep are its own, not these.)"""
+        if self.backward_depth or self.recompute_depth:
+            return
+        for edge in entry.edges:
+            if edge is not None and isinstance(edge[0], TensorBase):
+                root = _root(edge[0]._data)
+                self.leaf_roots.setdefault(id(root), weakref.ref(root))
+
+    def _is_alias(self, slot: Any) -> bool:
+        """Whether `slot` holds, by reference, memory the caller keeps anyway: an array of a
+        leaf that requires grad (or a view of one), or a view (a slice of input data) saved
+        for a value with no history. An array of its own with no history (a dropout mask, an
+        initial state made inside the model) may be kept alive by the tape alone: owned."""
+        buffer = slot.buffer
+        if buffer.source is not None:  # packed: the stored form is a new array
+            return False
+        array = buffer.packed
+        root = _root(array)
+        known = self.leaf_roots.get(id(root))
+        if known is not None and known() is root:
+            return True
+        return slot.edge is None and slot.counter is not None and root is not array
+
     # ------------------------------------------------------------- events
     def _record(self, entry: Any) -> None:
         self._apply(entry)
+        self._learn_leaves(entry)
         for slot in entry.slots or ():
             buffer = slot.buffer
             if buffer is None:
                 continue
+            key = id(buffer)
+            owned = not self._is_alias(slot)
+            if key in self.pending:
+                self._count(self.pending.pop(key), owned)
+            elif key in self.counted:  # one buffer, one classification...
+                was_owned, size, root_id = self.counted[key]
+                if was_owned and not owned:  # ...but claimed as owned before its entry came
+                    self.live -= size
+                    self.counted[key] = (False, size, root_id)
+                    self._add(False, size)
+                owned = self.counted[key][0]
             self.profile.records.append(SavedRecord(
                 op=entry.name,
                 role=slot.name,
@@ -85,7 +169,12 @@ class _Recorder:
                 origin=entry.origin,
                 buffer=self._serial(buffer),
                 phase=self.phase,
+                owned=owned,
             ))
+        if self.pending:  # saved by reference but held by no slot of this entry
+            self._claim_pending()
+        else:
+            self._point()
 
     def _apply(self, _: Any) -> None:
         self.profile.primitives += 1
@@ -93,21 +182,31 @@ class _Recorder:
             self.profile.recomputed_primitives += 1
 
     def _pack(self, buffer: Any) -> None:
-        key = id(buffer)
-        self.serials[key] = next(self.counter)
-        self.sizes[key] = buffer.stored_nbytes
-        self.live += buffer.stored_nbytes
-        if self.live > self.profile.peak_tape_bytes:
-            self.profile.peak_tape_bytes = self.live
+        self.serials[id(buffer)] = next(self.counter)
         self.probe.sample()
+        if buffer.source is None:  # stored by reference: its record says whose memory it is
+            self.pending[id(buffer)] = buffer
+            return
+        self._count(buffer, owned=True)
         self._point()
 
     def _free(self, key: int) -> None:
-        size = self.sizes.pop(key, None)
-        if size is None:
+        if self.pending.pop(key, None) is not None:
+            self.serials.pop(key, None)
             return
+        counted = self.counted.pop(key, None)
+        if counted is None:
+            return
+        owned, size, root_id = counted
+        if owned:
+            self.live -= size
+        else:
+            self.live_aliased -= size
+        if root_id is not None:
+            self.roots[root_id] -= 1
+            if not self.roots[root_id]:
+                del self.roots[root_id]
         self.serials.pop(key, None)
-        self.live -= size
         self.probe.sample()
         self._point()
 
@@ -147,12 +246,22 @@ class _Recorder:
         self._point()
 
     def stop(self) -> None:
+        if self.pending:
+            self._claim_pending()
         synchronize(self.device)
         elapsed = time.perf_counter() - self.started
         self._point()
         self.profile.forward_seconds = max(elapsed - self.profile.backward_seconds, 0.0)
         self.profile.device_peak_bytes = self.probe.stop()
         self._sample_rss()
+
+
+def _root(array: Any) -> Any:
+    """The array that owns `array`'s memory (numpy and cupy views keep it as `.base`)."""
+    base = getattr(array, "base", None)
+    while base is not None and hasattr(base, "shape"):  # not a bytes or mmap owner
+        array, base = base, getattr(base, "base", None)
+    return array
 
 
 @contextmanager

@@ -18,7 +18,8 @@ from ..safe_files import write_text
 __all__ = ["Profile", "ProfileFormatError", "SavedRecord", "from_plain"]
 
 SCHEMA = "checkpoint-ad/profile"
-VERSION = 1
+VERSION = 2  # 2: records say whether they are owned; aliased bytes are counted apart
+READS = (1, 2)  # version 1 counted every saved value as owned: loaded as such
 T = TypeVar("T")
 
 
@@ -35,15 +36,20 @@ class SavedRecord:
     origin: str
     buffer: int  # identifies the stored buffer: records sharing one count its bytes once
     phase: str  # "forward", "backward" or "recompute"
+    owned: bool = True  # False: the caller's own memory (a parameter, input data) by reference
 
 
 @dataclass
 class Profile:
     """Measurements of one run: saved values, live tape bytes over time, times, memory.
 
-    `peak_tape_bytes` is the most stored bytes of saved values alive at once (each shared
-    buffer counted once); `device_peak_bytes` is what the device's allocator measured above
-    the level at the start (tracemalloc for numpy, cupy's pool on GPU).
+    `peak_tape_bytes` is the most stored bytes of *owned* saved values alive at once (each
+    shared buffer counted once): memory that exists because the tape keeps it, which is what a
+    strategy can save. Values saved by reference that are the caller's own memory anyway
+    (parameters, input data) are counted apart in `aliased_bytes` (the most alive at once;
+    None in a version-1 file, which counted them in `peak_tape_bytes`). `device_peak_bytes`
+    is what the device's allocator measured above the level at the start (tracemalloc for
+    numpy, cupy's pool on GPU).
     """
 
     device: str = "cpu"
@@ -53,6 +59,7 @@ class Profile:
     timeline_bytes: list[int] = field(default_factory=list)
     timeline_phase: list[str] = field(default_factory=list)
     peak_tape_bytes: int = 0
+    aliased_bytes: int | None = 0
     primitives: int = 0
     recomputed_primitives: int = 0
     forward_seconds: float = 0.0
@@ -69,18 +76,20 @@ class Profile:
 
     @property
     def saved_bytes(self) -> int:
-        """Stored bytes of every buffer ever saved, each counted once."""
-        return sum(self._buffers(self.records).values())
+        """Stored bytes of every owned buffer ever saved, each counted once (aliases of the
+        caller's memory left out, as in `peak_tape_bytes`)."""
+        return sum(self._buffers(r for r in self.records if r.owned).values())
 
     @staticmethod
     def _buffers(records: Iterable[SavedRecord]) -> dict[int, int]:
         return {r.buffer: r.stored_bytes for r in records}
 
     def _grouped(self, key: str) -> dict[str, dict[str, int]]:
-        """Count, logical and stored bytes of the saved values per value of a record field;
+        """Count, logical and stored bytes of the owned saved values, and stored bytes of the
+        aliased ones (the caller's memory, saved by reference), per value of a record field;
         a buffer shared by several records counts its bytes at the first of them."""
         table: dict[str, dict[str, int]] = defaultdict(
-            lambda: {"count": 0, "logical": 0, "stored": 0}
+            lambda: {"count": 0, "logical": 0, "stored": 0, "aliased": 0}
         )
         seen: set[int] = set()
         for r in self.records:
@@ -88,8 +97,11 @@ class Profile:
             row["count"] += 1
             if r.buffer not in seen:
                 seen.add(r.buffer)
-                row["logical"] += r.logical_bytes
-                row["stored"] += r.stored_bytes
+                if r.owned:
+                    row["logical"] += r.logical_bytes
+                    row["stored"] += r.stored_bytes
+                else:
+                    row["aliased"] += r.stored_bytes
         return dict(table)
 
     def by_op(self) -> dict[str, dict[str, int]]:
@@ -107,7 +119,10 @@ class Profile:
             f"device {self.device}  forward {self.forward_seconds:.4f}s  backward "
             f"{self.backward_seconds:.4f}s  (recompute {self.recompute_seconds:.4f}s, "
             f"{self.recomputed_primitives} primitives re-run of {self.primitives})",
-            f"peak tape {self.peak_tape_bytes / mib:.3f} MiB   saved in all "
+            f"peak tape {self.peak_tape_bytes / mib:.3f} MiB owned"
+            + (f" (+{self.aliased_bytes / mib:.3f} MiB the caller's, saved by reference)"
+               if self.aliased_bytes else "")
+            + f"   saved in all "
             f"{self.saved_bytes / mib:.3f} MiB   device peak "
             + (f"{self.device_peak_bytes / mib:.3f} MiB ({self.memory_source})"
                if self.device_peak_bytes is not None else "not measured")
@@ -147,12 +162,19 @@ class Profile:
             raise ProfileFormatError(
                 f"not a checkpoint-ad profile (schema {data.get('schema')!r}); expected {SCHEMA!r}"
             )
-        if data.get("version") != VERSION:
+        version = data.get("version")
+        if version not in READS or isinstance(version, bool):
             raise ProfileFormatError(
-                f"profile version {data.get('version')!r} is not readable by this version "
-                f"(reads {VERSION}); re-record it with this version of checkpoint-ad"
+                f"profile version {version!r} is not readable by this version "
+                f"(reads {', '.join(map(str, READS))}); re-record it with this version of "
+                "checkpoint-ad"
             )
         fields = {k: v for k, v in data.items() if k not in ("schema", "version")}
+        if version == 1:  # every saved value counted as owned; aliases not told apart
+            fields.setdefault("aliased_bytes", None)
+            if isinstance(fields.get("records"), list):
+                fields["records"] = [{**r, "owned": True} if isinstance(r, dict) else r
+                                     for r in fields["records"]]
         unknown = set(fields) - set(cls.__dataclass_fields__)
         if unknown:
             raise ProfileFormatError(f"unknown profile fields {sorted(unknown)}; this version "

@@ -1,0 +1,122 @@
+"""Threads and events: a profile, a GradientTape and the engine's random generator are each the
+calling thread's own; a recompute that raises still closes its events."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+import checkpoint_ad as cad
+from checkpoint_ad.nn import functional as F
+
+
+def _in_threads(jobs: list[Callable[[], Any]]) -> list[Any]:
+    """Run each job in its own thread, all started together; re-raise the first failure."""
+    results: list[Any] = [None] * len(jobs)
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(len(jobs))
+
+    def run(i: int) -> None:
+        try:
+            barrier.wait()
+            results[i] = jobs[i]()
+        except BaseException as exc:  # reported in the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def _chain(n: int, rounds: int) -> Callable[[], tuple[int, int]]:
+    """n tanh ops per round, profiled in the calling thread: (primitives, records) seen."""
+    def job() -> tuple[int, int]:
+        x = cad.tensor(np.ones(16), requires_grad=True)
+        with cad.profile() as prof:
+            for _ in range(rounds):
+                h = x
+                for _ in range(n):
+                    h = cad.tanh(h)
+        return prof.primitives, len(prof.records)
+    return job
+
+
+def test_a_profile_counts_only_its_own_threads_primitives():
+    counts = _in_threads([_chain(3, 200), _chain(7, 200)])
+    assert counts == [(600, 600), (1400, 1400)]
+
+
+def test_a_gradient_tape_records_only_its_own_threads_ops():
+    def job(n: int) -> tuple[int, float]:
+        x = cad.tensor(0.5)
+        with cad.GradientTape() as tape:
+            tape.watch(x)
+            y = x
+            for _ in range(200):
+                y = y * 1.0 + 0.0  # 2 recorded ops per round
+            y = y * float(n)
+        return len(list(tape.entries)), tape.gradient(y, x).item()
+
+    results = _in_threads([lambda: job(2), lambda: job(3)])
+    assert results == [(401, 2.0), (401, 3.0)]
+
+
+def test_checkpointed_dropout_in_four_threads_matches_the_plain_computation():
+    def region(h: Any, w: Any) -> Any:
+        return cad.tanh(F.dropout(h @ w, 0.3))
+
+    def job(seed: int) -> int:
+        rng = np.random.default_rng(seed)
+        dropped = 0
+        for i in range(100):
+            w0 = rng.standard_normal((8, 8))
+            x = cad.tensor(rng.standard_normal((4, 8)))
+            grads = []
+            for checkpointed in (True, False):
+                w = cad.tensor(w0, requires_grad=True)
+                cad.random.manual_seed(1000 * seed + i)
+                y = cad.checkpoint(region, x, w) if checkpointed else region(x, w)
+                y.sum().backward()
+                grads.append(w.grad.numpy())
+            np.testing.assert_array_equal(grads[0], grads[1])
+            dropped += int(np.count_nonzero(y.detach().numpy() == 0))
+        return dropped
+
+    dropped = _in_threads([lambda s=s: job(s) for s in range(4)])
+    assert all(n > 0.2 * 100 * 32 for n in dropped)  # dropout really dropped (p = 0.3)
+
+
+def test_a_recompute_that_raises_leaves_later_profiles_clean():
+    calls = {"n": 0}
+
+    def region(h: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 2:  # the re-run for the backward sweep
+            raise RuntimeError("region failed on its re-run")
+        return cad.tanh(h)
+
+    x = cad.tensor(np.ones(8), requires_grad=True)
+    # one profile over both runs: had the failed sweep left 'recompute_end' or 'backward_end'
+    # unsent, the plain run after it would count as recomputed, or its time as nested
+    with cad.profile() as prof:
+        y = cad.checkpoint(region, x).sum()
+        with pytest.raises(RuntimeError, match="re-run"):
+            y.backward()
+        assert calls["n"] == 2
+        failed_seconds = prof.backward_seconds
+        cad.tanh(cad.tanh(x)).sum().backward()
+    assert prof.recomputed_primitives == 0
+    assert prof.backward_seconds > failed_seconds > 0
+    assert prof.timeline_phase[-1] == "forward"  # neither backward nor recompute left open
+    with cad.profile() as later:  # and a profile of its own afterwards
+        cad.tanh(cad.tanh(x)).sum().backward()
+    assert later.recomputed_primitives == 0 and later.backward_seconds > 0
