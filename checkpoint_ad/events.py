@@ -26,9 +26,14 @@ def emit(kind: str, payload: Any) -> None:
     'backward_begin' / 'backward_end' (a sweep, None), 'recompute_begin' / 'recompute_end'
     (a region or loop re-running forward work, its name).
     """
-    me = threading.get_ident()
-    for thread, listener in tuple(listeners):
-        if thread == me:
+    emit_to(threading.get_ident(), kind, payload)
+
+
+def emit_to(thread: int, kind: str, payload: Any) -> None:
+    """Send one event to the listeners subscribed from `thread` (for a saved buffer that dies
+    in another thread than the one that made it: its 'free' belongs to its maker's profile)."""
+    for subscriber, listener in tuple(listeners):
+        if subscriber == thread:
             listener(kind, payload)
 
 

@@ -161,7 +161,7 @@ def pack_value(array: Any, packer: Strategy) -> SavedBuffer:
     buffer = SavedBuffer(array, packer)
     if events.listeners:
         events.emit("pack", buffer)
-        weakref.finalize(buffer, events.emit, "free", id(buffer))
+        weakref.finalize(buffer, events.emit_to, threading.get_ident(), "free", id(buffer))
     return buffer
 
 

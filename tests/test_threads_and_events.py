@@ -120,3 +120,26 @@ def test_a_recompute_that_raises_leaves_later_profiles_clean():
     with cad.profile() as later:  # and a profile of its own afterwards
         cad.tanh(cad.tanh(x)).sum().backward()
     assert later.recomputed_primitives == 0 and later.backward_seconds > 0
+
+
+def test_a_buffer_freed_in_another_thread_is_freed_in_its_makers_profile():
+    """The profile that saw a value packed sees it freed, whichever thread drops it last."""
+    import gc
+
+    import numpy as np
+
+    x = cad.tensor(np.ones(1000), requires_grad=True)
+    with cad.profile() as prof:
+        y = cad.tanh(x)  # saves its output: 8000 bytes
+        holder = [y]
+        del y
+
+        def drop():
+            holder.clear()
+            gc.collect()
+
+        t = threading.Thread(target=drop)
+        t.start()
+        t.join()
+    assert prof.peak_tape_bytes == 8000
+    assert prof.timeline_bytes[-1] == 0
