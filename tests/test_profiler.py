@@ -253,3 +253,23 @@ def test_the_pareto_front_agrees_with_measured_device_peaks_on_the_rnn():
         assert rows["recompute"].device_peak_bytes < min(
             rows["revolve-4"].device_peak_bytes, rows["revolve-16"].device_peak_bytes)
     assert rows["recompute"].peak_tape_bytes > revolve  # it keeps every step's carry
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["lstm", "residual_mlp", "heat", "neural_ode"])
+def test_less_tape_means_no_more_measured_memory_on_every_built_in_model(model):
+    """The memory axis ranks the loop strategies as the allocator does on each built-in model
+    at its main-job sizes: a preset with less peak tape than another has no larger
+    tracemalloc peak (within 5% of keep-all's: gradients and parameters are not tape)."""
+    from checkpoint_ad.models import SWEEP_SIZES
+    from checkpoint_ad.sweep import sweep
+
+    result = sweep(model, ["keep-all", "recompute", "revolve-4"], sizes=SWEEP_SIZES[model],
+                   progress=False, repeats=1)
+    rows = {r.preset: r for r in result.rows}
+    tolerance = 0.05 * rows["keep-all"].device_peak_bytes
+    for a in rows.values():
+        for b in rows.values():
+            if a.peak_tape_bytes < b.peak_tape_bytes:
+                assert a.device_peak_bytes <= b.device_peak_bytes + tolerance, (a.preset, b.preset)
+    assert rows["revolve-4"].device_peak_bytes < rows["keep-all"].device_peak_bytes

@@ -332,7 +332,13 @@ class PlannedLoop:
         n_carry = len(self.carry_meta)
         adj_carry = list(grads[:n_carry])
         adj_ys = grads[n_carry:]
-        adj_xs: list[list[Any]] = [[None] * loop.n for _ in loop.xs_leaves]
+        # each scanned input's gradient, one array written row by row (not a list of rows
+        # stacked at the end: that would hold it twice)
+        adj_xs: list[Any] = [
+            namespace(x._data).zeros(x.shape, dtype=x.dtype)
+            if x is not None and x.requires_grad else None
+            for x in loop.xs_leaves
+        ]
         adj_ext: dict[tuple[int, int], Any] = {}
         owned: dict[int, Any] = {}  # gradient sums made here, safe to add into in place
         arrays = forward.current
@@ -374,13 +380,7 @@ class PlannedLoop:
             self.state = None
             self.consumed = True
         results = list(adj_carry)
-        for k, x in enumerate(loop.xs_leaves):
-            if x is None or not x.requires_grad:
-                results.append(None)
-                continue
-            xp = namespace(x._data)
-            rows = [xp.zeros(x.shape[1:], dtype=x.dtype) if g is None else g for g in adj_xs[k]]
-            results.append(xp.stack(rows, axis=0))
+        results.extend(adj_xs)
         for key in self.externals:
             results.append(adj_ext.get(key))
         return results
@@ -406,7 +406,7 @@ class PlannedLoop:
         segment: _TapedSegment,
         adj_carry: list[Any],
         adj_ys: list[Any],
-        adj_xs: list[list[Any]],
+        adj_xs: list[Any],
         adj_ext: dict[tuple[int, int], Any],
         owned: dict[int, Any],
         retain_graph: bool,
@@ -471,7 +471,9 @@ class PlannedLoop:
         for t, parts in segment.x_parts:
             for k, p in enumerate(parts):
                 if p is not None and p.requires_grad:
-                    adj_xs[k][t] = captured[keys[(id(p), 0)]]
+                    g = captured[keys[(id(p), 0)]]
+                    if g is not None:
+                        adj_xs[k][t] = g
         for key in self.externals:
             if captured[keys[key]] is not None:
                 adj_ext[key] = captured[keys[key]]
