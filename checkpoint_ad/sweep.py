@@ -157,7 +157,7 @@ def _forward_backward(model: Any, preset: Any) -> list[Any]:
 
 def run_one(model: Any, preset: Any, device: str, meta: dict[str, Any]) -> tuple[Profile, list]:
     """Run `model` forward and backward under `preset`, profiled; return profile and grads."""
-    with profile(device=device, strategy=preset.name, **meta) as prof:
+    with profile(device=device, device_memory=True, strategy=preset.name, **meta) as prof:
         grads = _forward_backward(model, preset)
     return prof, [np.asarray(g.numpy(), dtype=np.float64) for g in grads]
 

@@ -104,7 +104,7 @@ def test_json_round_trip_and_files(tmp_path):
 
 def test_summary_lists_ops_and_origins():
     x = cad.tensor(np.ones((8, 8)), requires_grad=True)
-    with cad.profile() as prof:
+    with cad.profile(device_memory=True) as prof:
         (cad.sigmoid(x @ x)).sum().backward()
     text = prof.summary()
     assert "matmul" in text and "sigmoid" in text and "test_profiler.py" in text
@@ -273,3 +273,20 @@ def test_less_tape_means_no_more_measured_memory_on_every_built_in_model(model):
             if a.peak_tape_bytes < b.peak_tape_bytes:
                 assert a.device_peak_bytes <= b.device_peak_bytes + tolerance, (a.preset, b.preset)
     assert rows["revolve-4"].device_peak_bytes < rows["keep-all"].device_peak_bytes
+
+
+def test_device_memory_is_measured_when_asked_and_the_profile_says_how():
+    """tracemalloc slows numpy code several times over: on the CPU it runs only on request."""
+    import tracemalloc
+
+    x = cad.tensor(np.ones(4096), requires_grad=True)
+    with cad.profile() as plain:
+        assert not tracemalloc.is_tracing()
+        cad.tanh(x).sum().backward()
+    assert plain.memory_source == "none" and plain.device_peak_bytes is None
+    assert plain.peak_tape_bytes == 4096 * 8  # the tape is accounted either way
+    with cad.profile(device_memory=True) as measured:
+        cad.tanh(x).sum().backward()
+    assert measured.memory_source == "tracemalloc"
+    assert measured.device_peak_bytes >= 4096 * 8
+    assert not tracemalloc.is_tracing()

@@ -61,7 +61,10 @@ class CupyPoolProbe(MemoryProbe):
         return self._peak - self._base
 
 
-def probe_for(device: str) -> MemoryProbe:
+def probe_for(device: str, enabled: bool = True) -> MemoryProbe:
+    """How to measure `device`'s memory (a probe that measures nothing when not `enabled`)."""
+    if not enabled:
+        return MemoryProbe()
     if device.startswith("cuda"):
         from ..backend import cupy_or_none
 

@@ -26,10 +26,10 @@ from .records import Profile, SavedRecord
 class _Recorder:
     """The event listener: keeps live saved bytes, phases and records up to date."""
 
-    def __init__(self, profile: Profile, device: str) -> None:
+    def __init__(self, profile: Profile, device: str, device_memory: bool) -> None:
         self.profile = profile
         self.device = device
-        self.probe = probe_for(device)
+        self.probe = probe_for(device, device_memory)
         self.serials: dict[int, int] = {}  # id(buffer) -> serial (ids are reused; serials not)
         # id(buffer) -> (owned, bytes counted, id of its array if owned and by reference)
         self.counted: dict[int, tuple[bool, int, int | None]] = {}
@@ -265,11 +265,17 @@ def _root(array: Any) -> Any:
 
 
 @contextmanager
-def profile(device: str = "cpu", **meta: Any) -> Iterator[Profile]:
+def profile(
+    device: str = "cpu", device_memory: bool | None = None, **meta: Any
+) -> Iterator[Profile]:
     """Profile the tape of everything run inside the block.
 
     Yields the `Profile`, which is complete when the block exits. Nothing is measured, and
-    nothing costs, outside such a block.
+    nothing costs, outside such a block. `device_memory` also measures the device's peak
+    allocation (`Profile.device_peak_bytes`; `Profile.memory_source` says how): cupy's pool
+    on a GPU, which costs little and is on by default there; tracemalloc on the CPU, which
+    traces every allocation and slows numpy-heavy code several times over, so it is off
+    unless asked for (the sweeps ask for it, and time their runs apart).
 
     >>> import checkpoint_ad as cad
     >>> x = cad.tensor([1.0, 2.0], requires_grad=True)
@@ -279,7 +285,9 @@ def profile(device: str = "cpu", **meta: Any) -> Iterator[Profile]:
     (8, 'tanh')
     """
     result = Profile(device=device, meta=dict(meta))
-    recorder = _Recorder(result, device)
+    if device_memory is None:
+        device_memory = device.startswith("cuda")
+    recorder = _Recorder(result, device, bool(device_memory))
     recorder.start()
     unsubscribe = events.subscribe(recorder)
     try:
