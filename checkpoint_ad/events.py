@@ -26,7 +26,10 @@ def emit(kind: str, payload: Any) -> None:
     'backward_begin' / 'backward_end' (a sweep, None), 'recompute_begin' / 'recompute_end'
     (a region or loop re-running forward work, its name).
     """
-    emit_to(threading.get_ident(), kind, payload)
+    thread = threading.get_ident()
+    for subscriber, listener in tuple(listeners):
+        if subscriber == thread:
+            listener(kind, payload)
 
 
 def emit_to(thread: int, kind: str, payload: Any) -> None:

@@ -162,11 +162,11 @@ class _Recorder:
             self.profile.records.append(SavedRecord(
                 op=entry.name,
                 role=slot.name,
-                shape=tuple(int(d) for d in buffer.shape),
-                dtype=str(buffer.dtype),
+                shape=buffer.shape,
+                dtype=_dtype_name(buffer.dtype),
                 logical_bytes=buffer.logical_nbytes,
                 stored_bytes=buffer.stored_nbytes,
-                origin=entry.origin,
+                origin=_origin(entry),
                 buffer=self._serial(buffer),
                 phase=self.phase,
                 owned=owned,
@@ -295,3 +295,24 @@ def profile(
     finally:
         unsubscribe()
         recorder.stop()
+
+
+_dtype_names: dict[Any, str] = {}
+_origins: dict[Any, str] = {}
+
+
+def _dtype_name(dtype: Any) -> str:
+    """str(dtype), remembered: numpy's is slow enough to show in a profiled run."""
+    name = _dtype_names.get(dtype)
+    if name is None:
+        name = _dtype_names[dtype] = str(dtype)
+    return name
+
+
+def _origin(entry: Any) -> str:
+    """entry.origin ('file:line'), remembered per source line."""
+    frame = entry.origin_frame
+    text = _origins.get(frame)
+    if text is None:
+        text = _origins[frame] = entry.origin
+    return text
