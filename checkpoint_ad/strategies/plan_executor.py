@@ -221,11 +221,23 @@ class PlannedLoop:
     def _discover(
         self, outputs: list[Any], step_inputs: list[Any], seq_before: int
     ) -> dict[Any, Any]:
-        """The tensors outside the loop that a step's tape reaches (closure captures)."""
+        """The tensors outside the loop that a step's tape reaches (closure captures),
+        including one the step returns as it is."""
         inside = {id(c) for c in step_inputs if c is not None}
-        stack_ = [o._entry for o in outputs if o is not None and o._entry is not None]
-        seen: set[int] = set()
+        stack_ = []
         found = {}
+        for o in outputs:
+            if o is None or id(o) in inside:
+                continue
+            edge = edge_of(o)
+            if edge is None:
+                continue
+            node, index = edge
+            if type(node) is Entry and node.seq > seq_before:
+                stack_.append(node)
+            else:  # made outside the loop and returned untouched
+                found[(id(node), index)] = edge
+        seen: set[int] = set()
         while stack_:
             entry = stack_.pop()
             if id(entry) in seen:
@@ -333,12 +345,13 @@ class PlannedLoop:
         adj_carry = list(grads[:n_carry])
         adj_ys = grads[n_carry:]
         # each scanned input's gradient, one array written row by row (not a list of rows
-        # stacked at the end: that would hold it twice)
+        # stacked at the end: that would hold it twice); None where no gradient reached it
         adj_xs: list[Any] = [
             namespace(x._data).zeros(x.shape, dtype=x.dtype)
             if x is not None and x.requires_grad else None
             for x in loop.xs_leaves
         ]
+        xs_reached = [False] * len(adj_xs)
         adj_ext: dict[tuple[int, int], Any] = {}
         owned: dict[int, Any] = {}  # gradient sums made here, safe to add into in place
         arrays = forward.current
@@ -372,7 +385,7 @@ class PlannedLoop:
                     if not retain_graph:
                         forward.kept = None
                 adj_carry = self._pull_back(
-                    segment, adj_carry, adj_ys, adj_xs, adj_ext, owned,
+                    segment, adj_carry, adj_ys, adj_xs, xs_reached, adj_ext, owned,
                     retain_graph=retain_graph and kept is not None,
                 )
                 arrays = None
@@ -380,7 +393,7 @@ class PlannedLoop:
             self.state = None
             self.consumed = True
         results = list(adj_carry)
-        results.extend(adj_xs)
+        results.extend(g if reached else None for g, reached in zip(adj_xs, xs_reached))
         for key in self.externals:
             results.append(adj_ext.get(key))
         return results
@@ -407,6 +420,7 @@ class PlannedLoop:
         adj_carry: list[Any],
         adj_ys: list[Any],
         adj_xs: list[Any],
+        xs_reached: list[bool],
         adj_ext: dict[tuple[int, int], Any],
         owned: dict[int, Any],
         retain_graph: bool,
@@ -430,10 +444,11 @@ class PlannedLoop:
         for c, g in zip(segment.carry_out, adj_carry):
             if c is not None and g is not None and c.requires_grad:
                 roots.append((edge_of(c), g))
-        for t, ys in segment.y_out:
-            # later outputs first: their stacks were recorded last, so a plain tape adds
-            # their adjoints first where outputs alias one tensor
-            for k in reversed(range(len(ys))):
+        # later outputs first, and later steps first: a plain tape's stacks of the outputs
+        # were recorded last (and in that order), so it adds their adjoints in this order
+        # where outputs alias one tensor
+        for k in reversed(range(len(adj_ys))):
+            for t, ys in reversed(segment.y_out):
                 y, g = ys[k], adj_ys[k]
                 if t == stop - 1 and stop < loop.n and k in self.same:
                     continue  # already added into adj_carry when the next step was reversed
@@ -467,13 +482,16 @@ class PlannedLoop:
         new_adj = []
         for c in carry_in:
             keep = c is not None and c.requires_grad
-            new_adj.append(captured[keys[(id(c), 0)]] if keep else None)
+            g = captured[keys[(id(c), 0)]] if keep else None
+            owned.pop(id(g), None)  # handed on as a root: a rule may pass it to two inputs
+            new_adj.append(g)
         for t, parts in segment.x_parts:
             for k, p in enumerate(parts):
                 if p is not None and p.requires_grad:
                     g = captured[keys[(id(p), 0)]]
                     if g is not None:
                         adj_xs[k][t] = g
+                        xs_reached[k] = True
         for key in self.externals:
             if captured[keys[key]] is not None:
                 adj_ext[key] = captured[keys[key]]
