@@ -96,3 +96,22 @@ def test_policy_objects_print_compare_and_refuse_nonsense() -> None:
         cad.remat(abs, policy=3)
     with pytest.raises(TypeError, match="remat needs a function"):
         cad.remat(3)
+
+
+def test_checkpoint_takes_jax_policies_and_gives_remats_gradients() -> None:
+    """JAX: `jax.checkpoint(f, policy=...)`; here `cad.checkpoint(f, *args, policy=...)`."""
+    w = cad.tensor(RNG.standard_normal((3, 3)), requires_grad=True)
+    x = cad.tensor(RNG.standard_normal((2, 3)))
+
+    def layer(h):
+        return cad.tanh(h @ w) * cad.sin(h @ w)
+
+    for policy in (cad.checkpoint_policies.nothing_saveable,
+                   cad.checkpoint_policies.dots_saveable,
+                   cad.checkpoint_policies.everything_saveable):
+        (want,) = cad.grad(cad.remat(layer, policy=policy)(x).sum(), [w])
+        (got,) = cad.grad(cad.checkpoint(layer, x, policy=policy).sum(), [w])
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+    with pytest.raises(TypeError, match="not both"):
+        cad.checkpoint(layer, x, policy=cad.checkpoint_policies.dots_saveable,
+                       strategy=cad.strategies.Recompute())

@@ -19,66 +19,28 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-from ..tape import Primitive
-from .base import KeepAll, Strategy
-from .policy import Policy
+from .policy import (
+    NamedPolicy,
+    as_strategy,
+    dots_saveable,
+    everything_saveable,
+    nothing_saveable,
+    save_products,
+)
 from .recompute import checkpoint
 from .scope import use
 
-_PRODUCTS = frozenset({"matmul", "einsum"})
-
-
-def save_products(prim: Primitive) -> str:
-    """`dots_saveable`'s answer for one primitive: keep products, recompute the rest."""
-    return "save" if prim.name in _PRODUCTS else "recompute"
-
-
-@dataclass(frozen=True)
-class NamedPolicy:
-    """One of JAX's named checkpoint policies, with the strategy it maps onto."""
-
-    name: str
-
-    def __repr__(self) -> str:
-        return f"checkpoint_policies.{self.name}"
-
-    def strategy(self) -> Strategy | None:
-        """The storage strategy for the region, or None for a recomputed region."""
-        if self.name == "nothing_saveable":
-            return None
-        if self.name == "everything_saveable":
-            return KeepAll()
-        return Policy(save_products)
-
-
-nothing_saveable = NamedPolicy("nothing_saveable")
-everything_saveable = NamedPolicy("everything_saveable")
-dots_saveable = NamedPolicy("dots_saveable")
-
-
-def _as_strategy(policy: Any) -> Strategy | None:
-    if policy is None:
-        return None
-    if isinstance(policy, NamedPolicy):
-        return policy.strategy()
-    if isinstance(policy, Strategy):
-        return policy
-    if callable(policy):
-        def decide(prim: Primitive) -> Any:
-            answer = policy(prim)
-            if isinstance(answer, bool):
-                return "save" if answer else "recompute"
-            return answer
-
-        return Policy(decide)
-    raise TypeError(
-        f"remat: policy must be one of checkpoint_policies (e.g. dots_saveable), a callable "
-        f"taking a primitive, or a strategy; got {type(policy).__name__}"
-    )
-
+__all__ = [
+    "NamedPolicy",
+    "as_strategy",
+    "dots_saveable",
+    "everything_saveable",
+    "nothing_saveable",
+    "remat",
+    "save_products",
+]
 
 def remat(fn: Callable[..., Any], *, policy: Any = None, prevent_cse: bool = True,
           static_argnums: tuple[int, ...] = ()) -> Callable[..., Any]:
@@ -98,7 +60,7 @@ def remat(fn: Callable[..., Any], *, policy: Any = None, prevent_cse: bool = Tru
     """
     if not callable(fn):
         raise TypeError(f"remat needs a function, got {type(fn).__name__}")
-    strategy = _as_strategy(policy)
+    strategy = as_strategy(policy)
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:

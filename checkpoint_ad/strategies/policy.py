@@ -56,3 +56,57 @@ class Policy(Strategy):
 
 _SAVE = KeepAll()
 _RECOMPUTE = StoreInputs()
+
+
+# ------------------------------------------------------------------ JAX's named policies
+_PRODUCTS = frozenset({"matmul", "einsum"})
+
+
+def save_products(prim: Primitive) -> str:
+    """`dots_saveable`'s answer for one primitive: keep products, recompute the rest."""
+    return "save" if prim.name in _PRODUCTS else "recompute"
+
+
+@dataclass(frozen=True)
+class NamedPolicy:
+    """One of JAX's named checkpoint policies, with the strategy it maps onto."""
+
+    name: str
+
+    def __repr__(self) -> str:
+        return f"checkpoint_policies.{self.name}"
+
+    def strategy(self) -> Strategy | None:
+        """The storage strategy for the region, or None for a recomputed region."""
+        if self.name == "nothing_saveable":
+            return None
+        if self.name == "everything_saveable":
+            return KeepAll()
+        return Policy(save_products)
+
+
+nothing_saveable = NamedPolicy("nothing_saveable")
+everything_saveable = NamedPolicy("everything_saveable")
+dots_saveable = NamedPolicy("dots_saveable")
+
+
+def as_strategy(policy: Any) -> Strategy | None:
+    """The saved-value strategy a JAX-style policy means (None: recompute the region)."""
+    if policy is None:
+        return None
+    if isinstance(policy, NamedPolicy):
+        return policy.strategy()
+    if isinstance(policy, Strategy):
+        return policy
+    if callable(policy):
+        def decide(prim: Primitive) -> Any:
+            answer = policy(prim)
+            if isinstance(answer, bool):
+                return "save" if answer else "recompute"
+            return answer
+
+        return Policy(decide)
+    raise TypeError(
+        f"policy must be one of checkpoint_policies (e.g. dots_saveable), a callable "
+        f"taking a primitive, or a strategy; got {type(policy).__name__}"
+    )

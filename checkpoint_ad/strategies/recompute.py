@@ -24,6 +24,7 @@ from ..grad_mode import enable_grad, is_grad_enabled
 from ..saved import SavedSlot, Strategy, buffer_for, current_packer, use_packer
 from ..tensor import Tensor
 from .kinds import LoopStrategy, RegionStrategy
+from .policy import as_strategy
 from .revolve import Plan, periodic_plan
 
 
@@ -211,6 +212,7 @@ def checkpoint(
     debug: bool = False,
     use_reentrant: bool | None = None,
     preserve_rng_state: bool = True,
+    policy: Any = None,
     **kwargs: Any,
 ) -> Any:
     """Run ``fn(*args, **kwargs)`` keeping only its inputs; re-run it during backward.
@@ -225,7 +227,10 @@ def checkpoint(
     region here always behaves like PyTorch's non-reentrant checkpoint: it works under
     `grad()`, with keyword arguments, and when no input requires grad);
     ``preserve_rng_state=False`` skips the replay (faster, for functions that draw nothing,
-    or whose re-run may draw other numbers).
+    or whose re-run may draw other numbers). JAX's `policy` (`checkpoint_policies.
+    dots_saveable`, ..., a callable answering per primitive, or a saved-value strategy)
+    runs `fn` with the saved-value strategy the policy means instead of recomputing it
+    (`nothing_saveable`, the default, recomputes); see `checkpoint_ad.strategies.jax_policies`.
 
     >>> import checkpoint_ad as cad
     >>> w = cad.tensor([0.5, -1.0], requires_grad=True)
@@ -236,6 +241,14 @@ def checkpoint(
     """
     if not callable(fn):
         raise TypeError(f"checkpoint needs a function to re-run, got {type(fn).__name__}")
+    saving = as_strategy(policy)
+    if saving is not None:
+        if strategy is not None:
+            raise TypeError(
+                "checkpoint takes a region strategy= or a JAX-style policy=, not both"
+            )
+        with use_packer(saving):
+            return fn(*args, **kwargs)
     if strategy is not None and not isinstance(strategy, RegionStrategy):
         raise TypeError(
             f"checkpoint(strategy=...) takes a region strategy such as Recompute(), got "
