@@ -566,3 +566,21 @@ def test_once_differentiable_gives_first_order_and_refuses_second():
     np.testing.assert_allclose(g.numpy(), 3 * x.numpy() ** 2)
     with pytest.raises(cad.BackwardError, match="once_differentiable"):
         cad.grad(g.sum(), [x])
+
+
+def test_array_indexing_copies_so_changing_the_copy_leaves_its_source_alone() -> None:
+    """PyTorch/numpy: `y[[0, 2]]` is a copy (not a view): an in-place change to it neither
+    changes `y` nor bumps `y`'s version, so a value saved from `y` stays valid."""
+    x = cad.tensor([1.0, 2.0, 3.0], dtype="float64", requires_grad=True)
+    y = x * 2.0
+    z = y[[0, 2]]
+    mask = y[np.array([True, False, True])]
+    s = (y * y).sum()
+    with cad.no_grad():
+        z.mul_(3.0)
+        mask.add_(1.0)
+    assert y.version == 0 and y.tolist() == [2.0, 4.0, 6.0]
+    s.backward()
+    np.testing.assert_array_equal(x.grad.numpy(), 8.0 * np.array([1.0, 2.0, 3.0]))
+    w = x[0:2]  # a slice still is a view
+    assert w.version == x.version

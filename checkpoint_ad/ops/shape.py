@@ -76,6 +76,11 @@ BROADCAST_TO = define(
 GETITEM = define("getitem", lambda xp, x, *, index, source: x[index], "x", [
     {"x": vjp("", lambda g, *, index, source: scatter(g, index, source))},
 ], view=True)
+# integer or boolean array indices copy (numpy's advanced indexing): the result is no view and
+# has a storage and version counter of its own
+GATHER = define("getitem", lambda xp, x, *, index, source: x[index], "x", [
+    {"x": vjp("", lambda g, *, index, source: scatter(g, index, source))},
+])
 SCATTER = define("scatter", _scatter, "g", [
     {"g": vjp("", lambda gg, *, index, shape: getitem(gg, index))},
 ])
@@ -239,7 +244,8 @@ def getitem(x: Any, index: Any) -> Any:
             for p in parts
         )
         index = converted if isinstance(index, tuple) else converted[0]
-    return GETITEM(x, index=index, source=tuple(data.shape))
+    prim = GATHER if has_array_index(index) else GETITEM
+    return prim(x, index=index, source=tuple(data.shape))
 
 
 def scatter(g: Any, index: Any, shape: Sequence[int]) -> Any:
