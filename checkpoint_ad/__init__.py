@@ -5,7 +5,8 @@ storage strategies (store inputs/outputs, recompute, quantize, binomial checkpoi
 decide how each is kept, and the profiler can measure it.
 """
 
-from . import factories, nn, optim, random, strategies, testing
+from . import factories, nn, optim, strategies, testing
+from . import random as random  # cad.random; left out of __all__: it would shadow the stdlib module
 from .autograd import backward, grad
 from .errors import (
     AnomalyError,
@@ -85,7 +86,6 @@ __all__ = [
     "no_grad",
     "once_differentiable",
     "profile",
-    "random",
     "remat",
     "saved_values_hooks",
     "scan",
