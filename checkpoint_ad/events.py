@@ -8,13 +8,14 @@ it only: a profile taken in one thread does not count another thread's work.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 Listener = Callable[[str, Any], None]
 
-listeners: list[tuple[int, Listener]] = []  # (subscribing thread, listener), every thread's
+# (subscribing thread, listener, the kinds it hears or None for all), every thread's
+listeners: list[tuple[int, Listener, frozenset[str] | None]] = []
 
 
 def emit(kind: str, payload: Any) -> None:
@@ -27,23 +28,23 @@ def emit(kind: str, payload: Any) -> None:
     (a region or loop re-running forward work, its name).
     """
     thread = threading.get_ident()
-    for subscriber, listener in tuple(listeners):
-        if subscriber == thread:
+    for subscriber, listener, kinds in tuple(listeners):
+        if subscriber == thread and (kinds is None or kind in kinds):
             listener(kind, payload)
 
 
 def emit_to(thread: int, kind: str, payload: Any) -> None:
     """Send one event to the listeners subscribed from `thread` (for a saved buffer that dies
     in another thread than the one that made it: its 'free' belongs to its maker's profile)."""
-    for subscriber, listener in tuple(listeners):
-        if subscriber == thread:
+    for subscriber, listener, kinds in tuple(listeners):
+        if subscriber == thread and (kinds is None or kind in kinds):
             listener(kind, payload)
 
 
-def subscribe(listener: Listener) -> Callable[[], None]:
-    """Start delivering the calling thread's events to `listener`; returns a function that
-    stops it."""
-    item = (threading.get_ident(), listener)
+def subscribe(listener: Listener, kinds: Iterable[str] | None = None) -> Callable[[], None]:
+    """Start delivering the calling thread's events (of `kinds` only, when given) to
+    `listener`; returns a function that stops it."""
+    item = (threading.get_ident(), listener, None if kinds is None else frozenset(kinds))
     listeners.append(item)
 
     def unsubscribe() -> None:

@@ -289,7 +289,7 @@ def profile(
         device_memory = device.startswith("cuda")
     recorder = _Recorder(result, device, bool(device_memory))
     recorder.start()
-    unsubscribe = events.subscribe(recorder)
+    unsubscribe = events.subscribe(recorder, recorder.handlers)
     try:
         yield result
     finally:
