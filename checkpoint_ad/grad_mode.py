@@ -15,9 +15,18 @@ class _ModeState(threading.local):
     grad_enabled: bool = True
     inference: bool = False
     anomaly: bool = False
+    tracer: Any = None  # a loop's step tracer while it traces (strategies/step_program.py)
 
 
 _state = _ModeState()
+
+
+def refuse_trace(reason: str) -> None:
+    """Tell the step tracer, if one is tracing, that the step did something a replay cannot
+    repeat (read a value into Python, register a hook, ...): the loop then records every step."""
+    tracer = _state.tracer
+    if tracer is not None:
+        tracer.refuse(reason)
 
 
 def is_grad_enabled() -> bool:

@@ -435,6 +435,9 @@ def record(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> 
         else:
             result._base = base
             result._view = (parent._view[0] + ((prim, attrs),), base._entry)  # type: ignore[index]
+    tracer = _state.tracer
+    if tracer is not None:
+        tracer.note(prim, tensors, attrs, result)
     return result
 
 

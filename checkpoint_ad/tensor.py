@@ -17,7 +17,7 @@ from . import ops
 from .autograd import backward as _backward
 from .backend import is_array, namespace
 from .errors import BackwardError, InplaceError, RequiresGradConversionError, ShapeError
-from .grad_mode import _state, no_grad
+from .grad_mode import _state, no_grad, refuse_trace
 from .ops.shape import GETITEM, RESHAPE, TRANSPOSE
 from .saved import VersionCounter, pack_value
 from .tape import Entry, RemovableHandle, add_hook, next_sequence, refresh_view
@@ -184,6 +184,7 @@ class Tensor(TensorBase, made_by_engine=True):
         [20.0, 40.0]
         >>> handle.remove()
         """
+        refuse_trace("registers a tensor hook")
         if not self._current()._requires_grad:
             raise BackwardError(
                 f"cannot register a hook on a tensor that does not require grad ({self.dtype}"
@@ -340,6 +341,7 @@ class Tensor(TensorBase, made_by_engine=True):
     def _plain_array(self, what: str) -> Any:
         """The underlying array, refused for a tensor that requires grad: the array would carry
         on without the graph, and gradients through what is done with it would be lost."""
+        refuse_trace(f"reads a tensor's values into Python ({what})")
         if self._requires_grad:
             raise RequiresGradConversionError(
                 f"cannot convert a tensor that requires grad ({self.dtype}{list(self.shape)} on "

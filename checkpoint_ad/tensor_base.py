@@ -16,7 +16,7 @@ import numpy as np
 
 from .backend import device_name, is_array, is_floating, namespace, resolve_dtype, to_device
 from .errors import BackwardError, DTypeError
-from .grad_mode import _state
+from .grad_mode import _state, refuse_trace
 from .saved import VersionCounter
 
 
@@ -149,6 +149,7 @@ class TensorBase:
     # ----------------------------------------------------------------- conversions
     def numpy(self) -> np.ndarray:
         """The values as a numpy array (copied to the host for GPU tensors)."""
+        refuse_trace("reads a tensor's values into Python (numpy/item/tolist/bool/float)")
         return to_device(self._data, "cpu")
 
     def item(self) -> float:
@@ -173,6 +174,7 @@ class TensorBase:
 
     def retain_grad(self) -> Any:
         """Fill `.grad` of this non-leaf tensor during `backward()` as for leaves."""
+        refuse_trace("calls retain_grad()")
         if self._current()._entry is None:
             if not self._requires_grad:
                 raise BackwardError(

@@ -32,7 +32,7 @@ from .. import events, random
 from ..autograd import Capture, backpropagate
 from ..backend import is_floating, namespace
 from ..errors import BackwardError, SavedValueModifiedError
-from ..grad_mode import enable_grad, no_grad
+from ..grad_mode import _state, enable_grad, no_grad
 from ..pytree import flatten, unflatten
 from ..saved import KEEP, SavedBuffer, SavedSlot, freed_error, pack_value
 from ..tape import Entry, add_entry, edge_of, next_sequence
@@ -40,6 +40,7 @@ from ..tensor import Tensor
 from .kinds import LoopStrategy
 from .loop import StepLoop, columns, stack_outputs
 from .revolve import Advance, Free, Restore, Reverse, ReverseSegment, Snapshot
+from .step_program import ReplayedStep, StepProgram, Trace, same_program, stop_tracing, tracing
 
 
 @dataclass
@@ -65,6 +66,17 @@ class _TapedSegment:
 
 
 @dataclass
+class _ReplayedSegment:
+    """Steps start..stop-1 replayed from the step program, keeping what their backward reads."""
+
+    start: int
+    stop: int
+    steps: list[tuple[int, ReplayedStep]]
+    carry_out: list[Any]  # arrays
+    y_out: list[tuple[int, list[Any]]]  # arrays
+
+
+@dataclass
 class _ForwardState:
     """What the forward leaves for the backward: snapshots, the plan position, the taped end."""
 
@@ -73,13 +85,13 @@ class _ForwardState:
     current: list[Any] | None = None  # state in hand at `cursor`, and its random states
     current_engine_state: random.GeneratorState | None = None
     current_numpy_state: Any = None
-    kept: _TapedSegment | None = None  # the first reverse action's steps, taped in forward
+    kept: _TapedSegment | _ReplayedSegment | None = None  # the first reverse action's steps
 
 
 class PlannedLoop:
     """Runs a loop under a checkpointing plan: one tape entry for the whole loop."""
 
-    def __init__(self, loop: StepLoop, strategy: LoopStrategy) -> None:
+    def __init__(self, loop: StepLoop, strategy: LoopStrategy, trace: bool = True) -> None:
         self.loop = loop
         self.strategy = strategy
         self.storage = strategy.storage or KEEP
@@ -90,6 +102,10 @@ class PlannedLoop:
         self.state: _ForwardState | None = None
         self.consumed = False
         self.tracks_numpy = False  # set when the steps draw from numpy's global random state
+        # steps 0 and 1 are traced; when they give one program, later steps are replayed
+        self.traces: dict[int, Trace] | None = {} if trace else None
+        self.program: StepProgram | None = None
+        self.mode = "recorded: trace=False" if not trace else "recorded: not traced yet"
 
     # ------------------------------------------------------------- forward
     def run(self, carry_leaves: list[Any]) -> tuple[Any, Any]:
@@ -176,9 +192,61 @@ class PlannedLoop:
             segment = self._tape_steps(0, 1, arrays)
             self._discover_from(segment)
             return _arrays(segment.carry_out), _arrays(segment.y_out[0][1])
+        if self.program is not None:
+            loop.evaluations += 1
+            return self.program.run(arrays, self._x_arrays(t))
         with no_grad():
-            new, ys = loop.call(t, self._as_tensors(arrays, grad=False), loop.x_at(t))
+            new, ys = self._call(t, self._as_tensors(arrays, grad=False), loop.x_at(t))
         return _arrays(new), _arrays(ys)
+
+    # ------------------------------------------------------------- tracing
+    def _call(self, t: int, carry: list[Any], x: Any) -> tuple[list[Any], list[Any]]:
+        """Run step `t` (recorded); steps 0 and 1 are traced on the way."""
+        traces = self.traces
+        if traces is None or t > 1 or t in traces:
+            return self.loop.call(t, carry, x)
+        trace = Trace(len(carry) + len(self.loop.xs_leaves), next_sequence())
+        trace.add_inputs(list(carry) + (flatten(x)[0] if x is not None else []))
+        previous = tracing(trace)
+        try:
+            new, ys = self.loop.call(t, carry, x)
+        finally:
+            stop_tracing(previous)
+        trace.finish(new, ys)
+        traces[t] = trace
+        if len(traces) == 2 or self.loop.n == 1:
+            self._decide()
+        return new, ys
+
+    def _decide(self) -> None:
+        """Replay from now on if steps 0 and 1 traced to one program; say why not otherwise."""
+        traces = self.traces
+        assert traces is not None
+        self.traces = None  # decided: no more tracing, and the traced tensors are let go
+        if self.loop.n == 1:
+            self.mode = "recorded: a loop of one step has nothing to replay"
+            return
+        reason = same_program(traces[0], traces[1])
+        if reason is not None:
+            self.mode = f"recorded: the step {reason}"
+            return
+        self.program = StepProgram(traces[0], len(self.carry_meta))
+        self.mode = "replayed"
+
+    def _x_arrays(self, t: int) -> list[Any]:
+        return [None if x is None else _row(x._data, t) for x in self.loop.xs_leaves]
+
+    @property
+    def evaluations(self) -> int:
+        """Step evaluations so far, recorded or replayed (the plan's count once done)."""
+        return self.loop.evaluations
+
+    def _replayable(self) -> bool:
+        """Whether the backward may replay now: not under anomaly detection (it checks every
+        entry's gradients) and no hooks on captured leaves (they run per recorded pass)."""
+        program = self.program
+        return program is not None and not _state.anomaly and not any(
+            t._hooks for t in program.has_hooks)
 
     def _discover_from(self, segment: _TapedSegment) -> None:
         ys = segment.y_out[0][1]
@@ -367,9 +435,14 @@ class PlannedLoop:
                     snapshots[action.step] = self._pack(arrays)
             elif isinstance(action, Advance):
                 with events.recomputing(self.name), no_grad(), random.using(stream):
+                    program = self.program
                     for t in range(action.start, action.stop):
-                        new, _ = loop.call(t, self._as_tensors(arrays, False), loop.x_at(t))
-                        arrays = _arrays(new)
+                        if program is not None:
+                            loop.evaluations += 1
+                            arrays, _ = program.run(arrays, self._x_arrays(t))
+                        else:
+                            new, _ = loop.call(t, self._as_tensors(arrays, False), loop.x_at(t))
+                            arrays = _arrays(new)
             elif isinstance(action, Restore):
                 arrays = self._restore(snapshots[action.step], stream)
             elif isinstance(action, Free):
@@ -398,9 +471,27 @@ class PlannedLoop:
             results.append(adj_ext.get(key))
         return results
 
-    def _tape_steps(self, start: int, stop: int, arrays: list[Any]) -> _TapedSegment:
-        """Run steps start..stop-1 from the carry `arrays` with a tape."""
+    def _tape_steps(
+        self, start: int, stop: int, arrays: list[Any]
+    ) -> _TapedSegment | _ReplayedSegment:
+        """Run steps start..stop-1 from the carry `arrays` with a tape (or replayed, keeping
+        what the tape would keep)."""
         loop = self.loop
+        if self._replayable():
+            program = self.program
+            assert program is not None
+            steps: list[tuple[int, ReplayedStep]] = []
+            y_out = []
+            previous = None
+            for t in range(start, stop):
+                loop.evaluations += 1
+                step = program.tape(arrays, self._x_arrays(t), previous)
+                arrays = step.output(program.carry_out)
+                y_out.append((t, step.output(program.y_out)))
+                step.drop_values(program.carry_out)
+                steps.append((t, step))
+                previous = step
+            return _ReplayedSegment(start, stop, steps, arrays, y_out)
         carry_in = self._as_tensors(arrays, grad=True)
         carry = carry_in
         x_parts: list[tuple[int, list[Any]]] = []
@@ -409,7 +500,7 @@ class PlannedLoop:
         with enable_grad():
             for t in range(start, stop):
                 x = self._x_tensors(t)
-                carry, ys = loop.call(t, carry, x)
+                carry, ys = self._call(t, carry, x)
                 x_parts.append((t, flatten(x)[0] if x is not None else []))
                 y_out.append((t, ys))
         return _TapedSegment(start, stop, carry_in, x_parts, y_out, carry, seq_before)
@@ -427,6 +518,9 @@ class PlannedLoop:
     ) -> list[Any]:
         """Back-propagate the adjoint of the carry after `segment` (and of its outputs) to the
         carry before it, its scanned inputs and the captured tensors."""
+        if isinstance(segment, _ReplayedSegment):
+            return self._pull_back_replayed(
+                segment, adj_carry, adj_ys, adj_xs, xs_reached, adj_ext, owned, retain_graph)
         loop = self.loop
         start, stop, carry_in = segment.start, segment.stop, segment.carry_in
         produced = segment.carry_out + [y for _, ys in segment.y_out for y in ys]
@@ -497,6 +591,86 @@ class PlannedLoop:
                 adj_ext[key] = captured[keys[key]]
         return new_adj
 
+    def _pull_back_replayed(
+        self,
+        segment: _ReplayedSegment,
+        adj_carry: list[Any],
+        adj_ys: list[Any],
+        adj_xs: list[Any],
+        xs_reached: list[bool],
+        adj_ext: dict[tuple[int, int], Any],
+        owned: dict[int, Any],
+        retain_graph: bool,
+    ) -> list[Any]:
+        """`_pull_back` for a replayed segment: the same roots, keys and starting sums, in
+        the same order, so the gradients are bitwise those of the recorded steps."""
+        loop = self.loop
+        program = self.program
+        assert program is not None
+        start, stop = segment.start, segment.stop
+        n_carry = len(program.carry_in)
+
+        def requires_grad(t: int, slot: int) -> bool:
+            while slot < n_carry and t > start:  # a carry the previous step made
+                t, slot = t - 1, program.carry_out[slot]
+            return slot >= 0 and program.requires_grad[slot]
+
+        roots: list[tuple[tuple[int, int], Any]] = []
+        for k, g in enumerate(adj_carry):
+            slot = program.carry_out[k]
+            if g is not None and requires_grad(stop - 1, slot):
+                roots.append(((stop - 1, slot), g))
+        for k in reversed(range(len(adj_ys))):
+            slot, g = program.y_out[k], adj_ys[k]
+            for t in reversed(range(start, stop)):
+                if t == stop - 1 and stop < loop.n and k in self.same:
+                    continue  # already added into adj_carry when the next step was reversed
+                if g is not None and requires_grad(t, slot):
+                    roots.append(((t, slot), g[t]))
+        keys: dict[tuple[Any, ...], int] = {}
+        for k in range(n_carry):
+            if program.requires_grad[k]:
+                keys[("carry", k)] = len(keys)
+        for t in range(start, stop):
+            for k, x in enumerate(loop.xs_leaves):
+                if x is not None and x.requires_grad:
+                    keys[("x", t, k)] = len(keys)
+        external_position = {}
+        for key in self.externals:
+            external_position[key] = len(keys) + len(external_position)
+        for slot, key in program.external_keys.items():
+            if key in external_position:
+                keys[("ext", slot)] = external_position[key]
+        initial: list[Any] = [None] * (len(keys) + len(external_position))
+        if start > 0:
+            for k in sorted(self.same, reverse=True):
+                position = keys.get(("carry", self.same[k]))
+                if position is not None and adj_ys[k] is not None:
+                    g = adj_ys[k][start - 1]
+                    initial[position] = g if initial[position] is None else initial[position] + g
+        for key, position in external_position.items():
+            initial[position] = adj_ext.get(key)
+        sink = Capture({}, initial=initial, owned=owned)
+        if roots:
+            program.pull_back(segment.steps, roots, sink, keys, retain=retain_graph)
+        captured = sink.values
+        new_adj = []
+        for k in range(n_carry):
+            position = keys.get(("carry", k))
+            g = None if position is None else captured[position]
+            owned.pop(id(g), None)  # handed on as a root: a rule may pass it to two inputs
+            new_adj.append(g)
+        for t in range(start, stop):
+            for k in range(len(loop.xs_leaves)):
+                position = keys.get(("x", t, k))
+                if position is not None and captured[position] is not None:
+                    adj_xs[k][t] = captured[position]
+                    xs_reached[k] = True
+        for key, position in external_position.items():
+            if captured[position] is not None:
+                adj_ext[key] = captured[position]
+        return new_adj
+
     def _backward_with_graph(self, entry: Entry, grads: list[Any]) -> list[Any]:
         """Differentiate the loop with a graph of its own gradient (create_graph=True): re-run
         every step with a tape from the loop's real inputs, like a plain loop, and pull the
@@ -528,6 +702,12 @@ class PlannedLoop:
         ]
 
 
+def _row(array: Any, t: int) -> Any:
+    """Row t of a scanned array, as an array (numpy gives a scalar for a 1-d array's row)."""
+    row = array[t]
+    return np.asarray(row) if isinstance(row, np.generic) else row
+
+
 def _span(action: Any) -> tuple[int, int]:
     """The steps a reverse action covers, as (start, stop)."""
     if isinstance(action, Reverse):
@@ -536,7 +716,8 @@ def _span(action: Any) -> tuple[int, int]:
 
 
 def _arrays(tensors: list[Any]) -> list[Any]:
-    return [None if t is None else t._data for t in tensors]
+    """The arrays of tensors (a replayed segment's outputs are arrays already)."""
+    return [t._data if isinstance(t, Tensor) else t for t in tensors]
 
 
 def _same_numpy_state(a: Any, b: Any) -> bool:

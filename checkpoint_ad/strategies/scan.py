@@ -31,6 +31,7 @@ def scan(
     strategy: Any = None,
     reverse: bool = False,
     unroll: int | bool = 1,
+    trace: bool = True,
 ) -> tuple[Any, Any]:
     """Run ``carry, y = step(carry, x)`` over the leading axis of `xs`; return (carry, ys).
 
@@ -43,6 +44,12 @@ def scan(
     checkpointed: None keeps every step's tape; `Binomial(s)`, `Periodic(k)` and `Recompute()`
     trade recomputation for memory; a storage strategy (e.g. `Quantized`) applies to the values
     every step saves.
+
+    Under a loop strategy, steps 0 and 1 are traced into a step program that later steps,
+    re-runs and each step's backward replay on arrays (bitwise the same gradients, far less
+    Python per operation); a step that cannot be replayed exactly is recorded step by step
+    instead (see `step_program.py`). `trace=False` forces recording; the loop's tape entry
+    says which mode ran and why (``entry.op.mode``, also in ``cad.inspect`` tables).
 
     >>> import checkpoint_ad as cad
     >>> w = cad.tensor(0.5, requires_grad=True)
@@ -69,7 +76,7 @@ def scan(
     if n == 0:
         return init, _empty_outputs(loop, carry_leaves)
     if isinstance(strategy, LoopStrategy) and is_grad_enabled():
-        carry, ys = PlannedLoop(loop, strategy).run(carry_leaves)
+        carry, ys = PlannedLoop(loop, strategy, trace=trace).run(carry_leaves)
     elif isinstance(strategy, Strategy):
         with use_packer(strategy):
             carry, ys = _keep_all(loop, carry_leaves)

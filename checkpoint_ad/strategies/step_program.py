@@ -1,0 +1,487 @@
+"""Step programs: a loop step traced once into primitive calls over numbered slots, replayed on
+arrays for every later step, every recompute and every step's backward.
+
+Why: a step of an unrolled loop is the same program every time, yet recording it again costs
+a Tensor, a tape entry and a saved-slot object per operation, and a checkpointing plan pays
+that again for every re-run. A replay runs each primitive's forward and backward rules on
+arrays directly, in the order and with the additions a recorded tape would do, so its results
+are bitwise those of recording.
+
+A trace is refused (the loop then records every step) when the step does something a replay
+cannot repeat: reads a value into Python (`bool`, `item`, `float`, `numpy()`), registers a
+hook, modifies a tensor in place, uses a custom `Function` or a nested planned loop. Steps 0
+and 1 are both traced and must give the same program with the same constants: a step that
+makes new tensors from outside data on each call (``cad.tensor(np.random.rand(3))``, a mask
+drawn per call) is caught there, as it would be frozen by a replay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .. import events
+from ..backend import namespace
+from ..grad_mode import _state
+from ..ops import astype
+from ..saved import KeepAll, SavedBuffer, SavedSlot, VersionCounter, current_packer, pack_value
+from ..tape import Entry, Primitive, _sum_to, edge_of
+
+
+@dataclass(frozen=True, slots=True)
+class Saved:
+    """One value an instruction's backward rules read: by name, from an input position (-1 for
+    the output), kept with `packer`; `leaf_edge`/`counted` mirror the recorded slot's graph
+    edge and version counter (what the profiler reads to tell owned from aliased bytes)."""
+
+    name: str
+    position: int
+    packer: Any
+    chained: Any  # the packer when the value is a carry made by the previous step (not a leaf)
+    leaf_edge: bool
+    counted: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Instruction:
+    """One primitive call: its input slots, attributes, output slot and, when it recorded an
+    entry, the form and saved values of that entry."""
+
+    prim: Any  # a Primitive, or None for detach (the input's array, no gradient)
+    inputs: tuple[int, ...]
+    attrs: dict[str, Any]
+    output: int
+    taped: bool
+    mask: tuple[bool, ...]  # which inputs had a graph edge (require grad)
+    form: Any
+    saved: tuple[Saved, ...]
+    in_shapes: tuple[tuple[int, ...], ...]
+    origin: tuple[Any, int]
+
+
+@dataclass
+class Trace:
+    """What tracing one step found; `program()` freezes it."""
+
+    n_inputs: int
+    seq_before: int
+    slot_of: dict[int, int] = field(default_factory=dict)
+    tensors: list[Any] = field(default_factory=list)  # every slot's tensor (kept: ids stay)
+    versions: list[int] = field(default_factory=list)
+    constants: dict[int, Any] = field(default_factory=dict)  # slot -> tensor from outside
+    instructions: list[Instruction] = field(default_factory=list)
+    refused: str | None = None
+    outputs: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+
+    # ------------------------------------------------------------- called by the engine
+    def refuse(self, reason: str) -> None:
+        if self.refused is None:
+            self.refused = reason
+
+    def note(self, prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any],
+             result: Any) -> None:
+        """`tape.record` ran `prim` on `tensors` giving `result`."""
+        if self.refused is not None:
+            return
+        inputs = tuple(self._slot(t) for t in tensors)
+        entry = result._entry
+        taped = entry is not None and entry.op is prim and entry.seq > self.seq_before
+        saved: tuple[Saved, ...] = ()
+        form = None
+        in_shapes: tuple[tuple[int, ...], ...] = ()
+        if taped:
+            form = entry.form
+            in_shapes = entry.in_shapes
+            chained = current_packer()
+            if type(chained) is not KeepAll:
+                chained = chained.for_primitive(prim)
+            saved = tuple(self._saved(prim, slot, chained) for slot in entry.slots or ())
+        mask = tuple(edge_of(t) is not None for t in tensors)
+        output = self._new_slot(result)
+        origin = entry.origin_frame if taped else (None, 0)
+        self.instructions.append(Instruction(
+            prim, inputs, dict(attrs), output, taped, mask, form, saved, in_shapes, origin))
+
+    # ------------------------------------------------------------- helpers
+    def _saved(self, prim: Primitive, slot: SavedSlot, chained: Any) -> Saved:
+        name = slot.name
+        if name == "out":
+            position = -1
+        elif prim.variadic:
+            position = int(name[1:])
+        else:
+            position = prim.args.index(name)
+        return Saved(name, position, slot.buffer.packer, chained, slot.edge is not None,
+                     slot.counter is not None)
+
+    def _new_slot(self, tensor: Any) -> int:
+        slot = len(self.tensors)
+        self.tensors.append(tensor)
+        if tensor is None:  # an absent carry or xs leaf: a slot that stays None
+            self.versions.append(0)
+            return slot
+        self.versions.append(tensor._version.value)
+        self.slot_of[id(tensor)] = slot
+        return slot
+
+    def _slot(self, tensor: Any) -> int:
+        slot = self.slot_of.get(id(tensor))
+        if slot is not None:
+            return slot
+        entry = tensor._entry
+        if entry is not None and entry.seq > self.seq_before:
+            self.refuse(
+                f"uses an operation that is not a primitive ({type(entry.op).__name__}: a "
+                "custom Function or a nested loop)"
+            )
+        for known, other in enumerate(self.tensors):  # detach(): same array, no gradient
+            if other is not None and other._data is tensor._data and entry is None \
+                    and not tensor._requires_grad:
+                slot = self._new_slot(tensor)
+                self.instructions.append(Instruction(
+                    None, (known,), {}, slot, False, (False,), None, (), (), (None, 0)))
+                return slot
+        slot = self._new_slot(tensor)
+        self.constants[slot] = tensor
+        return slot
+
+    def add_inputs(self, tensors: list[Any]) -> None:
+        """The step's carry leaves, then its scanned inputs' leaves: slots 0, 1, ..."""
+        for t in tensors:
+            self._new_slot(t)
+
+    def finish(self, outputs: list[Any], ys: list[Any]) -> None:
+        """The step returned: note its outputs, and refuse if it changed a tensor in place."""
+        for k, t in enumerate(self.tensors):
+            if t is not None and t._version.value != self.versions[k]:
+                self.refuse("modifies a tensor in place")
+        if self.refused is None:
+            carry = tuple(-1 if t is None else self._slot(t) for t in outputs)
+            y = tuple(-1 if t is None else self._slot(t) for t in ys)
+            self.outputs = (carry, y)
+
+
+def same_program(a: Trace, b: Trace) -> str | None:
+    """Why two traces of consecutive steps are not one program (None when they are)."""
+    if a.refused or b.refused:
+        return a.refused or b.refused
+    if len(a.instructions) != len(b.instructions) or a.outputs != b.outputs:
+        return "runs different operations on different steps"
+    for x, y in zip(a.instructions, b.instructions):
+        if x.prim is not y.prim or x.inputs != y.inputs or not _same(x.attrs, y.attrs):
+            name = x.prim.name if x.prim is not None else "detach"
+            return f"runs {name!r} differently on different steps"
+    if a.constants.keys() != b.constants.keys():
+        return "uses different tensors from outside on different steps"
+    for slot, t in a.constants.items():
+        u = b.constants[slot]
+        if t is u:
+            continue
+        if t._requires_grad or u._requires_grad or t._entry is not None or not _same(
+            t._data, u._data
+        ):
+            return ("makes a tensor from outside data whose values change from step to step "
+                    "(a replay would freeze the first step's values)")
+    return None
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if hasattr(a, "shape") and hasattr(a, "dtype"):
+        return (hasattr(b, "shape") and a.shape == b.shape and a.dtype == b.dtype
+                and bool(namespace(a).all(a == b)))
+    if isinstance(a, (tuple, list)):
+        return (type(a) is type(b) and len(a) == len(b)
+                and all(_same(x, y) for x, y in zip(a, b)))
+    if isinstance(a, dict):
+        return (isinstance(b, dict) and a.keys() == b.keys()
+                and all(_same(a[k], b[k]) for k in a))
+    try:
+        return bool(a == b) and type(a) is type(b)
+    except Exception:
+        return False
+
+
+class StepProgram:
+    """A traced step, frozen: replayed forward (`run`), forward with saved values (`tape`),
+    and backward (`pull_back`)."""
+
+    def __init__(self, trace: Trace, n_carry: int) -> None:
+        self.n_slots = len(trace.tensors)
+        self.instructions = tuple(trace.instructions)
+        self.carry_in = tuple(range(n_carry))
+        self.x_in = tuple(range(n_carry, trace.n_inputs))
+        self.carry_out, self.y_out = trace.outputs
+        self.constants = {s: t._data for s, t in trace.constants.items()}
+        # graph facts of every slot, as the recorded step had them
+        tensors = trace.tensors
+        self.requires_grad = [t is not None and t._requires_grad for t in tensors]
+        self.leaf = [t is None or t._entry is None or t._entry.seq <= trace.seq_before
+                     for t in tensors]
+        self.dtype = [None if t is None else t.dtype for t in tensors]
+        self.external_keys: dict[int, tuple[int, int]] = {}
+        for slot, t in trace.constants.items():
+            edge = edge_of(t)
+            if edge is not None:
+                self.external_keys[slot] = (id(edge[0]), edge[1])
+        self.has_hooks = [t for t in trace.constants.values()
+                          if t._entry is None and t._requires_grad and t._hooks]
+        # free each value after its last use in a forward without saving
+        last: dict[int, int] = {}
+        for i, ins in enumerate(self.instructions):
+            for s in ins.inputs:
+                last[s] = i
+        kept = set(self.carry_out) | set(self.y_out) | set(self.constants)
+        frees: list[list[int]] = [[] for _ in self.instructions]
+        for s, i in last.items():
+            if s not in kept:
+                frees[i].append(s)
+        self.frees = tuple(tuple(f) for f in frees)
+        self.backward_order = tuple(
+            i for i in reversed(range(len(self.instructions))) if self.instructions[i].taped
+        )
+
+    # ------------------------------------------------------------- forward
+    def _start(self, carry: list[Any], x: list[Any]) -> list[Any]:
+        values: list[Any] = [None] * self.n_slots
+        for s, a in zip(self.carry_in, carry):
+            values[s] = a
+        for s, a in zip(self.x_in, x):
+            values[s] = a
+        for s, a in self.constants.items():
+            values[s] = a
+        return values
+
+    def run(self, carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
+        """One step without saving anything: (new carry arrays, output arrays)."""
+        values = self._start(carry, x)
+        xp = None
+        emit = bool(events.listeners)
+        for ins, frees in zip(self.instructions, self.frees):
+            prim = ins.prim
+            if prim is None:
+                values[ins.output] = values[ins.inputs[0]]
+            else:
+                if xp is None:
+                    xp = namespace(values[ins.inputs[0]])
+                values[ins.output] = _forward(prim, xp, values, ins)
+                if emit:
+                    events.emit("apply", prim)
+            for s in frees:
+                values[s] = None
+        return ([None if s < 0 else values[s] for s in self.carry_out],
+                [None if s < 0 else values[s] for s in self.y_out])
+
+    def tape(self, carry: list[Any], x: list[Any],
+             previous: ReplayedStep | None = None) -> ReplayedStep:
+        """One step keeping what its backward rules read, packed as recording would. With
+        `previous` (the step before, in the same taped segment), the carry is that step's
+        output: saved with the primitive's packer, not as a leaf, sharing its buffers."""
+        values = self._start(carry, x)
+        xp = None
+        saved: list[Any] = [None] * len(self.instructions)
+        entries: list[Any] = [None] * len(self.instructions) if events.listeners else []
+        buffers: dict[tuple[int, int], Any] = {}
+        chained = previous is not None
+        if chained:
+            for k, s in enumerate(self.carry_out):
+                for (slot, pid), buffer in previous.buffers.items():
+                    if slot == s and s >= 0:
+                        buffers[(k, pid)] = buffer
+        for i, ins in enumerate(self.instructions):
+            prim = ins.prim
+            if prim is None:
+                values[ins.output] = values[ins.inputs[0]]
+                continue
+            if xp is None:
+                xp = namespace(values[ins.inputs[0]])
+            values[ins.output] = _forward(prim, xp, values, ins)
+            if not ins.taped:
+                if entries:
+                    events.emit("apply", prim)
+                continue
+            kept = []
+            for s in ins.saved:
+                slot = ins.output if s.position < 0 else ins.inputs[s.position]
+                packer = s.chained if chained and slot in self.carry_in else s.packer
+                if type(packer) is KeepAll and not entries:
+                    kept.append(values[slot])
+                    continue
+                key = (slot, id(packer))
+                buffer = buffers.get(key)
+                if buffer is None:
+                    buffer = buffers[key] = pack_value(values[slot], packer)
+                kept.append(buffer)
+            saved[i] = kept
+            if entries:
+                entries[i] = _announce(ins, kept, chained and self.carry_in)
+        return ReplayedStep(values, saved, entries, buffers)
+
+    # ------------------------------------------------------------- backward
+    def pull_back(
+        self,
+        steps: list[tuple[int, ReplayedStep]],
+        roots: list[tuple[tuple[int, int], Any]],
+        sink: Any,
+        keys: dict[tuple[Any, ...], int],
+        retain: bool = False,
+    ) -> None:
+        """Back-propagate `roots` ((step, slot) -> adjoint, in delivery order) through the
+        replayed `steps` (first to last), adding what reaches a leaf into `sink` (a `Capture`)
+        at ``keys[leaf key]``: ("carry", k) for the first step's carry, ("x", t, k) for step
+        t's scanned inputs, ("ext", slot) for a captured tensor. Additions happen in the order
+        a recorded tape would make them, so the sums are bitwise the same."""
+        first = steps[0][0]
+        pending: dict[tuple[int, int], Any] = {}
+
+        def deliver(t: int, slot: int, grad: Any) -> None:
+            while True:
+                if slot in self.constants:
+                    position = keys.get(("ext", slot))
+                    if position is not None:
+                        sink.add(position, grad)
+                    return
+                if slot in self.x_in:
+                    position = keys.get(("x", t, slot - len(self.carry_in)))
+                    if position is not None:
+                        sink.add(position, grad)
+                    return
+                if slot in self.carry_in:
+                    if t == first:
+                        position = keys.get(("carry", slot))
+                        if position is not None:
+                            sink.add(position, grad)
+                        return
+                    t, slot = t - 1, self.carry_out[slot]  # the previous step's new carry
+                    continue
+                if not self.requires_grad[slot] or self.leaf[slot]:
+                    return
+                key = (t, slot)
+                previous = pending.get(key)
+                pending[key] = grad if previous is None else previous + grad
+                return
+
+        for (t, slot), grad in roots:
+            deliver(t, slot, grad)
+        if events.listeners:
+            events.emit("backward_begin", None)
+        try:
+            for t, step in reversed(steps):
+                for i in self.backward_order:
+                    ins = self.instructions[i]
+                    g = pending.pop((t, ins.output), None)
+                    if g is None:
+                        continue
+                    results = self._rules(ins, g, step.unpack(i))
+                    if not retain:
+                        step.release(i)
+                    for position, grad in enumerate(results):
+                        if grad is None:
+                            continue
+                        slot = ins.inputs[position]
+                        if isinstance(grad, np.generic):
+                            grad = np.asarray(grad)
+                        if grad.dtype != self.dtype[slot]:
+                            grad = astype(grad, self.dtype[slot])
+                        deliver(t, slot, grad)
+        finally:
+            if events.listeners:
+                events.emit("backward_end", None)
+
+    def _rules(self, ins: Instruction, g: Any, saved: list[Any]) -> list[Any]:
+        """The input gradients of one instruction, as `Primitive.backward` computes them."""
+        prim = ins.prim
+        values = {s.name: v for s, v in zip(ins.saved, saved)}
+        attrs = ins.attrs
+        form = ins.form
+        if prim.variadic:
+            rule = form.rules["xs"]
+            args = (tuple(values[f"x{i}"] for i in range(len(ins.inputs))),) if rule.needs else ()
+            return [rule.rule(g, i, *args, **attrs) if needed else None
+                    for i, needed in enumerate(ins.mask)]
+        results = []
+        for i, (name, needed) in enumerate(zip(prim.args, ins.mask)):
+            rule = form.rules.get(name) if needed else None
+            if rule is None:
+                results.append(None)
+                continue
+            grad = rule.rule(g, *[values[n] for n in rule.needs], **attrs)
+            if prim.broadcasts and tuple(grad.shape) != ins.in_shapes[i]:
+                grad = _sum_to(grad, ins.in_shapes[i])
+            results.append(grad)
+        return results
+
+
+class ReplayedStep:
+    """One replayed step's values and what its backward rules read."""
+
+    __slots__ = ("buffers", "entries", "saved", "values")
+
+    def __init__(self, values: list[Any], saved: list[Any], entries: list[Any],
+                 buffers: dict[tuple[int, int], Any]) -> None:
+        self.values = values
+        self.saved = saved
+        self.entries = entries
+        self.buffers = buffers  # (slot, id(packer)) -> packed buffer, shared with the next step
+
+    def unpack(self, i: int) -> list[Any]:
+        return [v.unpack() if type(v) is SavedBuffer else v for v in self.saved[i]]
+
+    def release(self, i: int) -> None:
+        self.saved[i] = None
+        if self.entries and self.entries[i] is not None:
+            self.entries[i].release()
+            self.entries[i] = None
+
+    def output(self, slots: tuple[int, ...]) -> list[Any]:
+        return [None if s < 0 else self.values[s] for s in slots]
+
+    def drop_values(self, keep: tuple[int, ...]) -> None:
+        """Forget intermediate values (the saved ones stay in `saved`)."""
+        kept = {s: self.values[s] for s in keep if s >= 0}
+        self.values = [None] * len(self.values)
+        for s, v in kept.items():
+            self.values[s] = v
+        self.buffers = {k: b for k, b in self.buffers.items() if k[0] in kept}
+
+
+def _forward(prim: Primitive, xp: Any, values: list[Any], ins: Instruction) -> Any:
+    if prim.variadic:
+        out = prim.forward(xp, [values[s] for s in ins.inputs], **ins.attrs)
+    else:
+        out = prim.forward(xp, *[values[s] for s in ins.inputs], **ins.attrs)
+    if isinstance(out, np.generic):
+        out = np.asarray(out)
+    return out
+
+
+def _announce(ins: Instruction, kept: list[Any], chained: tuple[int, ...] | bool) -> Entry:
+    """For a profiler listening: the entry a recorded step would have made, with its saved
+    slots, announced as recorded (never differentiated: the replay does that on arrays)."""
+    entry = Entry(ins.prim, (), ins.attrs)
+    entry.origin_frame = ins.origin
+    entry.form = ins.form
+    made = chained or ()  # carry slots made by the previous step: graph values, not leaves
+    entry.slots = tuple(
+        SavedSlot(s.name, buffer, VersionCounter() if s.counted or slot in made else None,
+                  0 if s.leaf_edge or slot in made else None)
+        for s, buffer, slot in zip(
+            ins.saved, kept,
+            (ins.output if s.position < 0 else ins.inputs[s.position] for s in ins.saved))
+    )
+    events.emit("record", entry)
+    return entry
+
+
+def tracing(trace: Trace) -> Any:
+    """Install `trace` as the calling thread's tracer; returns the one it replaced."""
+    previous = _state.tracer
+    _state.tracer = trace
+    return previous
+
+
+def stop_tracing(previous: Any) -> None:
+    _state.tracer = previous
