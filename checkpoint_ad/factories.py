@@ -62,6 +62,10 @@ def _leaf(host: np.ndarray, device: str | None, requires_grad: bool) -> Tensor:
     return Tensor(data, requires_grad=requires_grad)
 
 
+def _on_device(host: np.ndarray, device: str | None) -> Any:
+    return host if device in (None, "cpu") else to_device(host, device)
+
+
 def _like(x: Any, dtype: Any, device: str | None) -> tuple[tuple[int, ...], Any, str]:
     data = getattr(x, "_data", x)
     if not hasattr(data, "shape"):
@@ -184,10 +188,15 @@ def rand(*size: Any, generator: Generator = None, dtype: Any = None,
     (True, True)
     """
     shape = _sizes("rand", size)
-    rng = random.resolve(generator, "rand")
-    values = rng.random(shape) if isinstance(rng, np.random.Generator) else rng.random_sample(
-        shape)
-    return _leaf(np.asarray(values, dtype=_host_dtype(dtype)), device, requires_grad)
+    host = _host_dtype(dtype)
+
+    def make(rng: Any) -> Any:
+        values = rng.random(shape) if isinstance(rng, np.random.Generator) else (
+            rng.random_sample(shape))
+        return _on_device(np.asarray(values, dtype=host), device)
+
+    data = random.sample(generator, "rand", make, (shape, host, device))
+    return Tensor(data, requires_grad=requires_grad)
 
 
 def randn(*size: Any, generator: Generator = None, dtype: Any = None,
@@ -199,8 +208,13 @@ def randn(*size: Any, generator: Generator = None, dtype: Any = None,
     (2, 3)
     """
     shape = _sizes("randn", size)
-    values = random.resolve(generator, "randn").standard_normal(shape)
-    return _leaf(np.asarray(values, dtype=_host_dtype(dtype)), device, requires_grad)
+    host = _host_dtype(dtype)
+
+    def make(rng: Any) -> Any:
+        return _on_device(np.asarray(rng.standard_normal(shape), dtype=host), device)
+
+    data = random.sample(generator, "randn", make, (shape, host, device))
+    return Tensor(data, requires_grad=requires_grad)
 
 
 def randint(low: int, high: int, size: Sequence[int], *, generator: Generator = None,
@@ -215,10 +229,15 @@ def randint(low: int, high: int, size: Sequence[int], *, generator: Generator = 
     shape = _sizes("randint", tuple(size))
     if high <= low:
         raise ValueError(f"randint: high ({high}) must be greater than low ({low})")
-    rng = random.resolve(generator, "randint")
-    values = rng.integers(low, high, shape) if isinstance(rng, np.random.Generator) else (
-        rng.randint(low, high, shape))
-    return _leaf(np.asarray(values, dtype=_host_dtype(dtype, np.int64)), device, False)
+    host = _host_dtype(dtype, np.int64)
+
+    def make(rng: Any) -> Any:
+        values = rng.integers(low, high, shape) if isinstance(rng, np.random.Generator) else (
+            rng.randint(low, high, shape))
+        return _on_device(np.asarray(values, dtype=host), device)
+
+    data = random.sample(generator, "randint", make, (low, high, shape, host, device))
+    return Tensor(data, requires_grad=False)
 
 
 def _from_like(op: str, x: Any, host_fn: Any, dtype: Any, device: str | None,

@@ -21,12 +21,14 @@ True
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from threading import local
 from typing import Any
 
 import numpy as np
+
+from .grad_mode import _state
 
 GeneratorState = tuple[type, dict[str, Any]]
 
@@ -100,3 +102,17 @@ def resolve(given: object, op: str) -> np.random.Generator | np.random.RandomSta
         f"{op}: generator must be a numpy.random.Generator, an int seed or None, got "
         f"{type(given).__name__}"
     )
+
+
+def sample(given: object, op: str, make: Callable[[Any], Any], key: tuple[Any, ...]) -> Any:
+    """The array `make(rng)` draws from what `generator=` `given` means (see `resolve`).
+
+    Every random factory draws through here, so a loop step being traced learns that this
+    array is a draw from the engine's generator (described by `key`: the op and what shapes
+    the draw) and its replays draw again, from the replayed stream, instead of freezing it.
+    """
+    array = make(resolve(given, op))
+    tracer = _state.tracer
+    if tracer is not None and given is None:
+        tracer.note_draw(make, (op, *key), array)
+    return array

@@ -97,7 +97,7 @@ def test_binomial_evaluates_the_optimal_number_of_steps(n, s):
 
 
 def test_use_applies_loop_strategies_and_innermost_wins():
-    step, h0, xs, params, calls = rnn(T=10)
+    step, h0, xs, params, _calls = rnn(T=10)
     with cad.use(Binomial(1)), cad.use(Binomial(10)):
         _, ys = cad.scan(step, h0, xs)
     cad.grad(ys.sum(), params)

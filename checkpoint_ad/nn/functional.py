@@ -132,11 +132,14 @@ def dropout(x: Tensor, p: float = 0.5, training: bool = True, generator: Any = N
         raise ValueError(f"dropout: p must lie in [0, 1], got {p!r}")
     if not training or p == 0.0:
         return x
-    rng = random.resolve(generator, "dropout")
-    draws = rng.random(x.shape) if isinstance(rng, np.random.Generator) else rng.random_sample(
-        x.shape)
-    keep = np.asarray(draws >= p, dtype=np.dtype(str(x.dtype)))
-    mask = Tensor._wrap(to_device(keep, x.device))
+    shape, dtype, device = tuple(x.shape), np.dtype(str(x.dtype)), x.device
+
+    def make(rng: Any) -> Any:
+        draws = rng.random(shape) if isinstance(rng, np.random.Generator) else (
+            rng.random_sample(shape))
+        return to_device(np.asarray(draws >= p, dtype=dtype), device)
+
+    mask = Tensor._wrap(random.sample(generator, "dropout", make, (shape, dtype, device, p)))
     return x * mask * (0.0 if p == 1.0 else 1.0 / (1.0 - p))
 
 

@@ -34,7 +34,15 @@ from ..backend import is_floating, namespace
 from ..errors import BackwardError, SavedValueModifiedError
 from ..grad_mode import _state, enable_grad, no_grad
 from ..pytree import flatten, unflatten
-from ..saved import KEEP, SavedBuffer, SavedSlot, freed_error, pack_value
+from ..saved import (
+    KEEP,
+    SavedBuffer,
+    SavedSlot,
+    current_packer,
+    freed_error,
+    pack_value,
+    use_packer,
+)
 from ..tape import Entry, add_entry, edge_of, next_sequence
 from ..tensor import Tensor
 from .kinds import LoopStrategy
@@ -95,6 +103,9 @@ class PlannedLoop:
         self.loop = loop
         self.strategy = strategy
         self.storage = strategy.storage or KEEP
+        # the saved-value strategy in effect where the loop runs: its steps keep their values
+        # with it, also when the backward re-runs them outside that `use` block
+        self.step_packer = current_packer()
         self.plan = strategy.plan(loop.n)
         self.name = f"scan[{type(strategy).__name__.lower()}]"
         self.same: dict[int, int] = {}
@@ -150,7 +161,7 @@ class PlannedLoop:
         if discover:
             return self._forward_prefix(discover)
         np.random.set_state(self.initial_numpy_state)
-        with random.replaying(self.initial_engine_state):
+        with random.replaying(self.initial_engine_state), use_packer(self.step_packer):
             return self._forward_prefix(discover)
 
     def _forward_prefix(self, discover: bool) -> list[list[Any]]:
@@ -451,7 +462,9 @@ class PlannedLoop:
                 start, stop = _span(action)
                 kept = forward.kept if index == forward.cursor else None
                 if kept is None:
-                    with events.recomputing(self.name), random.using(stream):
+                    with events.recomputing(self.name), random.using(stream), use_packer(
+                        self.step_packer
+                    ):
                         segment = self._tape_steps(start, stop, arrays)
                 else:
                     segment = kept
@@ -490,7 +503,11 @@ class PlannedLoop:
                 y_out.append((t, step.output(program.y_out)))
                 step.drop_values(program.carry_out)
                 steps.append((t, step))
+                if previous is not None:
+                    previous.buffers = {}  # shared with this step: only the slots hold them now
                 previous = step
+            if previous is not None:
+                previous.buffers = {}
             return _ReplayedSegment(start, stop, steps, arrays, y_out)
         carry_in = self._as_tensors(arrays, grad=True)
         carry = carry_in
@@ -679,7 +696,7 @@ class PlannedLoop:
         np.random.set_state(self.initial_numpy_state)
         with events.recomputing(self.name), enable_grad(), random.replaying(
             self.initial_engine_state
-        ):
+        ), use_packer(self.step_packer):
             carry = list(self.carry_inputs)
             per_step = []
             for t, x in enumerate(loop.all_x()):

@@ -22,12 +22,13 @@ from typing import Any
 
 import numpy as np
 
-from .. import events
+from .. import events, random
 from ..backend import namespace
 from ..grad_mode import _state
 from ..ops import astype
 from ..saved import KeepAll, SavedBuffer, SavedSlot, VersionCounter, current_packer, pack_value
 from ..tape import Entry, Primitive, _sum_to, edge_of
+from ..tensor_base import make_tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,12 +45,22 @@ class Saved:
     counted: bool
 
 
+@dataclass(frozen=True, eq=False)
+class Draw:
+    """An array drawn from the engine's generator (`random.sample`): replays draw it again,
+    from the replayed stream, with the traced step's `make`."""
+
+    make: Any
+    key: tuple[Any, ...]
+    name: str = "draw"
+
+
 @dataclass(frozen=True, slots=True)
 class Instruction:
     """One primitive call: its input slots, attributes, output slot and, when it recorded an
     entry, the form and saved values of that entry."""
 
-    prim: Any  # a Primitive, or None for detach (the input's array, no gradient)
+    prim: Any  # a Primitive, a Draw, or None for detach (the input's array, no gradient)
     inputs: tuple[int, ...]
     attrs: dict[str, Any]
     output: int
@@ -74,6 +85,7 @@ class Trace:
     instructions: list[Instruction] = field(default_factory=list)
     refused: str | None = None
     outputs: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+    drawn: dict[int, tuple[int, Any]] = field(default_factory=dict)  # id(array) -> (slot, array)
 
     # ------------------------------------------------------------- called by the engine
     def refuse(self, reason: str) -> None:
@@ -103,6 +115,17 @@ class Trace:
         origin = entry.origin_frame if taped else (None, 0)
         self.instructions.append(Instruction(
             prim, inputs, dict(attrs), output, taped, mask, form, saved, in_shapes, origin))
+
+    def note_draw(self, make: Any, key: tuple[Any, ...], array: Any) -> None:
+        """`random.sample` drew `array` from the engine's generator."""
+        if self.refused is not None:
+            return
+        slot = len(self.tensors)
+        self.tensors.append(None)
+        self.versions.append(0)
+        self.drawn[id(array)] = (slot, array)
+        self.instructions.append(Instruction(
+            Draw(make, key), (), {}, slot, False, (), None, (), (), (None, 0)))
 
     # ------------------------------------------------------------- helpers
     def _saved(self, prim: Primitive, slot: SavedSlot, chained: Any) -> Saved:
@@ -136,6 +159,15 @@ class Trace:
                 f"uses an operation that is not a primitive ({type(entry.op).__name__}: a "
                 "custom Function or a nested loop)"
             )
+        drawn = self.drawn.get(id(tensor._data))
+        if drawn is not None and drawn[1] is tensor._data:  # a random draw, now a tensor
+            slot = drawn[0]
+            if tensor._requires_grad:
+                self.refuse("draws a random tensor that requires grad")
+            self.tensors[slot] = tensor
+            self.versions[slot] = tensor._version.value
+            self.slot_of[id(tensor)] = slot
+            return slot
         for known, other in enumerate(self.tensors):  # detach(): same array, no gradient
             if other is not None and other._data is tensor._data and entry is None \
                     and not tensor._requires_grad:
@@ -170,6 +202,10 @@ def same_program(a: Trace, b: Trace) -> str | None:
     if len(a.instructions) != len(b.instructions) or a.outputs != b.outputs:
         return "runs different operations on different steps"
     for x, y in zip(a.instructions, b.instructions):
+        if type(x.prim) is Draw and type(y.prim) is Draw:
+            if not _same(x.prim.key, y.prim.key) or x.output != y.output:
+                return "draws random numbers differently on different steps"
+            continue
         if x.prim is not y.prim or x.inputs != y.inputs or not _same(x.attrs, y.attrs):
             name = x.prim.name if x.prim is not None else "detach"
             return f"runs {name!r} differently on different steps"
@@ -264,6 +300,8 @@ class StepProgram:
             prim = ins.prim
             if prim is None:
                 values[ins.output] = values[ins.inputs[0]]
+            elif type(prim) is Draw:
+                values[ins.output] = prim.make(random.generator())
             else:
                 if xp is None:
                     xp = namespace(values[ins.inputs[0]])
@@ -296,6 +334,9 @@ class StepProgram:
             if prim is None:
                 values[ins.output] = values[ins.inputs[0]]
                 continue
+            if type(prim) is Draw:
+                values[ins.output] = prim.make(random.generator())
+                continue
             if xp is None:
                 xp = namespace(values[ins.inputs[0]])
             values[ins.output] = _forward(prim, xp, values, ins)
@@ -317,7 +358,13 @@ class StepProgram:
                 kept.append(buffer)
             saved[i] = kept
             if entries:
-                entries[i] = _announce(ins, kept, chained and self.carry_in)
+                made = self.carry_in if chained else ()
+                edges = tuple(
+                    (make_tensor(values[slot]), 0)
+                    if needed and self.leaf[slot] and slot not in made else None
+                    for slot, needed in zip(ins.inputs, ins.mask)
+                )
+                entries[i] = _announce(ins, kept, made, edges)
         return ReplayedStep(values, saved, entries, buffers)
 
     # ------------------------------------------------------------- backward
@@ -458,13 +505,15 @@ def _forward(prim: Primitive, xp: Any, values: list[Any], ins: Instruction) -> A
     return out
 
 
-def _announce(ins: Instruction, kept: list[Any], chained: tuple[int, ...] | bool) -> Entry:
+def _announce(
+    ins: Instruction, kept: list[Any], made: tuple[int, ...], edges: tuple[Any, ...]
+) -> Entry:
     """For a profiler listening: the entry a recorded step would have made, with its saved
-    slots, announced as recorded (never differentiated: the replay does that on arrays)."""
-    entry = Entry(ins.prim, (), ins.attrs)
+    slots and leaf inputs (`made`: carry slots the previous step made, graph values rather
+    than leaves), announced as recorded (never differentiated: the replay does that)."""
+    entry = Entry(ins.prim, edges, ins.attrs)
     entry.origin_frame = ins.origin
     entry.form = ins.form
-    made = chained or ()  # carry slots made by the previous step: graph values, not leaves
     entry.slots = tuple(
         SavedSlot(s.name, buffer, VersionCounter() if s.counted or slot in made else None,
                   0 if s.leaf_edge or slot in made else None)
