@@ -106,8 +106,12 @@ def untaped_steps(strategy: Any, steps: int) -> int:
 
 
 class _Engine:
-    def __init__(self, arrays: dict[str, np.ndarray], strategy: Any, storage: Any = None) -> None:
+    def __init__(self, arrays: dict[str, np.ndarray], strategy: Any, storage: Any = None,
+                 trace: bool = True) -> None:
         import checkpoint_ad as cad
+
+        self.trace = trace
+        self.loop: Any = None
 
         self.cad = cad
         self.W, self.U, self.b = (cad.tensor(arrays[k], requires_grad=True) for k in "WUb")
@@ -123,8 +127,18 @@ class _Engine:
     def run(self) -> None:
         self.clear()
         with self.cad.use(self.storage):
-            _, ys = self.cad.scan(self.step, self.h0, self.xs, strategy=self.strategy)
+            _, ys = self.cad.scan(self.step, self.h0, self.xs, strategy=self.strategy,
+                                  trace=self.trace)
+        if isinstance(self.strategy, self.cad.strategies.LoopStrategy):
+            self.loop = ys.grad_fn.op  # the planned loop: its mode and step program
         self.cad.sum(ys).backward()
+
+    def forward_replayed(self) -> None:
+        """The loop's steps replayed from its step program, without saving anything."""
+        program = self.loop.program
+        carry = [self.h0._data]
+        for t in range(self.xs.shape[0]):
+            carry = program.run(carry, [self.xs._data[t]])[0]
 
     def forward_untaped(self) -> None:
         with self.cad.no_grad():
@@ -142,7 +156,7 @@ def engine(params: dict, threads: int) -> dict[str, Any]:
 
     arrays = data(params)
     strategy, storage = preset_strategies(params["strategy"], params["steps"])
-    work = _Engine(arrays, strategy, storage)
+    work = _Engine(arrays, strategy, storage, trace=params.get("trace", True))
     reference = _reference(arrays)
     result = measure(work, params["repeats"], traced=True,
                      check=lambda: {"grad_error": _grad_error(work.grads(), reference)})
@@ -156,6 +170,10 @@ def engine(params: dict, threads: int) -> dict[str, Any]:
         extras["untaped_steps"] = untaped_steps(strategy, steps)
         forward = time_median(work.forward_untaped, params["repeats"])
         extras["untaped_step_seconds"] = forward.median / steps
+        extras["mode"] = work.loop.mode
+        if work.loop.program is not None:  # replayed: the step-count model uses replay time
+            replayed = time_median(work.forward_replayed, params["repeats"])
+            extras["replayed_step_seconds"] = replayed.median / steps
         one_step = _Engine(data(params | {"steps": 1}), None)
         extras["one_step_tracemalloc_bytes"] = tracemalloc_peak(one_step)
     else:

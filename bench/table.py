@@ -92,7 +92,8 @@ def add_model_ratios(rows: Sequence[Row]) -> None:
     """The checkpointing cost model, per row that recorded the inputs it needs.
 
     time: ``keep-all time + untaped step evaluations x one untaped step's time`` (the n taped
-    steps cost what keep-all costs; the recomputation is the plan's extra forward steps).
+    steps cost what keep-all costs; the recomputation is the plan's extra forward steps; a
+    replayed loop's untaped step is its step program's replay).
     memory (binomial): ``snapshots x carry bytes + one step's forward+backward peak``.
     """
     for block in blocks(rows).values():
@@ -100,7 +101,8 @@ def add_model_ratios(rows: Sequence[Row]) -> None:
         for row in block:
             x = row.extras
             if "untaped_steps" in x and keep is not None and keep.seconds is not None:
-                predicted = keep.seconds + x["untaped_steps"] * x["untaped_step_seconds"]
+                step = x.get("replayed_step_seconds", x["untaped_step_seconds"])
+                predicted = keep.seconds + x["untaped_steps"] * step
                 x["predicted_seconds"] = predicted
                 row.ratios["/model"] = ratio(row.seconds, predicted)
             if "snapshots" in x and "one_step_tracemalloc_bytes" in x:
