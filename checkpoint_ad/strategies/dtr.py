@@ -60,8 +60,8 @@ class _Value:
     """How one primitive result is made again: the primitive, its attributes, its inputs
     (other `_Value`s, or `_Fixed` arrays with no recipe), and where its array is now."""
 
-    __slots__ = ("attrs", "cost", "counter", "dtype", "handle", "inputs", "prim", "ref",
-                 "shape", "version")
+    __slots__ = ("__weakref__", "attrs", "cost", "counter", "dtype", "handle", "inputs",
+                 "prim", "ref", "shape", "version")
 
     def __init__(self, prim: Any, attrs: dict[str, Any], inputs: tuple[Any, ...],
                  result: Any, cost: float) -> None:
@@ -159,6 +159,8 @@ class Rematerializing(Strategy):
         self._held: dict[int, weakref.ref[_Handle]] = {}  # id -> held handle
         self._fresh: list[weakref.ref[_Handle]] = []  # packed since the last record
         self._values: weakref.WeakKeyDictionary[Any, _Value] = weakref.WeakKeyDictionary()
+        # id(array) -> the value it is (checked by identity: ids of dead arrays are reused)
+        self._by_array: weakref.WeakValueDictionary[int, _Value] = weakref.WeakValueDictionary()
 
     def __repr__(self) -> str:
         return f"Rematerializing(limit_bytes={self.limit_bytes})"
@@ -174,7 +176,11 @@ class Rematerializing(Strategy):
             self._make_room(size, locked=None, strict=True)
         handle = _Handle(self, array, size, self._clock)
         self._hold(handle)
-        self._fresh.append(weakref.ref(handle))
+        value = self._by_array.get(id(array))
+        if value is not None and value.present() is array:  # made by a primitive before
+            _attach(handle, value)
+        else:  # maybe the output of the primitive being recorded: `recorded` will tell
+            self._fresh.append(weakref.ref(handle))
         return handle
 
     def unpack(self, stored: _Handle) -> Any:
@@ -201,20 +207,12 @@ class Rematerializing(Strategy):
             sources.append(value)
         value = _Value(prim, attrs, tuple(sources), result, _cost(prim, inputs, result))
         values[result._entry] = value
+        self._by_array[id(result._data)] = value
         fresh, self._fresh = self._fresh, []
         for ref in fresh:
             handle = ref()
-            if handle is None or handle.value is not None:
-                continue
-            if handle.array is result._data:
-                handle.value = value
-                value.handle = ref
-            else:
-                for source in sources:
-                    if type(source) is _Value and source.ref() is handle.array:
-                        handle.value = source
-                        if source.handle is None or source.handle() is None:
-                            source.handle = ref
+            if handle is not None and handle.value is None and handle.array is result._data:
+                _attach(handle, value)
 
     # ------------------------------------------------------------- holding and evicting
     def _hold(self, handle: _Handle) -> None:
@@ -294,6 +292,7 @@ class Rematerializing(Strategy):
             array = _run(value, args)
             have[id(value)] = array
             value.ref = weakref.ref(array)
+            self._by_array[id(array)] = value
             value.version = value.counter.value  # a fresh array of the original value
             self.rematerializations += 1
             if value is root:
@@ -317,6 +316,13 @@ class Rematerializing(Strategy):
         self._hold(handle)
         if events.listeners:
             events.emit("rematerialize", handle)
+
+
+def _attach(handle: _Handle, value: _Value) -> None:
+    """`handle` saves `value`: it can be evicted, and a recompute of `value` holds it again."""
+    handle.value = value
+    if value.handle is None or value.handle() is None:
+        value.handle = weakref.ref(handle)
 
 
 def _plan(root: _Value) -> tuple[list[_Value], dict[int, Any]]:
