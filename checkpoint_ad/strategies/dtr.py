@@ -12,10 +12,11 @@ for bit those of keeping everything.
 Choices this module makes, where the paper leaves room:
 
 - `c(t)` is a static estimate (elements read and written; multiply-adds for matmul) plus the
-  estimates of the ancestors its recompute would also need because they are not in memory:
-  the ancestor half of the paper's evicted neighbourhood ``e*(t)``. Staleness counts ticks of
-  a logical clock (one per recorded primitive and per unpack), not wall time, so evictions do
-  not depend on timing noise.
+  estimates of the ancestors its recompute would also need because they are not in memory
+  (unsaved intermediate results, and evicted saved values): the ancestor half of the paper's
+  evicted neighbourhood ``e*(t)``, walked over saved values only (at most 32). Staleness
+  counts ticks of a logical clock (one per recorded primitive and per unpack), not wall time,
+  so evictions do not depend on timing noise.
 - Only values that have a recipe can be evicted: results of primitives recorded under this
   pool. Values saved by custom functions or loops, or made before the block, are held until
   their entries are freed. Leaves (parameters, input data) are saved by reference (`KEEP`):
@@ -53,15 +54,15 @@ from ..saved import KEEP, Strategy
 
 __all__ = ["Rematerializing"]
 
-_ANCESTOR_WALK = 64  # the most ancestors one cost estimate visits (keeps eviction O(held))
+_ANCESTOR_WALK = 32  # the most saved ancestors one cost estimate visits
 
 
 class _Value:
     """How one primitive result is made again: the primitive, its attributes, its inputs
     (other `_Value`s, or `_Fixed` arrays with no recipe), and where its array is now."""
 
-    __slots__ = ("__weakref__", "attrs", "cost", "counter", "dtype", "handle", "inputs",
-                 "prim", "ref", "shape", "version")
+    __slots__ = ("__weakref__", "attrs", "chain", "counter", "dtype", "frontier", "handle",
+                 "inputs", "prim", "ref", "shape", "version")
 
     def __init__(self, prim: Any, attrs: dict[str, Any], inputs: tuple[Any, ...],
                  result: Any, cost: float) -> None:
@@ -74,8 +75,21 @@ class _Value:
         self.ref: Callable[[], Any] = weakref.ref(array)
         self.counter = result._version  # the array is this value while the counter stands
         self.version = result._version.value
-        self.cost = cost
         self.handle: Callable[[], Any] | None = None  # weakref of the handle that saves it
+        # Cost estimates see the graph of saved values only: `chain` is this primitive's cost
+        # plus that of the unsaved results it reads (never in memory by the time they are
+        # needed), recursively; `frontier` the saved values those read.
+        self.chain = cost
+        frontier: dict[int, _Value] = {}
+        for source in inputs:
+            if type(source) is not _Value:
+                continue
+            if source.handle is not None:
+                frontier[id(source)] = source
+            else:
+                self.chain += source.chain
+                frontier.update((id(f), f) for f in source.frontier)
+        self.frontier = tuple(frontier.values())
 
     def present(self) -> Any:
         """The array if it is still in memory unchanged (held, or alive in the caller's
@@ -253,7 +267,7 @@ class Rematerializing(Strategy):
         """DTR's h(t) = c(t) / (m(t) * s(t)), with c(t) including the absent ancestors."""
         value = handle.value
         assert value is not None  # only handles with a recipe are scored
-        cost = value.cost + _absent_ancestors_cost(value)
+        cost = value.chain + _absent_ancestors_cost(value)
         staleness = self._clock - handle.last + 1
         return cost / (max(handle.nbytes, 1) * staleness)
 
@@ -383,18 +397,18 @@ def _run(value: _Value, args: list[Any]) -> Any:
 
 
 def _absent_ancestors_cost(value: _Value) -> float:
-    """Estimated cost of the ancestors `value`'s recompute would need that are not in memory
-    (a bounded walk: far ancestors matter little to the choice)."""
+    """Estimated cost of the saved ancestors `value`'s recompute would need that are not in
+    memory, with their unsaved inputs (a bounded walk: far ancestors matter little)."""
     total = 0.0
-    stack = [s for s in value.inputs if type(s) is _Value]
+    stack = list(value.frontier)
     seen: set[int] = set()
     while stack and len(seen) < _ANCESTOR_WALK:
         source = stack.pop()
         if id(source) in seen or source.present() is not None:
             continue
         seen.add(id(source))
-        total += source.cost
-        stack.extend(s for s in source.inputs if type(s) is _Value)
+        total += source.chain
+        stack.extend(source.frontier)
     return total
 
 
