@@ -67,6 +67,16 @@ class QuantizationError(CheckpointADError, ValueError):
     """Quantization was asked for something it cannot do (bad bits, group size or dtype)."""
 
 
+class BudgetError(CheckpointADError, MemoryError):
+    """A memory budget cannot be kept: what must stay in memory alone passes it.
+
+    `minimum_bytes` is the smallest budget that would have worked at the point of failure."""
+
+    def __init__(self, message: str, minimum_bytes: int) -> None:
+        super().__init__(message)
+        self.minimum_bytes = minimum_bytes
+
+
 class RecomputeError(CheckpointADError, RuntimeError):
     """Re-running a checkpointed region did not reproduce what its first run saved."""
 

@@ -25,7 +25,9 @@ def emit(kind: str, payload: Any) -> None:
     recording), 'pack' (a new saved buffer), 'free' (id of a saved buffer that died),
     'unpack' (a buffer read by the sweep), 'release' (an entry whose saved values were freed),
     'backward_begin' / 'backward_end' (a sweep, None), 'recompute_begin' / 'recompute_end'
-    (a region or loop re-running forward work, its name).
+    (a region or loop re-running forward work, its name), 'evict' (a saved value's stored form
+    whose array a rematerializing pool dropped), 'rematerialize' (one primitive re-run to bring
+    an evicted value back: the stored form held again, or None).
     """
     thread = threading.get_ident()
     for subscriber, listener, kinds in tuple(listeners):

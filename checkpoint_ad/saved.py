@@ -58,6 +58,12 @@ class Strategy:
     def for_leaf(self) -> Strategy:
         return self
 
+    def recorded(self, prim: Any, attrs: dict[str, Any], inputs: tuple[Any, ...],
+                 result: Any) -> None:
+        """Called after primitive `prim` was recorded under this strategy (its values already
+        packed): a strategy that recomputes values itself learns here how `result` was made.
+        Nothing by default; never called under `KeepAll`."""
+
 
 Packer = Strategy  # the name saved_values_hooks and use_packer have always documented
 

@@ -426,6 +426,8 @@ def record(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> 
             prim, edges, (out,), attrs or _NO_ATTRS, _save_primitive_values, counter,
             (prim, form, packer, tensors, datas),
         )
+        if type(packer) is not KeepAll:
+            packer.recorded(prim, attrs, tensors, result)
     if prim.view:
         parent = tensors[0]
         base = parent._base

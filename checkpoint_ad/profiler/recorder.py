@@ -36,6 +36,10 @@ class _Recorder:
         self.roots: dict[int, int] = {}  # id(array) -> live owned buffers holding it
         self.pending: dict[int, Any] = {}  # id(buffer) -> buffer stored by reference, unclaimed
         self.leaf_roots: dict[int, Any] = {}  # id(root array) -> weakref of a caller's leaf's
+        # packed buffers by their stored form, for events about a stored form (an eviction)
+        self.by_stored: dict[int, int] = {}  # id(stored form) -> id(buffer)
+        self.stored_of: dict[int, int] = {}  # id(buffer) -> id(stored form)
+        self.evicted: dict[int, int] = {}  # id(buffer) -> bytes an eviction took off
         self.counter = itertools.count()
         self.live = 0
         self.live_aliased = 0
@@ -52,6 +56,8 @@ class _Recorder:
             "backward_end": self._backward_end,
             "recompute_begin": self._recompute_begin,
             "recompute_end": self._recompute_end,
+            "evict": self._evict,
+            "rematerialize": self._rematerialize,
         }
 
     def __call__(self, kind: str, payload: Any) -> None:
@@ -187,6 +193,8 @@ class _Recorder:
         if buffer.source is None:  # stored by reference: its record says whose memory it is
             self.pending[id(buffer)] = buffer
             return
+        self.by_stored[id(buffer.packed)] = id(buffer)
+        self.stored_of[id(buffer)] = id(buffer.packed)
         self._count(buffer, owned=True)
         self._point()
 
@@ -194,6 +202,10 @@ class _Recorder:
         if self.pending.pop(key, None) is not None:
             self.serials.pop(key, None)
             return
+        stored = self.stored_of.pop(key, None)
+        if stored is not None:
+            self.by_stored.pop(stored, None)
+            self.evicted.pop(key, None)
         counted = self.counted.pop(key, None)
         if counted is None:
             return
@@ -208,6 +220,32 @@ class _Recorder:
                 del self.roots[root_id]
         self.serials.pop(key, None)
         self.probe.sample()
+        self._point()
+
+    def _evict(self, stored: Any) -> None:
+        """A pool dropped the array of a saved value (it is recomputed when needed): its
+        bytes leave the tape until it is rematerialized or freed."""
+        self.profile.evictions += 1
+        key = self.by_stored.get(id(stored))
+        counted = self.counted.get(key) if key is not None else None
+        if counted is None or key in self.evicted:
+            return
+        owned, size, root_id = counted
+        self.evicted[key] = size
+        self.counted[key] = (owned, 0, root_id)
+        self._add(owned, -size)
+        self._point()
+
+    def _rematerialize(self, stored: Any) -> None:
+        """One primitive re-run to bring an evicted value back; a saved value's bytes return."""
+        self.profile.rematerializations += 1
+        key = self.by_stored.get(id(stored)) if stored is not None else None
+        size = self.evicted.pop(key, None) if key is not None else None
+        if size is None:
+            return
+        owned, _, root_id = self.counted[key]
+        self.counted[key] = (owned, size, root_id)
+        self._add(owned, size)
         self._point()
 
     def _backward_begin(self, _: Any) -> None:

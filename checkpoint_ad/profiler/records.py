@@ -62,6 +62,8 @@ class Profile:
     aliased_bytes: int | None = 0
     primitives: int = 0
     recomputed_primitives: int = 0
+    evictions: int = 0  # saved values a rematerializing pool dropped to keep its budget
+    rematerializations: int = 0  # primitives it re-ran to bring evicted values back
     forward_seconds: float = 0.0
     backward_seconds: float = 0.0
     recompute_seconds: float = 0.0
@@ -118,7 +120,9 @@ class Profile:
         lines = [
             f"device {self.device}  forward {self.forward_seconds:.4f}s  backward "
             f"{self.backward_seconds:.4f}s  (recompute {self.recompute_seconds:.4f}s, "
-            f"{self.recomputed_primitives} primitives re-run of {self.primitives})",
+            f"{self.recomputed_primitives} primitives re-run of {self.primitives})"
+            + (f"  evictions {self.evictions}, rematerializations {self.rematerializations}"
+               if self.evictions else ""),
             f"peak tape {self.peak_tape_bytes / mib:.3f} MiB owned"
             + (f" (+{self.aliased_bytes / mib:.3f} MiB the caller's, saved by reference)"
                if self.aliased_bytes else "")
@@ -175,6 +179,8 @@ class Profile:
             if isinstance(fields.get("records"), list):
                 fields["records"] = [{**r, "owned": True} if isinstance(r, dict) else r
                                      for r in fields["records"]]
+        fields.setdefault("evictions", 0)  # added within version 2: absent means none
+        fields.setdefault("rematerializations", 0)
         unknown = set(fields) - set(cls.__dataclass_fields__)
         if unknown:
             raise ProfileFormatError(f"unknown profile fields {sorted(unknown)}; this version "

@@ -11,6 +11,7 @@ from ..errors import RecomputeError
 from . import jax_policies, revolve
 from . import jax_policies as checkpoint_policies
 from .base import StoreInputs, StoreOutputs
+from .dtr import Rematerializing
 from .jax_policies import remat
 from .kinds import KeepAll, LoopStrategy, RegionStrategy, Strategy
 from .loop_strategies import Binomial, Periodic
@@ -31,6 +32,7 @@ __all__ = [
     "Recompute",
     "RecomputeError",
     "RegionStrategy",
+    "Rematerializing",
     "Strategy",
     "StoreInputs",
     "StoreOutputs",

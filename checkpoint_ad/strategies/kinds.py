@@ -3,7 +3,8 @@
 - A **saved-value strategy** (`Strategy`) decides how each value a backward rule needs is
   kept: which form a primitive records (`choose_form`), how a value is stored (`pack` /
   `unpack` / `stored_nbytes`), whether that is exact (`lossless`). The tape calls it for every
-  saved value. Built-ins: `KeepAll`, `StoreInputs`, `StoreOutputs`, `Quantized`, `Policy`.
+  saved value. Built-ins: `KeepAll`, `StoreInputs`, `StoreOutputs`, `Quantized`, `Policy`,
+  and `Rematerializing` (a byte limit kept by evicting and recomputing, see `dtr.py`).
 - A **loop strategy** (`LoopStrategy`) decides how a `scan` is checkpointed: `plan(n)` gives
   the plan (frozen actions, see `revolve.py`) that the loop executor runs, and `storage` the
   saved-value strategy its snapshots are kept with. Built-ins: `Binomial`, `Periodic`,

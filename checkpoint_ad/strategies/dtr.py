@@ -1,0 +1,421 @@
+"""Dynamic tensor rematerialization: a saved-bytes budget for code that is not a `scan`.
+
+Under ``use(Rematerializing(limit_bytes))`` every value a primitive saves for the backward
+sweep is held by a pool. When holding a new one would pass the limit, the pool evicts held
+values by the rule of Dynamic Tensor Rematerialization (Kirisame et al., ICLR 2021): drop the
+value with the *lowest* ``h(t) = c(t) / (m(t) * s(t))``, where `m` is its bytes, `s` its
+staleness (time since last use) and `c` the cost of bringing it back. An evicted value is
+recomputed when the sweep unpacks it, by re-running the same primitives on the same input
+arrays (recursively, oldest first, from the nearest values still held), so gradients are bit
+for bit those of keeping everything.
+
+Choices this module makes, where the paper leaves room:
+
+- `c(t)` is a static estimate (elements read and written; multiply-adds for matmul) plus the
+  estimates of the ancestors its recompute would also need because they are not in memory
+  (unsaved intermediate results, and evicted saved values): the ancestor half of the paper's
+  evicted neighbourhood ``e*(t)``, walked over saved values only (at most 32). Staleness
+  counts ticks of a logical clock (one per recorded primitive and per unpack), not wall time,
+  so evictions do not depend on timing noise.
+- Only values that have a recipe can be evicted: results of primitives recorded under this
+  pool. Values saved by custom functions or loops, or made before the block, are held until
+  their entries are freed. Leaves (parameters, input data) are saved by reference (`KEEP`):
+  the caller holds them anyway, so evicting them would free nothing.
+- Primitives are pure functions of their arrays and attributes: randomness enters as arrays
+  with no history (dropout's mask), which recipes keep as they are, so a recompute never
+  draws again. Arrays with no history that a recipe reads are kept while the recipe lives.
+- Input values are checked by version: a value changed in place after it was used is
+  recomputed rather than read; an input with no history changed in place cannot be, and its
+  recompute raises `SavedValueModifiedError`.
+- Policy at the limit: while recording, a value that cannot fit even after evicting all that
+  can be evicted raises `BudgetError` (with `minimum_bytes`), early and before any gradient
+  is touched. During the backward sweep the pool never raises: a recompute that cannot make
+  room goes over the limit, and `peak_bytes` shows by how much.
+
+Events: 'evict' (payload: the stored handle whose array was dropped, its bytes leave the tape)
+and 'rematerialize' (one primitive re-run; payload: the handle it made resident again, its
+bytes back on the tape, or None for a value no saved buffer holds). Each re-run is also an
+'apply' inside ``recomputing("rematerialize")``, so profiles time it as recompute work.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import numpy as np
+
+from .. import events
+from ..backend import namespace
+from ..backend import nbytes as array_nbytes
+from ..errors import BudgetError, RecomputeError, SavedValueModifiedError, StrategyConfigError
+from ..saved import KEEP, Strategy
+
+__all__ = ["Rematerializing"]
+
+_ANCESTOR_WALK = 32  # the most saved ancestors one cost estimate visits
+
+
+class _Value:
+    """How one primitive result is made again: the primitive, its attributes, its inputs
+    (other `_Value`s, or `_Fixed` arrays with no recipe), and where its array is now."""
+
+    __slots__ = ("__weakref__", "attrs", "chain", "counter", "dtype", "frontier", "handle",
+                 "inputs", "prim", "ref", "shape", "version")
+
+    def __init__(self, prim: Any, attrs: dict[str, Any], inputs: tuple[Any, ...],
+                 result: Any, cost: float) -> None:
+        self.prim = prim
+        self.attrs = attrs
+        self.inputs = inputs
+        array = result._data
+        self.shape = tuple(array.shape)
+        self.dtype = array.dtype
+        self.ref: Callable[[], Any] = weakref.ref(array)
+        self.counter = result._version  # the array is this value while the counter stands
+        self.version = result._version.value
+        self.handle: Callable[[], Any] | None = None  # weakref of the handle that saves it
+        # Cost estimates see the graph of saved values only: `chain` is this primitive's cost
+        # plus that of the unsaved results it reads (never in memory by the time they are
+        # needed), recursively; `frontier` the saved values those read.
+        self.chain = cost
+        frontier: dict[int, _Value] = {}
+        for source in inputs:
+            if type(source) is not _Value:
+                continue
+            if source.handle is not None:
+                frontier[id(source)] = source
+            else:
+                self.chain += source.chain
+                frontier.update((id(f), f) for f in source.frontier)
+        self.frontier = tuple(frontier.values())
+
+    def present(self) -> Any:
+        """The array if it is still in memory unchanged (held, or alive in the caller's
+        hands), else None."""
+        array = self.ref()
+        if array is None or self.counter.value != self.version:
+            return None
+        return array
+
+
+class _Fixed:
+    """An input with no recipe, kept as is, with the version it had when it was read."""
+
+    __slots__ = ("array", "counter", "version")
+
+    def __init__(self, tensor: Any) -> None:
+        self.array = tensor._data
+        self.counter = tensor._version
+        self.version = tensor._version.value
+
+
+class _Handle:
+    """What a saved buffer stores under the pool: the array while the pool holds it, and
+    the value that makes it again once evicted (None: no recipe, never evicted)."""
+
+    __slots__ = ("__weakref__", "array", "last", "nbytes", "pool", "value")
+
+    def __init__(self, pool: Rematerializing, array: Any, nbytes: int, now: int) -> None:
+        self.pool = pool
+        self.array = array
+        self.nbytes = nbytes
+        self.last = now
+        self.value: _Value | None = None
+
+    def __del__(self) -> None:  # the buffer died: its bytes leave the pool
+        if self.array is not None:
+            self.pool._let_go(self)
+
+    def __repr__(self) -> str:
+        state = "held" if self.array is not None else "evicted"
+        return f"<rematerializable {self.nbytes} bytes, {state}>"
+
+
+class Rematerializing(Strategy):
+    """Keep at most `limit_bytes` of saved values, evicting and recomputing DTR-style.
+
+    One instance is one pool: its counters (`evictions`, `rematerializations`,
+    `peak_bytes`) and the values it holds span every block it is used in; use a new instance
+    for a new budget. The pool serves one thread. `Budget` delegates code outside `scan` here.
+
+    >>> import numpy as np, checkpoint_ad as cad
+    >>> w = cad.tensor(np.full((4, 4), 0.5), requires_grad=True)
+    >>> pool = cad.strategies.Rematerializing(limit_bytes=256)
+    >>> with cad.use(pool):
+    ...     h = cad.ones(2, 4)
+    ...     for _ in range(8):
+    ...         h = cad.tanh(h @ w)
+    ...     h.sum().backward()
+    >>> pool.evictions > 0, pool.peak_bytes <= 256
+    (True, True)
+    """
+
+    lossless: ClassVar[bool] = True
+
+    def __init__(self, limit_bytes: int) -> None:
+        if isinstance(limit_bytes, bool) or not isinstance(limit_bytes, (int, np.integer)):
+            raise StrategyConfigError(
+                f"Rematerializing(limit_bytes=...) takes a whole number of bytes, got "
+                f"{limit_bytes!r}; e.g. Rematerializing(8 * 2**20) for 8 MiB"
+            )
+        if limit_bytes < 0:
+            raise StrategyConfigError(
+                f"Rematerializing: limit_bytes must be 0 or more, got {limit_bytes}"
+            )
+        self.limit_bytes = int(limit_bytes)
+        self.held_bytes = 0  # bytes of saved values the pool holds now
+        self.peak_bytes = 0
+        self.evictions = 0
+        self.rematerializations = 0  # primitives re-run to bring values back
+        self._clock = 0
+        self._held: dict[int, weakref.ref[_Handle]] = {}  # id -> held handle
+        self._fresh: list[weakref.ref[_Handle]] = []  # packed since the last record
+        self._values: weakref.WeakKeyDictionary[Any, _Value] = weakref.WeakKeyDictionary()
+        # id(array) -> the value it is (checked by identity: ids of dead arrays are reused)
+        self._by_array: weakref.WeakValueDictionary[int, _Value] = weakref.WeakValueDictionary()
+
+    def __repr__(self) -> str:
+        return f"Rematerializing(limit_bytes={self.limit_bytes})"
+
+    # ------------------------------------------------------------- the Strategy contract
+    def for_leaf(self) -> Strategy:
+        return KEEP  # the caller's own memory: nothing to gain by evicting it
+
+    def pack(self, array: Any) -> _Handle:
+        size = array_nbytes(array)
+        self._clock += 1
+        if self.held_bytes + size > self.limit_bytes:
+            self._make_room(size, locked=None, strict=True)
+        handle = _Handle(self, array, size, self._clock)
+        self._hold(handle)
+        value = self._by_array.get(id(array))
+        if value is not None and value.present() is array:  # made by a primitive before
+            _attach(handle, value)
+        else:  # maybe the output of the primitive being recorded: `recorded` will tell
+            self._fresh.append(weakref.ref(handle))
+        return handle
+
+    def unpack(self, stored: _Handle) -> Any:
+        self._clock += 1
+        stored.last = self._clock
+        if stored.array is not None:
+            return stored.array
+        return self._bring_back(stored)
+
+    def stored_nbytes(self, stored: _Handle) -> int:
+        return stored.nbytes
+
+    def recorded(self, prim: Any, attrs: dict[str, Any], inputs: tuple[Any, ...],
+                 result: Any) -> None:
+        """Remember how `result` was made, and give the handles packed while recording it
+        their recipes."""
+        self._clock += 1
+        values = self._values
+        sources: list[Any] = []
+        for t in inputs:
+            value = values.get(t._entry) if t._entry is not None else None
+            if value is None or value.present() is not t._data:
+                value = _Fixed(t)
+            sources.append(value)
+        value = _Value(prim, attrs, tuple(sources), result, _cost(prim, inputs, result))
+        values[result._entry] = value
+        self._by_array[id(result._data)] = value
+        fresh, self._fresh = self._fresh, []
+        for ref in fresh:
+            handle = ref()
+            if handle is not None and handle.value is None and handle.array is result._data:
+                _attach(handle, value)
+
+    # ------------------------------------------------------------- holding and evicting
+    def _hold(self, handle: _Handle) -> None:
+        self._held[id(handle)] = weakref.ref(handle)
+        self.held_bytes += handle.nbytes
+        if self.held_bytes > self.peak_bytes:
+            self.peak_bytes = self.held_bytes
+
+    def _let_go(self, handle: _Handle) -> None:
+        if self._held.pop(id(handle), None) is not None:
+            self.held_bytes -= handle.nbytes
+        handle.array = None
+
+    def _make_room(self, size: int, locked: _Handle | None, strict: bool) -> None:
+        """Evict until `size` more bytes fit (DTR: lowest cost / (bytes * staleness) first).
+        `strict`: raise `BudgetError` when they cannot; else go over the limit."""
+        candidates = []
+        for ref in list(self._held.values()):
+            handle = ref()
+            if handle is not None and handle.value is not None and handle is not locked:
+                candidates.append(handle)
+        scores = {id(h): self._score(h) for h in candidates}
+        candidates.sort(key=lambda h: scores[id(h)], reverse=True)
+        while self.held_bytes + size > self.limit_bytes and candidates:
+            self._evict(candidates.pop())
+        if self.held_bytes + size > self.limit_bytes and strict:
+            minimum = self.held_bytes + size
+            raise BudgetError(
+                f"Rematerializing(limit_bytes={self.limit_bytes}) cannot keep a new saved "
+                f"value of {size} bytes: after evicting everything that can be recomputed, "
+                f"{self.held_bytes} bytes remain that cannot (values saved by custom "
+                "functions or loops, or made outside the block, have no recipe; a single "
+                f"value must fit by itself); use a limit of at least {minimum} bytes",
+                minimum,
+            )
+
+    def _score(self, handle: _Handle) -> float:
+        """DTR's h(t) = c(t) / (m(t) * s(t)), with c(t) including the absent ancestors."""
+        value = handle.value
+        assert value is not None  # only handles with a recipe are scored
+        cost = value.chain + _absent_ancestors_cost(value)
+        staleness = self._clock - handle.last + 1
+        return cost / (max(handle.nbytes, 1) * staleness)
+
+    def _evict(self, handle: _Handle) -> None:
+        self._let_go(handle)
+        self.evictions += 1
+        if events.listeners:
+            events.emit("evict", handle)
+
+    # ------------------------------------------------------------- bringing values back
+    def _bring_back(self, handle: _Handle) -> Any:
+        """Recompute an evicted handle's value from the nearest values still in memory;
+        saved values made on the way are held again (DTR), the others dropped after use."""
+        value = handle.value
+        assert value is not None  # a handle without a recipe is never evicted
+        array = value.present()
+        if array is not None:  # still in the caller's hands: read it, hold nothing more
+            return array
+        with events.recomputing("rematerialize"):
+            return self._recompute(value, handle)
+
+    def _recompute(self, root: _Value, target: _Handle) -> Any:
+        order, have = _plan(root)
+        uses: dict[int, int] = {}
+        for value in order:
+            for source in value.inputs:
+                if type(source) is _Value:
+                    uses[id(source)] = uses.get(id(source), 0) + 1
+        for value in order:
+            args = [_read(source, have, value) for source in value.inputs]
+            for source in value.inputs:
+                if type(source) is _Value:
+                    uses[id(source)] -= 1
+                    if not uses[id(source)] and source is not root:
+                        have.pop(id(source), None)
+            array = _run(value, args)
+            have[id(value)] = array
+            value.ref = weakref.ref(array)
+            self._by_array[id(array)] = value
+            value.version = value.counter.value  # a fresh array of the original value
+            self.rematerializations += 1
+            if value is root:
+                saver: _Handle | None = target
+            else:
+                saver = value.handle() if value.handle is not None else None
+            if saver is not None and saver.array is None:
+                self._rehold(saver, array, target)
+            elif events.listeners:
+                events.emit("rematerialize", None)
+            if events.listeners:
+                events.emit("apply", value.prim)
+        return have[id(root)]
+
+    def _rehold(self, handle: _Handle, array: Any, locked: _Handle) -> None:
+        if self.held_bytes + handle.nbytes > self.limit_bytes:
+            self._make_room(handle.nbytes, locked=locked, strict=False)
+        handle.array = array
+        self._clock += 1
+        handle.last = self._clock
+        self._hold(handle)
+        if events.listeners:
+            events.emit("rematerialize", handle)
+
+
+def _attach(handle: _Handle, value: _Value) -> None:
+    """`handle` saves `value`: it can be evicted, and a recompute of `value` holds it again."""
+    handle.value = value
+    if value.handle is None or value.handle() is None:
+        value.handle = weakref.ref(handle)
+
+
+def _plan(root: _Value) -> tuple[list[_Value], dict[int, Any]]:
+    """The values to recompute for `root`, inputs before users (an iterative post-order
+    walk that stops at values still in memory), and the arrays of those it stopped at."""
+    order: list[_Value] = []
+    have: dict[int, Any] = {}
+    seen: set[int] = set()
+    stack: list[tuple[_Value, bool]] = [(root, False)]
+    while stack:
+        value, expanded = stack.pop()
+        if expanded:
+            order.append(value)
+            continue
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        array = value.present() if value is not root else None
+        if array is not None:
+            have[id(value)] = array
+            continue
+        stack.append((value, True))
+        for source in value.inputs:
+            if type(source) is _Value and id(source) not in seen:
+                stack.append((source, False))
+    return order, have
+
+
+def _read(source: Any, have: dict[int, Any], user: _Value) -> Any:
+    if type(source) is _Value:
+        return have[id(source)]
+    if source.counter.value != source.version:
+        raise SavedValueModifiedError(
+            f"recomputing an evicted result of {user.prim.name!r} ({user.dtype}"
+            f"{list(user.shape)}) needs its input {source.array.dtype}"
+            f"{list(source.array.shape)} as it was at version {source.version}, but it was "
+            f"modified in place since (now version {source.counter.value}); modify a copy "
+            "instead, or raise the budget so the result is not evicted"
+        )
+    return source.array
+
+
+def _run(value: _Value, args: list[Any]) -> Any:
+    """The primitive's forward on `args`, checked against what the first run made."""
+    prim = value.prim
+    xp = namespace(args[0])
+    out = prim.forward(xp, args, **value.attrs) if prim.variadic else prim.forward(
+        xp, *args, **value.attrs)
+    if isinstance(out, np.generic):  # numpy reduces 0-d results to scalars
+        out = np.asarray(out)
+    if tuple(out.shape) != value.shape or out.dtype != value.dtype:
+        raise RecomputeError(
+            f"recomputing an evicted result of {prim.name!r} gave {out.dtype}"
+            f"{list(out.shape)}, but the first run made {value.dtype}{list(value.shape)}; "
+            "a primitive's forward must depend only on its arrays and attributes"
+        )
+    return out
+
+
+def _absent_ancestors_cost(value: _Value) -> float:
+    """Estimated cost of the saved ancestors `value`'s recompute would need that are not in
+    memory, with their unsaved inputs (a bounded walk: far ancestors matter little)."""
+    total = 0.0
+    stack = list(value.frontier)
+    seen: set[int] = set()
+    while stack and len(seen) < _ANCESTOR_WALK:
+        source = stack.pop()
+        if id(source) in seen or source.present() is not None:
+            continue
+        seen.add(id(source))
+        total += source.chain
+        stack.extend(source.frontier)
+    return total
+
+
+def _cost(prim: Any, inputs: tuple[Any, ...], result: Any) -> float:
+    """A static estimate of a primitive's run time: elements read and written, or
+    multiply-adds for a matmul (whose time grows with the shared axis)."""
+    out = result._data
+    if prim.name == "matmul" and inputs[0]._data.ndim:
+        return float(out.size * inputs[0]._data.shape[-1])
+    return float(out.size + sum(t._data.size for t in inputs))
