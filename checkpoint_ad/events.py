@@ -25,7 +25,8 @@ def emit(kind: str, payload: Any) -> None:
     recording), 'pack' (a new saved buffer), 'free' (id of a saved buffer that died),
     'unpack' (a buffer read by the sweep), 'release' (an entry whose saved values were freed),
     'backward_begin' / 'backward_end' (a sweep, None), 'recompute_begin' / 'recompute_end'
-    (a region or loop re-running forward work, its name).
+    (a region or loop re-running forward work, its name), 'io_write' / 'io_read' (bytes
+    handed to or read back from a storage level), 'io_stall' (seconds spent waiting for one).
     """
     thread = threading.get_ident()
     for subscriber, listener, kinds in tuple(listeners):
