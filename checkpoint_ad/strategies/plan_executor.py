@@ -390,6 +390,7 @@ class PlannedLoop:
         except BaseException:
             if self.state is not None:  # no snapshot (no file of a disk level) outlives it
                 self.state.snapshots.clear()
+            entry.slots = ()  # those snapshots, as the entry's saved values: stale now
             self.state = None  # perhaps half consumed: the next backward rebuilds it
             raise
         finally:
