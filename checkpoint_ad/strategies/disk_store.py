@@ -97,7 +97,7 @@ class DiskStore:
         self.writes: deque[_Record] = deque()
         self.reads: deque[_Record] = deque()
         self.pending_bytes = 0
-        self.busy = 0  # files the threads are working on
+        self.probing = 0  # `measure` calls writing a probe file now
         self.closed = False
         self.threads: list[threading.Thread] = []
         self.failure: BaseException | None = None
@@ -181,7 +181,7 @@ class DiskStore:
             self._start()
             self.serial += 1
             path = os.path.join(self.folder, f"{self.serial}.probe")  # type: ignore[arg-type]
-            self.busy += 1
+            self.probing += 1
         try:
             started = time.perf_counter()
             _write(path, value)
@@ -191,7 +191,7 @@ class DiskStore:
         finally:
             _unlink(path)
             with self.cond:
-                self.busy -= 1
+                self.probing -= 1
                 self._maybe_remove_folder()
         return written - started, read - written
 
@@ -242,8 +242,8 @@ class DiskStore:
         self.kept = still
         at = bisect.bisect_left(self.lifo, record.serial)
         budget = READ_AHEAD_BYTES
-        for count, serial in enumerate(reversed(self.lifo[:at])):
-            other = self.live[serial]
+        for count, position in enumerate(range(at - 1, -1, -1)):
+            other = self.live[self.lifo[position]]
             if count >= 2 and budget < other.nbytes:
                 break
             budget -= other.nbytes
@@ -281,7 +281,10 @@ class DiskStore:
             self._maybe_remove_folder()
 
     def _maybe_remove_folder(self) -> None:
-        if self.live or self.busy or self.folder is None:
+        """Remove the folder once no value lives in it. A thread may still be writing or
+        reading a freed value's file: its write then fails or goes to a removed file, and is
+        ignored, so the folder goes at once (after backward, not some time after)."""
+        if self.live or self.probing or self.folder is None:
             return
         shutil.rmtree(self.folder, ignore_errors=True)
         self.folder = None
@@ -296,7 +299,6 @@ class DiskStore:
                     return
                 record = self.writes.popleft()
                 value = record.value
-                self.busy += 1
             error = None
             try:
                 value = host_arrays(value)  # a device array's copy to pinned memory, done
@@ -304,12 +306,11 @@ class DiskStore:
             except BaseException as exc:  # reported by the next put; the value stays in memory
                 error = exc
             with self.cond:
-                self.busy -= 1
                 self.pending_bytes -= record.nbytes
-                if error is not None:
-                    record.error = self.failure = error
+                if record.freed:  # its folder may be gone already: nothing to report
                     _unlink(record.path)
-                elif record.freed:
+                elif error is not None:
+                    record.error = self.failure = error
                     _unlink(record.path)
                 else:
                     record.written = True
@@ -331,13 +332,11 @@ class DiskStore:
                 if record.freed or record.loaded is not None or not record.written:
                     continue
                 record.reading = True
-                self.busy += 1
             try:
                 value = _read(record.path)
             except OSError:
                 value = None  # read again on the calling thread, which reports the error
             with self.cond:
-                self.busy -= 1
                 record.reading = False
                 if not record.freed:
                     record.loaded = value

@@ -64,6 +64,7 @@ class Offload(Strategy):
     ``use(...)`` and as a loop strategy's ``storage`` (``Binomial(8, storage=Offload("disk"))``
     writes its snapshots to disk).
 
+    >>> from checkpoint_ad.strategies import Quantized
     >>> Offload("disk", inner=Quantized(bits=8))
     Offload(level='disk', dir=None, inner=Quantized(bits=8, group_size=128, stochastic=False, seed=None))
     """  # noqa: E501
