@@ -35,7 +35,7 @@ SIZES: dict[str, dict[str, Any]] = {
         "quantize": {"megabytes": 64, "repeats": 5},
         "plan": {"cases": [(10**5, 16), (10**5, 100), (10**6, 16), (10**6, 100)],
                  "repeats": 5, "walk_up_to": 10**5},
-        "offload": {"sizes": {"grid": 256, "steps": 400}, "snapshots": 4, "repeats": 3},
+        "offload": {"sizes": {"grid": 128, "steps": 300}, "snapshots": 4, "repeats": 5},
     },
     "quick": {
         "tape": {"size": 16, "ops": 2000, "repeats": 3},
