@@ -13,7 +13,7 @@ from typing import Any
 
 from .table import Ratio
 
-BENCHMARKS = ("tape", "rnn", "mlp", "heat", "quantize", "plan")
+BENCHMARKS = ("tape", "rnn", "mlp", "heat", "quantize", "plan", "offload")
 
 DESCRIPTIONS = {
     "tape": "tape overhead: a chain of small elementwise ops, forward+backward",
@@ -22,6 +22,7 @@ DESCRIPTIONS = {
     "heat": "heat equation time-stepping (built-in model)",
     "quantize": "quantization throughput, pack = quantize, unpack = dequantize",
     "plan": "binomial (Revolve) schedule planning time",
+    "offload": "heat model, binomial with a disk level: backward time, I/O stall, bytes per level",
 }
 
 SIZES: dict[str, dict[str, Any]] = {
@@ -34,6 +35,7 @@ SIZES: dict[str, dict[str, Any]] = {
         "quantize": {"megabytes": 64, "repeats": 5},
         "plan": {"cases": [(10**5, 16), (10**5, 100), (10**6, 16), (10**6, 100)],
                  "repeats": 5, "walk_up_to": 10**5},
+        "offload": {"sizes": {"grid": 128, "steps": 300}, "snapshots": 4, "repeats": 5},
     },
     "quick": {
         "tape": {"size": 16, "ops": 2000, "repeats": 3},
@@ -43,6 +45,7 @@ SIZES: dict[str, dict[str, Any]] = {
         "heat": {"sizes": {"grid": 32, "steps": 100}, "repeats": 3},
         "quantize": {"megabytes": 8, "repeats": 3},
         "plan": {"cases": [(10**5, 16), (10**6, 16)], "repeats": 3, "walk_up_to": 0},
+        "offload": {"sizes": {"grid": 64, "steps": 100}, "snapshots": 3, "repeats": 2},
     },
 }
 
@@ -69,6 +72,10 @@ EXTRA_COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {
                  ("stored/input", "stored_fraction")),
     "plan": (("actions", "actions"), ("evaluations", "evaluations"),
              ("walk s", "walk_seconds")),
+    "offload": (("backward s", "backward_seconds"), ("stall s", "stall_seconds"),
+                ("stall/bwd", "stall_fraction"), ("RAM tape MiB", "ram_tape_mib"),
+                ("disk MiB", "disk_mib"), ("written MiB", "written_mib"),
+                ("read MiB", "read_mib")),
 }
 
 
@@ -164,5 +171,8 @@ def jobs(quick: bool, only: set[str] | None = None) -> list[Job]:
         "quantize": lambda: [Job("quantize", f"{sizes['quantize']['megabytes']} MiB float32",
                                  "kernels", "quantize_throughput:throughput", sizes["quantize"])],
         "plan": lambda: [Job("plan", "binomial_plan", "plans", "planning:plans", sizes["plan"])],
+        "offload": lambda: [Job("offload", ", ".join(
+            f"{k}={v}" for k, v in sizes["offload"]["sizes"].items()), "heat on disk",
+            "offload:heat_disk", sizes["offload"])],
     }
     return [job for name in BENCHMARKS if only is None or name in only for job in makers[name]()]

@@ -139,3 +139,8 @@ class StateDictError(CheckpointADError, KeyError):
 
 class OptimizerConfigError(CheckpointADError, ValueError):
     """An optimizer was given no parameters, a non-leaf tensor, or an invalid hyperparameter."""
+
+
+class OffloadError(CheckpointADError, OSError):
+    """A saved value could not be written to or read back from its storage level (a full or
+    read-only disk, a temporary folder removed from outside)."""

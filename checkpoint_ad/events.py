@@ -27,7 +27,8 @@ def emit(kind: str, payload: Any) -> None:
     'backward_begin' / 'backward_end' (a sweep, None), 'recompute_begin' / 'recompute_end'
     (a region or loop re-running forward work, its name), 'evict' (a saved value's stored form
     whose array a rematerializing pool dropped), 'rematerialize' (one primitive re-run to bring
-    an evicted value back: the stored form held again, or None).
+    an evicted value back: the stored form held again, or None), 'io_write' / 'io_read'
+    (bytes handed to or read back from a storage level), 'io_stall' (seconds spent waiting).
     """
     thread = threading.get_ident()
     for subscriber, listener, kinds in tuple(listeners):

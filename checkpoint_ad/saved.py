@@ -64,6 +64,24 @@ class Strategy:
         packed): a strategy that recomputes values itself learns here how `result` was made.
         Nothing by default; never called under `KeepAll`."""
 
+    def for_plan(self) -> Strategy:
+        """How a checkpointing plan's snapshots are stored: their reads come in the order the
+        plan announces through `prefetch`, not in reverse pack order."""
+        return self
+
+    # Storage levels (see strategies/offload.py): where a stored form's bytes live, and a hint
+    # that lets a slow level read ahead of the backward sweep.
+    reads_ahead: ClassVar[bool] = False  # True: prefetch hints help (a disk level)
+
+    def stored_level(self, stored: Any) -> str:
+        """Where the stored form's bytes live: 'device' (the memory the value was computed
+        in), 'host' (host memory, for a device array moved off the GPU) or 'disk'."""
+        return "device"
+
+    def prefetch(self, stored: list[Any]) -> None:
+        """A hint: these stored forms are unpacked next, in this order (each read once per
+        listing). Nothing to do for values kept in memory."""
+
 
 Packer = Strategy  # the name saved_values_hooks and use_packer have always documented
 

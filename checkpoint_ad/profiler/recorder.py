@@ -43,6 +43,8 @@ class _Recorder:
         self.counter = itertools.count()
         self.live = 0
         self.live_aliased = 0
+        self.level_live: dict[str, int] = {}  # owned stored bytes off the device, per level
+        self.levels: dict[int, tuple[str, int]] = {}  # id(buffer) -> (level, bytes) if off it
         self.backward_depth = 0
         self.recompute_depth = 0
         self.backward_started = 0.0
@@ -58,6 +60,9 @@ class _Recorder:
             "recompute_end": self._recompute_end,
             "evict": self._evict,
             "rematerialize": self._rematerialize,
+            "io_write": self._io_write,
+            "io_read": self._io_read,
+            "io_stall": self._io_stall,
         }
 
     def __call__(self, kind: str, payload: Any) -> None:
@@ -96,6 +101,12 @@ class _Recorder:
         buffer stored by reference holding the very array a live owned buffer holds (a loop's
         restored snapshot, saved again by the step re-run from it) adds no bytes."""
         key, size, root_id = id(buffer), buffer.stored_nbytes, None
+        if buffer.source is not None:
+            level = buffer.packer.stored_level(buffer.packed)
+            if level != "device":  # offloaded: counted on its level, not in the tape bytes
+                self.levels[key] = (level, size)
+                self._add_level(level, size)
+                size = 0
         if buffer.source is None and owned:
             root_id = id(buffer.packed)
             if self.roots.get(root_id):
@@ -111,6 +122,11 @@ class _Recorder:
         else:
             self.live_aliased += size
             self.profile.aliased_bytes = max(self.profile.aliased_bytes or 0, self.live_aliased)
+
+    def _add_level(self, level: str, size: int) -> None:
+        live = self.level_live[level] = self.level_live.get(level, 0) + size
+        peaks = self.profile.level_peak_bytes
+        peaks[level] = max(peaks.get(level, 0), live)
 
     def _claim_pending(self) -> None:
         """Buffers stored by reference that no entry claimed: owned (a loop's snapshots, a
@@ -176,6 +192,7 @@ class _Recorder:
                 buffer=self._serial(buffer),
                 phase=self.phase,
                 owned=owned,
+                level=self.levels[key][0] if key in self.levels else "device",
             ))
         if self.pending:  # saved by reference but held by no slot of this entry
             self._claim_pending()
@@ -210,6 +227,9 @@ class _Recorder:
         if counted is None:
             return
         owned, size, root_id = counted
+        level = self.levels.pop(key, None)
+        if level is not None:
+            self._add_level(level[0], -level[1])
         if owned:
             self.live -= size
         else:
@@ -247,6 +267,15 @@ class _Recorder:
         self.counted[key] = (owned, size, root_id)
         self._add(owned, size)
         self._point()
+
+    def _io_write(self, nbytes: int) -> None:
+        self.profile.io_bytes_written += nbytes
+
+    def _io_read(self, nbytes: int) -> None:
+        self.profile.io_bytes_read += nbytes
+
+    def _io_stall(self, seconds: float) -> None:
+        self.profile.io_stall_seconds += seconds
 
     def _backward_begin(self, _: Any) -> None:
         if self.backward_depth == 0 and self.recompute_depth == 0:
@@ -292,6 +321,7 @@ class _Recorder:
         self.profile.forward_seconds = max(elapsed - self.profile.backward_seconds, 0.0)
         self.profile.device_peak_bytes = self.probe.stop()
         self._sample_rss()
+        self.profile.level_peak_bytes["device"] = self.profile.peak_tape_bytes
 
 
 def _root(array: Any) -> Any:

@@ -18,8 +18,8 @@ from ..safe_files import write_text
 __all__ = ["Profile", "ProfileFormatError", "SavedRecord", "from_plain"]
 
 SCHEMA = "checkpoint-ad/profile"
-VERSION = 2  # 2: records say whether they are owned; aliased bytes are counted apart
-READS = (1, 2)  # version 1 counted every saved value as owned: loaded as such
+VERSION = 3  # 3: storage levels and I/O; 2: owned records, aliased bytes counted apart
+READS = (1, 2, 3)  # version 1 counted every saved value as owned: loaded as such
 T = TypeVar("T")
 
 
@@ -37,6 +37,7 @@ class SavedRecord:
     buffer: int  # identifies the stored buffer: records sharing one count its bytes once
     phase: str  # "forward", "backward" or "recompute"
     owned: bool = True  # False: the caller's own memory (a parameter, input data) by reference
+    level: str = "device"  # where the stored bytes live: "device", "host" or "disk"
 
 
 @dataclass
@@ -70,6 +71,14 @@ class Profile:
     device_peak_bytes: int | None = None
     rss_peak_bytes: int | None = None
     memory_source: str = "none"
+    level_peak_bytes: dict[str, int] = field(default_factory=dict)
+    """The most owned stored bytes alive at once per storage level ("device" is
+    `peak_tape_bytes`; "host" and "disk" hold offloaded values, see `strategies.Offload`)."""
+    io_bytes_written: int = 0
+    io_bytes_read: int = 0
+    io_stall_seconds: float = 0.0
+    """Seconds the computation waited for a storage level (a read not done ahead, a full
+    write queue)."""
 
     # ------------------------------------------------------------- queries
     @property
@@ -131,6 +140,15 @@ class Profile:
             + (f"{self.device_peak_bytes / mib:.3f} MiB ({self.memory_source})"
                if self.device_peak_bytes is not None else "not measured")
             + (f"   RSS peak {self.rss_peak_bytes / mib:.1f} MiB" if self.rss_peak_bytes else ""),
+        ]
+        if set(self.level_peak_bytes) - {"device"} or self.io_bytes_written:
+            lines.append(
+                "levels " + "  ".join(f"{k} {v / mib:.3f} MiB"
+                                      for k, v in sorted(self.level_peak_bytes.items()))
+                + f"   written {self.io_bytes_written / mib:.3f} MiB  read "
+                f"{self.io_bytes_read / mib:.3f} MiB  stalled {self.io_stall_seconds:.4f}s"
+            )
+        lines += [
             "",
             f"{'op':<16}{'saved':>7}{'logical MiB':>13}{'stored MiB':>12}",
         ]
@@ -174,6 +192,14 @@ class Profile:
                 "checkpoint-ad"
             )
         fields = {k: v for k, v in data.items() if k not in ("schema", "version")}
+        if version in (1, 2):  # no storage levels yet: everything was on the device
+            fields.setdefault("level_peak_bytes", {})
+            fields.setdefault("io_bytes_written", 0)
+            fields.setdefault("io_bytes_read", 0)
+            fields.setdefault("io_stall_seconds", 0.0)
+            if isinstance(fields.get("records"), list):
+                fields["records"] = [{"level": "device", **r} if isinstance(r, dict) else r
+                                     for r in fields["records"]]
         if version == 1:  # every saved value counted as owned; aliases not told apart
             fields.setdefault("aliased_bytes", None)
             if isinstance(fields.get("records"), list):

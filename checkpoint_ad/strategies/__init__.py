@@ -2,9 +2,11 @@
 
 Saved-value strategies decide how each saved value is kept (`KeepAll`, `StoreInputs`,
 `StoreOutputs`, `Quantized`, per-op `Policy`, or your own `Strategy` subclass); loop strategies
-decide how a `scan` is checkpointed (`Binomial`, `Periodic`, `Recompute`); `Recompute` is also
-the region strategy of `checkpoint`. The kinds and their contracts are in `kinds.py`. Apply any
-of them with ``checkpoint_ad.use(strategy)`` or a ``strategy=`` argument.
+decide how a `scan` is checkpointed (`Binomial`, with a disk level or not, `Periodic`,
+`Recompute`); `Offload` keeps saved values on a storage level (host memory, disk);
+`Recompute` is also the region strategy of `checkpoint`. The kinds and their contracts are in
+`kinds.py`. Apply any of them with ``checkpoint_ad.use(strategy)`` or a ``strategy=``
+argument.
 """
 
 from ..errors import RecomputeError
@@ -15,6 +17,8 @@ from .dtr import Rematerializing
 from .jax_policies import remat
 from .kinds import KeepAll, LoopStrategy, RegionStrategy, Strategy
 from .loop_strategies import Binomial, Periodic
+from .multilevel import MultiLevel, MultiLevelPlan, multilevel_plan
+from .offload import Offload
 from .policy import Policy
 from .quantized import Quantized
 from .recompute import Recompute, checkpoint, checkpoint_sequential
@@ -26,6 +30,9 @@ __all__ = [
     "Binomial",
     "KeepAll",
     "LoopStrategy",
+    "MultiLevel",
+    "MultiLevelPlan",
+    "Offload",
     "Periodic",
     "Policy",
     "Quantized",
@@ -43,6 +50,7 @@ __all__ = [
     "current_loop_strategy",
     "optimal_evaluations",
     "jax_policies",
+    "multilevel_plan",
     "periodic_plan",
     "remat",
     "revolve",

@@ -50,6 +50,8 @@ A region strategy of your own (a region that keeps its inputs as 8-bit codes):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..saved import KeepAll, Strategy
 from .revolve import Plan
 
@@ -67,6 +69,12 @@ class LoopStrategy:
 
     def plan(self, n_steps: int) -> Plan:
         raise NotImplementedError(f"{type(self).__name__} must define plan(n_steps)")
+
+    def plan_for_loop(self, n_steps: int, measure: Callable[[], tuple[float, float]]) -> Plan:
+        """The plan the executor runs; `measure()` times the loop now and gives the (write,
+        read) cost of one disk snapshot of its carry in forward steps, for a strategy whose
+        plan depends on them (`Binomial` with a disk level and no costs given)."""
+        return self.plan(n_steps)
 
 
 class RegionStrategy:

@@ -1,12 +1,15 @@
-"""Loop strategies built on Revolve plans: `Binomial` and `Periodic`."""
+"""Loop strategies built on Revolve plans: `Binomial` (one level, or RAM + disk) and `Periodic`."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from math import isfinite
 
 from ..errors import StrategyConfigError
 from ..saved import Strategy
 from .kinds import LoopStrategy
+from .multilevel import MultiLevelPlan, multilevel_plan
 from .revolve import Plan, binomial_plan, periodic_plan
 
 
@@ -31,17 +34,71 @@ class Binomial(LoopStrategy):
     loop of n steps costs exactly ``(r+1)*n - C(s+r, s+1)`` step evaluations, r the smallest
     integer with ``C(s+r, s) >= n`` (the last step is run with its tape during the forward,
     so the first reverse needs no re-run). Snapshots are kept with `storage` (e.g.
-    ``Quantized(8)``; as they are by default).
+    ``Quantized(8)``, ``Offload("disk")``; as they are by default).
+
+    A second level: with `disk` (an int, or None for unlimited; 0, the default, means no disk
+    level) the plan is the optimal RAM + disk one (H-Revolve, see `multilevel.py`): up to
+    `disk` more snapshots written to disk, each write costing `write_cost` and each read
+    `read_cost` forward steps. Costs left None are measured when the loop runs (one step of
+    the loop and one write and read of its carry are timed); ``plan(n)`` alone, with no loop
+    to time, counts them as one step each. Disk snapshots go through ``Offload("disk")``,
+    with a lossy `storage` inside it.
+
+    >>> Binomial(2, disk=1, write_cost=0.5, read_cost=0.5).plan(20).disk_writes
+    1
     """
 
     snapshots: int
     storage: Strategy | None = None
+    disk: int | None = 0
+    write_cost: float | None = None
+    read_cost: float | None = None
 
     def __post_init__(self) -> None:
         _check("Binomial", "snapshots", self.snapshots, self.storage, "at least one snapshot")
+        if self.disk is not None and (
+            not isinstance(self.disk, int) or isinstance(self.disk, bool) or self.disk < 0
+        ):
+            raise StrategyConfigError(
+                f"Binomial(disk={self.disk!r}): disk is the number of disk snapshots, an int "
+                ">= 0 (0: no disk level), or None for as many as the plan wants"
+            )
+        for name in ("write_cost", "read_cost"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float))
+                or not isfinite(value) or value < 0
+            ):
+                raise StrategyConfigError(
+                    f"Binomial({name}={value!r}): a cost is a finite number >= 0 of forward "
+                    "steps, or None to measure it when the loop runs"
+                )
 
     def plan(self, n_steps: int) -> Plan:
-        return binomial_plan(n_steps, self.snapshots)
+        if self.disk == 0:
+            return binomial_plan(n_steps, self.snapshots)
+        return self._multilevel(n_steps, 1.0 if self.write_cost is None else self.write_cost,
+                                1.0 if self.read_cost is None else self.read_cost)
+
+    def plan_for_loop(self, n_steps: int, measure: Callable[[], tuple[float, float]]) -> Plan:
+        if self.disk == 0 or (self.write_cost is not None and self.read_cost is not None):
+            return self.plan(n_steps)
+        write, read = measure()
+        return self._multilevel(
+            n_steps,
+            write if self.write_cost is None else self.write_cost,
+            read if self.read_cost is None else self.read_cost,
+        )
+
+    def _multilevel(self, n_steps: int, write: float, read: float) -> MultiLevelPlan:
+        return multilevel_plan(n_steps, self.snapshots, self.disk, write, read)
+
+    def __repr__(self) -> str:
+        text = f"Binomial(snapshots={self.snapshots!r}, storage={self.storage!r}"
+        if self.disk != 0:
+            text += (f", disk={self.disk!r}, write_cost={self.write_cost!r}, "
+                     f"read_cost={self.read_cost!r}")
+        return text + ")"
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ What makes the loop's gradients the same as keeping every step's tape:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,8 +48,24 @@ from ..tape import Entry, add_entry, edge_of, next_sequence
 from ..tensor import Tensor
 from .kinds import LoopStrategy
 from .loop import StepLoop, columns, stack_outputs
-from .revolve import Advance, Free, Restore, Reverse, ReverseSegment, Snapshot
+from .offload import Offload
+from .revolve import (
+    _DISK_RESTORE,
+    _KIND_MASK,
+    _RESTORE,
+    Advance,
+    DiskRestore,
+    DiskSnapshot,
+    Free,
+    Restore,
+    Reverse,
+    ReverseSegment,
+    Snapshot,
+)
 from .step_program import ReplayedStep, StepProgram, Trace, same_program, stop_tracing, tracing
+
+READ_AHEAD = 2
+"""Restores whose snapshots the executor announces to their storage ahead (`prefetch`)."""
 
 
 @dataclass
@@ -102,11 +119,13 @@ class PlannedLoop:
     def __init__(self, loop: StepLoop, strategy: LoopStrategy, trace: bool = True) -> None:
         self.loop = loop
         self.strategy = strategy
-        self.storage = strategy.storage or KEEP
+        self.storage = (strategy.storage or KEEP).for_plan()
+        self.disk_storage = _disk_storage(self.storage)
         # the saved-value strategy in effect where the loop runs: its steps keep their values
         # with it, also when the backward re-runs them outside that `use` block
         self.step_packer = current_packer()
-        self.plan = strategy.plan(loop.n)
+        self.plan: Any = None  # made in run(): a disk level may need the loop timed first
+        self.restore_at: np.ndarray | None = None
         self.name = f"scan[{type(strategy).__name__.lower()}]"
         self.same: dict[int, int] = {}
         self.externals: dict[tuple[int, int], Any] = {}
@@ -127,6 +146,7 @@ class PlannedLoop:
         self.initial = [None if t is None else t._data for t in carry_leaves]
         self.initial_engine_state = random.get_state()
         self.initial_numpy_state = np.random.get_state()
+        self.plan = self.strategy.plan_for_loop(loop.n, self._measure_costs)
         per_step = self._run_forward_prefix(discover=True)
         state = self.state
         assert state is not None
@@ -175,6 +195,8 @@ class PlannedLoop:
             action = actions[cursor]
             if isinstance(action, Snapshot):
                 state.snapshots[action.step] = self._pack(arrays)
+            elif isinstance(action, DiskSnapshot):
+                state.snapshots[action.step] = self._pack(arrays, self.disk_storage)
             elif isinstance(action, Advance):
                 for t in range(action.start, action.stop):
                     arrays, ys = self._forward_step(t, arrays, discover)
@@ -347,9 +369,57 @@ class PlannedLoop:
                 guards.append((t._version, t._version.value, f"{what} ({t.dtype}{list(t.shape)})"))
         return guards
 
-    def _pack(self, arrays: list[Any]) -> _Snapshot:
-        buffers = [None if a is None else pack_value(a, self.storage) for a in arrays]
+    def _pack(self, arrays: list[Any], storage: Any = None) -> _Snapshot:
+        storage = self.storage if storage is None else storage
+        buffers = [None if a is None else pack_value(a, storage) for a in arrays]
         return _Snapshot(buffers, random.get_state(), self._numpy_state())
+
+    def _measure_costs(self) -> tuple[float, float]:
+        """(write, read) cost of one disk snapshot of the initial carry, in forward steps:
+        step 0 is timed (twice, the faster counts: the first call warms caches) without a
+        tape, its randomness not kept, and the carry written and read once."""
+        loop = self.loop
+        evaluations, numpy_state = loop.evaluations, np.random.get_state()
+        tensors = [None if a is None else Tensor._wrap(a) for a in self.initial]
+        step = float("inf")
+        try:
+            for _ in range(2):
+                with no_grad(), random.replaying(random.get_state()):
+                    started = time.perf_counter()
+                    loop.call(0, tensors, loop.x_at(0))
+                    step = min(step, time.perf_counter() - started)
+        finally:
+            np.random.set_state(numpy_state)
+            loop.evaluations = evaluations
+        write = read = 0.0
+        for a in self.initial:
+            if a is not None:
+                w, r = self.disk_storage.time_io(a)
+                write, read = write + w, read + r
+        step = max(step, 1e-9)
+        return write / step, read / step
+
+    def _read_ahead(self, snapshots: dict[int, _Snapshot], index: int) -> None:
+        """Announce to their storage the snapshots the next restores after action `index`
+        read, in plan order, so a disk level reads them while the steps run."""
+        restore_at = self.restore_at
+        if restore_at is None:
+            if not (self.storage.reads_ahead or self.disk_storage.reads_ahead):
+                return
+            kinds = np.frombuffer(self.plan._codes, dtype=np.int64) & _KIND_MASK
+            restore_at = self.restore_at = np.flatnonzero(
+                (kinds == _RESTORE) | (kinds == _DISK_RESTORE))
+        first = int(np.searchsorted(restore_at, index, side="right"))
+        by_storage: dict[int, tuple[Any, list[Any]]] = {}
+        for at in restore_at[first:first + READ_AHEAD]:
+            snapshot = snapshots.get(self.plan[int(at)].step)
+            if snapshot is None:  # taken later: announced once it exists
+                break
+            for b in snapshot.buffers:
+                if b is not None:
+                    by_storage.setdefault(id(b.packer), (b.packer, []))[1].append(b.packed)
+        for storage, stored in by_storage.values():
+            storage.prefetch(stored)
 
     def _numpy_state(self) -> Any:
         return np.random.get_state() if self.tracks_numpy else None
@@ -397,6 +467,9 @@ class PlannedLoop:
                 self._run_forward_prefix(discover=False)
             return self._backward(entry, grads, retain_graph)
         except BaseException:
+            if self.state is not None:  # no snapshot (no file of a disk level) outlives it
+                self.state.snapshots.clear()
+            entry.slots = ()  # those snapshots, as the entry's saved values: stale now
             self.state = None  # perhaps half consumed: the next backward rebuilds it
             raise
         finally:
@@ -439,11 +512,15 @@ class PlannedLoop:
             if forward.current_numpy_state is not None:
                 np.random.set_state(forward.current_numpy_state)
             random.rewind(stream, forward.current_engine_state)
+        self._read_ahead(snapshots, forward.cursor - 1)
         for index in range(forward.cursor, len(self.plan)):
             action = self.plan[index]
             if isinstance(action, Snapshot):
                 with random.using(stream):
                     snapshots[action.step] = self._pack(arrays)
+            elif isinstance(action, DiskSnapshot):
+                with random.using(stream):
+                    snapshots[action.step] = self._pack(arrays, self.disk_storage)
             elif isinstance(action, Advance):
                 with events.recomputing(self.name), no_grad(), random.using(stream):
                     program = self.program
@@ -454,8 +531,9 @@ class PlannedLoop:
                         else:
                             new, _ = loop.call(t, self._as_tensors(arrays, False), loop.x_at(t))
                             arrays = _arrays(new)
-            elif isinstance(action, Restore):
+            elif isinstance(action, (Restore, DiskRestore)):
                 arrays = self._restore(snapshots[action.step], stream)
+                self._read_ahead(snapshots, index)
             elif isinstance(action, Free):
                 del snapshots[action.step]
             else:
@@ -723,6 +801,15 @@ def _row(array: Any, t: int) -> Any:
     """Row t of a scanned array, as an array (numpy gives a scalar for a 1-d array's row)."""
     row = array[t]
     return np.asarray(row) if isinstance(row, np.generic) else row
+
+
+def _disk_storage(storage: Any) -> Offload:
+    """Where a plan's disk snapshots go: the loop's storage when it is a disk level already,
+    else the disk level with a lossy storage (quantization) inside it."""
+    if isinstance(storage, Offload):
+        return storage if storage.level == "disk" else Offload("disk", planned=True)
+    inner = None if storage.lossless else storage
+    return Offload("disk", inner=inner, planned=True)
 
 
 def _span(action: Any) -> tuple[int, int]:

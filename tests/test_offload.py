@@ -1,0 +1,411 @@
+"""Storage levels: Offload('host'|'disk') for saved values and loop snapshots, and RAM + disk
+plans executed (Binomial(disk=...)): exact gradients, files cleaned up, I/O measured."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import checkpoint_ad as cad
+from checkpoint_ad.errors import OffloadError, StrategyConfigError
+from checkpoint_ad.models import build
+from checkpoint_ad.strategies import Binomial, Offload, Quantized
+from checkpoint_ad.strategies import disk_store as disk_store_module
+from checkpoint_ad.strategies.disk_store import DiskStore
+from checkpoint_ad.strategies.multilevel import MultiLevelPlan
+from checkpoint_ad.strategies.revolve import DiskRestore, DiskSnapshot
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _program(x: cad.Tensor, w: cad.Tensor) -> cad.Tensor:
+    h = x
+    for _ in range(6):
+        h = cad.tanh(h @ w) * h + h * h  # shared buffers: h saved by matmul, mul and h * h
+    return (h * h).sum()
+
+
+def _grads(strategy: object, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    x = cad.tensor(rng.standard_normal((32, 64)) * 0.3, requires_grad=True)
+    w = cad.tensor(rng.standard_normal((64, 64)) * 0.1, requires_grad=True)
+    if strategy is None:
+        _program(x, w).backward()
+    else:
+        with cad.use(strategy):
+            loss = _program(x, w)
+        loss.backward()
+    return x.grad.numpy(), w.grad.numpy()
+
+
+@pytest.fixture
+def disk_folder(tmp_path: Path) -> Path:
+    return tmp_path
+
+
+# ------------------------------------------------------------- the strategy object
+def test_offload_prints_compares_and_states_losslessness(disk_folder: Path) -> None:
+    assert repr(Offload("disk")) == "Offload(level='disk', dir=None, inner=None)"
+    assert Offload("host") == Offload() and Offload("disk") != Offload("host")
+    assert Offload("disk").lossless and not Offload("disk", inner=Quantized(8)).lossless
+    assert Offload("disk", dir=disk_folder).dir == str(disk_folder)
+    assert Offload("disk").for_plan() == Offload("disk")  # the read order is no identity
+    assert Offload("host").folder is None
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: Offload("tape"), "level must be one of host, disk"),
+        (lambda: Offload("host", dir="."), "dir is the folder of the disk level"),
+        (lambda: Offload("disk", dir="/no/such/folder"), "must be an existing folder"),
+        (lambda: Offload("disk", inner=Offload("host")), "not another Offload"),
+        (lambda: Offload("disk", inner="int8"), "saved-value strategy"),
+        (lambda: Binomial(2, disk=-1), "int >= 0"),
+        (lambda: Binomial(2, disk=1.5), "int >= 0"),
+        (lambda: Binomial(2, disk=1, write_cost=-1.0), "finite number >= 0"),
+        (lambda: Binomial(2, disk=1, read_cost=True), "finite number >= 0"),
+    ],
+)
+def test_bad_arguments_are_refused_with_what_to_do(make, match) -> None:
+    with pytest.raises(StrategyConfigError, match=match):
+        make()
+
+
+# ------------------------------------------------------------- imperative saved values
+@pytest.mark.parametrize("strategy", [Offload("disk"), Offload("host")])
+def test_offloaded_saved_values_give_bitwise_keep_all_gradients(strategy) -> None:
+    reference = _grads(None)
+    got = _grads(strategy)
+    assert all(np.array_equal(a, b) for a, b in zip(reference, got))
+    assert Offload("disk").folder is None  # every file and the folder gone after backward
+
+
+def test_disk_with_quantization_inside_equals_quantization_alone() -> None:
+    quantized = _grads(Quantized(8))
+    composed = _grads(Offload("disk", inner=Quantized(8)))
+    assert all(np.array_equal(a, b) for a, b in zip(quantized, composed))
+    exact = _grads(None)
+    assert not all(np.array_equal(a, b) for a, b in zip(exact, composed))  # it did quantize
+
+
+def test_files_exist_until_backward_then_go(disk_folder: Path) -> None:
+    x = cad.tensor(np.linspace(-1, 1, 4096), requires_grad=True)
+    strategy = Offload("disk", dir=disk_folder)
+    with cad.use(strategy):
+        loss = cad.tanh(cad.sin(x)).sum()
+    folder = strategy.folder
+    assert folder is not None and Path(folder).parent == disk_folder
+    store = disk_store_module.store_for(str(disk_folder))
+    _wait_for(lambda: not store.pending_bytes, store)  # written behind the computation
+    assert len(os.listdir(folder)) == store.files >= 1
+    loss.backward()
+    assert strategy.folder is None and not os.path.exists(folder)
+    assert os.listdir(disk_folder) == []
+
+
+def test_retain_graph_reads_the_files_again_and_they_go_with_the_graph() -> None:
+    x = cad.tensor(np.linspace(-1, 1, 2048), requires_grad=True)
+    with cad.use(Offload("disk")):
+        loss = cad.tanh(cad.tanh(x) * 2).sum()
+    loss.backward(retain_graph=True)
+    first = x.grad.numpy().copy()
+    x.grad = None
+    loss.backward()
+    assert np.array_equal(first, x.grad.numpy())
+    assert Offload("disk").folder is None
+
+
+def test_an_error_after_saving_leaves_no_file() -> None:
+    def fails() -> None:
+        x = cad.tensor(np.linspace(-1, 1, 2048), requires_grad=True)
+        with cad.use(Offload("disk")):
+            y = cad.tanh(cad.tanh(x))
+            assert Offload("disk").folder is not None
+            raise RuntimeError("user code failed")
+        del y
+
+    with pytest.raises(RuntimeError, match="user code failed"):
+        fails()
+    gc.collect()
+    assert Offload("disk").folder is None
+
+
+def test_the_folder_is_removed_at_interpreter_exit(disk_folder: Path) -> None:
+    script = textwrap.dedent(f"""
+        import numpy as np, checkpoint_ad as cad
+        from checkpoint_ad.strategies import Offload
+        x = cad.tensor(np.linspace(-1, 1, 1 << 18), requires_grad=True)
+        with cad.use(Offload("disk", dir={str(disk_folder)!r})):
+            y = cad.tanh(cad.tanh(cad.tanh(x)))
+        print(Offload("disk", dir={str(disk_folder)!r}).folder, flush=True)
+        raise SystemExit(3)  # no backward: the tape and its files are still alive
+    """)
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 3, done.stderr
+    folder = done.stdout.strip()
+    assert folder.startswith(str(disk_folder))
+    assert not os.path.exists(folder) and os.listdir(disk_folder) == []
+
+
+# ------------------------------------------------------------- the profiler
+def test_profile_counts_offloaded_bytes_on_their_level_and_the_io() -> None:
+    x = cad.tensor(np.linspace(-1, 1, 8192), requires_grad=True)
+
+    def run(strategy):
+        with cad.profile() as prof:
+            with cad.use(strategy):
+                loss = cad.tanh(cad.tanh(cad.tanh(x))).sum()
+            loss.backward()
+        return prof
+
+    kept = run(cad.strategies.KeepAll())
+    moved = run(Offload("disk"))
+    assert kept.peak_tape_bytes > 0 and moved.peak_tape_bytes == 0
+    assert moved.level_peak_bytes["disk"] == kept.peak_tape_bytes
+    assert moved.level_peak_bytes["device"] == 0
+    assert {r.level for r in moved.records} == {"disk"}
+    assert moved.io_bytes_written == kept.peak_tape_bytes
+    assert 0 <= moved.io_bytes_read <= moved.io_bytes_written
+    assert moved.io_stall_seconds >= 0.0
+    assert "written" in moved.summary()
+    loaded = cad.Profile.from_json(moved.to_json())
+    assert loaded.level_peak_bytes == moved.level_peak_bytes
+    assert loaded.records[0].level == "disk"
+
+
+def test_version_2_profiles_load_with_every_value_on_the_device() -> None:
+    data = cad.Profile().to_dict()
+    data["version"] = 2
+    for key in ("level_peak_bytes", "io_bytes_written", "io_bytes_read", "io_stall_seconds"):
+        del data[key]
+    data["records"] = [{"op": "tanh", "role": "out", "shape": [2], "dtype": "float64",
+                        "logical_bytes": 16, "stored_bytes": 16, "origin": "f:1", "buffer": 0,
+                        "phase": "forward", "owned": True}]
+    profile = cad.Profile.from_dict(data)
+    assert profile.records[0].level == "device" and profile.io_bytes_written == 0
+
+
+# ------------------------------------------------------------- the store's threads
+def _wait_for(condition, store: DiskStore) -> None:
+    with store.cond:
+        assert store.cond.wait_for(condition, timeout=30)
+
+
+def test_reads_are_done_ahead_in_reverse_pack_order(monkeypatch, disk_folder: Path) -> None:
+    store = DiskStore(str(disk_folder))
+    refs = [store.put(np.full(1000, float(k)), 8000, planned=False) for k in range(4)]
+    _wait_for(lambda: all(r.record.written for r in refs), store)
+    assert np.array_equal(refs[3].read(), np.full(1000, 3.0))  # read now: nothing ahead yet
+    _wait_for(lambda: refs[2].record.loaded is not None and refs[1].record.loaded is not None,
+              store)
+    monkeypatch.setattr(disk_store_module, "_read", _no_disk)
+    assert np.array_equal(refs[2].read(), np.full(1000, 2.0))  # served from memory
+    assert np.array_equal(refs[2].read(), np.full(1000, 2.0))  # a shared buffer: read once
+    assert refs[3].record.loaded is None  # the sweep is past it: dropped from memory
+    refs.clear()
+    gc.collect()
+    assert store.folder is None
+    store.close()
+
+
+def test_a_plan_announces_its_reads_and_each_is_dropped_once_read(
+    monkeypatch, disk_folder: Path
+) -> None:
+    store = DiskStore(str(disk_folder))
+    refs = [store.put(np.full(10, float(k)), 80, planned=True) for k in range(3)]
+    _wait_for(lambda: all(r.record.written for r in refs), store)
+    store.prefetch([refs[0], refs[2]])
+    _wait_for(lambda: refs[0].record.loaded is not None and refs[2].record.loaded is not None,
+              store)
+    assert refs[1].record.loaded is None  # not announced: not read
+    monkeypatch.setattr(disk_store_module, "_read", _no_disk)
+    assert np.array_equal(refs[2].read(), np.full(10, 2.0))
+    assert refs[2].record.loaded is None
+    with pytest.raises(OSError, match="no disk"):
+        refs[1].read()  # neither in memory nor announced: read now (here: fails)
+    store.close()
+
+
+def test_a_value_read_before_its_write_is_served_from_memory(
+    monkeypatch, disk_folder: Path
+) -> None:
+    gate = threading.Event()
+    real_write = disk_store_module._write
+
+    def slow_write(path, value):
+        gate.wait(30)
+        real_write(path, value)
+
+    monkeypatch.setattr(disk_store_module, "_write", slow_write)
+    store = DiskStore(str(disk_folder))
+    array = np.arange(5.0)
+    ref = store.put(array, array.nbytes, planned=False)
+    assert ref.read() is array  # held by reference until written: no copy, no read
+    gate.set()
+    _wait_for(lambda: ref.record.written, store)
+    store.close()
+
+
+def test_a_failed_write_keeps_the_value_and_the_next_put_says_why(
+    monkeypatch, disk_folder: Path
+) -> None:
+    def full_disk(path, value):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(disk_store_module, "_write", full_disk)
+    store = DiskStore(str(disk_folder))
+    array = np.arange(5.0)
+    ref = store.put(array, array.nbytes, planned=False)
+    _wait_for(lambda: store.failure is not None, store)
+    assert ref.read() is array  # nothing lost
+    with pytest.raises(OffloadError, match=r"No space left on device.*dir="):
+        store.put(array, array.nbytes, planned=False)
+    store.close()
+
+
+def _no_disk(path):
+    raise OSError("no disk read expected here")
+
+
+# ------------------------------------------------------------- loops
+def _model_grads(model, strategy) -> list[np.ndarray]:
+    for p in model.params:
+        p.grad = None
+    loop = None if strategy is None else (
+        lambda step, carry, xs: cad.scan(step, carry, xs, strategy=strategy))
+    model.run(loop).backward()
+    return [p.grad.numpy().copy() for p in model.params]
+
+
+LOOP_STRATEGIES = [
+    Binomial(2, disk=None, write_cost=0.5, read_cost=0.5),
+    Binomial(2, disk=2, write_cost=0.2, read_cost=0.2),
+    Binomial(2, storage=Offload("disk")),
+    Binomial(2, disk=1, write_cost=0.1, read_cost=0.1, storage=Offload("disk")),
+]
+
+
+@pytest.mark.parametrize("name", ["heat", "rnn"])
+@pytest.mark.parametrize("strategy", LOOP_STRATEGIES, ids=repr)
+def test_disk_level_plans_give_bitwise_keep_all_gradients(name, strategy) -> None:
+    model = build(name, steps=30)
+    reference = _model_grads(model, None)
+    with cad.profile() as prof:
+        got = _model_grads(model, strategy)
+    assert all(np.array_equal(a, b) for a, b in zip(reference, got))
+    assert prof.io_bytes_written > 0 and prof.io_bytes_read > 0  # the disk level was used
+    assert prof.level_peak_bytes["disk"] > 0
+    assert Offload("disk").folder is None
+
+
+def test_the_plan_has_disk_actions_and_a_plain_loop_agrees() -> None:
+    plan = LOOP_STRATEGIES[1].plan(30)
+    assert isinstance(plan, MultiLevelPlan) and plan.disk_writes > 0
+    assert any(isinstance(a, DiskRestore) for a in plan)
+    assert any(isinstance(a, DiskSnapshot) for a in plan)
+    assert Binomial(2).plan(30) == cad.strategies.binomial_plan(30, 2)  # disk=0: one level
+    w = cad.tensor(0.9, requires_grad=True)
+    xs = cad.tensor(np.linspace(0, 1, 25))
+
+    def loss(strategy):
+        carry, ys = cad.scan(lambda h, x: (cad.sin(h * w + x), h), cad.tensor(np.array(0.1)), xs,
+                             strategy=strategy)
+        return carry + ys.sum()
+
+    loss(None).backward()
+    reference, w.grad = w.grad.numpy().copy(), None
+    loss(Binomial(1, disk=None, write_cost=0.0, read_cost=0.0)).backward()
+    assert np.array_equal(reference, w.grad.numpy())
+
+
+def test_costs_left_out_are_measured_on_the_loop() -> None:
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return 0.5, 0.5
+
+    Binomial(2, disk=1, write_cost=1.0, read_cost=1.0).plan_for_loop(20, measure)
+    Binomial(2).plan_for_loop(20, measure)
+    assert calls == []  # nothing to measure
+    plan = Binomial(2, disk=1, read_cost=2.0).plan_for_loop(20, measure)
+    assert calls == [1] and (plan.write_cost, plan.read_cost) == (0.5, 2.0)
+    model = build("heat", steps=20)
+    reference = _model_grads(model, None)
+    got = _model_grads(model, Binomial(2, disk=None))  # timed on its first step
+    assert all(np.array_equal(a, b) for a, b in zip(reference, got))
+    assert repr(Binomial(2, disk=None)) == (
+        "Binomial(snapshots=2, storage=None, disk=None, write_cost=None, read_cost=None)")
+
+
+def test_a_failing_rerun_leaves_no_file_and_a_retry_is_exact() -> None:
+    w = cad.tensor(0.7, requires_grad=True)
+    xs = cad.tensor(np.linspace(0, 1, 40))
+    failing = {"on": False}
+
+    def step(h, x):
+        if failing["on"]:
+            raise RuntimeError("step failed in a re-run")
+        return cad.tanh(h * w + x), None
+
+    strategy = Binomial(2, disk=2, write_cost=2.0, read_cost=2.0)  # restores and re-runs
+    reference_carry, _ = cad.scan(step, cad.tensor(np.ones(300)), xs)
+    reference_carry.backward(cad.tensor(np.ones(300)))
+    reference, w.grad = w.grad.numpy().copy(), None
+    for retain_graph in (True, False):
+        w.grad = None
+        carry, _ = cad.scan(step, cad.tensor(np.ones(300)), xs, strategy=strategy)
+        assert Offload("disk").folder is not None  # the forward wrote disk snapshots
+        failing["on"] = True
+        with pytest.raises(RuntimeError, match="step failed in a re-run"):
+            carry.backward(cad.tensor(np.ones(300)), retain_graph=retain_graph)
+        assert Offload("disk").folder is None
+        failing["on"] = False
+        carry.backward(cad.tensor(np.ones(300)))  # the loop rebuilds its snapshots from the start
+        assert np.array_equal(reference, w.grad.numpy())
+        assert Offload("disk").folder is None
+
+
+# ------------------------------------------------------------- GPU
+def _cupy_with_gpu():
+    cupy = pytest.importorskip("cupy")
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            pytest.skip("no GPU")
+    except Exception:  # no driver
+        pytest.skip("no GPU")
+    return cupy
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("level", ["host", "disk"])
+def test_device_arrays_offload_to_pinned_host_memory_and_back(level) -> None:
+    _cupy_with_gpu()
+    rng = np.random.default_rng(0)
+    data = rng.standard_normal((64, 64))
+
+    def grads(strategy):
+        x = cad.tensor(data, device="cuda", requires_grad=True)
+        with cad.use(strategy):
+            loss = cad.tanh(cad.tanh(x) @ x).sum()
+        with cad.profile(device="cuda") as prof:
+            loss.backward()
+        return x.grad.numpy(), prof
+
+    reference, _ = grads(cad.strategies.KeepAll())
+    got, _ = grads(Offload(level))
+    assert np.array_equal(reference, got)
+    x = cad.tensor(data, device="cuda", requires_grad=True)
+    with cad.profile(device="cuda") as prof, cad.use(Offload(level)):
+        cad.tanh(cad.tanh(x)).sum().backward()
+    assert prof.peak_tape_bytes == 0 and prof.level_peak_bytes[level] > 0
