@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import threading
 import traceback
 import uuid
@@ -104,9 +105,13 @@ def connect(workers: int | None = None, client: Any = None) -> Iterator[Any]:
             yield own
         return
     try:
-        cluster = distributed.LocalCluster(  # a free port: other clusters may hold the usual one
-            n_workers=workers or 1, threads_per_worker=1, processes=True,
-            dashboard_address=":0", silence_logs=logging.ERROR)
+        with _children_ignore_ctrl_c():
+            cluster = distributed.LocalCluster(
+                n_workers=workers or 1, threads_per_worker=1, processes=True,
+                dashboard_address=":0",  # a free port: another cluster may hold the usual one
+                # a run's own errors come back as its result; what workers log while being
+                # closed mid-run (a scheduler gone before their heartbeat) is noise
+                silence_logs=logging.CRITICAL)
     except (OSError, RuntimeError) as exc:
         raise ClusterError(f"cannot start a local Dask cluster of {workers} workers "
                            f"({type(exc).__name__}: {exc})") from exc
@@ -115,6 +120,22 @@ def connect(workers: int | None = None, client: Any = None) -> Iterator[Any]:
             yield own
     finally:
         cluster.close()
+
+
+@contextmanager
+def _children_ignore_ctrl_c() -> Iterator[None]:
+    """Start processes that ignore SIGINT: Ctrl-C in a terminal reaches the whole process
+    group, and the workers should not die mid-run with tracebacks of their own; this process
+    hears it and closes the cluster. (An ignored signal stays ignored in a child, and Python
+    then installs no KeyboardInterrupt handler.) Only the main thread may change handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def run_on_cluster(

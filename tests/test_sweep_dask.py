@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -38,7 +41,16 @@ def _exact(rows: list) -> list[dict]:
 
 
 def _children() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True)}
+    """This process's children, but multiprocessing's resource tracker: one per interpreter,
+    started with the first spawned process and meant to outlive it."""
+    pids = set()
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if not any("resource_tracker" in part for part in child.cmdline()):
+                pids.add(child.pid)
+        except psutil.NoSuchProcess:  # ended while listed
+            continue
+    return pids
 
 
 def _wait_for_no_new_children(before: set[int], seconds: float = 30.0) -> set[int]:
@@ -282,3 +294,37 @@ def test_a_bug_on_a_worker_shows_its_traceback_and_exits_1(monkeypatch, capsys):
     assert main(["sweep", "--quiet", "--no-plots", "--out", "unused", *TINY]) == 1
     err = capsys.readouterr().err
     assert "in the worker" in err and err.rstrip().endswith("ValueError: bad")
+
+
+def _ignores_ctrl_c(pid: int) -> bool:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigIgn:"):
+            return bool(int(line.split()[1], 16) & (1 << (signal.SIGINT - 1)))
+    return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc (Linux)")
+def test_ctrl_c_in_a_terminal_stops_the_cli_and_its_workers_quietly():
+    """Ctrl-C reaches the whole process group: the workers ignore it, the command closes them
+    and says one line."""
+    pytest.importorskip("distributed")
+    command = [sys.executable, "-m", "checkpoint_ad.cli", "sweep", "--workers", "2", "--quiet",
+               "--no-plots", "--presets", "keep-all,revolve-2", "--size", "steps=4000",
+               "--out", os.devnull + "-never-written"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    try:
+        parent = psutil.Process(process.pid)
+        deadline = time.monotonic() + 120
+        # running: both workers started and this command listening to Ctrl-C again
+        while (len(parent.children()) < 2 or _ignores_ctrl_c(process.pid)) \
+                and time.monotonic() < deadline and process.poll() is None:
+            time.sleep(0.2)
+        workers = parent.children(recursive=True)
+        os.killpg(process.pid, signal.SIGINT)
+        _, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 130 and err == "checkpoint-ad: interrupted\n", err
+    assert psutil.wait_procs(workers, timeout=30)[1] == []
