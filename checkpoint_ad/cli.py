@@ -3,7 +3,8 @@
 Exit status: 0 done; 2 bad input or an error checkpoint-ad reports on purpose (unknown model or
 preset, bad sizes, a malformed file, an output folder that cannot be written, out of memory),
 as one line on stderr; 130 interrupted (Ctrl-C); 1 an unexpected error, which is a bug: its
-traceback is printed so it can be reported.
+traceback is printed so it can be reported (for a sweep run on a Dask worker, the worker's
+traceback, then the line naming the run).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from .errors import CheckpointADError, OutputError, UsageError
+from .errors import CheckpointADError, OutputError, SweepRunError, UsageError
 from .safe_files import check_writable, child
 
 RUNS_DIR = Path("profiles") / "runs"  # where a sweep writes when no --out is given
@@ -98,12 +99,14 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     if args.repeats < 1:
         raise UsageError(f"--repeats must be 1 or more, got {args.repeats}")
+    workers, scheduler = _cluster_options(args)
     sizes = _sizes(args.model, args.size)
     presets = [load_preset(name, **_preset_options(args))  # every preset checked before a run
                for name in _presets(args.presets) or DEFAULT_SWEEP]
     with _output_folder(Path(args.out) if args.out else _run_folder(args.model)) as folder:
         result = sweep(args.model, presets, device=args.device, sizes=sizes,
-                       progress=not args.quiet, repeats=args.repeats)
+                       progress=not args.quiet, repeats=args.repeats, workers=workers,
+                       client=scheduler)
         result.save(folder)
         written = []
         if not args.no_plots:
@@ -115,6 +118,19 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     print(result.table())
     print(f"profiles, table and {len(written)} plot files written to {folder}")
     return 0
+
+
+def _cluster_options(args: argparse.Namespace) -> tuple[int | None, str | None]:
+    """--workers / --scheduler, checked (Dask installed included) before any folder or run."""
+    from .sweep_cluster import check_cluster_options
+
+    if args.workers is not None and args.workers < 1:
+        raise UsageError(f"--workers must be 1 or more, got {args.workers}")
+    if args.workers is not None and args.scheduler is not None:
+        raise UsageError("--workers starts a local cluster and --scheduler uses an existing "
+                         "one: give one of them")
+    check_cluster_options(args.workers, args.scheduler)
+    return args.workers, args.scheduler
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -215,6 +231,12 @@ def _parser() -> argparse.ArgumentParser:
                      help="timed runs per preset; the median is reported (default 3)")
     run.add_argument("--no-plots", action="store_true", help="write the table and profiles only")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
+    run.add_argument("--workers", type=int, metavar="N",
+                     help="run the presets in parallel on a local Dask cluster of N worker "
+                     "processes, one run and one BLAS thread each (needs the 'dask' extra)")
+    run.add_argument("--scheduler", metavar="ADDRESS",
+                     help="run the presets on the Dask cluster whose scheduler is at ADDRESS "
+                     "(tcp://host:port); its workers need checkpoint-ad installed")
     run.set_defaults(handler=cmd_sweep)
 
     one = commands.add_parser("profile", help="one model under one strategy: print the summary")
@@ -248,6 +270,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.handler(args)
     except CheckpointADError as exc:
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if isinstance(exc, SweepRunError) and exc.unexpected:  # a bug, met on a worker
+            print(exc.remote_traceback, file=sys.stderr, end="")
+            print(f"checkpoint-ad: error: {message}", file=sys.stderr)
+            return EXIT_BUG
         print(f"checkpoint-ad: error: {message}", file=sys.stderr)
         return EXIT_ERROR
     except MemoryError:

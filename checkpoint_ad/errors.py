@@ -122,6 +122,29 @@ class SweepConfigError(CheckpointADError, ValueError):
     """A sweep was asked to run with arguments it cannot use (e.g. repeats below 1)."""
 
 
+class MissingExtraError(CheckpointADError, ImportError):
+    """A feature needs an optional dependency that is not installed; says which extra to add."""
+
+
+class ClusterError(CheckpointADError, OSError):
+    """A Dask cluster for a sweep could not be started or reached (e.g. a bad scheduler
+    address); says which address and what to check."""
+
+
+class SweepRunError(CheckpointADError, RuntimeError):
+    """One run of a sweep failed on a worker. The message names the preset, the model, the
+    worker and the original error; `remote_traceback` is where it happened, and `unexpected`
+    is True when the original was not an error checkpoint-ad reports on purpose (a bug)."""
+
+    def __init__(self, message: str, remote_traceback: str = "", unexpected: bool = False):
+        super().__init__(message)
+        self.remote_traceback = remote_traceback
+        self.unexpected = unexpected
+
+    def __reduce__(self) -> tuple:  # keep every field when pickled (e.g. by Dask)
+        return type(self), (str(self), self.remote_traceback, self.unexpected)
+
+
 class AnomalyError(CheckpointADError, RuntimeError):
     """Under `detect_anomaly()`, a backward rule produced a nan or inf gradient."""
 

@@ -7,8 +7,7 @@ from __future__ import annotations
 import csv
 import io
 import json
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,9 +15,14 @@ from typing import Any
 import numpy as np
 
 from .errors import SweepConfigError, SweepFormatError
-from .profiler import Profile, profile
+from .profiler import Profile
 from .profiler.records import from_plain
 from .safe_files import child, write_text
+from .sweep_cluster import check_cluster_options, run_on_cluster
+from .sweep_runs import RunOutcome, SweepRun, measure, run_one, time_one, warm_up
+from .sweep_runs import progress as show_progress
+
+__all__ = ["SCHEMA", "SweepResult", "SweepRow", "run_one", "sweep", "time_one"]
 
 SCHEMA = "checkpoint-ad/sweep"
 
@@ -141,42 +145,6 @@ def _relative_error(grads: Sequence[np.ndarray], reference: Sequence[np.ndarray]
     return worst
 
 
-def _forward_backward(model: Any, preset: Any) -> list[Any]:
-    from . import autograd
-    from .strategies import scan, use
-
-    loop_strategy = preset.loop_strategy(model.n_steps)
-
-    def loop(step: Callable, init: Any, xs: Any) -> Any:
-        return scan(step, init, xs, strategy=loop_strategy)
-
-    with use(preset.storage_strategy):
-        loss = model.run(loop)
-    return autograd.grad(loss, model.params)
-
-
-def run_one(model: Any, preset: Any, device: str, meta: dict[str, Any]) -> tuple[Profile, list]:
-    """Run `model` forward and backward under `preset`, profiled; return profile and grads."""
-    with profile(device=device, device_memory=True, strategy=preset.name, **meta) as prof:
-        grads = _forward_backward(model, preset)
-    return prof, [np.asarray(g.numpy(), dtype=np.float64) for g in grads]
-
-
-def time_one(model: Any, preset: Any, device: str, repeats: int) -> float:
-    """Median wall time of `repeats` unprofiled forward+backward runs (tracemalloc, which the
-    profile's memory measurement needs, slows allocation-heavy code, so time is taken apart)."""
-    from .profiler.memory import synchronize
-
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        _forward_backward(model, preset)
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
-
-
 def sweep(
     model: str = "rnn",
     presets: Sequence[Any] | None = None,
@@ -187,12 +155,21 @@ def sweep(
     *,
     dirs: Sequence[str | Path] = (),
     allow_python: bool = False,
+    workers: int | None = None,
+    client: Any = None,
 ) -> SweepResult:
     """Run `model` under each preset (keep-all first, as the reference) and collect a table.
 
     Each preset runs once profiled (memory, saved values, recompute counts) and `repeats`
     times unprofiled for its median time. Presets named by string are looked up with
     `load_preset` (`dirs` and `allow_python` are passed on).
+
+    By default every run happens here, one after another. `workers=N` fans the runs out over
+    a local Dask cluster of N single-threaded worker processes; `client=` a
+    ``distributed.Client`` or a scheduler address (``"tcp://host:port"``) uses that cluster
+    instead (see `checkpoint_ad.sweep_cluster`; needs the ``dask`` extra). Either way the rows,
+    their order and the gradient errors are those of the serial sweep; only measured times and
+    memory peaks can differ.
 
     >>> from checkpoint_ad.sweep import sweep
     >>> result = sweep("rnn", ["keep-all", "revolve-4"], sizes={"steps": 8}, progress=False,
@@ -205,28 +182,37 @@ def sweep(
 
     if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
         raise SweepConfigError(f"sweep: repeats must be a positive int, got {repeats!r}")
+    check_cluster_options(workers, client)
     sizes = dict(sizes or {})
     chosen = [load_preset(p, dirs=dirs, allow_python=allow_python)
               if isinstance(p, (str, Path)) else p for p in (presets or DEFAULT_SWEEP)]
     reference = load_preset("keep-all")
     order = [reference] + [p for p in chosen if p.name != reference.name]
-    # one unmeasured run first: imports, caches and allocator pools settle before measuring
+    # built here also when the runs happen elsewhere: bad sizes fail before any run starts
     first = build(model, device=None if device == "cpu" else device, **sizes)
     meta = {"model": model, **sizes_of(first), **sizes}  # every size, the defaults included
-    result = SweepResult(model, device, meta)
-    run_one(first, reference, device, meta)
-    runs = _progress(order, progress)
-    base: tuple[Profile, list] | None = None
-    for preset in runs:
-        instance = build(model, device=None if device == "cpu" else device, **sizes)
-        prof, grads = run_one(instance, preset, device, meta)
-        seconds = time_one(instance, preset, device, repeats)
-        prof.meta["median_seconds"] = seconds
-        if base is None:
-            base = (prof, grads)
-        base_prof, base_grads = base
+    in_table = {p.name for p in chosen}
+    runs = [SweepRun(model, preset, device, sizes, meta, repeats, preset.name in in_table)
+            for preset in order]
+    if workers is None and client is None:
+        warm_up(runs[0])
+        outcomes = [measure(run) for run in show_progress(runs, progress)]
+    else:
+        outcomes = run_on_cluster(runs, workers=workers, client=client,
+                                  progress_bar=progress)
+    return _merge(SweepResult(model, device, meta), runs, outcomes)
+
+
+def _merge(result: SweepResult, runs: list[SweepRun], outcomes: list[RunOutcome]) -> SweepResult:
+    """Fill `result` with one row per run in `runs` order, compared with the first (keep-all).
+
+    How the outcomes were made (here or on workers) does not matter: the gradient errors come
+    from the returned gradients, so they equal the serial sweep's."""
+    base = outcomes[0]
+    for run, outcome in zip(runs, outcomes, strict=True):
+        prof, preset = outcome.profile, run.preset
         result.profiles[preset.name] = prof
-        if preset is reference and reference.name not in [p.name for p in chosen]:
+        if not run.in_table:
             continue  # measured as the reference only
         result.rows.append(SweepRow(
             preset=preset.name,
@@ -234,22 +220,12 @@ def sweep(
             lossless=preset.lossless,
             peak_tape_bytes=prof.peak_tape_bytes,
             device_peak_bytes=prof.device_peak_bytes,
-            seconds=seconds,
+            seconds=outcome.seconds,
             recompute_seconds=prof.recompute_seconds,
             recomputed_primitives=prof.recomputed_primitives,
-            grad_error=_relative_error(grads, base_grads),
-            memory_ratio=prof.peak_tape_bytes / max(base_prof.peak_tape_bytes, 1),
-            time_ratio=seconds / max(base_prof.meta["median_seconds"], 1e-12),
+            grad_error=_relative_error(outcome.grads, base.grads),
+            memory_ratio=prof.peak_tape_bytes / max(base.profile.peak_tape_bytes, 1),
+            time_ratio=outcome.seconds / max(base.seconds, 1e-12),
             aliased_bytes=prof.aliased_bytes,
         ))
     return result
-
-
-def _progress(items: list[Any], show: bool) -> Any:
-    if not show:
-        return items
-    try:
-        from tqdm import tqdm
-    except ImportError:  # the bar is a convenience; the sweep runs without it
-        return items
-    return tqdm(items, desc="strategies", unit="run", leave=False, disable=None)  # TTY only

@@ -11,6 +11,7 @@ the engine; one that no record claims before the next other event is owned.
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 import weakref
 from collections.abc import Iterator
@@ -49,6 +50,11 @@ class _Recorder:
         self.recompute_depth = 0
         self.backward_started = 0.0
         self.recompute_started = 0.0
+        # a saved buffer that dies in a reference cycle is freed by whichever thread's
+        # allocation triggers the collector (in a Dask worker, its event loop's): its 'free'
+        # must not interleave with this thread's handlers, or a count is lost; reentrant, as
+        # the collector may also run inside one of this thread's own handlers
+        self.lock = threading.RLock()
         self.handlers = {
             "record": self._record,
             "apply": self._apply,
@@ -66,11 +72,12 @@ class _Recorder:
         }
 
     def __call__(self, kind: str, payload: Any) -> None:
-        if self.pending and kind not in ("pack", "record"):
-            self._claim_pending()
-        handler = self.handlers.get(kind)
-        if handler is not None:
-            handler(payload)
+        with self.lock:
+            if self.pending and kind not in ("pack", "record"):
+                self._claim_pending()
+            handler = self.handlers.get(kind)
+            if handler is not None:
+                handler(payload)
 
     # ------------------------------------------------------------- helpers
     @property

@@ -1,0 +1,220 @@
+"""Sweeps beyond one process: a sweep's runs fanned out over Dask distributed.
+
+Why Dask and not a pool of our own: it already starts worker processes (a `LocalCluster`) or
+reaches a real cluster by its scheduler's address, ships the runs and their results, notices
+lost workers, and cancels work; all this module adds is what keeps timings comparable with a
+serial sweep:
+
+- one run at a time per worker process (a lock, for workers that have several threads):
+  tracemalloc and BLAS thread pools belong to the whole process, so two runs sharing one
+  would spoil each other's memory peak and time;
+- BLAS threads pinned with threadpoolctl (one by default) and recorded in each profile's meta
+  (``blas_threads``, with the ``worker`` address), as the local cluster's workers are;
+- one unmeasured warm-up run per worker process and problem, as the serial sweep does once.
+
+Results come back in any order and are put back in the sweep's order, so the table, files and
+plots are those of a serial sweep. Whatever this module started (a local cluster, a connection)
+is closed again on the way out, on errors and Ctrl-C too; a ``Client`` passed in stays open.
+Workers of a real cluster need checkpoint-ad (and any preset classes of your own) installed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import threading
+import traceback
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import (
+    CheckpointADError,
+    ClusterError,
+    MissingExtraError,
+    SweepConfigError,
+    SweepRunError,
+)
+from .sweep_runs import RunOutcome, SweepRun, measure, progress, warm_up
+
+INSTALL_HINT = "python3 -m pip install 'checkpoint-ad[dask]'"
+
+_alone = threading.Lock()  # one run at a time in a worker process (see the module's docstring)
+_warmed: set[tuple[str, str, str]] = set()  # the problems this worker process has warmed up
+
+
+@dataclass(frozen=True)
+class RunFailure:
+    """What a worker sends back instead of an outcome when its run raised."""
+
+    worker: str
+    error: str  # "TypeName: message"
+    remote_traceback: str
+    unexpected: bool  # not an error checkpoint-ad (or the memory limit) reports on purpose
+
+
+def check_cluster_options(workers: int | None, client: Any) -> None:
+    """Refuse bad `workers` / `client` arguments, and a missing Dask, before any run starts."""
+    if workers is None and client is None:
+        return
+    if workers is not None and client is not None:
+        raise SweepConfigError("sweep: give workers= (a local cluster of that many processes) "
+                               "or client= (a cluster of your own), not both")
+    if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool)
+                                or workers < 1):
+        raise SweepConfigError(f"sweep: workers must be a positive int, got {workers!r}")
+    distributed = _require_dask()
+    if client is not None and not isinstance(client, (str, distributed.Client)):
+        raise SweepConfigError("sweep: client must be a distributed.Client or a scheduler "
+                               f"address such as 'tcp://host:8786', got {type(client).__name__}")
+
+
+def _require_dask() -> Any:
+    try:
+        import distributed
+        import threadpoolctl  # noqa: F401  (the workers pin their threads with it)
+    except ImportError as exc:
+        raise MissingExtraError(
+            f"sweeps over workers need Dask distributed and threadpoolctl, and {exc.name!r} "
+            f"is not installed; install the 'dask' extra: {INSTALL_HINT}") from exc
+    return distributed
+
+
+@contextmanager
+def connect(workers: int | None = None, client: Any = None) -> Iterator[Any]:
+    """A ``distributed.Client`` to run on: `client` itself if it is one, a connection to the
+    scheduler at address `client`, else a new local cluster of `workers` single-threaded
+    processes. What this opened is closed when the block ends, however it ends."""
+    check_cluster_options(workers, client)
+    distributed = _require_dask()
+    if isinstance(client, distributed.Client):
+        yield client
+        return
+    if isinstance(client, str):
+        try:
+            own = distributed.Client(client, set_as_default=False)
+        except (OSError, ValueError, TypeError) as exc:  # TimeoutError is an OSError
+            raise ClusterError(
+                f"cannot reach a Dask scheduler at {client!r} ({type(exc).__name__}: {exc}); "
+                "check the address (tcp://host:port) and that the scheduler is running"
+            ) from exc
+        with own:
+            yield own
+        return
+    try:
+        with _children_ignore_ctrl_c():
+            cluster = distributed.LocalCluster(
+                n_workers=workers or 1, threads_per_worker=1, processes=True,
+                dashboard_address=":0",  # a free port: another cluster may hold the usual one
+                # a run's own errors come back as its result; what workers log while being
+                # closed mid-run (a scheduler gone before their heartbeat) is noise
+                silence_logs=logging.CRITICAL)
+    except (OSError, RuntimeError) as exc:
+        raise ClusterError(f"cannot start a local Dask cluster of {workers} workers "
+                           f"({type(exc).__name__}: {exc})") from exc
+    try:
+        with distributed.Client(cluster, set_as_default=False) as own:
+            yield own
+    finally:
+        cluster.close()
+
+
+@contextmanager
+def _children_ignore_ctrl_c() -> Iterator[None]:
+    """Start processes that ignore SIGINT: Ctrl-C in a terminal reaches the whole process
+    group, and the workers should not die mid-run with tracebacks of their own; this process
+    hears it and closes the cluster. (An ignored signal stays ignored in a child, and Python
+    then installs no KeyboardInterrupt handler.) Only the main thread may change handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def run_on_cluster(
+    runs: Sequence[SweepRun],
+    *,
+    workers: int | None = None,
+    client: Any = None,
+    progress_bar: bool = True,
+    threads: int = 1,
+) -> list[RunOutcome]:
+    """Each run measured on a Dask worker, `threads` BLAS threads each; outcomes in `runs`'s
+    order. The first run that fails raises `SweepRunError` (the others are cancelled)."""
+    distributed = _require_dask()
+    sweep_id = uuid.uuid4().hex[:8]
+    with connect(workers, client) as dask_client:
+        futures = [dask_client.submit(run_in_worker, run, threads, pure=False,
+                                      key=f"checkpoint-ad-run-{sweep_id}-{i}")
+                   for i, run in enumerate(runs)]
+        where = {future.key: i for i, future in enumerate(futures)}
+        outcomes: list[RunOutcome | None] = [None] * len(runs)
+        try:
+            done = distributed.as_completed(futures, loop=dask_client.loop)
+            for future in progress(done, progress_bar, total=len(futures)):
+                i = where[future.key]
+                outcomes[i] = _outcome(runs[i], future)
+        finally:  # after a failure or Ctrl-C nothing of this sweep keeps running
+            dask_client.cancel(futures)
+    return [outcome for outcome in outcomes if outcome is not None]
+
+
+def _outcome(run: SweepRun, future: Any) -> RunOutcome:
+    try:
+        result = future.result()
+    except Exception as exc:  # the run never reported back: its worker died or was lost
+        raise SweepRunError(f"{run.describe()} did not come back from its Dask worker "
+                            f"({type(exc).__name__}: {exc})", unexpected=True) from exc
+    if isinstance(result, RunFailure):
+        raise SweepRunError(f"{run.describe()} failed on worker {result.worker}: "
+                            f"{result.error}", result.remote_traceback, result.unexpected)
+    return result
+
+
+def run_in_worker(run: SweepRun, threads: int = 1) -> RunOutcome | RunFailure:
+    """Measure `run` in this worker process, alone and with `threads` BLAS threads.
+
+    Errors come back as a `RunFailure` (with the traceback as text) rather than raised, so
+    that any exception, picklable or not, reaches the caller with its message intact."""
+    with _alone:
+        try:
+            from threadpoolctl import threadpool_limits
+
+            with threadpool_limits(limits=threads):
+                problem = (run.model, run.device, json.dumps(run.sizes, sort_keys=True))
+                if problem not in _warmed:
+                    warm_up(run)
+                    _warmed.add(problem)
+                outcome = measure(run)
+                outcome.profile.meta.update(worker=_worker_address(),
+                                            blas_threads=_blas_threads())
+            return outcome
+        except Exception as exc:
+            message = str(exc).splitlines()[0] if str(exc) else ""
+            return RunFailure(_worker_address(), f"{type(exc).__name__}: {message}",
+                              traceback.format_exc(),
+                              not isinstance(exc, (CheckpointADError, MemoryError)))
+
+
+def _worker_address() -> str:
+    try:
+        from distributed import get_worker
+
+        return str(get_worker().address)
+    except (ImportError, ValueError):  # called outside a worker (e.g. in a test)
+        return "local"
+
+
+def _blas_threads() -> int | None:
+    """The most threads any loaded BLAS/OpenMP pool may use now (None: no pool loaded)."""
+    from threadpoolctl import threadpool_info
+
+    counts = [pool["num_threads"] for pool in threadpool_info()]
+    return max(counts) if counts else None
