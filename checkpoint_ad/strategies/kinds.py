@@ -6,8 +6,10 @@
   saved value. Built-ins: `KeepAll`, `StoreInputs`, `StoreOutputs`, `Quantized`, `Policy`.
 - A **loop strategy** (`LoopStrategy`) decides how a `scan` is checkpointed: `plan(n)` gives
   the plan (frozen actions, see `revolve.py`) that the loop executor runs, and `storage` the
-  saved-value strategy its snapshots are kept with. Built-ins: `Binomial`, `Periodic`,
-  `Recompute`.
+  saved-value strategy its snapshots are kept with; for a loop whose length is known only when
+  it ends (`scan(..., until=...)`, `while_loop`), `online_planner()` gives the planner that
+  grows the plan step by step (see `online.py`). Built-ins: `Binomial` (both kinds of loop),
+  `Periodic`, `Recompute` (loops of known length).
 - A **region strategy** (`RegionStrategy`) decides what `checkpoint(fn, ...)` does with a
   region: today `Recompute`, which keeps only the region's inputs and re-runs it in backward.
 
@@ -49,7 +51,9 @@ A region strategy of your own (a region that keeps its inputs as 8-bit codes):
 
 from __future__ import annotations
 
+from ..errors import StrategyConfigError
 from ..saved import KeepAll, Strategy
+from .online import OnlinePlanner
 from .revolve import Plan
 
 __all__ = ["KeepAll", "LoopStrategy", "RegionStrategy", "Strategy"]
@@ -66,6 +70,14 @@ class LoopStrategy:
 
     def plan(self, n_steps: int) -> Plan:
         raise NotImplementedError(f"{type(self).__name__} must define plan(n_steps)")
+
+    def online_planner(self) -> OnlinePlanner:
+        """The planner of a loop of unknown length (`advance()` per step, `finish(n)`)."""
+        raise StrategyConfigError(
+            f"{self!r} plans loops of known length only, but this loop's length is known only "
+            "when `until` stops it; use Binomial(snapshots), which plans online, or give the "
+            "loop a fixed length= (or xs) without until"
+        )
 
 
 class RegionStrategy:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from ..errors import StrategyConfigError
 from ..saved import Strategy
 from .kinds import LoopStrategy
+from .online import OnlinePlanner
 from .revolve import Plan, binomial_plan, periodic_plan
 
 
@@ -42,6 +43,11 @@ class Binomial(LoopStrategy):
 
     def plan(self, n_steps: int) -> Plan:
         return binomial_plan(n_steps, self.snapshots)
+
+    def online_planner(self) -> OnlinePlanner:
+        """Online snapshots for a loop of unknown length: the optimum up to C(s + 2, 2)
+        steps, measured within 1% of it up to 10**5 steps (see `online.py`)."""
+        return OnlinePlanner(self.snapshots)
 
 
 @dataclass(frozen=True)

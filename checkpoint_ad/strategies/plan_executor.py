@@ -2,11 +2,17 @@
 
 Its forward runs the steps without a tape, taking the plan's snapshots, except the last step
 (or segment), which it runs with a tape kept for the first reverse action: so a loop costs
-exactly the plan's step evaluations. Its backward executes the rest of the plan (restore,
-advance, re-run a step with a tape and pull the adjoint back through it, free), holding at most
-the plan's snapshots plus one step's (or one segment's) tape. Snapshots are saved values of the
-loop's entry, packed through the one saving path with the strategy's `storage`, so the profiler
-sees them.
+exactly the plan's step evaluations. A loop of unknown length (``until=``) grows its plan as
+it goes: every step runs with a tape, kept until the next step is announced to the loop
+strategy's online planner, whose answer (take or drop snapshots of the kept tape's starting
+state, then drop the tape) is executed and appended to the plan; when `until` stops the loop,
+the planner's reversal completes the plan and the kept tape serves its first reverse action.
+From there on (backward, rebuilds) the grown plan is run like any other.
+
+Its backward executes the rest of the plan (restore, advance, re-run a step with a tape and pull
+the adjoint back through it, free), holding at most the plan's snapshots plus one step's (or one
+segment's) tape. Snapshots are saved values of the loop's entry, packed through the one saving
+path with the strategy's `storage`, so the profiler sees them.
 
 What makes the loop's gradients the same as keeping every step's tape:
 - every step draws its randomness from a generator forked for that step (`StepLoop.call`), and
@@ -23,6 +29,7 @@ What makes the loop's gradients the same as keeping every step's tape:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +46,7 @@ from ..tape import Entry, add_entry, edge_of, next_sequence
 from ..tensor import Tensor
 from .kinds import LoopStrategy
 from .loop import StepLoop, columns, stack_outputs
-from .revolve import Advance, Free, Restore, Reverse, ReverseSegment, Snapshot
+from .revolve import Action, Advance, Free, Restore, Reverse, ReverseSegment, Snapshot
 
 
 @dataclass
@@ -79,11 +86,22 @@ class _ForwardState:
 class PlannedLoop:
     """Runs a loop under a checkpointing plan: one tape entry for the whole loop."""
 
-    def __init__(self, loop: StepLoop, strategy: LoopStrategy) -> None:
+    def __init__(
+        self,
+        loop: StepLoop,
+        strategy: LoopStrategy,
+        until: Callable[[Any], Any] | None = None,
+        limit: int | None = None,
+    ) -> None:
+        """`until` (with at most `limit` steps, None for no limit) makes the loop's length
+        known only as it runs: the plan then grows step by step (see the module's doc)."""
         self.loop = loop
         self.strategy = strategy
         self.storage = strategy.storage or KEEP
-        self.plan = strategy.plan(loop.n)
+        self.until = until
+        self.limit = limit
+        self.planner = strategy.online_planner() if until is not None else None
+        self.plan: Sequence[Action] = strategy.plan(loop.n) if until is None else []
         self.name = f"scan[{type(strategy).__name__.lower()}]"
         self.same: dict[int, int] = {}
         self.externals: dict[tuple[int, int], Any] = {}
@@ -100,7 +118,10 @@ class PlannedLoop:
         self.initial = [None if t is None else t._data for t in carry_leaves]
         self.initial_engine_state = random.get_state()
         self.initial_numpy_state = np.random.get_state()
-        per_step = self._run_forward_prefix(discover=True)
+        if self.until is None:
+            per_step = self._run_forward_prefix(discover=True)
+        else:
+            per_step = self._run_growing_plan()
         state = self.state
         assert state is not None
         final = state.kept.carry_out if state.kept is not None else None
@@ -152,6 +173,8 @@ class PlannedLoop:
                 for t in range(action.start, action.stop):
                     arrays, ys = self._forward_step(t, arrays, discover)
                     per_step.append(ys)
+            elif isinstance(action, Free):  # online plans drop snapshots in their forward
+                del state.snapshots[action.step]
             cursor += 1
         state.cursor = cursor
         start, stop = _span(actions[cursor]) if cursor < len(actions) else (loop.n, loop.n)
@@ -165,6 +188,49 @@ class PlannedLoop:
             state.current = arrays
             state.current_engine_state = random.get_state()
             state.current_numpy_state = self._numpy_state()
+        self.state = state
+        return per_step
+
+    def _run_growing_plan(self) -> list[list[Any]]:
+        """Run a loop of unknown length from the initial carry, each step with a tape, under
+        the online planner; leaves the whole plan in `self.plan` and the last step's tape
+        kept for its first reverse action; returns every step's outputs (arrays)."""
+        loop, planner = self.loop, self.planner
+        assert planner is not None and self.until is not None
+        state = _ForwardState()
+        plan: list[Action] = []
+        arrays = list(self.initial)
+        per_step: list[list[Any]] = []
+        kept: _TapedSegment | None = None
+        kept_random = random.get_state()
+        none_row: list[Any] = []
+        t = 0
+        while self.limit is None or t < self.limit:
+            actions = planner.advance()
+            for action in actions:  # each concerns state t - 1, where the kept tape starts
+                if isinstance(action, Snapshot):
+                    assert kept is not None
+                    state.snapshots[action.step] = self._pack(_arrays(kept.carry_in), kept_random)
+                elif isinstance(action, Free):
+                    del state.snapshots[action.step]
+            plan.extend(actions)
+            kept_random = random.get_state()
+            kept = self._tape_steps(t, t + 1, arrays)
+            if t == 0:
+                self._discover_from(kept)
+            ys = _arrays(kept.y_out[0][1])
+            if all(y is None for y in ys):  # one shared row: 10**6 steps hold no 10**6 lists
+                ys = none_row = none_row or ys
+            per_step.append(ys)
+            arrays = _arrays(kept.carry_out)
+            t += 1
+            if stops(self.until, loop.carry_spec, self._as_tensors(arrays, grad=False)):
+                break
+        loop.n = t
+        state.cursor = len(plan)
+        plan.extend(planner.finish(t))
+        state.kept = kept
+        self.plan = plan
         self.state = state
         return per_step
 
@@ -268,9 +334,14 @@ class PlannedLoop:
                 guards.append((t._version, t._version.value, f"{what} ({t.dtype}{list(t.shape)})"))
         return guards
 
-    def _pack(self, arrays: list[Any]) -> _Snapshot:
+    def _pack(
+        self, arrays: list[Any], engine_state: random.GeneratorState | None = None
+    ) -> _Snapshot:
+        """A snapshot of `arrays`, with the random states its steps start from (the engine's
+        is `engine_state` when those steps already ran, else the current one)."""
         buffers = [None if a is None else pack_value(a, self.storage) for a in arrays]
-        return _Snapshot(buffers, random.get_state(), self._numpy_state())
+        state = random.get_state() if engine_state is None else engine_state
+        return _Snapshot(buffers, state, self._numpy_state())
 
     def _numpy_state(self) -> Any:
         return np.random.get_state() if self.tracks_numpy else None
@@ -526,6 +597,12 @@ class PlannedLoop:
             None if edge is None else sink.values[keys[(id(edge[0]), edge[1])]]
             for edge in entry.edges
         ]
+
+
+def stops(until: Callable[[Any], Any], carry_spec: Any, carry_leaves: list[Any]) -> bool:
+    """Whether `until` says the loop ends at this carry; asked without recording."""
+    with no_grad():
+        return bool(until(unflatten(carry_spec, iter(carry_leaves))))
 
 
 def _span(action: Any) -> tuple[int, int]:
