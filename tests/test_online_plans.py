@@ -132,3 +132,18 @@ def test_misuse_is_refused() -> None:
 def test_docstring_examples_run() -> None:
     result = doctest.testmod(online, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_finish_plan_packs_the_same_actions_and_counts_them() -> None:
+    for s in (1, 2, 3, 6):
+        for n in range(0, 70, 3):
+            listed, packed = OnlinePlanner(s), OnlinePlanner(s)
+            actions = [a for _ in range(n) for a in listed.advance()]
+            for _ in range(n):
+                packed.advance()
+            actions += listed.finish(n)
+            plan = packed.finish_plan(n)
+            assert list(plan) == actions
+            stats = simulate_plan(actions, n, s)
+            assert plan.evaluations == stats.evaluations
+            assert plan.max_live_snapshots == stats.max_live_snapshots

@@ -36,6 +36,7 @@ True
 
 from __future__ import annotations
 
+from array import array
 from bisect import bisect_left
 from functools import cache
 from math import comb
@@ -43,16 +44,19 @@ from math import comb
 from ..errors import ScheduleError
 from .revolve import (
     _BOTH,
+    _FREE,
+    _RESTORE,
+    _REVERSE,
     MAX_STEPS,
     Action,
     Advance,
     Free,
-    Restore,
-    Reverse,
+    Plan,
     Snapshot,
     _binomial_codes,
     _count,
     _decode,
+    _encode,
 )
 
 __all__ = ["OnlinePlanner"]
@@ -87,6 +91,9 @@ class OnlinePlanner:
         self._r = 0  # repetitions of the shortest loop still unplanned, and its reach
         self._reach = 1
         self._targets: frozenset[int] = frozenset({0})
+        self._codes = array("q")  # the whole plan so far, packed as `revolve.Plan` keeps it
+        self._advanced = 0  # steps the reversal will advance, once finished
+        self._max_live = 0
 
     def __repr__(self) -> str:
         return f"OnlinePlanner(snapshots={self.snapshots})"
@@ -105,6 +112,8 @@ class OnlinePlanner:
         if self.stored[-1] == x:
             actions.append(Snapshot(x))
         actions.append(Advance(x, t))
+        self._codes.extend(_encode(action) for action in actions)
+        self._max_live = max(self._max_live, len(self.stored))
         return actions
 
     def _decide(self, x: int) -> int | None:
@@ -164,6 +173,26 @@ class OnlinePlanner:
 
     def finish(self, n_steps: int) -> list[Action]:
         """The loop ended after ``n_steps`` steps (as many as :meth:`advance` calls): the rest."""
+        start = len(self._codes)
+        self._end(n_steps)
+        return [_decode(code) for code in self._codes[start:]]
+
+    def finish_plan(self, n_steps: int) -> Plan:
+        """Like :meth:`finish`, but returns the whole plan (the actions :meth:`advance`
+        returned, then the reversal) packed: a 10**6-step loop's plan stays a few MB."""
+        self._end(n_steps)
+        return Plan(
+            recipe=f"{self!r}.finish_plan({n_steps})",
+            n_steps=n_steps,
+            snapshots=self.snapshots,
+            advanced_steps=self._advanced,
+            taped_steps=n_steps,
+            max_live_snapshots=self._max_live,
+            longest_tape=min(n_steps, 1),
+            _codes=self._codes,
+        )
+
+    def _end(self, n_steps: int) -> None:
         n = _count(n_steps, "n_steps")
         if n != self.steps or self.finished:
             raise ScheduleError(
@@ -173,15 +202,25 @@ class OnlinePlanner:
             )
         self.finished = True
         if n == 0:
-            return []
-        actions: list[Action] = [Reverse(n - 1)]
+            return
+        codes = self._codes
+        self._advanced = max(n - 1, 0)
+        codes.append(_REVERSE + (n - 1) * _BOTH)
         ends = [*self.stored[1:], n - 1]
         for index in range(len(self.stored) - 1, -1, -1):
             start, end = self.stored[index], ends[index]
-            actions.append(Restore(start) if end > start else Free(start))
-            if end > start:
-                actions.extend(_segment(start, end, self.snapshots - index))
-        return actions
+            if end == start:
+                codes.append(_FREE + start * _BOTH)
+                continue
+            codes.append(_RESTORE + start * _BOTH)
+            if end - start == 1:
+                codes.extend((_FREE + start * _BOTH, _REVERSE + start * _BOTH))
+                continue
+            # the binomial plan of the segment opens with Snapshot(0): here the start is stored
+            part, advanced, live = _binomial_codes(end - start, self.snapshots - index)
+            codes.extend(code + start * _BOTH for code in part[1:])
+            self._advanced += advanced
+            self._max_live = max(self._max_live, index + live)
 
     def evaluations(self, n_steps: int) -> int:
         """Step evaluations of the whole plan if the loop ended after ``n_steps`` (now)."""
@@ -228,12 +267,3 @@ def _targets(s: int, r: int) -> frozenset[int]:
         at += comb(s - i + r - 1, r - 1)
         points.append(at)
     return frozenset(points)
-
-
-def _segment(start: int, end: int, budget: int) -> list[Action]:
-    """Reverse [start, end) from the stored, restored ``start`` within ``budget`` snapshots."""
-    if end - start == 1:
-        return [Free(start), Reverse(start)]
-    codes, _, _ = _binomial_codes(end - start, budget)
-    # The binomial plan opens with Snapshot(0); here the start is stored already.
-    return [_decode(code + start * _BOTH) for code in codes[1:]]

@@ -163,6 +163,7 @@ class PlannedLoop:
         state = _ForwardState()
         arrays = list(self.initial)
         per_step: list[list[Any]] = []
+        none_row: list[Any] = []
         actions = self.plan  # decoded action by action: a 10^6-step plan stays compact
         cursor = 0
         while cursor < len(actions) and not isinstance(actions[cursor], (Reverse, ReverseSegment)):
@@ -172,6 +173,8 @@ class PlannedLoop:
             elif isinstance(action, Advance):
                 for t in range(action.start, action.stop):
                     arrays, ys = self._forward_step(t, arrays, discover)
+                    if all(y is None for y in ys):  # one shared row: no 10**6 empty lists
+                        ys = none_row = none_row or ys
                     per_step.append(ys)
             elif isinstance(action, Free):  # online plans drop snapshots in their forward
                 del state.snapshots[action.step]
@@ -198,7 +201,7 @@ class PlannedLoop:
         loop, planner = self.loop, self.planner
         assert planner is not None and self.until is not None
         state = _ForwardState()
-        plan: list[Action] = []
+        forward_actions = 0
         arrays = list(self.initial)
         per_step: list[list[Any]] = []
         kept: _TapedSegment | None = None
@@ -213,7 +216,7 @@ class PlannedLoop:
                     state.snapshots[action.step] = self._pack(_arrays(kept.carry_in), kept_random)
                 elif isinstance(action, Free):
                     del state.snapshots[action.step]
-            plan.extend(actions)
+            forward_actions += len(actions)
             kept_random = random.get_state()
             kept = self._tape_steps(t, t + 1, arrays)
             if t == 0:
@@ -227,10 +230,9 @@ class PlannedLoop:
             if stops(self.until, loop.carry_spec, self._as_tensors(arrays, grad=False)):
                 break
         loop.n = t
-        state.cursor = len(plan)
-        plan.extend(planner.finish(t))
+        state.cursor = forward_actions
         state.kept = kept
-        self.plan = plan
+        self.plan = planner.finish_plan(t)  # packed: a 10**6-step plan stays compact
         self.state = state
         return per_step
 
