@@ -46,6 +46,7 @@ from .strategies import (
     remat,
     scan,
     use,
+    while_loop,
 )
 from .tensor import Tensor, tensor
 
@@ -96,6 +97,7 @@ __all__ = [
     "testing",
     "use",
     "use_packer",
+    "while_loop",
     *_op_names,
     *_factory_names,
     "factories",

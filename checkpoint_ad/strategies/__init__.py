@@ -23,7 +23,7 @@ from .policy import Policy
 from .quantized import Quantized
 from .recompute import Recompute, checkpoint, checkpoint_sequential
 from .revolve import binomial_plan, optimal_evaluations, periodic_plan, simulate_plan
-from .scan import scan
+from .scan import scan, while_loop
 from .scope import current_loop_strategy, use
 
 __all__ = [
@@ -57,4 +57,5 @@ __all__ = [
     "scan",
     "simulate_plan",
     "use",
+    "while_loop",
 ]

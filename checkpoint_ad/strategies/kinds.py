@@ -7,8 +7,10 @@
   and `Rematerializing` (a byte limit kept by evicting and recomputing, see `dtr.py`).
 - A **loop strategy** (`LoopStrategy`) decides how a `scan` is checkpointed: `plan(n)` gives
   the plan (frozen actions, see `revolve.py`) that the loop executor runs, and `storage` the
-  saved-value strategy its snapshots are kept with. Built-ins: `Binomial`, `Periodic`,
-  `Recompute`.
+  saved-value strategy its snapshots are kept with; for a loop whose length is known only when
+  it ends (`scan(..., until=...)`, `while_loop`), `online_planner()` gives the planner that
+  grows the plan step by step (see `online.py`). Built-ins: `Binomial` (both kinds of loop),
+  `Periodic`, `Recompute` (loops of known length).
 - A **region strategy** (`RegionStrategy`) decides what `checkpoint(fn, ...)` does with a
   region: today `Recompute`, which keeps only the region's inputs and re-runs it in backward.
 
@@ -52,7 +54,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ..errors import StrategyConfigError
 from ..saved import KeepAll, Strategy
+from .online import OnlinePlanner
 from .revolve import Plan
 
 __all__ = ["KeepAll", "LoopStrategy", "RegionStrategy", "Strategy"]
@@ -75,6 +79,13 @@ class LoopStrategy:
         read) cost of one disk snapshot of its carry in forward steps, for a strategy whose
         plan depends on them (`Binomial` with a disk level and no costs given)."""
         return self.plan(n_steps)
+    def online_planner(self) -> OnlinePlanner:
+        """The planner of a loop of unknown length (`advance()` per step, `finish(n)`)."""
+        raise StrategyConfigError(
+            f"{self!r} plans loops of known length only, but this loop's length is known only "
+            "when `until` stops it; use Binomial(snapshots), which plans online, or give the "
+            "loop a fixed length= (or xs) without until"
+        )
 
 
 class RegionStrategy:

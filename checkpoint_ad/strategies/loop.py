@@ -52,7 +52,7 @@ class StepLoop:
         backward stacks the step gradients once instead of scattering into xs at every step)."""
         if self.xs_spec is None:
             return [None] * self.n
-        per_leaf = []
+        per_leaf: list[list[Any]] = []
         for x in self.xs_leaves:
             if x is None:
                 per_leaf.append([None] * self.n)
@@ -60,7 +60,8 @@ class StepLoop:
                 per_leaf.append(list(_Unstack.apply(x)))
             else:
                 per_leaf.append([Tensor._wrap(x._data[t]) for t in range(self.n)])
-        return [unflatten(self.xs_spec, iter(row)) for row in zip(*per_leaf)]
+        rows = zip(*per_leaf)  # a loop stopped by `until` may end before xs does
+        return [unflatten(self.xs_spec, iter(row)) for _, row in zip(range(self.n), rows)]
 
     def call(self, t: int, carry_leaves: list[Any], x: Any) -> tuple[list[Any], list[Any]]:
         """Run step `t` on a carry (its leaves) and scanned input; (new carry leaves, y leaves)."""
@@ -107,7 +108,9 @@ def columns(per_step: list[list[Any]]) -> list[list[Any]]:
     return [[ys[k] for ys in per_step] for k in range(len(per_step[0]))]
 
 
-def loop_length(xs_leaves: list[Any], length: int | None) -> int:
+def loop_length(xs_leaves: list[Any], length: int | None, open_ended: bool = False) -> int | None:
+    """The number of steps xs and `length` give (the most steps when the loop is
+    `open_ended`, i.e. stopped by `until`: None when neither is given)."""
     sizes = {x.shape[0] for x in xs_leaves if x is not None and x.ndim > 0}
     if len(sizes) > 1:
         raise ShapeError(f"scan: xs leaves have different leading lengths {sorted(sizes)}")
@@ -118,7 +121,12 @@ def loop_length(xs_leaves: list[Any], length: int | None) -> int:
             raise ShapeError(f"scan: length={length} but xs has leading length {sizes.pop()}")
         return length
     if not sizes:
-        raise ValueError("scan needs xs with a leading axis to scan over, or length=")
+        if open_ended:
+            return None
+        raise ValueError(
+            "scan needs xs with a leading axis to scan over, length=, or until= (a predicate "
+            "on the carry that ends the loop)"
+        )
     return sizes.pop()
 
 

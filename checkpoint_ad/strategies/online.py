@@ -5,19 +5,26 @@ a binomial plan up front. The planner is told of each step as it comes and answe
 snapshots to take or drop now; when the loop ends it returns the reversal, and the whole
 sequence is a plan that :func:`~checkpoint_ad.strategies.revolve.simulate_plan` accepts.
 
-The rule, after P. Stumm and A. Walther, "New algorithms for optimal online checkpointing",
-SIAM J. Sci. Comput. 32(2), 2010, and the dynamic checkpointing of Q. Wang, P. Moin and
-G. Iaccarino, SIAM J. Sci. Comput. 31(4), 2009: with stored states ``c_0 = 0 < ... < c_k``,
-segment ``i`` is later reversed with ``s - i`` snapshots, and the binomial optimum with
-repetition number ``r`` is reached exactly when every segment needs at most ``r - 1``
-repetitions, i.e. ``len_i <= C(s - i + r - 1, r - 1)`` (the last one counted without the
-state in hand). Free slots are filled with the newest state; once all are used, a state is
-snapshotted only when the last segment outgrows its bound, and the snapshot it replaces is
-the first one whose two segments, merged, still fit the bound (or the shortest merge).
-This is optimal while every state can be stored (``n <= s + 1``); beyond, it is a heuristic
-(measured: within 15-30% of the offline optimum up to 10**5 steps for s = 8..64). In this
-accounting no online rule matches the optimum for every ``n <= C(s + 2, 2)``: the tests show
-it by exhaustion for s = 2 (n = 3, 4, 5).
+Timing: the executor runs every step with its tape and keeps only the newest step's tape (the
+plan holds one step's tape anyway). So the state a step started from is still at hand, inside
+that tape, when the loop learns whether the step was the last, and the planner decides about
+state ``x`` only once step ``x + 1`` is announced. Deciding one step later is what makes the
+offline optimum reachable online: with the decision taken before the step runs, no rule is
+optimal for every ``n <= C(s + 2, 2)`` (the tests show it by exhaustion for s = 2).
+
+The rule. With stored states ``c_0 = 0 < ... < c_k``, segment ``i`` is later reversed with
+``s - i`` snapshots, and a loop of ``n`` steps costs ``2n - 1`` plus each segment's binomial
+advances. The offline optimum with repetition number ``r`` holds exactly when every segment
+lies between its bounds for ``r - 1`` and ``r`` repetitions (P. Stumm and A. Walther, "New
+algorithms for optimal online checkpointing", SIAM J. Sci. Comput. 32(2), 2010; the dynamic
+checkpointing of Q. Wang, P. Moin and G. Iaccarino, SIAM J. Sci. Comput. 31(4), 2009, is the
+same idea). The longest loop with ``r`` repetitions, ``C(s + r, s)`` steps, has its
+snapshots at fixed *targets* (every segment at its upper bound). The planner fills free slots
+with the newest state; once all are used, it stores the newest state when it is a target of
+the current ``r`` or when the last segment outgrows its bound, and drops the non-target
+snapshot whose removal costs least for a loop ending now. Measured (``bench/online.py``):
+optimal for every ``n <= C(s + 2, 2)``, and within 1% of the offline optimum up to 10**5
+steps for s = 8..64.
 
 >>> planner = OnlinePlanner(2)
 >>> actions = [a for _ in range(5) for a in planner.advance()]
@@ -29,25 +36,27 @@ True
 
 from __future__ import annotations
 
-import itertools
+from array import array
+from bisect import bisect_left
+from functools import cache
 from math import comb
-
-import numpy as np
 
 from ..errors import ScheduleError
 from .revolve import (
     _BOTH,
+    _FREE,
+    _RESTORE,
+    _REVERSE,
+    MAX_STEPS,
     Action,
     Advance,
     Free,
-    Restore,
-    Reverse,
+    Plan,
     Snapshot,
     _binomial_codes,
     _count,
     _decode,
-    _repetitions,
-    optimal_evaluations,
+    _encode,
 )
 
 __all__ = ["OnlinePlanner"]
@@ -58,13 +67,14 @@ class OnlinePlanner:
 
     Call :meth:`advance` once for every step the loop takes, before it runs, and run the
     actions it returns; call :meth:`finish` with the number of steps when the loop ends and
-    run the reversal it returns. The executor may run each step with its tape and drop the
-    previous step's tape: the ``Advance`` of step ``i`` comes with the announcement of step
-    ``i + 1``, and the last step's ``Reverse`` can reuse the tape of the forward run.
+    run the reversal it returns. The actions of step ``t`` concern state ``t - 1``: the
+    executor runs each step with its tape and keeps that tape until the next step is
+    announced, so ``Snapshot(t - 1)`` copies the state the kept tape started from and
+    ``Advance(t - 1, t)`` drops that tape; the last step's tape serves the first ``Reverse``.
 
     >>> planner = OnlinePlanner(1)
     >>> planner.advance(), planner.advance()
-    ([Snapshot(step=0)], [Advance(start=0, stop=1)])
+    ([], [Snapshot(step=0), Advance(start=0, stop=1)])
     >>> planner.finish(2)
     [Reverse(step=1), Restore(step=0), Free(step=0), Reverse(step=0)]
     """
@@ -74,44 +84,115 @@ class OnlinePlanner:
         self.steps = 0
         self.stored: list[int] = []  # states held as snapshots, oldest first
         self.finished = False
+        # per closed segment i (all but the last): its advances at budget s - i, and at
+        # s - i + 1 (what it costs once a drop before it moves it one place down)
+        self._here: list[int] = []
+        self._shifted: list[int] = []
+        self._r = 0  # repetitions of the shortest loop still unplanned, and its reach
+        self._reach = 1
+        self._targets: frozenset[int] = frozenset({0})
+        self._codes = array("q")  # the whole plan so far, packed as `revolve.Plan` keeps it
+        self._advanced = 0  # steps the reversal will advance, once finished
+        self._max_live = 0
 
     def __repr__(self) -> str:
         return f"OnlinePlanner(snapshots={self.snapshots})"
-
-    def _bound(self, index: int, r: int) -> int:
-        """The longest segment ``index`` may be for ``r`` repetitions overall."""
-        return comb(self.snapshots - index + r - 1, r - 1)
 
     def advance(self) -> list[Action]:
         """The loop takes one more step (step ``self.steps``); the actions to run before it."""
         if self.finished:
             raise ScheduleError("OnlinePlanner.advance() after finish(); make a new planner")
-        x = self.steps  # the state in hand once the actions ran
+        t = self.steps
         self.steps += 1
-        actions: list[Action] = [] if x == 0 else [Advance(x - 1, x)]
-        stored, s = self.stored, self.snapshots
+        if t == 0:
+            return []
+        x = t - 1  # the state decided on now: the loop has at least x + 2 steps
+        dropped = self._decide(x)
+        actions: list[Action] = [] if dropped is None else [Free(dropped)]
+        if self.stored[-1] == x:
+            actions.append(Snapshot(x))
+        actions.append(Advance(x, t))
+        self._codes.extend(_encode(action) for action in actions)
+        self._max_live = max(self._max_live, len(self.stored))
+        return actions
+
+    def _decide(self, x: int) -> int | None:
+        """Store state x or not; returns the snapshot dropped to make room (or None)."""
+        s, stored = self.snapshots, self.stored
+        while self._reach < x + 2:  # the repetitions a loop of x + 2 steps needs at least
+            self._r += 1
+            self._reach = comb(s + self._r, s)
+            self._targets = _targets(s, self._r)
         if len(stored) < s:
+            if stored:
+                self._close(x - stored[-1], len(stored) - 1)
             stored.append(x)
-            return [*actions, Snapshot(x)]
-        r = max(_repetitions(x + 1, s), 1)
+            return None
         k = len(stored) - 1
-        lengths = [b - a for a, b in itertools.pairwise([*stored, x])]
-        # Move a snapshot to x as soon as two segments merged still fit their bound: the
-        # earliest segments fill up to their bounds, as in the offline binomial sweep.
-        drop = next(
-            (j for j in range(1, k + 1) if lengths[j - 1] + lengths[j] <= self._bound(j - 1, r)),
-            None,
-        )
-        if drop is None:
-            if k == 0 or lengths[-1] <= self._bound(k, r):
-                return actions  # the last segment still fits (or only state 0 is stored)
-            drop = 1 + int(np.argmin(np.add(lengths[:-1], lengths[1:])))
-        freed = stored.pop(drop)
+        bound = comb(s - k + self._r - 1, self._r - 1)
+        if k == 0 or (x not in self._targets and x + 1 - stored[-1] <= bound):
+            return None  # the last segment still fits (or only state 0 can be stored)
+        j = self._cheapest_drop(x)
+        dropped = stored.pop(j)
+        self._merge(j, x)
         stored.append(x)
-        return [*actions, Free(freed), Snapshot(x)]
+        return dropped
+
+    def _close(self, length: int, index: int) -> None:
+        s = self.snapshots
+        self._here.append(_advances(length, s - index))
+        self._shifted.append(_advances(length, s - index + 1))
+
+    def _cheapest_drop(self, x: int) -> int:
+        """The stored state (not state 0, not a target if avoidable) whose drop, with x
+        stored, leaves the cheapest reversal for a loop ending at x + 2 steps."""
+        s, stored, k = self.snapshots, self.stored, len(self.stored) - 1
+        last = x - stored[k]  # the last segment, closed at x
+        here = [*self._here, _advances(last, s - k)]
+        shifted = [*self._shifted, _advances(last, s - k + 1)]
+        ends = [*stored[1:], x]
+        targets = self._targets
+        any_state = all(c in targets for c in stored[1:])  # no choice: any but state 0
+        best, best_delta, gain = k, None, 0
+        for j in range(k, 0, -1):  # later first: `gain` sums the moves of segments after j
+            if any_state or stored[j] not in targets:
+                merged = _advances(ends[j] - stored[j - 1], s - j + 1)
+                delta = merged - here[j - 1] - here[j] + gain
+                if best_delta is None or delta <= best_delta:
+                    best, best_delta = j, delta
+            gain += shifted[j] - here[j]
+        return best
+
+    def _merge(self, j: int, x: int) -> None:
+        """Segments j - 1 and j become one (snapshot j dropped); the later ones move down."""
+        stored = self.stored  # stored[j] is already removed
+        ends = [*stored[1:], x]
+        del self._here[j - 1 :], self._shifted[j - 1 :]
+        for i in range(j - 1, len(stored)):
+            self._close(ends[i] - stored[i], i)
 
     def finish(self, n_steps: int) -> list[Action]:
         """The loop ended after ``n_steps`` steps (as many as :meth:`advance` calls): the rest."""
+        start = len(self._codes)
+        self._end(n_steps)
+        return [_decode(code) for code in self._codes[start:]]
+
+    def finish_plan(self, n_steps: int) -> Plan:
+        """Like :meth:`finish`, but returns the whole plan (the actions :meth:`advance`
+        returned, then the reversal) packed: a 10**6-step loop's plan stays a few MB."""
+        self._end(n_steps)
+        return Plan(
+            recipe=f"{self!r}.finish_plan({n_steps})",
+            n_steps=n_steps,
+            snapshots=self.snapshots,
+            advanced_steps=self._advanced,
+            taped_steps=n_steps,
+            max_live_snapshots=self._max_live,
+            longest_tape=min(n_steps, 1),
+            _codes=self._codes,
+        )
+
+    def _end(self, n_steps: int) -> None:
         n = _count(n_steps, "n_steps")
         if n != self.steps or self.finished:
             raise ScheduleError(
@@ -121,33 +202,68 @@ class OnlinePlanner:
             )
         self.finished = True
         if n == 0:
-            return []
-        actions: list[Action] = [Reverse(n - 1)]
+            return
+        codes = self._codes
+        self._advanced = max(n - 1, 0)
+        codes.append(_REVERSE + (n - 1) * _BOTH)
         ends = [*self.stored[1:], n - 1]
         for index in range(len(self.stored) - 1, -1, -1):
             start, end = self.stored[index], ends[index]
-            actions.append(Restore(start) if end > start else Free(start))
-            if end > start:
-                actions.extend(_segment(start, end, self.snapshots - index))
-        return actions
+            if end == start:
+                codes.append(_FREE + start * _BOTH)
+                continue
+            codes.append(_RESTORE + start * _BOTH)
+            if end - start == 1:
+                codes.extend((_FREE + start * _BOTH, _REVERSE + start * _BOTH))
+                continue
+            # the binomial plan of the segment opens with Snapshot(0): here the start is stored
+            part, advanced, live = _binomial_codes(end - start, self.snapshots - index)
+            codes.extend(code + start * _BOTH for code in part[1:])
+            self._advanced += advanced
+            self._max_live = max(self._max_live, index + live)
 
     def evaluations(self, n_steps: int) -> int:
         """Step evaluations of the whole plan if the loop ended after ``n_steps`` (now)."""
         if n_steps != self.steps:
             raise ScheduleError("evaluations(n) needs n equal to the steps announced so far")
+        if n_steps == 0:
+            return 0
         ends = [*self.stored[1:], n_steps - 1]
-        total = 2 * n_steps - 1 if n_steps else 0  # the forward sweep and the taped steps
+        total = 2 * n_steps - 1  # the forward sweep and the taped steps
         for index, (start, end) in enumerate(zip(self.stored, ends)):
-            length = end - start
-            if length:
-                total += optimal_evaluations(length, self.snapshots - index) - length
+            total += _advances(end - start, self.snapshots - index)
         return total
 
 
-def _segment(start: int, end: int, budget: int) -> list[Action]:
-    """Reverse [start, end) from the stored, restored ``start`` within ``budget`` snapshots."""
-    if end - start == 1:
-        return [Free(start), Reverse(start)]
-    codes, _, _ = _binomial_codes(end - start, budget)
-    # The binomial plan opens with Snapshot(0); here the start is stored already.
-    return [_decode(code + start * _BOTH) for code in codes[1:]]
+def _advances(length: int, budget: int) -> int:
+    """Steps advanced (re-run without a tape) to reverse ``length`` steps from their stored
+    start with ``budget`` snapshots: the binomial optimum less its taped steps."""
+    if length <= 1:
+        return 0
+    if budget == 1:  # re-advance from the one stored state for every step
+        return length * (length - 1) // 2
+    reach, paid = _tables(budget)
+    r = bisect_left(reach, length)  # the smallest r with C(budget + r, budget) >= length
+    return r * length - paid[r]
+
+
+@cache
+def _tables(budget: int) -> tuple[list[int], list[int]]:
+    """``C(budget + r, budget)`` and ``C(budget + r, budget + 1)`` for r = 0, 1, ... up to
+    the longest loop a plan can hold: the planner asks for them at every step."""
+    reach, paid, r = [1], [0], 0
+    while reach[-1] < MAX_STEPS:
+        r += 1
+        reach.append(comb(budget + r, budget))
+        paid.append(comb(budget + r, budget + 1))
+    return reach, paid
+
+
+def _targets(s: int, r: int) -> frozenset[int]:
+    """Where the longest loop with ``r`` repetitions keeps its snapshots: segment ``i`` at its
+    upper bound ``C(s - i + r - 1, r - 1)``."""
+    points, at = [0], 0
+    for i in range(s - 1):
+        at += comb(s - i + r - 1, r - 1)
+        points.append(at)
+    return frozenset(points)

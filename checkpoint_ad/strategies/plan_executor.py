@@ -2,11 +2,17 @@
 
 Its forward runs the steps without a tape, taking the plan's snapshots, except the last step
 (or segment), which it runs with a tape kept for the first reverse action: so a loop costs
-exactly the plan's step evaluations. Its backward executes the rest of the plan (restore,
-advance, re-run a step with a tape and pull the adjoint back through it, free), holding at most
-the plan's snapshots plus one step's (or one segment's) tape. Snapshots are saved values of the
-loop's entry, packed through the one saving path with the strategy's `storage`, so the profiler
-sees them.
+exactly the plan's step evaluations. A loop of unknown length (``until=``) grows its plan as
+it goes: every step runs with a tape, kept until the next step is announced to the loop
+strategy's online planner, whose answer (take or drop snapshots of the kept tape's starting
+state, then drop the tape) is executed and appended to the plan; when `until` stops the loop,
+the planner's reversal completes the plan and the kept tape serves its first reverse action.
+From there on (backward, rebuilds) the grown plan is run like any other.
+
+Its backward executes the rest of the plan (restore, advance, re-run a step with a tape and pull
+the adjoint back through it, free), holding at most the plan's snapshots plus one step's (or one
+segment's) tape. Snapshots are saved values of the loop's entry, packed through the one saving
+path with the strategy's `storage`, so the profiler sees them.
 
 What makes the loop's gradients the same as keeping every step's tape:
 - every step draws its randomness from a generator forked for that step (`StepLoop.call`), and
@@ -24,6 +30,7 @@ What makes the loop's gradients the same as keeping every step's tape:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +60,7 @@ from .revolve import (
     _DISK_RESTORE,
     _KIND_MASK,
     _RESTORE,
+    Action,
     Advance,
     DiskRestore,
     DiskSnapshot,
@@ -97,6 +105,7 @@ class _ReplayedSegment:
     start: int
     stop: int
     steps: list[tuple[int, ReplayedStep]]
+    carry_in: list[Any]  # arrays
     carry_out: list[Any]  # arrays
     y_out: list[tuple[int, list[Any]]]  # arrays
 
@@ -116,7 +125,16 @@ class _ForwardState:
 class PlannedLoop:
     """Runs a loop under a checkpointing plan: one tape entry for the whole loop."""
 
-    def __init__(self, loop: StepLoop, strategy: LoopStrategy, trace: bool = True) -> None:
+    def __init__(
+        self,
+        loop: StepLoop,
+        strategy: LoopStrategy,
+        until: Callable[[Any], Any] | None = None,
+        limit: int | None = None,
+        trace: bool = True,
+    ) -> None:
+        """`until` (with at most `limit` steps, None for no limit) makes the loop's length
+        known only as it runs: the plan then grows step by step (see the module's doc)."""
         self.loop = loop
         self.strategy = strategy
         self.storage = (strategy.storage or KEEP).for_plan()
@@ -124,7 +142,12 @@ class PlannedLoop:
         # the saved-value strategy in effect where the loop runs: its steps keep their values
         # with it, also when the backward re-runs them outside that `use` block
         self.step_packer = current_packer()
-        self.plan: Any = None  # made in run(): a disk level may need the loop timed first
+        self.until = until
+        self.limit = limit
+        self.planner = strategy.online_planner() if until is not None else None
+        # made in run(): a disk level may need the loop timed first; a growing plan is
+        # complete when `until` stops the loop
+        self.plan: Sequence[Action] | Any = None
         self.restore_at: np.ndarray | None = None
         self.name = f"scan[{type(strategy).__name__.lower()}]"
         self.same: dict[int, int] = {}
@@ -146,8 +169,12 @@ class PlannedLoop:
         self.initial = [None if t is None else t._data for t in carry_leaves]
         self.initial_engine_state = random.get_state()
         self.initial_numpy_state = np.random.get_state()
-        self.plan = self.strategy.plan_for_loop(loop.n, self._measure_costs)
-        per_step = self._run_forward_prefix(discover=True)
+        if self.until is None:
+            self.plan = self.strategy.plan_for_loop(loop.n, self._measure_costs)
+            per_step = self._run_forward_prefix(discover=True)
+        else:
+            self.plan = []
+            per_step = self._run_growing_plan()
         state = self.state
         assert state is not None
         final = state.kept.carry_out if state.kept is not None else None
@@ -189,6 +216,7 @@ class PlannedLoop:
         state = _ForwardState()
         arrays = list(self.initial)
         per_step: list[list[Any]] = []
+        none_row: list[Any] = []
         actions = self.plan  # decoded action by action: a 10^6-step plan stays compact
         cursor = 0
         while cursor < len(actions) and not isinstance(actions[cursor], (Reverse, ReverseSegment)):
@@ -200,7 +228,11 @@ class PlannedLoop:
             elif isinstance(action, Advance):
                 for t in range(action.start, action.stop):
                     arrays, ys = self._forward_step(t, arrays, discover)
+                    if all(y is None for y in ys):  # one shared row: no 10**6 empty lists
+                        ys = none_row = none_row or ys
                     per_step.append(ys)
+            elif isinstance(action, Free):  # online plans drop snapshots in their forward
+                del state.snapshots[action.step]
             cursor += 1
         state.cursor = cursor
         start, stop = _span(actions[cursor]) if cursor < len(actions) else (loop.n, loop.n)
@@ -214,6 +246,49 @@ class PlannedLoop:
             state.current = arrays
             state.current_engine_state = random.get_state()
             state.current_numpy_state = self._numpy_state()
+        self.state = state
+        return per_step
+
+    def _run_growing_plan(self) -> list[list[Any]]:
+        """Run a loop of unknown length from the initial carry, each step with a tape, under
+        the online planner; leaves the whole plan in `self.plan` and the last step's tape
+        kept for its first reverse action; returns every step's outputs (arrays)."""
+        loop, planner = self.loop, self.planner
+        assert planner is not None and self.until is not None
+        state = _ForwardState()
+        forward_actions = 0
+        arrays = list(self.initial)
+        per_step: list[list[Any]] = []
+        kept: _TapedSegment | None = None
+        kept_random = random.get_state()
+        none_row: list[Any] = []
+        t = 0
+        while self.limit is None or t < self.limit:
+            actions = planner.advance()
+            for action in actions:  # each concerns state t - 1, where the kept tape starts
+                if isinstance(action, Snapshot):
+                    assert kept is not None
+                    state.snapshots[action.step] = self._pack(
+                        _arrays(kept.carry_in), engine_state=kept_random)
+                elif isinstance(action, Free):
+                    del state.snapshots[action.step]
+            forward_actions += len(actions)
+            kept_random = random.get_state()
+            kept = self._tape_steps(t, t + 1, arrays)
+            if t == 0:
+                self._discover_from(kept)
+            ys = _arrays(kept.y_out[0][1])
+            if all(y is None for y in ys):  # one shared row: 10**6 steps hold no 10**6 lists
+                ys = none_row = none_row or ys
+            per_step.append(ys)
+            arrays = _arrays(kept.carry_out)
+            t += 1
+            if stops(self.until, loop.carry_spec, self._as_tensors(arrays, grad=False)):
+                break
+        loop.n = t
+        state.cursor = forward_actions
+        state.kept = kept
+        self.plan = planner.finish_plan(t)  # packed: a 10**6-step plan stays compact
         self.state = state
         return per_step
 
@@ -369,10 +444,19 @@ class PlannedLoop:
                 guards.append((t._version, t._version.value, f"{what} ({t.dtype}{list(t.shape)})"))
         return guards
 
-    def _pack(self, arrays: list[Any], storage: Any = None) -> _Snapshot:
+    def _pack(
+        self,
+        arrays: list[Any],
+        storage: Any = None,
+        engine_state: random.GeneratorState | None = None,
+    ) -> _Snapshot:
+        """A snapshot of `arrays` kept with `storage` (the loop's, by default), with the random
+        states its steps start from (the engine's is `engine_state` when those steps already
+        ran, else the current one)."""
         storage = self.storage if storage is None else storage
         buffers = [None if a is None else pack_value(a, storage) for a in arrays]
-        return _Snapshot(buffers, random.get_state(), self._numpy_state())
+        state = random.get_state() if engine_state is None else engine_state
+        return _Snapshot(buffers, state, self._numpy_state())
 
     def _measure_costs(self) -> tuple[float, float]:
         """(write, read) cost of one disk snapshot of the initial carry, in forward steps:
@@ -574,6 +658,7 @@ class PlannedLoop:
             steps: list[tuple[int, ReplayedStep]] = []
             y_out = []
             previous = None
+            carry_in = arrays
             for t in range(start, stop):
                 loop.evaluations += 1
                 step = program.tape(arrays, self._x_arrays(t), previous)
@@ -586,7 +671,7 @@ class PlannedLoop:
                 previous = step
             if previous is not None:
                 previous.buffers = {}
-            return _ReplayedSegment(start, stop, steps, arrays, y_out)
+            return _ReplayedSegment(start, stop, steps, carry_in, arrays, y_out)
         carry_in = self._as_tensors(arrays, grad=True)
         carry = carry_in
         x_parts: list[tuple[int, list[Any]]] = []
@@ -810,6 +895,12 @@ def _disk_storage(storage: Any) -> Offload:
         return storage if storage.level == "disk" else Offload("disk", planned=True)
     inner = None if storage.lossless else storage
     return Offload("disk", inner=inner, planned=True)
+
+
+def stops(until: Callable[[Any], Any], carry_spec: Any, carry_leaves: list[Any]) -> bool:
+    """Whether `until` says the loop ends at this carry; asked without recording."""
+    with no_grad():
+        return bool(until(unflatten(carry_spec, iter(carry_leaves))))
 
 
 def _span(action: Any) -> tuple[int, int]:

@@ -173,6 +173,20 @@ _DECODERS = (
 )
 
 
+_KINDS = {Snapshot: _SNAPSHOT, Advance: _ADVANCE, Restore: _RESTORE, Free: _FREE,
+          Reverse: _REVERSE, ReverseSegment: _REVERSE_SEGMENT, DiskSnapshot: _DISK_SNAPSHOT,
+          DiskRestore: _DISK_RESTORE}
+
+
+def _encode(action: Action) -> int:
+    """The packed code of one action (the inverse of `_decode`)."""
+    if isinstance(action, (Advance, ReverseSegment)):
+        first, second = action.start, action.stop
+    else:
+        first = second = action.step  # type: ignore[attr-defined]
+    return _KINDS[type(action)] + first * _FIRST + second * _SECOND
+
+
 def _decode(code: int) -> Action:
     first = (code >> _KIND_BITS) & _STEP_MASK
     return _DECODERS[code & _KIND_MASK](first, code >> (_KIND_BITS + _STEP_BITS))

@@ -1,7 +1,9 @@
-"""`scan`: the unrolled loop users wrap (JAX's `lax.scan` semantics).
+"""`scan` and `while_loop`: the unrolled loops users wrap (JAX's `lax.scan` and
+`lax.while_loop` semantics, and a `scan` that stops on a condition).
 
 Without a loop strategy every step is recorded on the tape as it runs; with one (`Binomial`,
-`Periodic`, `Recompute`) the plan executor runs the loop as one tape entry.
+`Periodic`, `Recompute`) the plan executor runs the loop as one tape entry. A loop stopped by
+a condition has a length known only when it ends: `Binomial` then places its snapshots online.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from ..saved import Strategy, use_packer
 from ..tensor_base import make_tensor
 from .kinds import LoopStrategy
 from .loop import StepLoop, loop_length, stack_outputs
-from .plan_executor import PlannedLoop
+from .plan_executor import PlannedLoop, stops
 from .scope import current_loop_strategy
 
 
@@ -32,6 +34,7 @@ def scan(
     reverse: bool = False,
     unroll: int | bool = 1,
     trace: bool = True,
+    until: Callable[[Any], Any] | None = None,
 ) -> tuple[Any, Any]:
     """Run ``carry, y = step(carry, x)`` over the leading axis of `xs`; return (carry, ys).
 
@@ -50,6 +53,13 @@ def scan(
     Python per operation); a step that cannot be replayed exactly is recorded step by step
     instead (see `step_program.py`). `trace=False` forces recording; the loop's tape entry
     says which mode ran and why (``entry.op.mode``, also in ``cad.inspect`` tables).
+    `until(carry)` is asked after each step (without recording) and the loop stops after the
+    first step where it is true, or at the end of `xs` (or after `length` steps) if that comes
+    first; with neither xs nor length, `until` is required and at least one step runs. `ys`
+    then stacks the outputs of the steps that ran: ``ys.shape[0]`` says how many there were,
+    and a gradient reaches only those rows of xs (the others get zeros). A loop strategy
+    must plan loops of unknown length: `Binomial(s)` places its at most s snapshots online
+    (see `online.py`), with gradients bitwise equal to keeping every step.
 
     >>> import checkpoint_ad as cad
     >>> w = cad.tensor(0.5, requires_grad=True)
@@ -57,6 +67,10 @@ def scan(
     ...                      xs=cad.tensor([1.0, 2.0, 3.0]), strategy=cad.strategies.Binomial(2))
     >>> ys.shape
     (3,)
+    >>> carry, ys = cad.scan(lambda h, x: (h * 2.0, h), cad.tensor(1.0), length=10,
+    ...                      until=lambda h: h.item() > 20.0, strategy=cad.strategies.Binomial(2))
+    >>> carry.item(), ys.shape
+    (32.0, (5,))
     """
     if not isinstance(unroll, bool) and (not isinstance(unroll, int) or unroll < 1):
         raise ValueError(f"scan: unroll must be an int >= 1 or a bool, got {unroll!r}")
@@ -67,21 +81,26 @@ def scan(
             f"scan(strategy=...) takes a loop strategy (Binomial, Periodic, Recompute) or a "
             f"saved-value strategy (e.g. Quantized), got {strategy!r}"
         )
+    if until is not None and not callable(until):
+        raise TypeError(f"scan(until=...) takes a predicate on the carry, got {until!r:.80}")
     if reverse and xs is not None:
         xs = _flipped(xs)
     carry_leaves, carry_spec = flatten(init)
     xs_leaves, xs_spec = ([], None) if xs is None else flatten(xs)
-    n = loop_length(xs_leaves, length)
-    loop = StepLoop(step, carry_spec, xs_leaves, xs_spec, n)
-    if n == 0:
+    limit = loop_length(xs_leaves, length, open_ended=until is not None)
+    loop = StepLoop(step, carry_spec, xs_leaves, xs_spec, limit if until is None else 0)
+    if limit == 0:
         return init, _empty_outputs(loop, carry_leaves)
     if isinstance(strategy, LoopStrategy) and is_grad_enabled():
-        carry, ys = PlannedLoop(loop, strategy, trace=trace).run(carry_leaves)
+        if until is None:
+            carry, ys = PlannedLoop(loop, strategy, trace=trace).run(carry_leaves)
+        else:
+            carry, ys = PlannedLoop(loop, strategy, until, limit, trace=trace).run(carry_leaves)
     elif isinstance(strategy, Strategy):
         with use_packer(strategy):
-            carry, ys = _keep_all(loop, carry_leaves)
+            carry, ys = _keep_all(loop, carry_leaves, until, limit)
     else:  # no strategy, or a loop strategy with nothing to differentiate: no plan needed
-        carry, ys = _keep_all(loop, carry_leaves)
+        carry, ys = _keep_all(loop, carry_leaves, until, limit)
     return carry, (_flipped(ys) if reverse and ys is not None else ys)
 
 
@@ -111,12 +130,54 @@ def _empty_outputs(loop: StepLoop, carry_leaves: list[Any]) -> Any:
     return unflatten(loop.y_spec, empty)
 
 
-def _keep_all(loop: StepLoop, carry_leaves: list[Any]) -> tuple[Any, Any]:
+def _keep_all(
+    loop: StepLoop, carry_leaves: list[Any], until: Callable[[Any], Any] | None, limit: int | None
+) -> tuple[Any, Any]:
+    """Every step recorded on the tape; with `until`, the steps up to the first that stops."""
+    most = loop.n if until is None else limit  # None: until alone ends the loop
+    loop.n = most or 0  # all of xs is split, if there is one
+    rows = loop.all_x() if loop.xs_spec is not None else None
     per_step = []
-    for t, x in enumerate(loop.all_x()):
-        carry_leaves, y_leaves = loop.call(t, carry_leaves, x)
+    t = 0
+    while most is None or t < most:
+        carry_leaves, y_leaves = loop.call(t, carry_leaves, None if rows is None else rows[t])
         per_step.append(y_leaves)
+        t += 1
+        if until is not None and stops(until, loop.carry_spec, carry_leaves):
+            break
+    loop.n = t
     ys = stack_outputs(per_step)
     return unflatten(loop.carry_spec, iter(carry_leaves)), unflatten(loop.y_spec, iter(ys))
 
 
+
+
+def while_loop(
+    cond: Callable[[Any], Any],
+    step: Callable[[Any], Any],
+    init: Any,
+    strategy: Any = None,
+) -> Any:
+    """``while cond(carry): carry = step(carry)``, differentiable; returns the last carry.
+
+    JAX's `lax.while_loop` semantics (`cond` is asked before each step, so no step may run),
+    built on `scan(..., until=...)`: with a loop strategy (e.g. `Binomial(s)`) its snapshots
+    are placed online as the loop runs, and the gradients are those of keeping every step.
+    `cond` is asked without recording.
+
+    >>> import checkpoint_ad as cad
+    >>> x = cad.tensor(1.5, requires_grad=True)
+    >>> y = cad.while_loop(lambda v: v.item() < 100.0, lambda v: v * x, x,
+    ...                    strategy=cad.strategies.Binomial(2))
+    >>> y.item(), cad.grad(y, x).item()  # x**12 and 12 * x**11
+    (129.746337890625, 1037.970703125)
+    """
+    if not callable(cond) or not callable(step):
+        raise TypeError(f"while_loop takes callables cond and step, got {cond!r:.60} and "
+                        f"{step!r:.60}")
+    with no_grad():
+        if not cond(init):
+            return init
+    carry, _ = scan(lambda carry, _: (step(carry), None), init, strategy=strategy,
+                    until=lambda carry: not cond(carry))
+    return carry
