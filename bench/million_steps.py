@@ -74,15 +74,19 @@ def loss_and_grads(
     kappa = cad.sigmoid(theta) * dt  # captured by every step, saved once
 
     def step(u: Any, _: Any) -> tuple[Any, None]:
-        on_step()
         return u + kappa * (lap @ u + u @ lap), None
 
-    u, _ = cad.scan(step, u0, length=steps, strategy=strategy)
-    miss = u - target
-    loss = 0.5 * (miss * miss).sum()
-    forward = time.perf_counter() - started
-    on_backward()
-    g_theta, g_u0 = cad.grad(loss, [theta, u0])
+    # every step evaluation, replayed or not, is announced as a 'step' event
+    unsubscribe = cad.events.subscribe(lambda kind, count: on_step(), kinds=("step",))
+    try:
+        u, _ = cad.scan(step, u0, length=steps, strategy=strategy)
+        miss = u - target
+        loss = 0.5 * (miss * miss).sum()
+        forward = time.perf_counter() - started
+        on_backward()
+        g_theta, g_u0 = cad.grad(loss, [theta, u0])
+    finally:
+        unsubscribe()
     seconds = {"forward_s": forward, "backward_s": time.perf_counter() - started - forward}
     return loss.item(), g_theta.numpy(), g_u0.numpy(), seconds
 

@@ -28,7 +28,8 @@ def emit(kind: str, payload: Any) -> None:
     (a region or loop re-running forward work, its name), 'evict' (a saved value's stored form
     whose array a rematerializing pool dropped), 'rematerialize' (one primitive re-run to bring
     an evicted value back: the stored form held again, or None), 'io_write' / 'io_read'
-    (bytes handed to or read back from a storage level), 'io_stall' (seconds spent waiting).
+    (bytes handed to or read back from a storage level), 'io_stall' (seconds spent waiting),
+    'step' (a loop evaluated one step, recorded or replayed: its count so far).
     """
     thread = threading.get_ident()
     for subscriber, listener, kinds in tuple(listeners):

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .. import events
 from ..errors import ShapeError
 from ..function import Function
 from ..grad_mode import is_grad_enabled
@@ -63,9 +64,16 @@ class StepLoop:
         rows = zip(*per_leaf)  # a loop stopped by `until` may end before xs does
         return [unflatten(self.xs_spec, iter(row)) for _, row in zip(range(self.n), rows)]
 
+    def count(self) -> None:
+        """One more step evaluation (recorded or replayed), announced as a 'step' event (a
+        progress bar's tick) when anyone listens."""
+        self.evaluations += 1
+        if events.listeners:
+            events.emit("step", self.evaluations)
+
     def call(self, t: int, carry_leaves: list[Any], x: Any) -> tuple[list[Any], list[Any]]:
         """Run step `t` on a carry (its leaves) and scanned input; (new carry leaves, y leaves)."""
-        self.evaluations += 1
+        self.count()
         carry, y = self._checked(self.step(unflatten(self.carry_spec, iter(carry_leaves)), x), t)
         new_leaves, spec = flatten(carry)
         if spec != self.carry_spec:

@@ -301,7 +301,7 @@ class PlannedLoop:
             self._discover_from(segment)
             return _arrays(segment.carry_out), _arrays(segment.y_out[0][1])
         if self.program is not None:
-            loop.evaluations += 1
+            loop.count()
             return self.program.run(arrays, self._x_arrays(t))
         with no_grad():
             new, ys = self._call(t, self._as_tensors(arrays, grad=False), loop.x_at(t))
@@ -610,7 +610,7 @@ class PlannedLoop:
                     program = self.program
                     for t in range(action.start, action.stop):
                         if program is not None:
-                            loop.evaluations += 1
+                            loop.count()
                             arrays, _ = program.run(arrays, self._x_arrays(t))
                         else:
                             new, _ = loop.call(t, self._as_tensors(arrays, False), loop.x_at(t))
@@ -660,7 +660,7 @@ class PlannedLoop:
             previous = None
             carry_in = arrays
             for t in range(start, stop):
-                loop.evaluations += 1
+                loop.count()
                 step = program.tape(arrays, self._x_arrays(t), previous)
                 arrays = step.output(program.carry_out)
                 y_out.append((t, step.output(program.y_out)))
