@@ -3,6 +3,7 @@ respect to the diffusivity field and the initial condition, in a few hundred MB.
 
     python -m bench.million_steps                      # 10**6 steps, Binomial(32) in RAM
     python -m bench.million_steps --steps 10000 --snapshots 16 --out million.json
+    python -m bench.million_steps --snapshots 32 --disk unlimited   # RAM + disk snapshots
 
 The problem: ``u_{t+1} = u_t + dt * kappa * (D u_t + u_t D)`` on an N x N grid with zero
 boundary values (D u + u D is the 5-point Laplacian), ``kappa = sigmoid(theta)`` a field in
@@ -203,6 +204,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=1_000_000)
     parser.add_argument("--snapshots", type=int, default=32, help="Binomial(S), in RAM")
+    parser.add_argument("--disk", default=None,
+                        help="disk snapshots beside the RAM ones: an int, or 'unlimited' "
+                             "(costs measured on the first steps)")
     parser.add_argument("--grid", type=int, default=32)
     parser.add_argument("--check-steps", type=int, default=1_000)
     parser.add_argument("--out", default=None, help="write the result as JSON here")
@@ -211,7 +215,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from threadpoolctl import threadpool_limits
 
     with threadpool_limits(1):
-        result = run(args.steps, Binomial(args.snapshots), args.grid, args.check_steps,
+        disk = 0 if args.disk is None else None if args.disk == "unlimited" else int(args.disk)
+        result = run(args.steps, Binomial(args.snapshots, disk=disk), args.grid, args.check_steps,
                      progress=not args.no_progress)
     width = max(map(len, result))
     for key, value in result.items():
