@@ -44,6 +44,14 @@ class StrategyConfigError(CheckpointADError, ValueError):
     """A strategy was built with arguments that cannot work (caught when it is built)."""
 
 
+class BudgetError(CheckpointADError, ValueError):
+    """No plan fits a memory budget; `minimum_bytes` is the smallest budget that would work."""
+
+    def __init__(self, message: str, minimum_bytes: int) -> None:
+        super().__init__(message)
+        self.minimum_bytes = minimum_bytes
+
+
 class ScheduleError(CheckpointADError, ValueError):
     """A plan cannot be made or is not valid for the loop it is meant to reverse."""
 

@@ -2,7 +2,8 @@
 
 Saved-value strategies decide how each saved value is kept (`KeepAll`, `StoreInputs`,
 `StoreOutputs`, `Quantized`, per-op `Policy`, or your own `Strategy` subclass); loop strategies
-decide how a `scan` is checkpointed (`Binomial`, `Periodic`, `Recompute`); `Recompute` is also
+decide how a `scan` is checkpointed (`Binomial`, `Periodic`, `Recompute`), and a `Budget` picks
+the fastest of them that fits a memory limit (`estimate` shows its table); `Recompute` is also
 the region strategy of `checkpoint`. The kinds and their contracts are in `kinds.py`. Apply any
 of them with ``checkpoint_ad.use(strategy)`` or a ``strategy=`` argument.
 """
@@ -11,8 +12,9 @@ from ..errors import RecomputeError
 from . import jax_policies, revolve
 from . import jax_policies as checkpoint_policies
 from .base import StoreInputs, StoreOutputs
+from .budget import Budget, Estimate, estimate
 from .jax_policies import remat
-from .kinds import KeepAll, LoopStrategy, RegionStrategy, Strategy
+from .kinds import KeepAll, LoopPlanner, LoopStrategy, RegionStrategy, Strategy
 from .loop_strategies import Binomial, Periodic
 from .policy import Policy
 from .quantized import Quantized
@@ -23,7 +25,10 @@ from .scope import current_loop_strategy, use
 
 __all__ = [
     "Binomial",
+    "Budget",
+    "Estimate",
     "KeepAll",
+    "LoopPlanner",
     "LoopStrategy",
     "Periodic",
     "Policy",
@@ -39,6 +44,7 @@ __all__ = [
     "checkpoint_policies",
     "checkpoint_sequential",
     "current_loop_strategy",
+    "estimate",
     "optimal_evaluations",
     "jax_policies",
     "periodic_plan",

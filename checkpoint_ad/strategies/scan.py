@@ -17,7 +17,7 @@ from ..grad_mode import is_grad_enabled, no_grad
 from ..pytree import flatten, unflatten
 from ..saved import Strategy, use_packer
 from ..tensor_base import make_tensor
-from .kinds import LoopStrategy
+from .kinds import LoopPlanner, LoopStrategy
 from .loop import StepLoop, loop_length, stack_outputs
 from .plan_executor import PlannedLoop
 from .scope import current_loop_strategy
@@ -42,7 +42,7 @@ def scan(
     at a time. `strategy` (or the innermost loop strategy given to `use`) says how the loop is
     checkpointed: None keeps every step's tape; `Binomial(s)`, `Periodic(k)` and `Recompute()`
     trade recomputation for memory; a storage strategy (e.g. `Quantized`) applies to the values
-    every step saves.
+    every step saves; a planner (`Budget("64MiB")`) measures one step and picks the plan.
 
     >>> import checkpoint_ad as cad
     >>> w = cad.tensor(0.5, requires_grad=True)
@@ -68,7 +68,14 @@ def scan(
     loop = StepLoop(step, carry_spec, xs_leaves, xs_spec, n)
     if n == 0:
         return init, _empty_outputs(loop, carry_leaves)
-    if isinstance(strategy, LoopStrategy) and is_grad_enabled():
+    if isinstance(strategy, LoopPlanner) and is_grad_enabled():
+        chosen, storage = strategy.choose(loop, carry_leaves)
+        with use_packer(storage):
+            if chosen is None:
+                carry, ys = _keep_all(loop, carry_leaves)
+            else:
+                carry, ys = PlannedLoop(loop, chosen).run(carry_leaves)
+    elif isinstance(strategy, LoopStrategy) and is_grad_enabled():
         carry, ys = PlannedLoop(loop, strategy).run(carry_leaves)
     elif isinstance(strategy, Strategy):
         with use_packer(strategy):
