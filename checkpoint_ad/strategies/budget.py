@@ -6,7 +6,9 @@ predicted peak tape fits; `estimate` shows the same table without running the lo
 `Budget.explain()` shows it for the last loop a budget planned. The limit counts what the
 profiler counts as the tape's own bytes (`Profile.peak_tape_bytes`): snapshots and saved
 values. The bytes any plan needs besides (gradients, the stacked outputs, the carry in hand)
-are named in the table as fixed bytes.
+are named in the table as fixed bytes, and so are the bytes the dry run holds once before the
+loop (a profiler around the first run sees them; a budget's next loop of the same step and
+shapes reuses the measurement and holds none).
 
 >>> import checkpoint_ad as cad
 >>> w = cad.tensor(0.5, requires_grad=True)
@@ -126,7 +128,8 @@ class Estimate:
         head = (f"   {'plan':<32}{'peak tape':>12}{'device peak':>13}{'forward s':>11}"
                 f"{'backward s':>11}{'total s':>10}{'steps run':>10}{'error bound':>12}")
         lines = [f"scan of {self.n_steps} steps, budget {limit} of tape; fixed bytes in every "
-                 f"plan: {fixed}", head, "-" * len(head)]
+                 f"plan: {fixed}; the dry run held {format_bytes(self.cost.dry_run_bytes)} "
+                 "once, before the loop", head, "-" * len(head)]
         for r in self.rows:
             mark = "*" if r is self.chosen else (" " if r.fits else "x")
             bound = "exact" if r.error_bound is None else f"{r.error_bound:.2e}"

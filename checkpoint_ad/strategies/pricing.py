@@ -77,6 +77,9 @@ class StepCost:
     """Gradients the loop's backward hands out: captured tensors, carry and xs that need one."""
     output_bytes: int
     """The stacked per-step outputs (ys) of the whole loop."""
+    dry_run_bytes: int = 0
+    """The most saved bytes the dry run held at once (every buffer of its two steps): a
+    profiler around the loop's first run sees them, before the loop, once."""
 
 
 def relative_error_bound(storage: Strategy | None) -> float | None:
@@ -106,13 +109,14 @@ def measure(
             untaped = min(_untaped(loop, carry_leaves, engine_state, numpy_state)
                           for _ in range(REPEATS))
             priced: dict[str, FormCost] = {}
-            gradient_bytes = output_bytes = 0
+            gradient_bytes = output_bytes = dry_run_bytes = 0
             for _ in range(REPEATS):  # the fastest of a few: a busy machine only adds time
                 for name, storage in forms.items():
                     np.random.set_state(numpy_state)
-                    cost, gradient_bytes, output_bytes = _taped(
+                    cost, gradient_bytes, output_bytes, held = _taped(
                         loop, carry_leaves, storage, engine_state)
                     priced[name] = _faster(priced.get(name), cost)
+                    dry_run_bytes = max(dry_run_bytes, held)
     finally:
         np.random.set_state(numpy_state)
         loop.evaluations = evaluations
@@ -125,6 +129,7 @@ def measure(
         snapshots={name: _snapshot_cost(carry, storage) for name, storage in snapshots.items()},
         gradient_bytes=gradient_bytes,
         output_bytes=output_bytes * loop.n,
+        dry_run_bytes=dry_run_bytes,
     )
 
 
@@ -180,9 +185,9 @@ def _untaped(
 
 def _taped(
     loop: StepLoop, carry_leaves: list[Any], storage: Strategy, engine_state: Any
-) -> tuple[FormCost, int, int]:
+) -> tuple[FormCost, int, int, int]:
     """Steps 0 and 1 with a tape under `storage`, then their backward; (cost, gradient bytes,
-    one step's output bytes)."""
+    one step's output bytes, every byte the two steps saved)."""
     carry_in = _carry_tensors(carry_leaves, grad=True)
     x_in = [_x_tensors(loop, t) for t in range(_steps(loop))]
     seq_before = next_sequence()
@@ -204,7 +209,7 @@ def _taped(
     externals = _externals(entries, inside)
     caller |= {id(_root(node._data)) for node, _ in externals.values() if type(node) is not Entry}
     carry_roots = {id(_root(c._data)) for c in carry_in if c is not None}
-    first, total, carry_saved = _saved_bytes(entries, marks[0], caller, carry_roots)
+    first, total, carry_saved, held = _saved_bytes(entries, marks[0], caller, carry_roots)
     step_bytes = total - first if loop.n > 1 else first
     backward = _timed_backward(outputs, carry_in, x_in, externals, seq_before) / _steps(loop)
     gradient_bytes = sum(_edge_nbytes(node, index) for node, index in externals.values())
@@ -215,7 +220,7 @@ def _taped(
     n_y = len(outputs) - len(carry)
     y_bytes = sum(array_nbytes(y._data) for y in outputs[: n_y // _steps(loop)] if y is not None)
     cost = FormCost(first, step_bytes, carry_saved, taped, backward)
-    return cost, gradient_bytes, y_bytes
+    return cost, gradient_bytes, y_bytes, held
 
 
 def _leaves(tree: Any) -> list[Any]:
@@ -250,18 +255,19 @@ def _externals(entries: list[Entry], inside: list[Any]) -> dict[tuple[int, int],
 
 def _saved_bytes(
     entries: list[Entry], first_mark: int, caller: set[int], carry_roots: set[int]
-) -> tuple[int, int, int]:
-    """(owned bytes saved by step 0, by both steps, bytes of the carry-in step 0 saved), each
-    buffer counted once, as the profiler counts them: a value stored by reference in memory
-    the caller holds anyway is not the tape's."""
+) -> tuple[int, int, int, int]:
+    """(owned bytes saved by step 0, by both steps, bytes of the carry-in step 0 saved, all
+    bytes saved), each buffer counted once, as the profiler counts them: a value stored by
+    reference in memory the caller holds anyway is not the tape's."""
     seen: set[int] = set()
-    first = total = carry_saved = 0
+    first = total = carry_saved = held = 0
     for entry in entries:
         for slot in entry.slots or ():
             buffer = slot.buffer
             if buffer is None or id(buffer) in seen:
                 continue
             seen.add(id(buffer))
+            held += buffer.stored_nbytes
             root = id(_root(buffer.packed)) if buffer.source is None else None
             if root in carry_roots:
                 if entry.seq < first_mark:
@@ -272,7 +278,7 @@ def _saved_bytes(
             total += buffer.stored_nbytes
             if entry.seq < first_mark:
                 first += buffer.stored_nbytes
-    return first, total, carry_saved
+    return first, total, carry_saved, held
 
 
 def _timed_backward(
