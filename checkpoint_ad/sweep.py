@@ -19,6 +19,7 @@ from .errors import SweepConfigError, SweepFormatError
 from .profiler import Profile, profile
 from .profiler.records import from_plain
 from .safe_files import child, write_text
+from .strategies import Budget, KeepAll, Strategy
 
 SCHEMA = "checkpoint-ad/sweep"
 
@@ -47,6 +48,11 @@ class SweepRow:
     # reference at once: not in peak_tape_bytes, which counts what the tape owns; None in a
     # table written before the two were told apart (its peak_tape_bytes includes them)
     aliased_bytes: int | None = None
+    # a budget's run (`sweep(budgets=...)`): the plan it chose and what it predicted for it;
+    # None for presets
+    plan: str | None = None
+    predicted_peak_bytes: int | None = None
+    predicted_seconds: float | None = None
 
 
 @dataclass
@@ -73,6 +79,12 @@ class SweepResult:
                 f"{aliased:>12}{device:>12}{r.seconds:>9.3f}{r.time_ratio:>8.2f}"
                 f"{r.recomputed_primitives:>11}{r.grad_error:>12.2e}"
             )
+        for r in self.rows:
+            if r.plan is not None and r.predicted_peak_bytes is not None:
+                lines.append(
+                    f"{r.preset}: ran {r.plan}; predicted {r.predicted_peak_bytes / 2**20:.3f} "
+                    f"MiB tape and {r.predicted_seconds or 0.0:.3f} s, measured "
+                    f"{r.peak_tape_bytes / 2**20:.3f} MiB and {r.seconds:.3f} s")
         return "\n".join(lines)
 
     def to_csv(self) -> str:
@@ -96,8 +108,11 @@ class SweepResult:
                                    f"device, meta, rows; got {type(data).__name__}"
                                    + (" with a 'profiles' key" if isinstance(data, dict) else ""))
         rows = data.get("rows")
-        if isinstance(rows, list):  # tables from before owned and aliased bytes were apart
-            data = {**data, "rows": [{"aliased_bytes": None, **r} if isinstance(r, dict) else r
+        if isinstance(rows, list):  # tables from before owned and aliased bytes were apart,
+            # and before budgets ran in sweeps
+            added = {"aliased_bytes": None, "plan": None, "predicted_peak_bytes": None,
+                     "predicted_seconds": None}
+            data = {**data, "rows": [{**added, **r} if isinstance(r, dict) else r
                                      for r in rows]}
         return from_plain(cls, {**data, "profiles": {}}, "sweep table", SweepFormatError)
 
@@ -131,6 +146,40 @@ class SweepResult:
         for name, prof in self.profiles.items():
             prof.save(folder / names[name])
         return folder
+
+
+@dataclass(frozen=True)
+class BudgetRun:
+    """A memory budget run as a sweep's column, like a preset: every loop under
+    ``Budget(limit)``. One `Budget` serves all the column's runs: it plans in an unprofiled
+    warm-up run, and the profiled and timed runs reuse that dry run, so they measure the plan
+    alone."""
+
+    limit: int | str
+    lossy: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "budget", Budget(self.limit, lossy=self.lossy))
+
+    @property
+    def name(self) -> str:
+        text = str(self.limit).replace(" ", "")
+        return f"budget-{text}" + ("-lossy" if self.lossy else "")
+
+    @property
+    def label(self) -> str:
+        return self.name
+
+    @property
+    def lossless(self) -> bool:
+        return not self.lossy
+
+    @property
+    def storage_strategy(self) -> Strategy:
+        return KeepAll()
+
+    def loop_strategy(self, n_steps: int) -> Budget:
+        return self.budget  # type: ignore[attr-defined]
 
 
 def _relative_error(grads: Sequence[np.ndarray], reference: Sequence[np.ndarray]) -> float:
@@ -187,12 +236,16 @@ def sweep(
     *,
     dirs: Sequence[str | Path] = (),
     allow_python: bool = False,
+    budgets: Sequence[int | str] = (),
 ) -> SweepResult:
     """Run `model` under each preset (keep-all first, as the reference) and collect a table.
 
     Each preset runs once profiled (memory, saved values, recompute counts) and `repeats`
     times unprofiled for its median time. Presets named by string are looked up with
-    `load_preset` (`dirs` and `allow_python` are passed on).
+    `load_preset` (`dirs` and `allow_python` are passed on). Each of `budgets` (bytes, or sizes
+    such as ``"16MiB"``) is one more column, every loop run under ``Budget(limit)``; its row
+    names the plan the budget chose and what it predicted (`SweepRow.plan`,
+    `predicted_peak_bytes`, `predicted_seconds`).
 
     >>> from checkpoint_ad.sweep import sweep
     >>> result = sweep("rnn", ["keep-all", "revolve-4"], sizes={"steps": 8}, progress=False,
@@ -207,7 +260,9 @@ def sweep(
         raise SweepConfigError(f"sweep: repeats must be a positive int, got {repeats!r}")
     sizes = dict(sizes or {})
     chosen = [load_preset(p, dirs=dirs, allow_python=allow_python)
-              if isinstance(p, (str, Path)) else p for p in (presets or DEFAULT_SWEEP)]
+              if isinstance(p, (str, Path)) else p
+              for p in (presets or ([] if budgets else DEFAULT_SWEEP))]
+    chosen += [BudgetRun(limit) for limit in budgets]
     reference = load_preset("keep-all")
     order = [reference] + [p for p in chosen if p.name != reference.name]
     # one unmeasured run first: imports, caches and allocator pools settle before measuring
@@ -219,6 +274,8 @@ def sweep(
     base: tuple[Profile, list] | None = None
     for preset in runs:
         instance = build(model, device=None if device == "cpu" else device, **sizes)
+        if isinstance(preset, BudgetRun):  # plan in a warm-up run: a profiler slows the steps
+            _forward_backward(instance, preset)  # the dry run would time, and adds its bytes
         prof, grads = run_one(instance, preset, device, meta)
         seconds = time_one(instance, preset, device, repeats)
         prof.meta["median_seconds"] = seconds
@@ -241,8 +298,21 @@ def sweep(
             memory_ratio=prof.peak_tape_bytes / max(base_prof.peak_tape_bytes, 1),
             time_ratio=seconds / max(base_prof.meta["median_seconds"], 1e-12),
             aliased_bytes=prof.aliased_bytes,
+            **_prediction(preset),
         ))
     return result
+
+
+def _prediction(preset: Any) -> dict[str, Any]:
+    """A budget column's chosen plan and its predicted figures (nothing for a preset)."""
+    if not isinstance(preset, BudgetRun):
+        return {}
+    last = preset.budget.last  # type: ignore[attr-defined]
+    if last is None or last.chosen is None:
+        return {}
+    row = last.chosen
+    return {"plan": row.name, "predicted_peak_bytes": row.peak_tape_bytes,
+            "predicted_seconds": row.seconds}
 
 
 def _progress(items: list[Any], show: bool) -> Any:

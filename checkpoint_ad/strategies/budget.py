@@ -107,7 +107,8 @@ class PlanRow:
 @dataclass(frozen=True)
 class Estimate:
     """The predicted peak, time and error of every candidate plan for one loop, fastest first,
-    and the plan a budget runs (`chosen`: the fastest that fits; None if none does)."""
+    and the plan a budget runs (`chosen`: the fastest that fits, the leanest of those within
+    `TIE` of it; None if none does)."""
 
     n_steps: int
     limit_bytes: int | None
@@ -143,6 +144,9 @@ class Estimate:
         return self.table()
 
 
+TIE = 0.03  # predicted times closer than this are a tie (the dry run times a few steps)
+
+
 def plan_table(
     cost: StepCost,
     limit_bytes: int | None,
@@ -163,7 +167,10 @@ def plan_table(
                                 c.peak_tape_bytes + extra, c.forward_seconds,
                                 c.backward_seconds, c.evaluations, c.error_bound, fits))
     rows.sort(key=lambda r: (r.seconds, r.peak_tape_bytes))
-    chosen = next((r for r in rows if r.fits), None)
+    fitting = [r for r in rows if r.fits]
+    # plans within TIE of the fastest are as fast as step timings can tell: the leanest wins
+    chosen = min((r for r in fitting if r.seconds <= fitting[0].seconds * (1 + TIE)),
+                 key=lambda r: r.peak_tape_bytes) if fitting else None
     return Estimate(cost.n_steps, limit_bytes, tuple(rows), chosen, fixed, cost)
 
 
