@@ -13,7 +13,7 @@ from typing import Any
 
 from .table import Ratio
 
-BENCHMARKS = ("tape", "rnn", "mlp", "heat", "quantize", "plan")
+BENCHMARKS = ("tape", "rnn", "mlp", "heat", "quantize", "plan", "budget")
 
 DESCRIPTIONS = {
     "tape": "tape overhead: a chain of small elementwise ops, forward+backward",
@@ -22,6 +22,7 @@ DESCRIPTIONS = {
     "heat": "heat equation time-stepping (built-in model)",
     "quantize": "quantization throughput, pack = quantize, unpack = dequantize",
     "plan": "binomial (Revolve) schedule planning time",
+    "budget": "Budget(limit): predicted vs measured peak and time, against the best preset",
 }
 
 SIZES: dict[str, dict[str, Any]] = {
@@ -34,6 +35,10 @@ SIZES: dict[str, dict[str, Any]] = {
         "quantize": {"megabytes": 64, "repeats": 5},
         "plan": {"cases": [(10**5, 16), (10**5, 100), (10**6, 16), (10**6, 100)],
                  "repeats": 5, "walk_up_to": 10**5},
+        "budget": {"models": {"rnn": {"steps": 256, "batch": 32, "input_size": 32,
+                                      "hidden": 128},
+                              "heat": {"grid": 32, "steps": 256}},
+                   "budgets": 6, "repeats": 5},
     },
     "quick": {
         "tape": {"size": 16, "ops": 2000, "repeats": 3},
@@ -43,6 +48,9 @@ SIZES: dict[str, dict[str, Any]] = {
         "heat": {"sizes": {"grid": 32, "steps": 100}, "repeats": 3},
         "quantize": {"megabytes": 8, "repeats": 3},
         "plan": {"cases": [(10**5, 16), (10**6, 16)], "repeats": 3, "walk_up_to": 0},
+        "budget": {"models": {"rnn": {"steps": 64, "batch": 16, "input_size": 16, "hidden": 64},
+                              "heat": {"grid": 16, "steps": 64}},
+                   "budgets": 4, "repeats": 3},
     },
 }
 
@@ -69,6 +77,9 @@ EXTRA_COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {
                  ("stored/input", "stored_fraction")),
     "plan": (("actions", "actions"), ("evaluations", "evaluations"),
              ("walk s", "walk_seconds")),
+    "budget": (("plan", "plan"), ("peak/pred", "peak_over_predicted"),
+               ("time/pred", "time_over_predicted"), ("best preset", "best_preset"),
+               ("/best preset", "over_best_preset")),
 }
 
 
@@ -161,5 +172,7 @@ def jobs(quick: bool, only: set[str] | None = None) -> list[Job]:
         "quantize": lambda: [Job("quantize", f"{sizes['quantize']['megabytes']} MiB float32",
                                  "kernels", "quantize_throughput:throughput", sizes["quantize"])],
         "plan": lambda: [Job("plan", "binomial_plan", "plans", "planning:plans", sizes["plan"])],
+        "budget": lambda: [Job("budget", "budgets from keep-all down to the least", "budgets",
+                               "budgets:budgets", sizes["budget"])],
     }
     return [job for name in BENCHMARKS if only is None or name in only for job in makers[name]()]
