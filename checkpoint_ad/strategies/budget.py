@@ -328,7 +328,8 @@ def estimate(
 
     One dry run of the first steps prices them (see `checkpoint_ad.strategies.pricing`). With
     a `budget` (a `Budget`, or bytes / a size string) the table marks the plan `scan` would run
-    under it; without one, every plan fits and `chosen` is the fastest.
+    under it (a `Budget` brings its own `lossy`, `max_rel_error` and `families`); without
+    one, every plan fits and `chosen` is the fastest.
 
     >>> import checkpoint_ad as cad
     >>> w = cad.tensor(0.5, requires_grad=True)
