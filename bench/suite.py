@@ -13,7 +13,7 @@ from typing import Any
 
 from .table import Ratio
 
-BENCHMARKS = ("tape", "rnn", "mlp", "heat", "quantize", "plan", "offload")
+BENCHMARKS = ("tape", "rnn", "mlp", "heat", "quantize", "plan", "offload", "budget")
 
 DESCRIPTIONS = {
     "tape": "tape overhead: a chain of small elementwise ops, forward+backward",
@@ -23,6 +23,7 @@ DESCRIPTIONS = {
     "quantize": "quantization throughput, pack = quantize, unpack = dequantize",
     "plan": "binomial (Revolve) schedule planning time",
     "offload": "heat model, binomial with a disk level: backward time, I/O stall, bytes per level",
+    "budget": "Budget(limit): predicted vs measured peak and time, against the best preset",
 }
 
 SIZES: dict[str, dict[str, Any]] = {
@@ -36,6 +37,10 @@ SIZES: dict[str, dict[str, Any]] = {
         "plan": {"cases": [(10**5, 16), (10**5, 100), (10**6, 16), (10**6, 100)],
                  "repeats": 5, "walk_up_to": 10**5},
         "offload": {"sizes": {"grid": 128, "steps": 300}, "snapshots": 4, "repeats": 5},
+        "budget": {"models": {"rnn": {"steps": 256, "batch": 32, "input_size": 32,
+                                      "hidden": 128},
+                              "heat": {"grid": 32, "steps": 256}},
+                   "budgets": 6, "repeats": 5},
     },
     "quick": {
         "tape": {"size": 16, "ops": 2000, "repeats": 3},
@@ -46,6 +51,9 @@ SIZES: dict[str, dict[str, Any]] = {
         "quantize": {"megabytes": 8, "repeats": 3},
         "plan": {"cases": [(10**5, 16), (10**6, 16)], "repeats": 3, "walk_up_to": 0},
         "offload": {"sizes": {"grid": 64, "steps": 100}, "snapshots": 3, "repeats": 2},
+        "budget": {"models": {"rnn": {"steps": 64, "batch": 16, "input_size": 16, "hidden": 64},
+                              "heat": {"grid": 16, "steps": 64}},
+                   "budgets": 4, "repeats": 3},
     },
 }
 
@@ -76,6 +84,9 @@ EXTRA_COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {
                 ("stall/bwd", "stall_fraction"), ("RAM tape MiB", "ram_tape_mib"),
                 ("disk MiB", "disk_mib"), ("written MiB", "written_mib"),
                 ("read MiB", "read_mib")),
+    "budget": (("plan", "plan"), ("peak/pred", "peak_over_predicted"),
+               ("time/pred", "time_over_predicted"), ("best preset", "best_preset"),
+               ("/best preset", "over_best_preset")),
 }
 
 
@@ -174,5 +185,7 @@ def jobs(quick: bool, only: set[str] | None = None) -> list[Job]:
         "offload": lambda: [Job("offload", ", ".join(
             f"{k}={v}" for k, v in sizes["offload"]["sizes"].items()), "heat on disk",
             "offload:heat_disk", sizes["offload"])],
+        "budget": lambda: [Job("budget", "budgets from keep-all down to the least", "budgets",
+                               "budgets:budgets", sizes["budget"])],
     }
     return [job for name in BENCHMARKS if only is None or name in only for job in makers[name]()]

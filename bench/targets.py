@@ -113,6 +113,34 @@ def _planning(rows: Sequence[Row]) -> list[Target]:
                    f"slowest budget: {slowest.name}, {slowest.extras.get('actions')} actions")]
 
 
+def _budgets(rows: Sequence[Row]) -> list[Target]:
+    ours = [r for r in rows if r.bench == "budget" and r.extras.get("plan")]
+    if not ours:
+        return []
+
+    def worst(key: str) -> tuple[float, str]:
+        row = max(ours, key=lambda r: abs(r.extras[key] - 1.0))
+        return row.extras[key], row.name
+
+    peak, peak_at = worst("peak_over_predicted")
+    time, time_at = worst("time_over_predicted")
+    over = [r for r in ours if r.extras.get("over_best_preset") is not None]
+    targets = [
+        Target("Budget: measured / predicted peak tape within 10% (worst)", abs(peak - 1.0),
+               0.10, "<=", f"{peak:.3f} at {peak_at}"),
+        Target("Budget: measured / predicted time within 10% (worst)", abs(time - 1.0),
+               0.10, "<=", f"{time:.3f} at {time_at}"),
+    ]
+    if over:
+        slowest = max(over, key=lambda r: r.extras["over_best_preset"])
+        targets.append(Target(
+            "Budget: time <= 1.05x the fastest shipped preset that fits",
+            slowest.extras["over_best_preset"], 1.05, "<=",
+            f"worst at {slowest.name} ({slowest.extras['plan']} vs "
+            f"{slowest.extras['best_preset']})"))
+    return targets
+
+
 def check(rows: Sequence[Row]) -> list[Target]:
     """Every target that the rows of this run can speak to."""
-    return [*_tape(rows), *_rnn(rows), *_quantize(rows), *_planning(rows)]
+    return [*_tape(rows), *_rnn(rows), *_quantize(rows), *_planning(rows), *_budgets(rows)]

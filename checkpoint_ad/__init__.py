@@ -11,6 +11,7 @@ from .autograd import backward, grad
 from .errors import (
     AnomalyError,
     BackwardError,
+    BudgetError,
     CheckpointADError,
     DeviceError,
     DTypeError,
@@ -43,6 +44,7 @@ from .strategies import (
     checkpoint,
     checkpoint_policies,
     checkpoint_sequential,
+    estimate,
     remat,
     scan,
     use,
@@ -59,6 +61,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AnomalyError",
     "BackwardError",
+    "BudgetError",
     "CheckpointADError",
     "DTypeError",
     "DeviceError",
@@ -80,6 +83,7 @@ __all__ = [
     "checkpoint_sequential",
     "detect_anomaly",
     "enable_grad",
+    "estimate",
     "grad",
     "inference_mode",
     "is_anomaly_enabled",

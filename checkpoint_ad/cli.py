@@ -89,6 +89,19 @@ def _presets(text: str | None) -> list[str] | None:
     return [p.strip() for p in text.split(",") if p.strip()] if text else None
 
 
+def _budgets(text: str | None) -> list[str]:
+    """The --budgets sizes, each checked (a bad one fails before any run)."""
+    from .strategies.budget import parse_bytes
+
+    budgets = [b.strip() for b in text.split(",") if b.strip()] if text else []
+    for budget in budgets:
+        try:
+            parse_bytes(budget)
+        except CheckpointADError as exc:
+            raise UsageError(f"--budgets: {exc}") from exc
+    return budgets
+
+
 def _preset_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"dirs": args.presets_dir, "allow_python": args.allow_python_presets}
 
@@ -101,12 +114,14 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         raise UsageError(f"--repeats must be 1 or more, got {args.repeats}")
     workers, scheduler = _cluster_options(args)
     sizes = _sizes(args.model, args.size)
+    budgets = _budgets(args.budgets)
+    named = _presets(args.presets) or ([] if budgets else DEFAULT_SWEEP)
     presets = [load_preset(name, **_preset_options(args))  # every preset checked before a run
-               for name in _presets(args.presets) or DEFAULT_SWEEP]
+               for name in named]
     with _output_folder(Path(args.out) if args.out else _run_folder(args.model)) as folder:
         result = sweep(args.model, presets, device=args.device, sizes=sizes,
                        progress=not args.quiet, repeats=args.repeats, workers=workers,
-                       client=scheduler)
+                       client=scheduler, budgets=budgets)
         result.save(folder)
         written = []
         if not args.no_plots:
@@ -225,6 +240,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--presets", help="comma-separated preset names or TOML files (default: "
                      "the standard set); ranges need no files: revolve-1,revolve-2,... every-<k>, "
                      "int<8|4|2>, revolve-<s>-int<8|4|2>")
+    run.add_argument("--budgets", help="comma-separated memory budgets for the tape, each one "
+                     "more column run under Budget(limit) (e.g. 4MiB,16MiB,64MiB); without "
+                     "--presets only the budgets run, keep-all as the reference")
     run.add_argument("--out", help="output folder (default: a new profiles/runs/<model>-<date>-"
                      "<time> under the current directory)")
     run.add_argument("--repeats", type=int, default=3,

@@ -67,10 +67,12 @@ class QuantizationError(CheckpointADError, ValueError):
     """Quantization was asked for something it cannot do (bad bits, group size or dtype)."""
 
 
-class BudgetError(CheckpointADError, MemoryError):
-    """A memory budget cannot be kept: what must stay in memory alone passes it.
+class BudgetError(CheckpointADError, MemoryError, ValueError):
+    """A memory budget cannot be kept: no plan fits it (a `scan` under `Budget`), or what must
+    stay in memory alone passes it (imperative code under eviction).
 
-    `minimum_bytes` is the smallest budget that would have worked at the point of failure."""
+    `minimum_bytes` is the smallest budget that would have worked (at the point of failure,
+    for eviction)."""
 
     def __init__(self, message: str, minimum_bytes: int) -> None:
         super().__init__(message)

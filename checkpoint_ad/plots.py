@@ -380,6 +380,38 @@ def _lossy_points(fig: Figure, ax: Axes, xs: np.ndarray, ys: np.ndarray,
                   markeredgecolor="0.2", label="lossy (colour: gradient error)")
 
 
+def _predicted_points(rows: Sequence[SweepRow], x: str, y: str, xs: np.ndarray,
+                      ys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(which rows, predicted x, predicted y) in the axes' units, for rows a budget ran; None
+    when there are none or the axes are not tape bytes and time."""
+    if x != "peak_tape_bytes" or y not in ("seconds", "time_ratio"):
+        return None
+    which = np.array([r.predicted_peak_bytes is not None and r.predicted_seconds is not None
+                      for r in rows])
+    if not which.any():
+        return None
+    raw = np.array([r.peak_tape_bytes for r in rows], dtype=np.float64)
+    scale = float(xs.max() / raw.max()) if raw.max() > 0 else 1.0
+    px = np.array([r.predicted_peak_bytes for r in rows if r.predicted_peak_bytes is not None
+                   and r.predicted_seconds is not None], dtype=np.float64) * scale
+    seconds = np.array([r.predicted_seconds for r, w in zip(rows, which) if w], dtype=np.float64)
+    if y == "time_ratio":
+        keep = [r.seconds / r.time_ratio for r, w in zip(rows, which) if w and r.time_ratio > 0]
+        seconds = seconds / (keep[0] if keep else 1.0)
+    return which, px, seconds
+
+
+def _prediction_marks(ax: Axes, xs: np.ndarray, ys: np.ndarray, which: np.ndarray,
+                      px: np.ndarray, py: np.ndarray) -> Line2D:
+    """Hollow squares at the predictions, dotted to the measured points; the legend entry."""
+    for mx_, my_, qx, qy in zip(xs[which], ys[which], px, py):
+        ax.plot([qx, mx_], [qy, my_], color="0.45", ls=":", lw=1.0, zorder=3)
+    ax.scatter(px, py, s=60, marker="s", facecolors="none", edgecolors=LOSSLESS_COLOUR,
+               linewidths=1.2, zorder=4)
+    return Line2D([], [], ls="", marker="s", markersize=8, markerfacecolor="none",
+                  color=LOSSLESS_COLOUR, label="budget: predicted (dotted to measured)")
+
+
 def tradeoff(result: SweepResult, x: str = "peak_tape_bytes", y: str = "time_ratio",
              ax: Axes | None = None) -> Figure:
     """The memory/compute trade-off of a sweep: one labelled point per strategy.
@@ -387,7 +419,9 @@ def tradeoff(result: SweepResult, x: str = "peak_tape_bytes", y: str = "time_rat
     Circles are lossless strategies, diamonds lossy ones, coloured by their gradient error
     (also written under the name). The step line is the Pareto front (least memory for the
     time, both minimised) and its points are ringed; dashed lines cross at keep-all, the
-    reference. `x` is one of `X_MEASURES` (bytes are shown in KiB/MiB/GiB, whichever reads
+    reference. A budget's run (`sweep(budgets=...)`) also shows, as a hollow square joined to
+    its measured point, what its plan was predicted to cost (on tape-bytes and time axes).
+    `x` is one of `X_MEASURES` (bytes are shown in KiB/MiB/GiB, whichever reads
     best), `y` one of `Y_MEASURES`.
 
     >>> from checkpoint_ad.sweep import SweepResult, SweepRow
@@ -440,6 +474,10 @@ def tradeoff(result: SweepResult, x: str = "peak_tape_bytes", y: str = "time_rat
         lossy = ~lossless
         if lossy.any():
             handles.append(_lossy_points(fig, ax, xs[lossy], ys[lossy], errors[lossy]))
+
+        predicted = _predicted_points(rows, x, y, xs, ys)
+        if predicted is not None:
+            handles.append(_prediction_marks(ax, xs, ys, *predicted))
 
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)

@@ -19,7 +19,7 @@ from .profiler import Profile
 from .profiler.records import from_plain
 from .safe_files import child, write_text
 from .sweep_cluster import check_cluster_options, run_on_cluster
-from .sweep_runs import RunOutcome, SweepRun, measure, run_one, time_one, warm_up
+from .sweep_runs import BudgetRun, RunOutcome, SweepRun, measure, run_one, time_one, warm_up
 from .sweep_runs import progress as show_progress
 
 __all__ = ["SCHEMA", "SweepResult", "SweepRow", "run_one", "sweep", "time_one"]
@@ -51,6 +51,11 @@ class SweepRow:
     # reference at once: not in peak_tape_bytes, which counts what the tape owns; None in a
     # table written before the two were told apart (its peak_tape_bytes includes them)
     aliased_bytes: int | None = None
+    # a budget's run (`sweep(budgets=...)`): the plan it chose and what it predicted for it;
+    # None for presets
+    plan: str | None = None
+    predicted_peak_bytes: int | None = None
+    predicted_seconds: float | None = None
 
 
 @dataclass
@@ -77,6 +82,12 @@ class SweepResult:
                 f"{aliased:>12}{device:>12}{r.seconds:>9.3f}{r.time_ratio:>8.2f}"
                 f"{r.recomputed_primitives:>11}{r.grad_error:>12.2e}"
             )
+        for r in self.rows:
+            if r.plan is not None and r.predicted_peak_bytes is not None:
+                lines.append(
+                    f"{r.preset}: ran {r.plan}; predicted {r.predicted_peak_bytes / 2**20:.3f} "
+                    f"MiB tape and {r.predicted_seconds or 0.0:.3f} s, measured "
+                    f"{r.peak_tape_bytes / 2**20:.3f} MiB and {r.seconds:.3f} s")
         return "\n".join(lines)
 
     def to_csv(self) -> str:
@@ -100,8 +111,11 @@ class SweepResult:
                                    f"device, meta, rows; got {type(data).__name__}"
                                    + (" with a 'profiles' key" if isinstance(data, dict) else ""))
         rows = data.get("rows")
-        if isinstance(rows, list):  # tables from before owned and aliased bytes were apart
-            data = {**data, "rows": [{"aliased_bytes": None, **r} if isinstance(r, dict) else r
+        if isinstance(rows, list):  # tables from before owned and aliased bytes were apart,
+            # and before budgets ran in sweeps
+            added = {"aliased_bytes": None, "plan": None, "predicted_peak_bytes": None,
+                     "predicted_seconds": None}
+            data = {**data, "rows": [{**added, **r} if isinstance(r, dict) else r
                                      for r in rows]}
         return from_plain(cls, {**data, "profiles": {}}, "sweep table", SweepFormatError)
 
@@ -157,12 +171,16 @@ def sweep(
     allow_python: bool = False,
     workers: int | None = None,
     client: Any = None,
+    budgets: Sequence[int | str] = (),
 ) -> SweepResult:
     """Run `model` under each preset (keep-all first, as the reference) and collect a table.
 
     Each preset runs once profiled (memory, saved values, recompute counts) and `repeats`
     times unprofiled for its median time. Presets named by string are looked up with
-    `load_preset` (`dirs` and `allow_python` are passed on).
+    `load_preset` (`dirs` and `allow_python` are passed on). Each of `budgets` (bytes, or sizes
+    such as ``"16MiB"``) is one more column, every loop run under ``Budget(limit)``; its row
+    names the plan the budget chose and what it predicted (`SweepRow.plan`,
+    `predicted_peak_bytes`, `predicted_seconds`).
 
     By default every run happens here, one after another. `workers=N` fans the runs out over
     a local Dask cluster of N single-threaded worker processes; `client=` a
@@ -185,7 +203,9 @@ def sweep(
     check_cluster_options(workers, client)
     sizes = dict(sizes or {})
     chosen = [load_preset(p, dirs=dirs, allow_python=allow_python)
-              if isinstance(p, (str, Path)) else p for p in (presets or DEFAULT_SWEEP)]
+              if isinstance(p, (str, Path)) else p
+              for p in (presets or ([] if budgets else DEFAULT_SWEEP))]
+    chosen += [BudgetRun(limit) for limit in budgets]
     reference = load_preset("keep-all")
     order = [reference] + [p for p in chosen if p.name != reference.name]
     # built here also when the runs happen elsewhere: bad sizes fail before any run starts
@@ -227,5 +247,6 @@ def _merge(result: SweepResult, runs: list[SweepRun], outcomes: list[RunOutcome]
             memory_ratio=prof.peak_tape_bytes / max(base.profile.peak_tape_bytes, 1),
             time_ratio=outcome.seconds / max(base.seconds, 1e-12),
             aliased_bytes=prof.aliased_bytes,
+            **outcome.prediction,
         ))
     return result

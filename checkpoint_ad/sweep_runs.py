@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from .profiler import Profile, profile
+from .strategies import Budget, KeepAll, Strategy
 
 
 @dataclass(frozen=True)
@@ -45,11 +46,59 @@ class SweepRun:
 
 @dataclass
 class RunOutcome:
-    """A run's profile, its parameter gradients (float64) and its median time."""
+    """A run's profile, its parameter gradients (float64), its median time and, for a budget
+    column, the plan its budget chose and what it predicted (made where the run ran)."""
 
     profile: Profile
     grads: list[np.ndarray]
     seconds: float
+    prediction: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class BudgetRun:
+    """A memory budget run as a sweep's column, like a preset: every loop under
+    ``Budget(limit)``. One `Budget` serves all the column's runs: it plans in an unprofiled
+    warm-up run, and the profiled and timed runs reuse that dry run, so they measure the plan
+    alone."""
+
+    limit: int | str
+    lossy: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "budget", Budget(self.limit, lossy=self.lossy))
+
+    @property
+    def name(self) -> str:
+        text = str(self.limit).replace(" ", "")
+        return f"budget-{text}" + ("-lossy" if self.lossy else "")
+
+    @property
+    def label(self) -> str:
+        return self.name
+
+    @property
+    def lossless(self) -> bool:
+        return not self.lossy
+
+    @property
+    def storage_strategy(self) -> Strategy:
+        return KeepAll()
+
+    def loop_strategy(self, n_steps: int) -> Budget:
+        return self.budget  # type: ignore[attr-defined]
+
+
+def _prediction(preset: Any) -> dict[str, Any]:
+    """A budget column's chosen plan and its predicted figures (nothing for a preset)."""
+    if not isinstance(preset, BudgetRun):
+        return {}
+    last = preset.budget.last  # type: ignore[attr-defined]
+    if last is None or last.chosen is None:
+        return {}
+    row = last.chosen
+    return {"plan": row.name, "predicted_peak_bytes": row.peak_tape_bytes,
+            "predicted_seconds": row.seconds}
 
 
 def _forward_backward(model: Any, preset: Any) -> list[Any]:
@@ -91,10 +140,12 @@ def time_one(model: Any, preset: Any, device: str, repeats: int) -> float:
 def measure(run: SweepRun) -> RunOutcome:
     """Build the run's model, run it once profiled and `run.repeats` times for its median time."""
     instance = run.build()
+    if isinstance(run.preset, BudgetRun):  # plan in a warm-up run: a profiler slows the steps
+        _forward_backward(instance, run.preset)  # the dry run would time, and adds its bytes
     prof, grads = run_one(instance, run.preset, run.device, run.meta)
     seconds = time_one(instance, run.preset, run.device, run.repeats)
     prof.meta["median_seconds"] = seconds
-    return RunOutcome(prof, grads, seconds)
+    return RunOutcome(prof, grads, seconds, _prediction(run.preset))
 
 
 def warm_up(run: SweepRun) -> None:

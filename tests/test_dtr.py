@@ -248,3 +248,24 @@ def test_bad_limits_are_refused(bad):
 
 def test_repr_names_the_limit():
     assert repr(Rematerializing(4096)) == "Rematerializing(limit_bytes=4096)"
+
+
+def test_budget_outside_scan_evicts_like_its_pool_and_stays_exact():
+    """`use(Budget(limit))` on imperative code is the DTR pool of that limit."""
+    rng = np.random.default_rng(4)
+    w = cad.tensor(rng.standard_normal((16, 16)) * 0.3, requires_grad=True)
+    x = cad.tensor(rng.standard_normal((8, 16)))
+
+    def loss_of():
+        h = x
+        for _ in range(24):
+            h = cad.tanh(h @ w + 0.1)
+        return (h * h).sum()
+
+    (reference,) = cad.grad(loss_of(), [w])
+    budget = cad.strategies.Budget(6 * 8 * 16 * 8)
+    with cad.profile() as prof, cad.use(budget):
+        loss = loss_of()
+    (got,) = cad.grad(loss, [w])
+    np.testing.assert_array_equal(got.numpy(), reference.numpy())
+    assert prof.evictions > 0

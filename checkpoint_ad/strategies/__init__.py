@@ -3,7 +3,8 @@
 Saved-value strategies decide how each saved value is kept (`KeepAll`, `StoreInputs`,
 `StoreOutputs`, `Quantized`, per-op `Policy`, or your own `Strategy` subclass); loop strategies
 decide how a `scan` is checkpointed (`Binomial`, with a disk level or not, `Periodic`,
-`Recompute`); `Offload` keeps saved values on a storage level (host memory, disk);
+`Recompute`), and a `Budget` picks the fastest of them that fits a memory limit (`estimate`
+shows its table); `Offload` keeps saved values on a storage level (host memory, disk);
 `Recompute` is also the region strategy of `checkpoint`. The kinds and their contracts are in
 `kinds.py`. Apply any of them with ``checkpoint_ad.use(strategy)`` or a ``strategy=``
 argument.
@@ -13,9 +14,10 @@ from ..errors import RecomputeError
 from . import jax_policies, revolve
 from . import jax_policies as checkpoint_policies
 from .base import StoreInputs, StoreOutputs
+from .budget import Budget, Estimate, estimate
 from .dtr import Rematerializing
 from .jax_policies import remat
-from .kinds import KeepAll, LoopStrategy, RegionStrategy, Strategy
+from .kinds import KeepAll, LoopPlanner, LoopStrategy, RegionStrategy, Strategy
 from .loop_strategies import Binomial, Periodic
 from .multilevel import MultiLevel, MultiLevelPlan, multilevel_plan
 from .offload import Offload
@@ -28,7 +30,10 @@ from .scope import current_loop_strategy, use
 
 __all__ = [
     "Binomial",
+    "Budget",
+    "Estimate",
     "KeepAll",
+    "LoopPlanner",
     "LoopStrategy",
     "MultiLevel",
     "MultiLevelPlan",
@@ -48,6 +53,7 @@ __all__ = [
     "checkpoint_policies",
     "checkpoint_sequential",
     "current_loop_strategy",
+    "estimate",
     "optimal_evaluations",
     "jax_policies",
     "multilevel_plan",

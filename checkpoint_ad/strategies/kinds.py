@@ -11,6 +11,9 @@
   it ends (`scan(..., until=...)`, `while_loop`), `online_planner()` gives the planner that
   grows the plan step by step (see `online.py`). Built-ins: `Binomial` (both kinds of loop),
   `Periodic`, `Recompute` (loops of known length).
+- A **loop planner** (`LoopPlanner`) is a saved-value strategy that also picks a loop strategy
+  for each `scan` it meets, from the loop itself (`choose(loop, carry_leaves)`): `Budget`
+  prices candidate plans from one measured step and runs the fastest that fits.
 - A **region strategy** (`RegionStrategy`) decides what `checkpoint(fn, ...)` does with a
   region: today `Recompute`, which keeps only the region's inputs and re-runs it in backward.
 
@@ -53,13 +56,14 @@ A region strategy of your own (a region that keeps its inputs as 8-bit codes):
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from ..errors import StrategyConfigError
 from ..saved import KeepAll, Strategy
 from .online import OnlinePlanner
 from .revolve import Plan
 
-__all__ = ["KeepAll", "LoopStrategy", "RegionStrategy", "Strategy"]
+__all__ = ["KeepAll", "LoopPlanner", "LoopStrategy", "RegionStrategy", "Strategy"]
 
 
 class LoopStrategy:
@@ -86,6 +90,20 @@ class LoopStrategy:
             "when `until` stops it; use Binomial(snapshots), which plans online, or give the "
             "loop a fixed length= (or xs) without until"
         )
+
+
+class LoopPlanner(Strategy):
+    """A saved-value strategy that also decides, per `scan`, which loop strategy runs it.
+
+    `choose(loop, carry_leaves)` sees the loop (a `loop.StepLoop`: its step, length and
+    scanned inputs) and its initial carry, and returns ``(loop_strategy or None, storage)``:
+    the plan to run (None records every step) and the saved-value strategy every step's
+    values go through. `use` puts a planner on both stacks: outside a `scan` it acts as the
+    saved-value strategy it is.
+    """
+
+    def choose(self, loop: Any, carry_leaves: list[Any]) -> tuple[LoopStrategy | None, Strategy]:
+        raise NotImplementedError(f"{type(self).__name__} must define choose(loop, carry_leaves)")
 
 
 class RegionStrategy:

@@ -15,11 +15,12 @@ import numpy as np
 
 from .. import random
 from ..backend import namespace
+from ..errors import StrategyConfigError
 from ..grad_mode import is_grad_enabled, no_grad
 from ..pytree import flatten, unflatten
 from ..saved import Strategy, use_packer
 from ..tensor_base import make_tensor
-from .kinds import LoopStrategy
+from .kinds import LoopPlanner, LoopStrategy
 from .loop import StepLoop, loop_length, stack_outputs
 from .plan_executor import PlannedLoop, stops
 from .scope import current_loop_strategy
@@ -46,7 +47,7 @@ def scan(
     at a time. `strategy` (or the innermost loop strategy given to `use`) says how the loop is
     checkpointed: None keeps every step's tape; `Binomial(s)`, `Periodic(k)` and `Recompute()`
     trade recomputation for memory; a storage strategy (e.g. `Quantized`) applies to the values
-    every step saves.
+    every step saves; a planner (`Budget("64MiB")`) measures one step and picks the plan.
 
     Under a loop strategy, steps 0 and 1 are traced into a step program that later steps,
     re-runs and each step's backward replay on arrays (bitwise the same gradients, far less
@@ -91,7 +92,20 @@ def scan(
     loop = StepLoop(step, carry_spec, xs_leaves, xs_spec, limit if until is None else 0)
     if limit == 0:
         return init, _empty_outputs(loop, carry_leaves)
-    if isinstance(strategy, LoopStrategy) and is_grad_enabled():
+    if isinstance(strategy, LoopPlanner) and is_grad_enabled():
+        if until is not None:
+            raise StrategyConfigError(
+                f"{strategy!r} prices plans for a loop of known length, but this loop stops "
+                "when `until` says so; give it a loop strategy that plans online "
+                "(Binomial(snapshots)) or a fixed length= (or xs)"
+            )
+        chosen, storage = strategy.choose(loop, carry_leaves)
+        with use_packer(storage):
+            if chosen is None:
+                carry, ys = _keep_all(loop, carry_leaves, until, limit)
+            else:
+                carry, ys = PlannedLoop(loop, chosen, trace=trace).run(carry_leaves)
+    elif isinstance(strategy, LoopStrategy) and is_grad_enabled():
         if until is None:
             carry, ys = PlannedLoop(loop, strategy, trace=trace).run(carry_leaves)
         else:

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from ..saved import Strategy, use_packer
-from .kinds import LoopStrategy
+from .kinds import LoopPlanner, LoopStrategy
 
 
 class _LoopStack(threading.local):
@@ -19,8 +19,9 @@ class _LoopStack(threading.local):
 _loops = _LoopStack()
 
 
-def current_loop_strategy() -> LoopStrategy | None:
-    """The innermost loop strategy (`Binomial`, `Periodic`...) in effect, or None."""
+def current_loop_strategy() -> LoopStrategy | LoopPlanner | None:
+    """The innermost loop strategy (`Binomial`, `Periodic`...) or planner (`Budget`) in
+    effect, or None."""
     return _loops.items[-1] if _loops.items else None
 
 
@@ -30,12 +31,21 @@ def use(strategy: Any) -> Iterator[Any]:
 
     Storage strategies (`StoreOutputs`, `Quantized`, a `Policy`...) decide how saved values are
     kept; loop strategies (`Binomial`, `Periodic`, `Recompute`) decide how `scan` loops are
-    checkpointed. Blocks nest, and the innermost strategy of each kind wins.
+    checkpointed. A loop planner (`Budget`) is both: it picks each `scan`'s plan, and is the
+    saved-value strategy elsewhere. Blocks nest, and the innermost strategy of each kind wins.
 
     >>> import checkpoint_ad as cad
     >>> with cad.use(cad.strategies.Quantized(bits=8)):
     ...     pass
     """
+    if isinstance(strategy, LoopPlanner):
+        _loops.items.append(strategy)
+        try:
+            with use_packer(strategy):
+                yield strategy
+        finally:
+            _loops.items.pop()
+        return
     if isinstance(strategy, LoopStrategy):
         _loops.items.append(strategy)
         try:

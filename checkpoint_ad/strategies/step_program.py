@@ -86,6 +86,8 @@ class Trace:
     refused: str | None = None
     outputs: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
     drawn: dict[int, tuple[int, Any]] = field(default_factory=dict)  # id(array) -> (slot, array)
+    facts: list[tuple[bool, bool, Any]] = field(default_factory=list)  # per slot, once finished
+    n_slots: int = 0
 
     # ------------------------------------------------------------- called by the engine
     def refuse(self, reason: str) -> None:
@@ -193,6 +195,18 @@ class Trace:
             carry = tuple(-1 if t is None else self._slot(t) for t in outputs)
             y = tuple(-1 if t is None else self._slot(t) for t in ys)
             self.outputs = (carry, y)
+        # what a program needs of each slot, kept; the step's tensors let go now (they would
+        # keep its tape, and the buffers the profiler counts, alive until the next step)
+        self.facts = [
+            (t is not None and t._requires_grad,
+             t is None or t._entry is None or t._entry.seq <= self.seq_before,
+             None if t is None else t.dtype)
+            for t in self.tensors
+        ]
+        self.n_slots = len(self.tensors)
+        self.tensors = []
+        self.slot_of = {}
+        self.drawn = {}
 
 
 def same_program(a: Trace, b: Trace) -> str | None:
@@ -246,25 +260,25 @@ class StepProgram:
     and backward (`pull_back`)."""
 
     def __init__(self, trace: Trace, n_carry: int) -> None:
-        self.n_slots = len(trace.tensors)
+        self.n_slots = trace.n_slots
         self.instructions = tuple(trace.instructions)
         self.carry_in = tuple(range(n_carry))
         self.x_in = tuple(range(n_carry, trace.n_inputs))
         self.carry_out, self.y_out = trace.outputs
         self.constants = {s: t._data for s, t in trace.constants.items()}
         # graph facts of every slot, as the recorded step had them
-        tensors = trace.tensors
-        self.requires_grad = [t is not None and t._requires_grad for t in tensors]
-        self.leaf = [t is None or t._entry is None or t._entry.seq <= trace.seq_before
-                     for t in tensors]
-        self.dtype = [None if t is None else t.dtype for t in tensors]
+        self.requires_grad = [rg for rg, _, _ in trace.facts]
+        self.leaf = [leaf for _, leaf, _ in trace.facts]
+        self.dtype = [dtype for _, _, dtype in trace.facts]
         self.external_keys: dict[int, tuple[int, int]] = {}
         for slot, t in trace.constants.items():
             edge = edge_of(t)
             if edge is not None:
                 self.external_keys[slot] = (id(edge[0]), edge[1])
+        # captured leaves: a hook registered on one, even after the loop ran, makes the
+        # backward record (a recorded pass runs leaf hooks on each segment's sum)
         self.has_hooks = [t for t in trace.constants.values()
-                          if t._entry is None and t._requires_grad and t._hooks]
+                          if t._entry is None and t._requires_grad]
         # free each value after its last use in a forward without saving
         last: dict[int, int] = {}
         for i, ins in enumerate(self.instructions):

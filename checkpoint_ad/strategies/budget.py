@@ -1,0 +1,369 @@
+"""`Budget(limit)`: say how many bytes the tape may hold; get the fastest plan that fits.
+
+For a `scan`, the budget prices every candidate plan (`candidates.py`) from a dry run of the
+loop's first steps (`pricing.py`) and runs the one with the least predicted time whose
+predicted peak tape fits; `estimate` shows the same table without running the loop, and
+`Budget.explain()` shows it for the last loop a budget planned. The limit counts what the
+profiler counts as the tape's own bytes (`Profile.peak_tape_bytes`): snapshots and saved
+values. The bytes any plan needs besides (gradients, the stacked outputs, the carry in hand)
+are named in the table as fixed bytes, and so are the bytes the dry run holds once before the
+loop (a profiler around the first run sees them; a budget's next loop of the same step and
+shapes reuses the measurement and holds none).
+
+>>> import checkpoint_ad as cad
+>>> w = cad.tensor(0.5, requires_grad=True)
+>>> xs = cad.tensor([[1.0] * 64] * 32)
+>>> step = lambda h, x: (cad.tanh(h * w + x),) * 2
+>>> with cad.use(cad.strategies.Budget("4KiB")):
+...     h, ys = cad.scan(step, cad.zeros(64), xs)
+>>> ys.sum().backward()
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import BudgetError, StrategyConfigError
+from ..pytree import flatten, unflatten
+from ..saved import KEEP, Strategy
+from .candidates import FAMILIES, SNAPSHOT_FORMS, STEP_FORMS, Candidate, Family
+from .dtr import Rematerializing
+from .kinds import LoopPlanner, LoopStrategy
+from .loop import StepLoop, loop_length
+from .pricing import StepCost, measure, relative_error_bound
+
+__all__ = ["Budget", "BudgetError", "Estimate", "PlanRow", "estimate", "parse_bytes"]
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*")
+
+
+def parse_bytes(limit: int | str) -> int:
+    """Bytes from an int or a string such as ``"64MiB"``, ``"1.5GB"``, ``"512 KiB"``.
+
+    >>> parse_bytes("1.5KiB"), parse_bytes("2MB"), parse_bytes(100)
+    (1536, 2000000, 100)
+    """
+    if isinstance(limit, bool) or not isinstance(limit, (int, str)):
+        raise StrategyConfigError(
+            f"Budget(limit={limit!r}): give the budget in bytes (an int) or as a string such "
+            "as '64MiB' or '1.5GB'")
+    if isinstance(limit, int):
+        value = limit
+    else:
+        match = _SIZE.fullmatch(limit)
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            raise StrategyConfigError(
+                f"Budget(limit={limit!r}): not a size; write a number and a unit such as "
+                f"'64MiB' or '1.5GB' (units: {', '.join(u for u in _UNITS if u)})")
+        value = int(float(match.group(1)) * _UNITS[unit])
+    if value < 1:
+        raise StrategyConfigError(f"Budget(limit={limit!r}): a budget must be at least 1 byte")
+    return value
+
+
+def format_bytes(count: float) -> str:
+    """``12.3 MiB``: bytes in the largest binary unit that keeps the number above 1."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(count) >= size:
+            return f"{count / size:.2f} {unit}"
+    return f"{int(count)} B"
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """One candidate plan and its predicted figures (an `Estimate`'s row)."""
+
+    name: str
+    strategy: LoopStrategy | None
+    """The loop strategy to run (None: record every step, as a plain `scan`)."""
+    storage: Strategy
+    """The saved-value strategy of every step's values."""
+    peak_tape_bytes: int
+    device_peak_bytes: int
+    """`peak_tape_bytes` plus the estimate's fixed bytes."""
+    forward_seconds: float
+    backward_seconds: float
+    evaluations: int
+    error_bound: float | None
+    """Lossy plans: the most a stored value moves, relative to its group's range; None for
+    lossless plans, whose gradients equal keeping everything bit for bit."""
+    fits: bool
+
+    @property
+    def seconds(self) -> float:
+        return self.forward_seconds + self.backward_seconds
+
+    @property
+    def lossless(self) -> bool:
+        return self.error_bound is None
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The predicted peak, time and error of every candidate plan for one loop, fastest first,
+    and the plan a budget runs (`chosen`: the fastest that fits, the leanest of those within
+    `TIE` of it; None if none does)."""
+
+    n_steps: int
+    limit_bytes: int | None
+    rows: tuple[PlanRow, ...]
+    chosen: PlanRow | None
+    fixed_bytes: Mapping[str, int]
+    cost: StepCost = field(repr=False)
+
+    @property
+    def minimum_bytes(self) -> int:
+        """The smallest predicted peak tape over the candidates: the least budget that works."""
+        return min((r.peak_tape_bytes for r in self.rows), default=0)
+
+    def table(self) -> str:
+        """The rows as text; ``*`` marks the chosen plan, ``x`` those over the budget."""
+        limit = "no limit" if self.limit_bytes is None else format_bytes(self.limit_bytes)
+        fixed = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.fixed_bytes.items())
+        head = (f"   {'plan':<32}{'peak tape':>12}{'device peak':>13}{'forward s':>11}"
+                f"{'backward s':>11}{'total s':>10}{'steps run':>10}{'error bound':>12}")
+        lines = [f"scan of {self.n_steps} steps, budget {limit} of tape; fixed bytes in every "
+                 f"plan: {fixed}; the dry run held {format_bytes(self.cost.dry_run_bytes)} "
+                 "once, before the loop", head, "-" * len(head)]
+        for r in self.rows:
+            mark = "*" if r is self.chosen else (" " if r.fits else "x")
+            bound = "exact" if r.error_bound is None else f"{r.error_bound:.2e}"
+            lines.append(
+                f" {mark} {r.name:<32}{format_bytes(r.peak_tape_bytes):>12}"
+                f"{format_bytes(r.device_peak_bytes):>13}{r.forward_seconds:>11.4f}"
+                f"{r.backward_seconds:>11.4f}{r.seconds:>10.4f}{r.evaluations:>10}{bound:>12}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+TIE = 0.03  # predicted times closer than this are a tie (the dry run times a few steps)
+
+
+def plan_table(
+    cost: StepCost,
+    limit_bytes: int | None,
+    families: Iterable[Family] = FAMILIES,
+    admit: Callable[[Candidate], bool] = lambda c: c.lossless,
+) -> Estimate:
+    """Every admitted candidate of `families` priced from `cost`, and the fastest that fits."""
+    fixed = {"gradients": cost.gradient_bytes, "outputs": cost.output_bytes,
+             "carry in hand": 2 * cost.carry_bytes}
+    extra = sum(fixed.values())
+    rows = []
+    for family in families:
+        for c in family(cost):
+            if not admit(c):
+                continue
+            fits = limit_bytes is None or c.peak_tape_bytes <= limit_bytes
+            rows.append(PlanRow(c.name, c.loop, c.storage, c.peak_tape_bytes,
+                                c.peak_tape_bytes + extra, c.forward_seconds,
+                                c.backward_seconds, c.evaluations, c.error_bound, fits))
+    rows.sort(key=lambda r: (r.seconds, r.peak_tape_bytes))
+    fitting = [r for r in rows if r.fits]
+    # plans within TIE of the fastest are as fast as step timings can tell: the leanest wins
+    chosen = min((r for r in fitting if r.seconds <= fitting[0].seconds * (1 + TIE)),
+                 key=lambda r: r.peak_tape_bytes) if fitting else None
+    return Estimate(cost.n_steps, limit_bytes, tuple(rows), chosen, fixed, cost)
+
+
+@dataclass(frozen=True)
+class Budget(LoopPlanner):
+    """A memory budget for the tape: each `scan` runs the fastest plan predicted to fit.
+
+    `limit` is bytes (an int) or a size such as ``"64MiB"`` or ``"1.5GB"``. Plans are lossless
+    unless `lossy=True` (quantized saved values and snapshots admitted) or `max_rel_error` is
+    given (only quantized forms whose stored values move at most that fraction of their
+    group's range). A budget below the smallest plan raises `BudgetError` naming the least
+    budget that works. Gradients under a lossless budget are bitwise those of keeping
+    everything; under any budget, those of running the chosen plan directly.
+
+    Outside `scan` (your own Python loops), saved values are kept by a `Rematerializing`
+    pool of `limit` bytes, one per thread: past the limit it evicts values DTR-style and
+    recomputes them when the backward sweep needs them (gradients bitwise those of keep-all).
+
+    >>> Budget("64MiB").limit_bytes
+    67108864
+    """
+
+    limit: int | str
+    lossy: bool = False
+    max_rel_error: float | None = None
+    families: tuple[Family, ...] = field(default=FAMILIES, repr=False)
+    _memory: dict[str, Any] = field(init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        parse_bytes(self.limit)
+        if not isinstance(self.lossy, bool):
+            raise StrategyConfigError(f"Budget(lossy={self.lossy!r}): lossy must be True or False")
+        bound = self.max_rel_error
+        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, float))
+                                  or not bound > 0 or math.isnan(bound)):
+            raise StrategyConfigError(
+                f"Budget(max_rel_error={bound!r}): give a positive number (e.g. 0.01 admits "
+                "8-bit codes, whose values move at most 0.2% of their group's range)")
+        object.__setattr__(self, "_memory", {})
+
+    @property
+    def limit_bytes(self) -> int:
+        return parse_bytes(self.limit)
+
+    @property
+    def admits_lossy(self) -> bool:
+        return self.lossy or self.max_rel_error is not None
+
+    def admits(self, candidate: Candidate) -> bool:
+        return _admitted(candidate.error_bound, self.lossy, self.max_rel_error)
+
+    def for_primitive(self, prim: Any) -> Strategy:
+        """Imperative code: the thread's eviction pool (made on first use)."""
+        pools = self._memory.setdefault("pools", {})
+        thread = threading.get_ident()
+        pool = pools.get(thread)
+        if pool is None:
+            pool = pools[thread] = Rematerializing(self.limit_bytes)
+        return pool
+
+    def for_leaf(self) -> Strategy:
+        return KEEP
+
+    def choose(self, loop: Any, carry_leaves: list[Any]) -> tuple[LoopStrategy | None, Strategy]:
+        """The plan for `loop`: the fastest candidate predicted to fit (see `explain`)."""
+        result = self.estimate_loop(loop, carry_leaves)
+        if result.chosen is None:
+            raise _budget_error(self, result)
+        return result.chosen.strategy, result.chosen.storage
+
+    def estimate_loop(self, loop: StepLoop, carry_leaves: list[Any]) -> Estimate:
+        """The table for `loop` (its dry run kept for the next loop of the same step and
+        shapes, so a training loop pays it once); remembered for `explain`."""
+        key = _cache_key(loop, carry_leaves)
+        cached = self._memory.get("cost")
+        if key is not None and cached is not None and cached[0] == key:
+            cost = cached[1]
+        else:
+            forms, snapshots = _forms(self.lossy, self.max_rel_error)
+            cost = measure(loop, carry_leaves, forms, snapshots)
+            self._memory["cost"] = (key, cost)
+        result = plan_table(cost, self.limit_bytes, self.families, self.admits)
+        self._memory["last"] = result
+        return result
+
+    @property
+    def last(self) -> Estimate | None:
+        """The table of the last loop this budget planned, or None."""
+        return self._memory.get("last")
+
+    def explain(self, *args: Any, **kwargs: Any) -> Estimate:
+        """Print the table of the last loop planned, or, given `estimate`'s arguments
+        (``step, init, xs, length=...``), of that loop; returns it."""
+        if args or kwargs:
+            result = estimate(*args, budget=self, **kwargs)
+        elif self.last is None:
+            raise StrategyConfigError(
+                f"{self!r}.explain(): this budget has planned no loop yet; run a scan under it "
+                "first, or pass the loop: explain(step, init, xs)")
+        else:
+            result = self.last
+        print(result.table())
+        return result
+
+
+def _admitted(bound: float | None, lossy: bool, max_rel_error: float | None) -> bool:
+    if bound is None:
+        return True
+    if max_rel_error is not None:
+        return bound <= max_rel_error
+    return lossy
+
+
+def _forms(
+    lossy: bool, max_rel_error: float | None
+) -> tuple[dict[str, Strategy], dict[str, Strategy | None]]:
+    """The step forms and snapshot storages worth measuring: lossy ones only when admitted."""
+    forms = {k: s for k, s in STEP_FORMS.items()
+             if _admitted(relative_error_bound(s), lossy, max_rel_error)}
+    snapshots = {k: s for k, s in SNAPSHOT_FORMS.items()
+                 if _admitted(relative_error_bound(s), lossy, max_rel_error)}
+    return forms, snapshots
+
+
+def _cache_key(loop: StepLoop, carry_leaves: list[Any]) -> Any:
+    meta = tuple(None if t is None else (t.shape, str(t.dtype), t.requires_grad)
+                 for t in [*carry_leaves, *loop.xs_leaves])
+    key = (loop.step, str(loop.carry_spec), str(loop.xs_spec), meta, loop.n)
+    try:
+        hash(key)
+    except TypeError:  # a step that cannot be hashed is measured every time
+        return None
+    return key
+
+
+def _budget_error(budget: Budget, result: Estimate) -> BudgetError:
+    smallest = min(result.rows, key=lambda r: r.peak_tape_bytes)
+    hint = "" if budget.admits_lossy else (
+        ", or admit quantized storage with lossy=True (or max_rel_error=...)")
+    return BudgetError(
+        f"{budget!r}: no plan for this scan of {result.n_steps} steps fits in "
+        f"{format_bytes(result.limit_bytes or 0)} of tape; the smallest, {smallest.name}, "
+        f"needs {format_bytes(smallest.peak_tape_bytes)} ({smallest.peak_tape_bytes} bytes): "
+        f"raise the budget to at least that{hint}; Budget(...).explain() shows every plan",
+        smallest.peak_tape_bytes,
+    )
+
+
+def estimate(
+    step: Callable[[Any, Any], Any],
+    init: Any,
+    xs: Any = None,
+    length: int | None = None,
+    budget: Budget | int | str | None = None,
+    *,
+    reverse: bool = False,
+    lossy: bool = False,
+    max_rel_error: float | None = None,
+    families: tuple[Family, ...] = FAMILIES,
+) -> Estimate:
+    """Predict every candidate plan of ``scan(step, init, xs, length)`` without running it.
+
+    One dry run of the first steps prices them (see `checkpoint_ad.strategies.pricing`). With
+    a `budget` (a `Budget`, or bytes / a size string) the table marks the plan `scan` would run
+    under it (a `Budget` brings its own `lossy`, `max_rel_error` and `families`); without
+    one, every plan fits and `chosen` is the fastest.
+
+    >>> import checkpoint_ad as cad
+    >>> w = cad.tensor(0.5, requires_grad=True)
+    >>> table = cad.estimate(lambda h, x: (cad.tanh(h * w + x), None), cad.zeros(256),
+    ...                      xs=cad.ones((40, 256)), budget="16KiB")
+    >>> table.chosen.peak_tape_bytes <= 16 * 1024
+    True
+    """
+    if isinstance(budget, Budget):
+        planner = budget
+    elif budget is not None:
+        planner = Budget(budget, lossy=lossy, max_rel_error=max_rel_error, families=families)
+    else:
+        planner = None
+    if reverse and xs is not None:
+        leaves, spec = flatten(xs)
+        xs = unflatten(spec, [None if t is None else t[::-1] for t in leaves])
+    carry_leaves, carry_spec = flatten(init)
+    xs_leaves, xs_spec = ([], None) if xs is None else flatten(xs)
+    loop = StepLoop(step, carry_spec, xs_leaves, xs_spec, loop_length(xs_leaves, length))
+    if loop.n == 0:
+        raise StrategyConfigError("estimate: the loop has no steps; there is nothing to plan")
+    if planner is not None:
+        return planner.estimate_loop(loop, carry_leaves)
+    forms, snapshots = _forms(lossy, max_rel_error)
+    cost = measure(loop, carry_leaves, forms, snapshots)
+    return plan_table(cost, None, families,
+                      lambda c: _admitted(c.error_bound, lossy, max_rel_error))

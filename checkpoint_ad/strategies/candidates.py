@@ -1,0 +1,176 @@
+"""The plans a budget chooses from, each priced from a measured `StepCost`.
+
+A *family* is a function ``family(cost) -> iterable of Candidate``: one way to run a loop, over
+its parameter (periodic over k, binomial over s). `FAMILIES` lists the built-in ones; adding a
+way (offloaded snapshots, a multi-level plan) is one more function passed in `families=` to
+`Budget` and `estimate` (or appended to a copy of `FAMILIES`), with no change elsewhere.
+
+Peak tape bytes are what the profiler counts as the tape's own (`Profile.peak_tape_bytes`): the
+snapshots alive at once plus the longest tape recorded at once. Times add the measured step
+costs: ``n`` taped steps and their backward, every re-run (`Advance`) at the untaped cost,
+and packing / unpacking of stored carries.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from ..saved import KEEP, Strategy
+from .base import StoreInputs, StoreOutputs
+from .kinds import LoopStrategy
+from .loop_strategies import Binomial, Periodic
+from .pricing import FormCost, SnapshotCost, StepCost, relative_error_bound
+from .quantized import Quantized
+from .revolve import optimal_evaluations, simulate_plan
+
+# the saved-value strategies a step's values may go through (lossy ones only when admitted)
+STEP_FORMS: dict[str, Strategy] = {
+    "keep": KEEP,
+    "store-inputs": StoreInputs(),
+    "store-outputs": StoreOutputs(),
+    "int8": Quantized(bits=8),
+    "int4": Quantized(bits=4),
+}
+# how stored carries (snapshots) may be kept; None keeps them as they are
+SNAPSHOT_FORMS: dict[str, Strategy | None] = {"keep": None, "int8": Quantized(bits=8),
+                                              "int4": Quantized(bits=4)}
+_SIMULATED_UP_TO = 100_000  # step evaluations; longer plans estimate their pack counts
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to run the loop, with its predicted figures."""
+
+    name: str
+    loop: LoopStrategy | None
+    """The loop strategy (None: record every step, as a plain `scan`)."""
+    storage: Strategy
+    """The saved-value strategy every step's values go through."""
+    peak_tape_bytes: int
+    forward_seconds: float
+    backward_seconds: float
+    evaluations: int
+    """Step evaluations, taped and re-run."""
+    error_bound: float | None
+    """Lossy plans: the most a stored value moves, relative to its group's range."""
+
+    @property
+    def seconds(self) -> float:
+        return self.forward_seconds + self.backward_seconds
+
+    @property
+    def lossless(self) -> bool:
+        return self.error_bound is None
+
+
+Family = Callable[[StepCost], Iterable[Candidate]]
+
+
+def _tape(form: FormCost, steps: int, stored: int = 0) -> int:
+    """Bytes of `steps` consecutive steps on one tape. Its carry-in counts only where no
+    snapshot is stored: a plan's peak comes when its forward holds every snapshot and tapes
+    the last steps from a carry it does not own, or when a re-run step saves a carry that
+    replaced a freed snapshot."""
+    carry = form.carry_saved_bytes if stored == 0 else 0
+    return form.first_bytes + carry + (steps - 1) * form.step_bytes
+
+
+def keep_every_step(cost: StepCost) -> Iterator[Candidate]:
+    """Every step recorded (a plain `scan`), its values in each measured form."""
+    n = cost.n_steps
+    for name, form in cost.forms.items():
+        yield Candidate(
+            name=name if name != "keep" else "keep-all",
+            loop=None,
+            storage=STEP_FORMS[name],
+            peak_tape_bytes=_tape(form, n),
+            forward_seconds=n * form.taped_seconds,
+            backward_seconds=n * form.backward_seconds,
+            evaluations=n,
+            error_bound=relative_error_bound(STEP_FORMS[name]),
+        )
+
+
+def _geometric(top: int, extra: Iterable[int] = ()) -> list[int]:
+    """1, 2, 3, 4, 5, 6, 8, 10, 12, 16, ... up to `top`, and `extra`: the parameter values
+    a family is priced at (plans between two neighbours differ by under 25%)."""
+    values = set(v for v in extra if 1 <= v <= top)
+    v = 1
+    while v <= top:
+        values.add(v)
+        v = max(v + 1, int(v * 1.25))
+    if top >= 1:
+        values.add(top)
+    return sorted(values)
+
+
+def periodic(cost: StepCost) -> Iterator[Candidate]:
+    """`Periodic(k)`: a carry stored every k steps, each segment re-run on one tape."""
+    n = cost.n_steps
+    form, snap = cost.forms["keep"], cost.snapshots["keep"]
+    for k in _geometric(n - 1, [round(math.sqrt(n)), 16, 32, 64]):
+        segments = -(-n // k)
+        stored = segments - 1
+        last = n - stored * k
+        advanced = n - last
+        yield Candidate(
+            name=f"periodic k={k}",
+            loop=Periodic(k),
+            storage=KEEP,
+            peak_tape_bytes=stored * snap.bytes + _tape(form, k, stored),
+            forward_seconds=_plan_forward(cost, form, advanced, last),
+            backward_seconds=n * form.backward_seconds + advanced * form.taped_seconds,
+            evaluations=n + advanced,
+            error_bound=None,
+        )
+
+
+def _plan_forward(cost: StepCost, form: FormCost, advanced: int, taped: int) -> float:
+    """A plan's forward: the steps before its first reverse without a tape, except step 0,
+    which runs with one to find what the step captures; the first reverse's steps taped."""
+    discovery = form.taped_seconds - cost.untaped_seconds if advanced else 0.0
+    return advanced * cost.untaped_seconds + taped * form.taped_seconds + discovery
+
+
+def binomial(cost: StepCost) -> Iterator[Candidate]:
+    """`Binomial(s)` (Revolve), snapshots in each measured snapshot storage."""
+    n = cost.n_steps
+    form = cost.forms["keep"]
+    for storage_name, snap in cost.snapshots.items():
+        storage = SNAPSHOT_FORMS[storage_name]
+        for s in _geometric(max(n - 1, 1), [4, 8, 16, 32]):
+            advanced = optimal_evaluations(n, s) - n
+            stored = min(s, n - 1)
+            suffix = "" if storage is None else f" {storage_name} snapshots"
+            # a quantized snapshot comes back as a new full-size carry, which the re-run saves
+            tape = _tape(form, 1, stored if storage is None else 0)
+            backward = (n * form.backward_seconds + (n - 1) * form.taped_seconds
+                        + (advanced - (n - 1)) * cost.untaped_seconds)
+            yield Candidate(
+                name=f"binomial s={s}{suffix}",
+                loop=Binomial(s, storage),
+                storage=KEEP,
+                peak_tape_bytes=stored * snap.bytes + tape,
+                forward_seconds=_plan_forward(cost, form, n - 1, 1) + stored * snap.pack_seconds,
+                backward_seconds=backward + _snapshot_io(n, s, snap, storage),
+                evaluations=n + advanced,
+                error_bound=relative_error_bound(storage),
+            )
+
+
+def _snapshot_io(n: int, s: int, snap: SnapshotCost, storage: Any) -> float:
+    """Seconds packing and unpacking quantized snapshots in the backward sweep."""
+    if storage is None:
+        return 0.0
+    if optimal_evaluations(n, s) <= _SIMULATED_UP_TO:
+        stats = simulate_plan(Binomial(s).plan(n))
+        packs, restores = stats.snapshots_taken - min(s, n - 1), stats.restores
+    else:  # each reverse after the first follows one restore; packs at most as many
+        packs = restores = n - 1
+    return max(packs, 0) * snap.pack_seconds + restores * snap.unpack_seconds
+
+
+FAMILIES: tuple[Family, ...] = (keep_every_step, periodic, binomial)

@@ -1,0 +1,333 @@
+"""Pricing a `scan` from a dry run of its first steps: what `Budget` and `estimate` plan from.
+
+Why measure rather than count: what a step saves depends on the forms its primitives record,
+on values shared between consecutive steps (a tanh's output is the next matmul's input, kept
+once) and on what the caller holds anyway (parameters, the input data), and its time depends on
+the machine. So the real step function runs on the real carry, once per saved-value strategy
+priced: steps 0 and 1 with a tape (step 1 shows what each further step adds in a chain), then
+their backward sweep, timed; plus the steps without a tape, and the carry packed as a snapshot.
+
+The dry run changes nothing the loop computes afterwards: randomness it draws is replayed from
+the state before it (the engine's generator and numpy's global one are left as they were), its
+tape is its own (gradients are captured, never added to `.grad`; what was recorded before it is
+not touched), and the loop's evaluation count is restored. It does run the user's step: side
+effects the step has outside the tape (a Python counter) happen once per dry run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from .. import events, random
+from ..autograd import Capture, backpropagate
+from ..backend import is_floating, namespace
+from ..backend import nbytes as array_nbytes
+from ..grad_mode import enable_grad, no_grad
+from ..pytree import flatten, unflatten
+from ..saved import Strategy, use_packer
+from ..tape import Entry, edge_of, next_sequence
+from ..tensor import Tensor
+from .loop import StepLoop
+from .quantized import Quantized
+
+REPEATS = 3  # dry runs per strategy priced; each phase's time is the least measured
+
+
+@dataclass(frozen=True)
+class FormCost:
+    """One step's tape when every value it saves goes through one saved-value strategy."""
+
+    first_bytes: int
+    """Saved bytes step 0's tape owns, its carry-in left out (the caller's, or a snapshot's)."""
+    step_bytes: int
+    """Saved bytes each further step adds when steps are recorded one after another."""
+    carry_saved_bytes: int
+    """Bytes of the carry-in the step saves: owned by the tape once the carry is its own."""
+    taped_seconds: float
+    """One step's forward with a tape."""
+    backward_seconds: float
+    """One step's backward sweep."""
+
+
+@dataclass(frozen=True)
+class SnapshotCost:
+    """One stored carry under a snapshot storage."""
+
+    bytes: int
+    pack_seconds: float
+    unpack_seconds: float
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Everything a plan's price is computed from, measured on one loop."""
+
+    n_steps: int
+    carry_bytes: int
+    untaped_seconds: float
+    """One step's forward without a tape (what `Advance` costs per step)."""
+    forms: Mapping[str, FormCost]
+    snapshots: Mapping[str, SnapshotCost]
+    gradient_bytes: int
+    """Gradients the loop's backward hands out: captured tensors, carry and xs that need one."""
+    output_bytes: int
+    """The stacked per-step outputs (ys) of the whole loop."""
+    dry_run_bytes: int = 0
+    """The most saved bytes the dry run held at once (every buffer of its two steps): a
+    profiler around the loop's first run sees them, before the loop, once."""
+
+
+def relative_error_bound(storage: Strategy | None) -> float | None:
+    """The most a stored value moves, relative to the range of its group (max - min), for
+    lossy storage; None for lossless storage. Round to nearest moves a value at most half a
+    quantization step, stochastic rounding at most one; a step is range / (2**bits - 1)."""
+    if isinstance(storage, Quantized):
+        return (1.0 if storage.stochastic else 0.5) / (2**storage.bits - 1)
+    if storage is None or storage.lossless:
+        return None
+    return float("inf")  # a lossy strategy of the user's whose error is not known here
+
+
+def measure(
+    loop: StepLoop,
+    carry_leaves: list[Any],
+    forms: Mapping[str, Strategy],
+    snapshots: Mapping[str, Strategy | None],
+) -> StepCost:
+    """Price `loop` from a dry run (see the module docstring): each strategy in `forms` as the
+    saved-value strategy of every step, each storage in `snapshots` for stored carries."""
+    numpy_state = np.random.get_state()
+    engine_state = random.get_state()
+    evaluations = loop.evaluations
+    try:
+        with events.recomputing("budget dry run"):
+            untaped = min(_untaped(loop, carry_leaves, engine_state, numpy_state)
+                          for _ in range(REPEATS))
+            priced: dict[str, FormCost] = {}
+            gradient_bytes = output_bytes = dry_run_bytes = 0
+            for _ in range(REPEATS):  # the fastest of a few: a busy machine only adds time
+                for name, storage in forms.items():
+                    np.random.set_state(numpy_state)
+                    cost, gradient_bytes, output_bytes, held = _taped(
+                        loop, carry_leaves, storage, engine_state)
+                    priced[name] = _faster(priced.get(name), cost)
+                    dry_run_bytes = max(dry_run_bytes, held)
+    finally:
+        np.random.set_state(numpy_state)
+        loop.evaluations = evaluations
+    carry = [c._data for c in carry_leaves if c is not None]
+    return StepCost(
+        n_steps=loop.n,
+        carry_bytes=sum(array_nbytes(a) for a in carry),
+        untaped_seconds=untaped,
+        forms=priced,
+        snapshots={name: _snapshot_cost(carry, storage) for name, storage in snapshots.items()},
+        gradient_bytes=gradient_bytes,
+        output_bytes=output_bytes * loop.n,
+        dry_run_bytes=dry_run_bytes,
+    )
+
+
+def _faster(a: FormCost | None, b: FormCost) -> FormCost:
+    """`b`'s bytes, and the lesser time of each phase."""
+    if a is None:
+        return b
+    return replace(b, taped_seconds=min(a.taped_seconds, b.taped_seconds),
+                   backward_seconds=min(a.backward_seconds, b.backward_seconds))
+
+
+def _steps(loop: StepLoop) -> int:
+    return min(2, loop.n)
+
+
+def _x_tensors(loop: StepLoop, t: int) -> Any:
+    """Step t's scanned input as a plan re-run makes it: rows of xs, needing a gradient when
+    xs does."""
+    if loop.xs_spec is None:
+        return None
+    parts = []
+    for x in loop.xs_leaves:
+        part = None if x is None else Tensor._wrap(x._data[t])
+        if part is not None:
+            part._requires_grad = x.requires_grad
+        parts.append(part)
+    return unflatten(loop.xs_spec, iter(parts))
+
+
+def _carry_tensors(carry_leaves: list[Any], grad: bool) -> list[Any]:
+    out = []
+    for c in carry_leaves:
+        if c is None:
+            out.append(None)
+            continue
+        t = Tensor._wrap(c._data)
+        t._requires_grad = grad and (c.requires_grad or is_floating(c.dtype))
+        out.append(t)
+    return out
+
+
+def _untaped(
+    loop: StepLoop, carry_leaves: list[Any], engine_state: Any, numpy_state: Any
+) -> float:
+    np.random.set_state(numpy_state)
+    carry = _carry_tensors(carry_leaves, grad=False)
+    with no_grad(), random.replaying(engine_state):
+        start = time.perf_counter()
+        for t in range(_steps(loop)):
+            carry, _ = loop.call(t, carry, loop.x_at(t))
+        return (time.perf_counter() - start) / _steps(loop)
+
+
+def _taped(
+    loop: StepLoop, carry_leaves: list[Any], storage: Strategy, engine_state: Any
+) -> tuple[FormCost, int, int, int]:
+    """Steps 0 and 1 with a tape under `storage`, then their backward; (cost, gradient bytes,
+    one step's output bytes, every byte the two steps saved)."""
+    carry_in = _carry_tensors(carry_leaves, grad=True)
+    x_in = [_x_tensors(loop, t) for t in range(_steps(loop))]
+    seq_before = next_sequence()
+    marks, outputs = [], []
+    with random.replaying(engine_state), enable_grad(), use_packer(storage):
+        carry = carry_in
+        start = time.perf_counter()
+        for t in range(_steps(loop)):
+            carry, ys = loop.call(t, carry, x_in[t])
+            outputs.extend(ys)
+            marks.append(next_sequence())
+        taped = (time.perf_counter() - start) / _steps(loop)
+    outputs.extend(carry)
+    entries = _entries(outputs, seq_before)
+    inside = [c for c in carry_in if c is not None]
+    inside += [p for x in x_in for p in _leaves(x)]
+    caller = {id(_root(c._data)) for c in inside}
+    caller |= {id(_root(x._data)) for x in loop.xs_leaves if x is not None}
+    externals = _externals(entries, inside)
+    caller |= {id(_root(node._data)) for node, _ in externals.values() if type(node) is not Entry}
+    carry_roots = {id(_root(c._data)) for c in carry_in if c is not None}
+    first, total, carry_saved, held = _saved_bytes(entries, marks[0], caller, carry_roots)
+    step_bytes = total - first if loop.n > 1 else first
+    backward = _timed_backward(outputs, carry_in, x_in, externals, seq_before) / _steps(loop)
+    gradient_bytes = sum(_edge_nbytes(node, index) for node, index in externals.values())
+    gradient_bytes += sum(array_nbytes(c._data) for c in carry_leaves
+                          if c is not None and c.requires_grad)
+    gradient_bytes += sum(array_nbytes(x._data) for x in loop.xs_leaves
+                          if x is not None and x.requires_grad)
+    n_y = len(outputs) - len(carry)
+    y_bytes = sum(array_nbytes(y._data) for y in outputs[: n_y // _steps(loop)] if y is not None)
+    cost = FormCost(first, step_bytes, carry_saved, taped, backward)
+    return cost, gradient_bytes, y_bytes, held
+
+
+def _leaves(tree: Any) -> list[Any]:
+    return [] if tree is None else [p for p in flatten(tree)[0] if p is not None]
+
+
+def _entries(outputs: list[Any], seq_before: int) -> list[Entry]:
+    """The entries the dry steps recorded that their outputs reach, oldest first."""
+    found: dict[int, Entry] = {}
+    stack = [edge_of(o)[0] for o in outputs
+             if o is not None and edge_of(o) is not None and type(edge_of(o)[0]) is Entry]
+    while stack:
+        entry = stack.pop()
+        if id(entry) in found or entry.seq <= seq_before:
+            continue
+        found[id(entry)] = entry
+        stack.extend(e[0] for e in entry.edges if e is not None and type(e[0]) is Entry)
+    return sorted(found.values(), key=lambda e: e.seq)
+
+
+def _externals(entries: list[Entry], inside: list[Any]) -> dict[tuple[int, int], Any]:
+    """Edges from the dry steps to what lies outside them: captured parameters, tensors made
+    before the loop."""
+    ours = {id(e) for e in entries} | {id(t) for t in inside}
+    found = {}
+    for entry in entries:
+        for edge in entry.edges:
+            if edge is not None and id(edge[0]) not in ours:
+                found[(id(edge[0]), edge[1])] = edge
+    return found
+
+
+def _saved_bytes(
+    entries: list[Entry], first_mark: int, caller: set[int], carry_roots: set[int]
+) -> tuple[int, int, int, int]:
+    """(owned bytes saved by step 0, by both steps, bytes of the carry-in step 0 saved, all
+    bytes saved), each buffer counted once, as the profiler counts them: a value stored by
+    reference in memory the caller holds anyway is not the tape's."""
+    seen: set[int] = set()
+    first = total = carry_saved = held = 0
+    for entry in entries:
+        for slot in entry.slots or ():
+            buffer = slot.buffer
+            if buffer is None or id(buffer) in seen:
+                continue
+            seen.add(id(buffer))
+            held += buffer.stored_nbytes
+            root = id(_root(buffer.packed)) if buffer.source is None else None
+            if root in carry_roots:
+                if entry.seq < first_mark:
+                    carry_saved += buffer.stored_nbytes
+                continue
+            if root in caller:
+                continue
+            total += buffer.stored_nbytes
+            if entry.seq < first_mark:
+                first += buffer.stored_nbytes
+    return first, total, carry_saved, held
+
+
+def _timed_backward(
+    outputs: list[Any], carry_in: list[Any], x_in: list[Any],
+    externals: dict[tuple[int, int], Any], seq_before: int,
+) -> float:
+    """Seconds to pull ones back through the dry steps, into a capture (no `.grad` moves)."""
+    roots = [(edge_of(o), namespace(o._data).ones_like(o._data)) for o in outputs
+             if o is not None and o.requires_grad and is_floating(o.dtype)]
+    if not roots:
+        return 0.0
+    keys: dict[tuple[int, int], int] = {}
+    for t in [c for c in carry_in if c is not None] + [p for x in x_in for p in _leaves(x)]:
+        if t.requires_grad:
+            keys[(id(t), 0)] = len(keys)
+    for key in externals:
+        keys.setdefault(key, len(keys))
+    start = time.perf_counter()
+    backpropagate(roots, retain_graph=False, create_graph=False,
+                  capture=Capture(keys, newer_than=seq_before))
+    return time.perf_counter() - start
+
+
+def _edge_nbytes(node: Any, index: int) -> int:
+    if type(node) is Entry:
+        shape, dtype = node.out_meta[index]
+        return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    return array_nbytes(node._data)
+
+
+def _snapshot_cost(carry: list[Any], storage: Strategy | None) -> SnapshotCost:
+    if storage is None:
+        return SnapshotCost(sum(array_nbytes(a) for a in carry), 0.0, 0.0)
+    start = time.perf_counter()
+    packed = [storage.pack(a) for a in carry]
+    packed_at = time.perf_counter()
+    for p in packed:
+        storage.unpack(p)
+    unpacked_at = time.perf_counter()
+    stored = 0
+    for a, p in zip(carry, packed):
+        size = storage.stored_nbytes(p)
+        stored += array_nbytes(a) if size is None else int(size)
+    return SnapshotCost(stored, packed_at - start, unpacked_at - packed_at)
+
+
+def _root(array: Any) -> Any:
+    """The array that owns `array`'s memory (views keep it as `.base`)."""
+    base = getattr(array, "base", None)
+    while base is not None and hasattr(base, "shape"):
+        array, base = base, getattr(base, "base", None)
+    return array
