@@ -238,3 +238,35 @@ def test_misuse_is_refused_with_what_to_do():
     with pytest.raises(ShapeError):
         cad.scan(lambda c, _: (cad.stack([c, c]), None), h, until=lambda c: True,
                  strategy=Binomial(2), length=5)
+
+
+@pytest.mark.parametrize("strategy", [Binomial(2, disk=3), Binomial(1, disk=1),
+                                      Binomial(3, disk=None)], ids=repr)
+def test_online_loops_with_a_disk_level_are_exact_and_keep_their_levels(strategy):
+    from checkpoint_ad.strategies import Offload
+    from checkpoint_ad.strategies.revolve import simulate_plan
+
+    rng = np.random.default_rng(7)
+    w = cad.tensor(rng.standard_normal((5, 5)) * 0.4, requires_grad=True)
+    h0 = cad.tensor(rng.standard_normal((3, 5)), requires_grad=True)
+
+    def step(carry, _):
+        h, t = carry
+        h = cad.tanh(h @ w + 0.1)
+        return (h, t + 1.0), h.sum()
+
+    def grads(strategy, n=41):
+        kwargs = ({"length": n} if strategy is None
+                  else {"until": lambda c: c[1].item() >= n, "strategy": strategy})
+        (h, _), ys = cad.scan(step, (h0, cad.tensor(0.0)), **kwargs)
+        loop = h.grad_fn.op if strategy is not None else None
+        return [g.numpy() for g in cad.grad((h * h).sum() + ys.sum(), [w, h0])], loop
+
+    reference, _ = grads(None)
+    got, loop = grads(strategy)
+    for g, r in zip(got, reference):
+        np.testing.assert_array_equal(g, r)
+    stats = simulate_plan(loop.plan)
+    assert stats.max_live_snapshots <= strategy.snapshots
+    assert 0 < stats.max_live_disk_snapshots <= (strategy.disk or 64)
+    assert Offload("disk").folder is None  # disk snapshots gone with the backward

@@ -10,8 +10,11 @@ from ..errors import StrategyConfigError
 from ..saved import Strategy
 from .kinds import LoopStrategy
 from .multilevel import MultiLevelPlan, multilevel_plan
-from .online import OnlinePlanner
+from .online import OnlinePlanner, TwoLevelOnlinePlanner
 from .revolve import Plan, binomial_plan, periodic_plan
+
+ONLINE_DISK = 64
+"""Disk slots of an online loop under ``Binomial(s, disk=None)``."""
 
 
 def _check(owner: str, name: str, value: object, storage: object, needs: str) -> None:
@@ -101,17 +104,16 @@ class Binomial(LoopStrategy):
                      f"read_cost={self.read_cost!r}")
         return text + ")"
 
-    def online_planner(self) -> OnlinePlanner:
+    def online_planner(self) -> OnlinePlanner | TwoLevelOnlinePlanner:
         """Online snapshots for a loop of unknown length: the optimum up to C(s + 2, 2)
-        steps, measured within 1% of it up to 10**5 steps (see `online.py`). RAM only: a disk
-        level is refused rather than silently left out."""
-        if self.disk != 0:
-            raise StrategyConfigError(
-                f"{self!r}: a loop stopped by `until` is planned online with RAM snapshots "
-                "only; disk levels need the loop's length up front (give length= or xs, or "
-                "use Binomial(snapshots) without disk=)"
-            )
-        return OnlinePlanner(self.snapshots)
+        steps, measured within 1% of it up to 10**5 steps (see `online.py`). With a disk
+        level, `TwoLevelOnlinePlanner`: the online plan over RAM + disk slots, RAM first;
+        ``disk=None`` (unlimited) means `ONLINE_DISK` slots there, since an online plan must
+        fix its slots before it knows the length (write and read costs are not weighed)."""
+        if self.disk == 0:
+            return OnlinePlanner(self.snapshots)
+        return TwoLevelOnlinePlanner(self.snapshots, ONLINE_DISK if self.disk is None
+                                     else self.disk)
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from functools import cache
 from math import comb
 
 from ..errors import ScheduleError
+from .multilevel import MultiLevelPlan
 from .revolve import (
     _BOTH,
     _FREE,
@@ -50,8 +51,11 @@ from .revolve import (
     MAX_STEPS,
     Action,
     Advance,
+    DiskRestore,
+    DiskSnapshot,
     Free,
     Plan,
+    Restore,
     Snapshot,
     _binomial_codes,
     _count,
@@ -59,7 +63,7 @@ from .revolve import (
     _encode,
 )
 
-__all__ = ["OnlinePlanner"]
+__all__ = ["OnlinePlanner", "TwoLevelOnlinePlanner"]
 
 
 class OnlinePlanner:
@@ -267,3 +271,86 @@ def _targets(s: int, r: int) -> frozenset[int]:
         at += comb(s - i + r - 1, r - 1)
         points.append(at)
     return frozenset(points)
+
+
+class TwoLevelOnlinePlanner:
+    """Online checkpointing with RAM and disk snapshots: the `OnlinePlanner` over ``snapshots
+    + disk`` slots, each snapshot it takes kept in RAM while fewer than ``snapshots`` RAM
+    snapshots are live, on disk otherwise (restores follow: a disk snapshot is read back).
+
+    Why this rule: an online planner cannot weigh write and read costs against re-runs the way
+    the offline H-Revolve tables do (it does not know the length), but more slots always mean
+    fewer re-runs, and RAM holds at most ``snapshots``. Its step evaluations are those of
+    ``OnlinePlanner(snapshots + disk)``.
+
+    >>> planner = TwoLevelOnlinePlanner(1, disk=2)
+    >>> actions = [a for _ in range(6) for a in planner.advance()]
+    >>> plan = planner.finish_plan(6)
+    >>> from checkpoint_ad.strategies.revolve import simulate_plan
+    >>> stats = simulate_plan(plan)
+    >>> stats.max_live_snapshots <= 1 and stats.max_live_disk_snapshots <= 2
+    True
+    """
+
+    def __init__(self, snapshots: int, disk: int) -> None:
+        self.snapshots = _count(snapshots, "snapshots", minimum=1)
+        self.disk = _count(disk, "disk", minimum=1)
+        self.inner = OnlinePlanner(self.snapshots + self.disk)
+        self._levels = _Levels(self.snapshots)
+
+    def __repr__(self) -> str:
+        return f"TwoLevelOnlinePlanner(snapshots={self.snapshots}, disk={self.disk})"
+
+    @property
+    def steps(self) -> int:
+        return self.inner.steps
+
+    def advance(self) -> list[Action]:
+        """As `OnlinePlanner.advance`, with the snapshots placed on their level."""
+        return [self._levels.place(a) for a in self.inner.advance()]
+
+    def finish_plan(self, n_steps: int) -> Plan:
+        """The whole plan, every snapshot and restore on its level (RAM or disk)."""
+        plan = self.inner.finish_plan(n_steps)
+        levels = _Levels(self.snapshots)  # the same rule again, over the whole plan
+        codes = array("q", (_encode(levels.place(_decode(c))) for c in plan._codes))
+        return MultiLevelPlan(
+            recipe=f"{self!r}.finish_plan({n_steps})",
+            n_steps=plan.n_steps,
+            snapshots=self.snapshots,
+            advanced_steps=plan.advanced_steps,
+            taped_steps=plan.taped_steps,
+            max_live_snapshots=min(plan.max_live_snapshots, self.snapshots),
+            longest_tape=plan.longest_tape,
+            _codes=codes,
+            disk_snapshots=self.disk,
+            disk_writes=levels.writes,
+            disk_reads=levels.reads,
+            max_live_disk_snapshots=levels.max_disk,
+            exact=False,
+        )
+
+
+class _Levels:
+    """Which level each live snapshot is on, placed as it is taken (RAM while there is room)."""
+
+    def __init__(self, ram: int) -> None:
+        self.ram = ram
+        self.on_disk: dict[int, bool] = {}
+        self.writes = self.reads = self.max_disk = 0
+
+    def place(self, action: Action) -> Action:
+        if isinstance(action, Snapshot):
+            in_ram = sum(1 for disk in self.on_disk.values() if not disk)
+            disk = in_ram >= self.ram
+            self.on_disk[action.step] = disk
+            if disk:
+                self.writes += 1
+                self.max_disk = max(self.max_disk, sum(self.on_disk.values()))
+                return DiskSnapshot(action.step)
+        elif isinstance(action, Restore) and self.on_disk.get(action.step):
+            self.reads += 1
+            return DiskRestore(action.step)
+        elif isinstance(action, Free):
+            self.on_disk.pop(action.step, None)
+        return action

@@ -266,10 +266,11 @@ class PlannedLoop:
         while self.limit is None or t < self.limit:
             actions = planner.advance()
             for action in actions:  # each concerns state t - 1, where the kept tape starts
-                if isinstance(action, Snapshot):
+                if isinstance(action, (Snapshot, DiskSnapshot)):
                     assert kept is not None
+                    level = self.disk_storage if isinstance(action, DiskSnapshot) else None
                     state.snapshots[action.step] = self._pack(
-                        _arrays(kept.carry_in), engine_state=kept_random)
+                        _arrays(kept.carry_in), level, engine_state=kept_random)
                 elif isinstance(action, Free):
                     del state.snapshots[action.step]
             forward_actions += len(actions)
