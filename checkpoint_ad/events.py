@@ -37,6 +37,16 @@ def emit(kind: str, payload: Any) -> None:
             listener(kind, payload)
 
 
+def hears(kind: str) -> bool:
+    """Whether a listener in the calling thread would hear `kind` (work that only feeds a
+    listener, such as a replayed loop describing its steps to a profiler, asks first)."""
+    if not listeners:
+        return False
+    thread = threading.get_ident()
+    return any(subscriber == thread and (kinds is None or kind in kinds)
+               for subscriber, _, kinds in listeners)
+
+
 def emit_to(thread: int, kind: str, payload: Any) -> None:
     """Send one event to the listeners subscribed from `thread` (for a saved buffer that dies
     in another thread than the one that made it: its 'free' belongs to its maker's profile)."""

@@ -309,7 +309,7 @@ class StepProgram:
         """One step without saving anything: (new carry arrays, output arrays)."""
         values = self._start(carry, x)
         xp = None
-        emit = bool(events.listeners)
+        emit = events.hears("apply")
         for ins, frees in zip(self.instructions, self.frees):
             prim = ins.prim
             if prim is None:
@@ -335,7 +335,8 @@ class StepProgram:
         values = self._start(carry, x)
         xp = None
         saved: list[Any] = [None] * len(self.instructions)
-        entries: list[Any] = [None] * len(self.instructions) if events.listeners else []
+        entries: list[Any] = (
+            [None] * len(self.instructions) if events.hears("record") else [])
         buffers: dict[tuple[int, int], Any] = {}
         chained = previous is not None
         if chained:
