@@ -18,6 +18,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
+
 from . import events
 from .backend import is_array
 from .backend import nbytes as array_nbytes
@@ -91,6 +93,18 @@ class VersionCounter:
         self.value = value
 
 
+_NUMPY = np.ndarray
+_shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
+
+
+def _shared_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """One tuple per distinct shape, shared by every buffer of that shape: a tape of many
+    small saved values then holds no shape tuple of its own."""
+    if len(_shapes) > 100_000:
+        _shapes.clear()
+    return _shapes.setdefault(shape, shape)
+
+
 class SavedBuffer:
     """One stored array, shared by every slot that saved the same array with the same packer."""
 
@@ -107,9 +121,15 @@ class SavedBuffer:
 
     def __init__(self, array: Any, packer: Any) -> None:
         self.packer = packer
-        self.shape = tuple(array.shape)
+        if type(array) is _NUMPY:
+            shape = array.shape
+            self.logical_nbytes = array.nbytes
+        else:
+            shape = tuple(array.shape)
+            self.logical_nbytes = array_nbytes(array)
+        shared = _shapes.get(shape)
+        self.shape = shared if shared is not None else _shared_shape(shape)
         self.dtype = array.dtype
-        self.logical_nbytes = array_nbytes(array)
         if type(packer) is KeepAll:
             self.packed = array
             self.source = None
