@@ -32,9 +32,14 @@ def _target_meta(node: Any, index: int) -> tuple[tuple[int, ...], Any]:
 def _conform(grad: Any, node: Any, index: int, producer: Entry) -> Any:
     """Check the gradient's shape and cast it to the dtype of the value it belongs to."""
     shape, dtype = node.out_meta[index] if type(node) is Entry else _target_meta(node, index)
-    if isinstance(grad, np.generic):  # numpy turns 0-d results into scalars
-        grad = np.asarray(grad)
-    data = grad._data if isinstance(grad, TensorBase) else grad
+    if type(grad) is np.ndarray:  # the common case, checked without the generic tests
+        if grad.shape == shape and grad.dtype is dtype:
+            return grad
+        data = grad
+    else:
+        if isinstance(grad, np.generic):  # numpy turns 0-d results into scalars
+            grad = np.asarray(grad)
+        data = grad._data if isinstance(grad, TensorBase) else grad
     if tuple(data.shape) != shape:
         raise ShapeError(
             f"{producer.describe()} produced a gradient of shape {list(data.shape)} for a value "

@@ -245,8 +245,14 @@ class _PackerStack(threading.local):
 _stack = _PackerStack()
 
 
+# one item per use_packer block open in any thread: empty means every thread keeps all
+_pushed: list[Any] = []
+
+
 def current_packer() -> Strategy:
     """The packer that new saved values go through right now."""
+    if not _pushed:  # the common case, answered without the thread-local lookup
+        return KEEP
     items = _stack.items
     return items[-1] if items else KEEP
 
@@ -260,9 +266,11 @@ def use_packer(packer: Any) -> Iterator[Any]:
             "checkpoint_ad.Packer) and override pack(array) and unpack(stored)"
         )
     _stack.items.append(packer)
+    _pushed.append(packer)
     try:
         yield packer
     finally:
+        _pushed.pop()  # any item: only their number matters
         _stack.items.pop()
 
 

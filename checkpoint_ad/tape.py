@@ -119,7 +119,8 @@ class Primitive:
         for a in args:
             if isinstance(a, TensorBase):
                 return record(self, args, attrs)
-        return self.forward(namespace(args[0]), *args, **attrs)
+        first = args[0]
+        return self.forward(np if type(first) is np.ndarray else namespace(first), *args, **attrs)
 
     def backward(
         self, entry: Entry, grads: list[Any], create_graph: bool, retain_graph: bool = False
@@ -139,13 +140,21 @@ class Primitive:
                 for i, edge in enumerate(entry.edges)
             ]
         results = []
+        rules = form.rules
+        broadcasts = self.broadcasts
         for i, (name, edge) in enumerate(zip(self.args, entry.edges)):
-            rule = form.rules.get(name) if edge is not None else None
+            rule = rules.get(name) if edge is not None else None
             if rule is None:
                 results.append(None)
                 continue
-            grad = rule.rule(g, *[values[n] for n in rule.needs], **attrs)
-            if self.broadcasts and tuple(grad.shape) != entry.in_shapes[i]:
+            needs = rule.needs
+            if not needs:
+                grad = rule.rule(g, **attrs)
+            elif len(needs) == 1:
+                grad = rule.rule(g, values[needs[0]], **attrs)
+            else:
+                grad = rule.rule(g, *[values[n] for n in needs], **attrs)
+            if broadcasts and tuple(grad.shape) != entry.in_shapes[i]:
                 grad = _sum_to(grad, entry.in_shapes[i])
             results.append(grad)
         return results
@@ -283,36 +292,42 @@ def add_hook(table: dict[int, Any], fn: Callable[..., Any]) -> RemovableHandle:
     return RemovableHandle(table, key)
 
 
-_internal_code: dict[Any, bool] = {}  # code object -> defined inside this package
+_internal_code: set[Any] = set()  # code objects defined inside this package
+_user_code: set[Any] = set()  # code objects seen outside it
 _origins: dict[tuple[Any, int], tuple[Any, int]] = {}  # one shared pair per user code line
 _MAX_ORIGINS = 100_000
 
 
 def _is_internal(code: Any) -> bool:
-    internal = _internal_code.get(code)
-    if internal is None:
-        internal = _internal_code[code] = code.co_filename.startswith(_PACKAGE_DIR)
+    if code in _internal_code:
+        return True
+    if code in _user_code:
+        return False
+    if len(_user_code) > _MAX_ORIGINS:  # code made on the fly (exec) would pile up
+        _user_code.clear()
+    internal = code.co_filename.startswith(_PACKAGE_DIR)
+    (_internal_code if internal else _user_code).add(code)
     return internal
 
 
 def _user_frame() -> tuple[Any, int]:
     """(code, line) of the nearest caller outside this package; formatted only when asked.
 
-    Every entry asks, so the walk reads a cached flag per code object, and the pair is
+    Every entry asks, so the walk tests set membership per frame (no call), and the pair is
     shared by every entry recorded on the same line (a loop's entries hold no pair of their
     own)."""
     frame = sys._getframe(3)  # past Entry.__init__ and add_entry: entries come from there
     internal = _internal_code
     while frame is not None:
         code = frame.f_code
-        flag = internal.get(code)
-        if flag is None:
-            flag = _is_internal(code)
-        if not flag:
+        if code not in internal and (code in _user_code or not _is_internal(code)):
             pair = (code, frame.f_lineno)
-            if len(_origins) > _MAX_ORIGINS:  # code made on the fly (exec) would pile up
-                _origins.clear()
-            return _origins.setdefault(pair, pair)
+            found = _origins.get(pair)
+            if found is None:
+                if len(_origins) > _MAX_ORIGINS:
+                    _origins.clear()
+                found = _origins[pair] = pair
+            return found
         frame = frame.f_back
     return (None, 0)
 
@@ -457,8 +472,12 @@ def record(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> 
         else:
             packer = packer.for_primitive(prim)
             form = prim.forms[0] if type(packer) is KeepAll else packer.choose_form(prim)
+        edges = []
+        for t in tensors:
+            entry = t._entry
+            edges.append((entry, t._index) if entry is not None else edge_of(t))
         (result,) = add_entry(
-            prim, tuple([edge_of(t) for t in tensors]), (out,), attrs or _NO_ATTRS,
+            prim, tuple(edges), (out,), attrs or _NO_ATTRS,
             _save_primitive_values, counter, (prim, form, packer, tensors, datas),
         )
     if view:
@@ -476,10 +495,13 @@ def _with_operands(items: tuple[Any, ...]) -> tuple[Any, ...]:
             break
     if type(ref) is not np.ndarray:
         return tuple(t if isinstance(t, TensorBase) else as_tensor_like(t, items) for t in items)
-    return tuple([
-        t if isinstance(t, TensorBase) else _constant(t, ref.dtype) or as_tensor_like(t, items)
-        for t in items
-    ])
+    made = []
+    for t in items:
+        if not isinstance(t, TensorBase):
+            constant = _constant(t, ref.dtype)
+            t = as_tensor_like(t, items) if constant is None else constant
+        made.append(t)
+    return tuple(made)
 
 
 _constants: dict[tuple[type, Any, Any], Any] = {}
@@ -644,11 +666,20 @@ def graph_tensor(array: Any, edge: Any) -> Any:
 
 def unpack_saved(entry: Entry, create_graph: bool) -> dict[str, Any]:
     """Every saved value of `entry`, as arrays (or graph-attached tensors under create_graph)."""
-    if entry.slots is None:
+    slots = entry.slots
+    if slots is None:
         raise freed_error(entry.describe())
     values = {}
-    for slot in entry.slots:
-        array = slot.unpack(entry.describe)
+    for slot in slots:
+        buffer = slot.buffer
+        counter = slot.counter
+        if (
+            buffer is not None and buffer.source is None and not events.listeners
+            and (counter is None or counter.value == slot.version)
+        ):
+            array = buffer.packed  # kept as is and unchanged: nothing to check or announce
+        else:
+            array = slot.unpack(entry.describe)
         if create_graph:
             edge = (entry, slot.edge) if isinstance(slot.edge, int) else slot.edge
             array = graph_tensor(array, edge)
