@@ -303,7 +303,21 @@ def backpropagate(
                     if edge is None or grad is None:
                         continue
                     node, index = edge
-                    deliver(node, index, _conform(grad, node, index, entry))
+                    if type(node) is not Entry or capture is not None:
+                        deliver(node, index, _conform(grad, node, index, entry))
+                        continue
+                    # an entry's output, no capture: `deliver` inlined, the sweep's hot path
+                    shape, dtype = node.out_meta[index]
+                    if type(grad) is not np.ndarray or grad.shape != shape or (
+                        grad.dtype is not dtype
+                    ):
+                        grad = _conform(grad, node, index, entry)
+                    grads = pending.get(node)
+                    if grads is None:
+                        grads = pending[node] = [None] * len(node.out_meta)
+                        heapq.heappush(heap, (-node.seq, id(node), node))
+                    previous = grads[index]
+                    grads[index] = grad if previous is None else previous + grad
             for leaf, grad, position in held.values():
                 grad = run_tensor_hooks(leaf._hooks, grad, create_graph, "a leaf tensor")
                 if position is not None:
