@@ -448,10 +448,11 @@ def record(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> 
             )
         datas.append(data)
     try:
+        xp = np if kind is np.ndarray else namespace(first)
         if prim.variadic:
-            out = prim.forward(namespace(first), datas, **attrs)
+            out = prim.forward(xp, datas, **attrs)
         else:
-            out = prim.forward(namespace(first), *datas, **attrs)
+            out = prim.forward(xp, *datas, **attrs)
     except (ValueError, TypeError, IndexError) as exc:
         raise ShapeError(
             f"{prim.name!r} cannot run on inputs {_describe_inputs(tensors)} "
@@ -475,7 +476,10 @@ def record(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> 
         edges = []
         for t in tensors:
             entry = t._entry
-            edges.append((entry, t._index) if entry is not None else edge_of(t))
+            if entry is not None:
+                edges.append((entry, t._index))
+            else:  # a leaf: its own edge if it requires grad (a constant has none)
+                edges.append(edge_of(t) if t._requires_grad else None)
         (result,) = add_entry(
             prim, tuple(edges), (out,), attrs or _NO_ATTRS,
             _save_primitive_values, counter, (prim, form, packer, tensors, datas),
