@@ -292,42 +292,47 @@ def add_hook(table: dict[int, Any], fn: Callable[..., Any]) -> RemovableHandle:
     return RemovableHandle(table, key)
 
 
-_internal_code: set[Any] = set()  # code objects defined inside this package
-_user_code: set[Any] = set()  # code objects seen outside it
-_origins: dict[tuple[Any, int], tuple[Any, int]] = {}  # one shared pair per user code line
+# id(code) -> defined inside this package? Keyed by id because hashing a code object hashes
+# its bytecode and constants, per frame of every recorded op; `_codes_seen` keeps each code
+# object alive so that its id stays its own while listed.
+_code_kinds: dict[int, bool] = {}
+_codes_seen: list[Any] = []
+# (id(code), line) -> (code, line): one shared pair per user code line
+_origins: dict[tuple[int, int], tuple[Any, int]] = {}
 _MAX_ORIGINS = 100_000
 
 
 def _is_internal(code: Any) -> bool:
-    if code in _internal_code:
-        return True
-    if code in _user_code:
-        return False
-    if len(_user_code) > _MAX_ORIGINS:  # code made on the fly (exec) would pile up
-        _user_code.clear()
-    internal = code.co_filename.startswith(_PACKAGE_DIR)
-    (_internal_code if internal else _user_code).add(code)
+    internal = _code_kinds.get(id(code))
+    if internal is None:
+        if len(_codes_seen) > _MAX_ORIGINS:  # code made on the fly (exec) would pile up
+            _code_kinds.clear()
+            _codes_seen.clear()
+        _codes_seen.append(code)
+        internal = _code_kinds[id(code)] = code.co_filename.startswith(_PACKAGE_DIR)
     return internal
 
 
 def _user_frame() -> tuple[Any, int]:
     """(code, line) of the nearest caller outside this package; formatted only when asked.
 
-    Every entry asks, so the walk tests set membership per frame (no call), and the pair is
-    shared by every entry recorded on the same line (a loop's entries hold no pair of their
-    own)."""
+    Every entry asks, so the walk looks each frame's code up by id, and the pair is shared by
+    every entry recorded on the same line (a loop's entries hold no pair of their own)."""
     frame = sys._getframe(3)  # past Entry.__init__ and add_entry: entries come from there
-    internal = _internal_code
+    kinds = _code_kinds
     while frame is not None:
         code = frame.f_code
-        if code not in internal and (code in _user_code or not _is_internal(code)):
-            pair = (code, frame.f_lineno)
-            found = _origins.get(pair)
-            if found is None:
+        internal = kinds.get(id(code))
+        if internal is None:
+            internal = _is_internal(code)
+        if not internal:
+            line = frame.f_lineno
+            pair = _origins.get((id(code), line))
+            if pair is None:
                 if len(_origins) > _MAX_ORIGINS:
                     _origins.clear()
-                found = _origins[pair] = pair
-            return found
+                pair = _origins[(id(code), line)] = (code, line)
+            return pair
         frame = frame.f_back
     return (None, 0)
 
