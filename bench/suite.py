@@ -60,7 +60,9 @@ SIZES: dict[str, dict[str, Any]] = {
 RATIOS: dict[str, tuple[Ratio, ...]] = {
     "tape": (Ratio("/numpy fwd", "numpy-forward", "seconds"),
              Ratio("/torch", "torch", "seconds"),
-             Ratio("/autograd", "autograd", "seconds")),
+             Ratio("/autograd", "autograd", "seconds"),
+             Ratio("mem/hand", "numpy-hand", "tracemalloc_bytes"),
+             Ratio("mem/autograd", "autograd", "tracemalloc_bytes")),
     "rnn": (Ratio("/floor", "floor", "seconds"),
             Ratio("/torch", "torch", "seconds"),
             Ratio("mem/floor", "floor", "tracemalloc_bytes"),
@@ -75,7 +77,9 @@ RATIOS: dict[str, tuple[Ratio, ...]] = {
 
 # extras shown as columns, per bench: (title, key in a row's extras)
 EXTRA_COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {
-    "tape": (("fwd-only µs/op", "forward_us_per_op"),),
+    "tape": (("fwd-only µs/op", "forward_us_per_op"), ("held B/op", "held_bytes_per_op"),
+             ("beyond hand B/op", "bookkeeping_bytes_per_op"),
+             ("B/saved value", "bytes_per_saved_value")),
     "quantize": (("pack GB/s", "pack_gbps"), ("unpack GB/s", "unpack_gbps"),
                  ("stored/input", "stored_fraction")),
     "plan": (("actions", "actions"), ("evaluations", "evaluations"),

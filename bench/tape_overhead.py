@@ -9,10 +9,19 @@ denormals (~1e-308), so the backward is never slowed by the FPU.
 Every column runs the same chain; `numpy_forward` is the floor without any gradient, and
 `numpy_by_hand` adds a hand-derived backward (and gives the reference gradient that every
 column's gradient is compared with).
+
+Memory: what the graph of one forward chain holds while it waits for its backward
+(tracemalloc, so only columns that allocate through Python: numpy, this engine, HIPS autograd).
+`held_bytes_per_op` is all of it; `bookkeeping_bytes_per_op` is that minus what the
+hand-derived backward holds (exactly the arrays a backward needs, in a list), so it is what the
+framework keeps beyond the arrays; for this engine `bytes_per_saved_value` divides the bytes
+beyond the distinct saved arrays by the number of saved values (tape slots).
 """
 
 from __future__ import annotations
 
+import gc
+import tracemalloc
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +49,17 @@ def chain(y: Any, n_ops: int, tanh: Callable[[Any], Any], sin: Callable[[Any], A
 
 def hand_gradient(x: np.ndarray, n_ops: int) -> np.ndarray:
     """d sum(chain(x)) / dx by hand: keep the inputs of tanh and sin, then walk back."""
+    tanh_in, sin_in = hand_forward(x, n_ops)
+    g = np.ones_like(x)
+    for a, s in zip(reversed(tanh_in), reversed(sin_in)):
+        g = g * np.cos(s) * SCALE
+        t = np.tanh(a)
+        g = g * (1.0 - t * t)
+    return g
+
+
+def hand_forward(x: np.ndarray, n_ops: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The forward half of `hand_gradient`: the arrays its backward reads, and nothing else."""
     tanh_in, sin_in = [], []
     y = x
     for _ in range(n_ops // 4):
@@ -47,12 +67,39 @@ def hand_gradient(x: np.ndarray, n_ops: int) -> np.ndarray:
         y = np.tanh(y) * SCALE
         sin_in.append(y)
         y = np.sin(y) + SHIFT
-    g = np.ones_like(x)
-    for a, s in zip(reversed(tanh_in), reversed(sin_in)):
-        g = g * np.cos(s) * SCALE
-        t = np.tanh(a)
-        g = g * (1.0 - t * t)
-    return g
+    return tanh_in, sin_in
+
+
+def held(build: Callable[[], Any]) -> tuple[Any, int]:
+    """`build()`'s result and the bytes (tracemalloc) it still holds once built."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        kept = build()
+        gc.collect()
+        after = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    return kept, after - before
+
+
+def _memory(params: dict, build: Callable[[], Any]) -> tuple[Any, dict[str, Any]]:
+    """Bytes held by the graph `build()` makes, per op and beyond the hand-derived floor."""
+    n_ops = params["ops"]
+    x = _input(params)
+    _, floor = held(lambda: hand_forward(x, n_ops))
+    build()  # warm: caches and constants made once are not the graph's
+    kept, graph = held(build)
+    extras = {"held_bytes_per_op": graph / n_ops,
+              "bookkeeping_bytes_per_op": (graph - floor) / n_ops}
+    return kept, {"tracemalloc_bytes": graph, "extras": extras}
+
+
+def _with_memory(result: dict[str, Any], memory: dict[str, Any]) -> dict[str, Any]:
+    result["tracemalloc_bytes"] = memory["tracemalloc_bytes"]
+    result["extras"].update(memory["extras"])
+    return result
 
 
 def _relative_error(grad: np.ndarray, reference: np.ndarray) -> float:
@@ -88,7 +135,9 @@ def numpy_forward(params: dict, threads: int) -> dict[str, Any]:
 
 def numpy_by_hand(params: dict, threads: int) -> dict[str, Any]:
     x = _input(params)
-    return _result(params, lambda: hand_gradient(x, params["ops"]), None, None)
+    result = _result(params, lambda: hand_gradient(x, params["ops"]), None, None)
+    _, memory = _memory(params, lambda: hand_forward(x, params["ops"]))
+    return _with_memory(result, memory)
 
 
 def engine(params: dict, threads: int) -> dict[str, Any]:
@@ -101,14 +150,29 @@ def engine(params: dict, threads: int) -> dict[str, Any]:
         x.grad = None
         cad.sum(chain(x, n_ops, cad.tanh, cad.sin)).backward()
 
-    def forward() -> None:
-        cad.sum(chain(x, n_ops, cad.tanh, cad.sin))
+    def forward() -> Any:
+        return cad.sum(chain(x, n_ops, cad.tanh, cad.sin))
 
     def grad() -> np.ndarray:
         run()
         return x.grad.numpy()
 
-    return _result(params, run, forward, grad)
+    result = _result(params, run, forward, grad)
+    y, memory = _memory(params, forward)
+    memory["extras"]["bytes_per_saved_value"] = _per_saved_value(y, memory, params)
+    return _with_memory(result, memory)
+
+
+def _per_saved_value(y: Any, memory: dict[str, Any], params: dict) -> float:
+    """Bytes the engine's graph holds beyond its distinct saved arrays, per saved value."""
+    import checkpoint_ad as cad
+
+    saved = [s for e in cad.tape_of(y) for s in e.saved]
+    distinct = len({s.buffer_id for s in saved})
+    x = _input(params)
+    arrays, array_bytes = held(lambda: [np.sin(x) for _ in range(1000)])
+    per_array = (array_bytes - 8 * len(arrays)) / len(arrays)  # less the list's pointer
+    return (memory["tracemalloc_bytes"] - distinct * per_array) / max(1, len(saved))
 
 
 def torch_eager(params: dict, threads: int) -> dict[str, Any]:
@@ -146,8 +210,10 @@ def hips_autograd(params: dict, threads: int) -> dict[str, Any]:
 
     gradient = autograd.grad(loss)
     forward_and_vjp = autograd.make_vjp(loss)
-    return _result(params, lambda: gradient(x), lambda: forward_and_vjp(x),
-                   lambda: np.asarray(gradient(x)))
+    result = _result(params, lambda: gradient(x), lambda: forward_and_vjp(x),
+                     lambda: np.asarray(gradient(x)))
+    _, memory = _memory(params, lambda: forward_and_vjp(x))
+    return _with_memory(result, memory)
 
 
 def jax_eager(params: dict, threads: int) -> dict[str, Any]:

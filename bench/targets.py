@@ -55,7 +55,11 @@ def _tape(rows: Sequence[Row]) -> list[Target]:
 
     if not block:
         return []
-    return [pair(torch, 1.0, "PyTorch eager"), pair(hips, 0.6, "HIPS autograd")]
+    per_value = engine.extras.get("bytes_per_saved_value") if engine is not None else None
+    return [pair(torch, 1.0, "PyTorch eager"), pair(hips, 0.6, "HIPS autograd"),
+            Target("tape bookkeeping <= 200 bytes per saved value", per_value, 200.0, "<=",
+                   "tracemalloc bytes held by a forward chain beyond its distinct saved "
+                   "arrays, per tape slot")]
 
 
 def _rnn(rows: Sequence[Row]) -> list[Target]:

@@ -32,9 +32,14 @@ def _target_meta(node: Any, index: int) -> tuple[tuple[int, ...], Any]:
 def _conform(grad: Any, node: Any, index: int, producer: Entry) -> Any:
     """Check the gradient's shape and cast it to the dtype of the value it belongs to."""
     shape, dtype = node.out_meta[index] if type(node) is Entry else _target_meta(node, index)
-    if isinstance(grad, np.generic):  # numpy turns 0-d results into scalars
-        grad = np.asarray(grad)
-    data = grad._data if isinstance(grad, TensorBase) else grad
+    if type(grad) is np.ndarray:  # the common case, checked without the generic tests
+        if grad.shape == shape and grad.dtype is dtype:
+            return grad
+        data = grad
+    else:
+        if isinstance(grad, np.generic):  # numpy turns 0-d results into scalars
+            grad = np.asarray(grad)
+        data = grad._data if isinstance(grad, TensorBase) else grad
     if tuple(data.shape) != shape:
         raise ShapeError(
             f"{producer.describe()} produced a gradient of shape {list(data.shape)} for a value "
@@ -298,7 +303,21 @@ def backpropagate(
                     if edge is None or grad is None:
                         continue
                     node, index = edge
-                    deliver(node, index, _conform(grad, node, index, entry))
+                    if type(node) is not Entry or capture is not None:
+                        deliver(node, index, _conform(grad, node, index, entry))
+                        continue
+                    # an entry's output, no capture: `deliver` inlined, the sweep's hot path
+                    shape, dtype = node.out_meta[index]
+                    if type(grad) is not np.ndarray or grad.shape != shape or (
+                        grad.dtype is not dtype
+                    ):
+                        grad = _conform(grad, node, index, entry)
+                    grads = pending.get(node)
+                    if grads is None:
+                        grads = pending[node] = [None] * len(node.out_meta)
+                        heapq.heappush(heap, (-node.seq, id(node), node))
+                    previous = grads[index]
+                    grads[index] = grad if previous is None else previous + grad
             for leaf, grad, position in held.values():
                 grad = run_tensor_hooks(leaf._hooks, grad, create_graph, "a leaf tensor")
                 if position is not None:

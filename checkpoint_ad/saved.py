@@ -18,6 +18,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
+
 from . import events
 from .backend import is_array
 from .backend import nbytes as array_nbytes
@@ -115,6 +117,18 @@ class VersionCounter:
         self.value = value
 
 
+_NUMPY = np.ndarray
+_shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
+
+
+def _shared_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """One tuple per distinct shape, shared by every buffer of that shape: a tape of many
+    small saved values then holds no shape tuple of its own."""
+    if len(_shapes) > 100_000:
+        _shapes.clear()
+    return _shapes.setdefault(shape, shape)
+
+
 class SavedBuffer:
     """One stored array, shared by every slot that saved the same array with the same packer."""
 
@@ -131,9 +145,15 @@ class SavedBuffer:
 
     def __init__(self, array: Any, packer: Any) -> None:
         self.packer = packer
-        self.shape = tuple(array.shape)
+        if type(array) is _NUMPY:
+            shape = array.shape
+            self.logical_nbytes = array.nbytes
+        else:
+            shape = tuple(array.shape)
+            self.logical_nbytes = array_nbytes(array)
+        shared = _shapes.get(shape)
+        self.shape = shared if shared is not None else _shared_shape(shape)
         self.dtype = array.dtype
-        self.logical_nbytes = array_nbytes(array)
         if type(packer) is KeepAll:
             self.packed = array
             self.source = None
@@ -249,8 +269,14 @@ class _PackerStack(threading.local):
 _stack = _PackerStack()
 
 
+# one item per use_packer block open in any thread: empty means every thread keeps all
+_pushed: list[Any] = []
+
+
 def current_packer() -> Strategy:
     """The packer that new saved values go through right now."""
+    if not _pushed:  # the common case, answered without the thread-local lookup
+        return KEEP
     items = _stack.items
     return items[-1] if items else KEEP
 
@@ -264,9 +290,11 @@ def use_packer(packer: Any) -> Iterator[Any]:
             "checkpoint_ad.Packer) and override pack(array) and unpack(stored)"
         )
     _stack.items.append(packer)
+    _pushed.append(packer)
     try:
         yield packer
     finally:
+        _pushed.pop()  # any item: only their number matters
         _stack.items.pop()
 
 

@@ -119,7 +119,8 @@ class Primitive:
         for a in args:
             if isinstance(a, TensorBase):
                 return record(self, args, attrs)
-        return self.forward(namespace(args[0]), *args, **attrs)
+        first = args[0]
+        return self.forward(np if type(first) is np.ndarray else namespace(first), *args, **attrs)
 
     def backward(
         self, entry: Entry, grads: list[Any], create_graph: bool, retain_graph: bool = False
@@ -139,13 +140,21 @@ class Primitive:
                 for i, edge in enumerate(entry.edges)
             ]
         results = []
+        rules = form.rules
+        broadcasts = self.broadcasts
         for i, (name, edge) in enumerate(zip(self.args, entry.edges)):
-            rule = form.rules.get(name) if edge is not None else None
+            rule = rules.get(name) if edge is not None else None
             if rule is None:
                 results.append(None)
                 continue
-            grad = rule.rule(g, *[values[n] for n in rule.needs], **attrs)
-            if self.broadcasts and tuple(grad.shape) != entry.in_shapes[i]:
+            needs = rule.needs
+            if not needs:
+                grad = rule.rule(g, **attrs)
+            elif len(needs) == 1:
+                grad = rule.rule(g, values[needs[0]], **attrs)
+            else:
+                grad = rule.rule(g, *[values[n] for n in needs], **attrs)
+            if broadcasts and tuple(grad.shape) != entry.in_shapes[i]:
                 grad = _sum_to(grad, entry.in_shapes[i])
             results.append(grad)
         return results
@@ -283,24 +292,49 @@ def add_hook(table: dict[int, Any], fn: Callable[..., Any]) -> RemovableHandle:
     return RemovableHandle(table, key)
 
 
-_internal_code: dict[Any, bool] = {}  # code object -> defined inside this package
+# id(code) -> defined inside this package? Keyed by id because hashing a code object hashes
+# its bytecode and constants, per frame of every recorded op; `_codes_seen` keeps each code
+# object alive so that its id stays its own while listed.
+_code_kinds: dict[int, bool] = {}
+_codes_seen: list[Any] = []
+# (id(code), line) -> (code, line): one shared pair per user code line
+_origins: dict[tuple[int, int], tuple[Any, int]] = {}
+_MAX_ORIGINS = 100_000
 
 
 def _is_internal(code: Any) -> bool:
-    internal = _internal_code.get(code)
+    internal = _code_kinds.get(id(code))
     if internal is None:
-        internal = _internal_code[code] = code.co_filename.startswith(_PACKAGE_DIR)
+        if len(_codes_seen) > _MAX_ORIGINS:  # code made on the fly (exec) would pile up
+            _code_kinds.clear()
+            _codes_seen.clear()
+        _codes_seen.append(code)
+        internal = _code_kinds[id(code)] = code.co_filename.startswith(_PACKAGE_DIR)
     return internal
 
 
 def _user_frame() -> tuple[Any, int]:
-    """(code, line) of the nearest caller outside this package; formatted only when asked."""
+    """(code, line) of the nearest caller outside this package; formatted only when asked.
+
+    Every entry asks, so the walk looks each frame's code up by id, and the pair is shared by
+    every entry recorded on the same line (a loop's entries hold no pair of their own)."""
     frame = sys._getframe(3)  # past Entry.__init__ and add_entry: entries come from there
-    while frame is not None and _is_internal(frame.f_code):
+    kinds = _code_kinds
+    while frame is not None:
+        code = frame.f_code
+        internal = kinds.get(id(code))
+        if internal is None:
+            internal = _is_internal(code)
+        if not internal:
+            line = frame.f_lineno
+            pair = _origins.get((id(code), line))
+            if pair is None:
+                if len(_origins) > _MAX_ORIGINS:
+                    _origins.clear()
+                pair = _origins[(id(code), line)] = (code, line)
+            return pair
         frame = frame.f_back
-    if frame is None:
-        return (None, 0)
-    return (frame.f_code, frame.f_lineno)
+    return (None, 0)
 
 
 class _Tapes(threading.local):
@@ -333,6 +367,18 @@ def _describe_inputs(tensors: Sequence[Any]) -> str:
     return ", ".join(f"{t.dtype}{list(t.shape)} on {t.device}" for t in tensors)
 
 
+_out_metas: dict[tuple[tuple[int, ...], Any], tuple[tuple[tuple[int, ...], Any]]] = {}
+
+
+def _shared_meta(key: tuple[tuple[int, ...], Any]) -> tuple[tuple[tuple[int, ...], Any]]:
+    """The `out_meta` of a single (shape, dtype) output, one tuple shared by every entry with
+    such an output: a long tape of same-shaped results then holds no metadata of its own."""
+    if len(_out_metas) > _MAX_ORIGINS:
+        _out_metas.clear()
+    shape, dtype = key
+    return _out_metas.setdefault(key, ((tuple(shape), dtype),))
+
+
 def add_entry(
     op: Any,
     edges: tuple[Any, ...],
@@ -354,7 +400,11 @@ def add_entry(
     entry = Entry(op, edges, attrs)
     if len(outputs) == 1 and outputs[0] is not None:  # most entries: skip the generic loops
         out = outputs[0]
-        entry.out_meta = ((tuple(out.shape), out.dtype),)
+        key = (out.shape, out.dtype)
+        meta = _out_metas.get(key)
+        if meta is None:
+            meta = _shared_meta(key)
+        entry.out_meta = meta
         results = [make_tensor(out, entry, 0, counter)]
     else:
         entry.out_meta = tuple(
@@ -376,29 +426,34 @@ def add_entry(
 
 
 def record(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> Any:
-    """Run `prim` on tensors and, when gradients are needed, append an entry to the tape."""
+    """Run `prim` on tensors and, when gradients are needed, append an entry to the tape.
+
+    This runs once per operation of every user's loop, so it reads each attribute once and
+    leaves the generic helpers (views, strategies, explicit tapes, listeners) to the cases
+    that need them.
+    """
     for t in tensors:
         if not isinstance(t, TensorBase):
-            tensors = tuple(
-                t if isinstance(t, TensorBase) else as_tensor_like(t, tensors) for t in tensors
-            )
+            tensors = _with_operands(tensors)
             break
     first = tensors[0]._data
     kind = type(first)
     requires_grad = False
+    datas = []
     for t in tensors:
         if t._base is not None and t._view[1] is not t._base._entry:  # type: ignore[index]
             refresh_view(t)
         if t._requires_grad:
             requires_grad = True
-        if type(t._data) is not kind:
+        data = t._data
+        if type(data) is not kind:
             raise DeviceError(
                 f"{prim.name!r} got tensors on different devices or array libraries "
                 f"({_describe_inputs(tensors)}); move them to one device first, e.g. with .to()"
             )
-    xp = namespace(first)
-    datas = [t._data for t in tensors]
+        datas.append(data)
     try:
+        xp = np if kind is np.ndarray else namespace(first)
         if prim.variadic:
             out = prim.forward(xp, datas, **attrs)
         else:
@@ -408,39 +463,97 @@ def record(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> 
             f"{prim.name!r} cannot run on inputs {_describe_inputs(tensors)} "
             f"with {attrs or 'no attributes'}: {exc}"
         ) from exc
-    if isinstance(out, np.generic):  # numpy reduces 0-d results to scalars
+    if type(out) is not kind and isinstance(out, np.generic):  # numpy's 0-d results
         out = np.asarray(out)
-    counter = tensors[0]._version if prim.view else None
+    view = prim.view
+    counter = tensors[0]._version if view else None
     if not (requires_grad and prim.differentiable and _state.grad_enabled):
         result = make_tensor(out, counter=counter)
         if events.listeners:
             events.emit("apply", prim)
     else:
         packer = current_packer()
-        if type(packer) is not KeepAll:
+        if type(packer) is KeepAll:
+            form = prim.forms[0]
+        else:
             packer = packer.for_primitive(prim)
-        form = prim.forms[0] if type(packer) is KeepAll else packer.choose_form(prim)
-
-        edges = tuple([edge_of(t) for t in tensors])
+            form = prim.forms[0] if type(packer) is KeepAll else packer.choose_form(prim)
+        edges = []
+        for t in tensors:
+            entry = t._entry
+            if entry is not None:
+                edges.append((entry, t._index))
+            else:  # a leaf: its own edge if it requires grad (a constant has none)
+                edges.append(edge_of(t) if t._requires_grad else None)
         (result,) = add_entry(
-            prim, edges, (out,), attrs or _NO_ATTRS, _save_primitive_values, counter,
-            (prim, form, packer, tensors, datas),
+            prim, tuple(edges), (out,), attrs or _NO_ATTRS,
+            _save_primitive_values, counter, (prim, form, packer, tensors, datas),
         )
         if type(packer) is not KeepAll:
             packer.recorded(prim, attrs, tensors, result)
-    if prim.view:
-        parent = tensors[0]
-        base = parent._base
-        if base is None:
-            result._base = parent
-            result._view = (((prim, attrs),), parent._entry)
-        else:
-            result._base = base
-            result._view = (parent._view[0] + ((prim, attrs),), base._entry)  # type: ignore[index]
+    if view:
+        _link_view(result, tensors[0], prim, attrs)
     tracer = _state.tracer
     if tracer is not None:
         tracer.note(prim, tensors, attrs, result)
     return result
+
+
+def _with_operands(items: tuple[Any, ...]) -> tuple[Any, ...]:
+    """`items` with Python scalars and arrays made tensors like the first tensor among them
+    (`x * 2` keeps x's float32)."""
+    ref = None
+    for item in items:
+        if isinstance(item, TensorBase):
+            ref = item._data
+            break
+    if type(ref) is not np.ndarray:
+        return tuple(t if isinstance(t, TensorBase) else as_tensor_like(t, items) for t in items)
+    made = []
+    for t in items:
+        if not isinstance(t, TensorBase):
+            constant = _constant(t, ref.dtype)
+            t = as_tensor_like(t, items) if constant is None else constant
+        made.append(t)
+    return tuple(made)
+
+
+_constants: dict[tuple[type, Any, Any], Any] = {}
+
+
+def _constant(value: Any, dtype: Any) -> Any:
+    """A shared read-only tensor for the Python float or int `value` in numpy's `dtype`, or
+    None where sharing is not exact (bools, zeros with their sign, nan, int dtypes).
+
+    `y * 1.01` in a loop then makes no tensor, array or saved buffer per step: every entry
+    saves the one constant (stored once, like any value saved twice). Read-only, so a rule
+    that hands it on unchanged cannot let anyone modify it in place.
+    """
+    kind = type(value)
+    if (kind is not float and kind is not int) or dtype.kind != "f" or not value or (
+        value != value
+    ):
+        return None
+    key = (kind, value, dtype)
+    constant = _constants.get(key)
+    if constant is None:
+        if len(_constants) > 1024:  # a loop over many distinct scalars: keep the cache small
+            _constants.clear()
+        array = np.asarray(value, dtype=dtype)
+        array.flags.writeable = False
+        constant = _constants[key] = make_tensor(array)
+    return constant
+
+
+def _link_view(result: Any, parent: Any, prim: Primitive, attrs: dict[str, Any]) -> None:
+    """Remember how `result` is made from the storage it shares (for `refresh_view`)."""
+    base = parent._base
+    if base is None:
+        result._base = parent
+        result._view = (((prim, attrs),), parent._entry)
+    else:
+        result._base = base
+        result._view = (parent._view[0] + ((prim, attrs),), base._entry)  # type: ignore[index]
 
 
 def refresh_view(view: Any) -> Any:
@@ -466,6 +579,7 @@ def refresh_view(view: Any) -> Any:
 
 
 _needs_cache: dict[tuple[Form, tuple[bool, ...]], tuple[tuple[str, int], ...]] = {}
+_shapes_cache: dict[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]] = {}
 
 
 def _save_primitive_values(
@@ -481,21 +595,40 @@ def _save_primitive_values(
     that need a gradient."""
     entry.form = form
     if prim.broadcasts:
-        entry.in_shapes = tuple(tuple(d.shape) for d in datas)
+        shapes = tuple([d.shape for d in datas])
+        entry.in_shapes = _shapes_cache.get(shapes) or _shared_shapes(shapes)
     if prim.variadic:
         if not form.rules["xs"].needs:
             return ()
         return tuple(save_tensor(t, f"x{i}", packer, entry) for i, t in enumerate(tensors))
-    mask = tuple([t._requires_grad for t in tensors])
+    if len(tensors) == 1:
+        mask: tuple[bool, ...] = _ONE_INPUT  # recorded, so its one input requires grad
+    else:
+        mask = tuple([t._requires_grad for t in tensors])
     needed = _needs_cache.get((form, mask))
     if needed is None:
         needed = _needs_cache[(form, mask)] = _needed_values(prim, form, mask)
+    if len(needed) == 1:
+        ((name, position),) = needed
+        if position < 0:
+            return (save_tensor(results[0], name, packer, entry, own=True),)
+        return (save_tensor(tensors[position], name, packer, entry),)
     return tuple([
         save_tensor(results[0], name, packer, entry, own=True)
         if position < 0
         else save_tensor(tensors[position], name, packer, entry)
         for name, position in needed
     ])
+
+
+_ONE_INPUT = (True,)
+
+
+def _shared_shapes(shapes: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
+    """`in_shapes` shared by every entry whose inputs have these shapes."""
+    if len(_shapes_cache) > _MAX_ORIGINS:
+        _shapes_cache.clear()
+    return _shapes_cache.setdefault(shapes, tuple(tuple(s) for s in shapes))
 
 
 def _needed_values(
@@ -522,13 +655,13 @@ def save_tensor(
             f"{list(tensor.shape)}) for backward; tensors made under inference_mode() cannot be "
             "saved: compute it under no_grad() instead, or .clone() it outside inference_mode()"
         )
-    if tensor._entry is None:
-        packer = packer.for_leaf()  # a parameter or input: the caller keeps it alive anyway
-    buffer = buffer_for(tensor, packer)
-    edge = tensor._index if own else edge_of(tensor)  # an int marks the entry's own output
-    return SavedSlot(name, buffer, tensor._version, edge)
-
-
+    if own:
+        edge: Any = tensor._index  # an int marks the entry's own output
+    else:
+        if tensor._entry is None and type(packer) is not KeepAll:
+            packer = packer.for_leaf()  # a parameter or input: the caller keeps it anyway
+        edge = edge_of(tensor)
+    return SavedSlot(name, buffer_for(tensor, packer), tensor._version, edge)
 
 
 def graph_tensor(array: Any, edge: Any) -> Any:
@@ -547,11 +680,20 @@ def graph_tensor(array: Any, edge: Any) -> Any:
 
 def unpack_saved(entry: Entry, create_graph: bool) -> dict[str, Any]:
     """Every saved value of `entry`, as arrays (or graph-attached tensors under create_graph)."""
-    if entry.slots is None:
+    slots = entry.slots
+    if slots is None:
         raise freed_error(entry.describe())
     values = {}
-    for slot in entry.slots:
-        array = slot.unpack(entry.describe)
+    for slot in slots:
+        buffer = slot.buffer
+        counter = slot.counter
+        if (
+            buffer is not None and buffer.source is None and not events.listeners
+            and (counter is None or counter.value == slot.version)
+        ):
+            array = buffer.packed  # kept as is and unchanged: nothing to check or announce
+        else:
+            array = slot.unpack(entry.describe)
         if create_graph:
             edge = (entry, slot.edge) if isinstance(slot.edge, int) else slot.edge
             array = graph_tensor(array, edge)

@@ -195,7 +195,7 @@ def make_tensor(
 ) -> Any:
     """A `Tensor` over `data` with no checks (the engine's constructor); views pass the
     version counter they share."""
-    if isinstance(data, np.generic):  # numpy turns 0-d results into scalars
+    if type(data) is not np.ndarray and isinstance(data, np.generic):  # numpy's 0-d results
         data = np.asarray(data)
     t = object.__new__(TensorBase._made_by_engine)
     t._init(data, entry, index, counter if counter is not None else VersionCounter())

@@ -139,6 +139,21 @@ def test_tape_overhead_engine_column_gradient_matches_the_hand_derived_one():
     assert result["grad_error"] < 1e-12 and result["rate_unit"] == "µs/op"
 
 
+def test_tape_memory_columns_measure_what_the_graph_holds_beyond_the_hand_floor():
+    params = {"size": 16, "ops": 400, "repeats": 1}
+    hand = tape_overhead.numpy_by_hand(params, threads=1)
+    engine = tape_overhead.engine(params, threads=1)
+    array_bytes = 16 * 8
+    # the floor keeps one (16,) array per two ops: at least its data, and nothing beyond it
+    assert hand["extras"]["held_bytes_per_op"] >= array_bytes / 2
+    assert abs(hand["extras"]["bookkeeping_bytes_per_op"]) < 1  # the same lists again
+    # the engine keeps as many arrays plus its tape: more than the floor, a measured amount
+    assert engine["tracemalloc_bytes"] > hand["tracemalloc_bytes"]
+    extras = engine["extras"]
+    assert extras["bookkeeping_bytes_per_op"] > 0
+    assert 0 < extras["bytes_per_saved_value"] < extras["held_bytes_per_op"] * 4 / 3
+
+
 @pytest.mark.parametrize(("peer", "run"), [
     ("torch", lambda: rnn.torch_rnn(TINY_RNN | {"mode": "checkpoint_sequential",
                                                 "segments": 2}, threads=1)),

@@ -1,0 +1,100 @@
+"""The per-op recording path's shortcuts keep the engine's semantics: shared scalar constants,
+shared origin pairs and metadata, the cached "no packer anywhere" answer."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import checkpoint_ad as cad
+
+
+def _chain(x, n):
+    y = x
+    for _ in range(n):
+        y = cad.sin(y * 1.01 + 0.1)
+    return y
+
+
+def test_scalar_operands_are_one_saved_constant_and_gradients_stay_bitwise():
+    x = cad.tensor(np.linspace(0.1, 0.9, 7), requires_grad=True)
+    y = _chain(x, 20)
+    saved = [s for e in cad.tape_of(y) for s in e.saved if e.op == "multiply"]
+    assert len(saved) == 20 and len({s.buffer_id for s in saved}) == 1  # stored once
+    cad.sum(y).backward()
+    reference = np.linspace(0.1, 0.9, 7)
+    g = np.ones(7)
+    values = []
+    for _ in range(20):
+        values.append(reference * 1.01 + 0.1)
+        reference = np.sin(values[-1])
+    for v in reversed(values):
+        g = g * np.cos(v) * 1.01
+    assert np.array_equal(x.grad.numpy(), g)
+
+
+def test_the_shared_constant_cannot_be_changed_in_place():
+    x = cad.tensor(np.ones(3), requires_grad=True)
+    y = x * 2.5
+    (slot,) = y.grad_fn.slots
+    with pytest.raises(ValueError, match="read-only"):
+        slot.buffer.packed += 1
+
+
+@pytest.mark.parametrize("scalar", [0.0, -0.0, float("nan"), True, 3])
+def test_scalars_that_sharing_would_blur_keep_their_exact_value(scalar):
+    x = cad.tensor(np.array([1.0, -2.0]), requires_grad=True)
+    y = x * scalar
+    np.testing.assert_array_equal(y.numpy(), np.array([1.0, -2.0]) * scalar)
+    y.sum().backward()
+    expected = np.full(2, scalar, dtype=np.float64)
+    assert np.array_equal(x.grad.numpy(), expected, equal_nan=True)
+    assert np.array_equal(np.signbit(x.grad.numpy()), np.signbit(expected))
+
+
+def test_float32_constants_keep_float32():
+    x = cad.tensor(np.ones(2, dtype=np.float32), requires_grad=True)
+    assert (x * 1.01).dtype == np.float32 and (1.01 * x).dtype == np.float32
+
+
+def test_entries_recorded_on_one_line_share_one_origin_that_names_it():
+    x = cad.tensor(np.ones(2), requires_grad=True)
+    ys = [cad.tanh(x) * 2.0 for _ in range(3)]  # the line recorded, through an operator too
+    entries = [y.grad_fn for y in ys] + [y.grad_fn.edges[0][0] for y in ys]
+    assert len({id(e.origin_frame) for e in entries}) == 1
+    assert entries[0].origin.endswith(f"test_hot_path.py:{_line_of('ys = [cad.tanh')}")
+
+
+def _line_of(text: str) -> int:
+    with open(__file__) as f:
+        return next(i for i, line in enumerate(f, 1) if text in line and "_line_of" not in line)
+
+
+def test_entries_share_metadata_of_equal_shapes_but_keep_their_own_values():
+    x = cad.tensor(np.ones((2, 3)), requires_grad=True)
+    a, b = cad.exp(x), cad.exp(x * 2.0)
+    assert a.grad_fn.out_meta is b.grad_fn.out_meta
+    assert a.grad_fn.out_meta == (((2, 3), np.dtype("float64")),)
+
+
+def test_a_packer_in_one_thread_leaves_another_thread_keeping_all():
+    seen, ready, done = [], threading.Event(), threading.Event()
+
+    def other_thread():
+        with cad.saved_values_hooks(lambda a: seen.append(a.shape) or a, lambda a: a):
+            ready.set()
+            done.wait(10)
+
+    worker = threading.Thread(target=other_thread)
+    worker.start()
+    try:
+        ready.wait(10)
+        x = cad.tensor(np.ones(4), requires_grad=True)
+        cad.sum(cad.tanh(x)).backward()  # recorded here while the other thread packs
+        assert seen == []
+    finally:
+        done.set()
+        worker.join()
+    assert not cad.saved._pushed  # the blocks closed: none left
