@@ -17,7 +17,9 @@ def test_the_demo_checks_its_gradient_and_counts_its_steps():
     assert result["bitwise_equal_to_keep_all"]
     assert result["fd_rel_error_theta"] < 1e-6 and result["fd_rel_error_u0"] < 1e-6
     assert result["grad_theta_norm"] > 0 and result["grad_u0_norm"] > 0
-    assert 0 < result["peak_rss_mb"] < 300
+    # inside a test session the process holds every earlier test's modules: what the run
+    # added is what this checks (the demo's own process reports its absolute peak)
+    assert 0 <= result["peak_rss_mb"] - result["rss_before_mb"] < 300
 
 
 def test_the_command_writes_its_result(tmp_path, capsys):
