@@ -13,23 +13,31 @@ from __future__ import annotations
 import itertools
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from .. import events
+from ..tape import origin_text
 from ..tensor_base import TensorBase
-from .memory import probe_for, rss_bytes, synchronize
+from .memory import MemoryProbe, probe_for, rss_bytes, synchronize
 from .records import Profile, SavedRecord
 
 
 class _Recorder:
-    """The event listener: keeps live saved bytes, phases and records up to date."""
+    """The event listener: keeps live saved bytes, phases and records up to date.
+
+    `handlers` maps each event kind it hears to one method (add a kind: add a method and a
+    line there). It runs inside the profiled program, so it keeps raw tuples (`raw_records`,
+    `points`) and `fill` turns them into the profile's records and timeline when those are
+    read, or when the block ends.
+    """
 
     def __init__(self, profile: Profile, device: str, device_memory: bool) -> None:
         self.profile = profile
         self.device = device
         self.probe = probe_for(device, device_memory)
+        self.sampling = type(self.probe).sample is not MemoryProbe.sample
         self.serials: dict[int, int] = {}  # id(buffer) -> serial (ids are reused; serials not)
         # id(buffer) -> (owned, bytes counted, id of its array if owned and by reference)
         self.counted: dict[int, tuple[bool, int, int | None]] = {}
@@ -39,40 +47,62 @@ class _Recorder:
         self.counter = itertools.count()
         self.live = 0
         self.live_aliased = 0
+        self.peak = 0
         self.backward_depth = 0
         self.recompute_depth = 0
+        self.phase = "forward"
         self.backward_started = 0.0
         self.recompute_started = 0.0
-        self.handlers = {
+        # (op, role, shape, dtype, logical, stored, origin frame, serial, phase, owned)
+        self.raw_records: list[tuple[Any, ...]] = []
+        self.points: list[tuple[float, int, str]] = []  # (seconds, live bytes, phase)
+        self.handlers: dict[str, Callable[[Any], None]] = {
             "record": self._record,
-            "apply": self._apply,
             "pack": self._pack,
-            "free": self._free,
-            "backward_begin": self._backward_begin,
-            "backward_end": self._backward_end,
-            "recompute_begin": self._recompute_begin,
-            "recompute_end": self._recompute_end,
+            "apply": self._settled(self._apply),
+            "free": self._settled(self._free),
+            "backward_begin": self._settled(self._backward_begin),
+            "backward_end": self._settled(self._backward_end),
+            "recompute_begin": self._settled(self._recompute_begin),
+            "recompute_end": self._settled(self._recompute_end),
         }
 
-    def __call__(self, kind: str, payload: Any) -> None:
-        if self.pending and kind not in ("pack", "record"):
-            self._claim_pending()
-        handler = self.handlers.get(kind)
-        if handler is not None:
+    def _settled(self, handler: Callable[[Any], None]) -> Callable[[Any], None]:
+        """`handler`, first claiming the buffers stored by reference that no 'record' came
+        for: every kind but 'pack' and 'record' ends that wait."""
+        def settled(payload: Any) -> None:
+            if self.pending:
+                self._claim_pending()
             handler(payload)
+        return settled
 
     # ------------------------------------------------------------- helpers
-    @property
-    def phase(self) -> str:
+    def _set_phase(self) -> None:
         if self.recompute_depth:
-            return "recompute"
-        return "backward" if self.backward_depth else "forward"
+            self.phase = "recompute"
+        else:
+            self.phase = "backward" if self.backward_depth else "forward"
 
     def _point(self) -> None:
-        p = self.profile
-        p.timeline_seconds.append(time.perf_counter() - self.started)
-        p.timeline_bytes.append(self.live)
-        p.timeline_phase.append(self.phase)
+        self.points.append((time.perf_counter() - self.started, self.live, self.phase))
+
+    def fill(self) -> None:
+        """Move what was gathered so far into the profile's records and timeline."""
+        p = self.profile.__dict__
+        if self.raw_records:
+            p["_records"].extend([
+                SavedRecord(op, role, shape, _dtype_name(dtype), logical, stored,
+                            _origin(frame), serial, phase, owned)
+                for op, role, shape, dtype, logical, stored, frame, serial, phase, owned
+                in self.raw_records
+            ])
+            self.raw_records.clear()
+        if self.points:
+            seconds, live, phases = zip(*self.points)
+            p["_timeline_seconds"].extend(seconds)
+            p["_timeline_bytes"].extend(live)
+            p["_timeline_phase"].extend(phases)
+            self.points.clear()
 
     def _serial(self, buffer: Any) -> int:
         serial = self.serials.get(id(buffer))
@@ -101,10 +131,12 @@ class _Recorder:
     def _add(self, owned: bool, size: int) -> None:
         if owned:
             self.live += size
-            self.profile.peak_tape_bytes = max(self.profile.peak_tape_bytes, self.live)
+            if self.live > self.peak:
+                self.peak = self.profile.peak_tape_bytes = self.live
         else:
             self.live_aliased += size
-            self.profile.aliased_bytes = max(self.profile.aliased_bytes or 0, self.live_aliased)
+            if self.live_aliased > (self.profile.aliased_bytes or 0):
+                self.profile.aliased_bytes = self.live_aliased
 
     def _claim_pending(self) -> None:
         """Buffers stored by reference that no entry claimed: owned (a loop's snapshots, a
@@ -118,12 +150,12 @@ class _Recorder:
         """Remember the arrays of leaves that require grad and take part in the forward
         computation: parameters and inputs the caller holds. (Leaves a loop or a checkpointed
         region makes while re-running steps for the backward sweep are its own, not these.)"""
-        if self.backward_depth or self.recompute_depth:
-            return
+        leaf_roots = self.leaf_roots
         for edge in entry.edges:
             if edge is not None and isinstance(edge[0], TensorBase):
                 root = _root(edge[0]._data)
-                self.leaf_roots.setdefault(id(root), weakref.ref(root))
+                if id(root) not in leaf_roots:
+                    leaf_roots[id(root)] = weakref.ref(root)
 
     def _is_alias(self, slot: Any) -> bool:
         """Whether `slot` holds, by reference, memory the caller keeps anyway: an array of a
@@ -143,34 +175,31 @@ class _Recorder:
     # ------------------------------------------------------------- events
     def _record(self, entry: Any) -> None:
         self._apply(entry)
-        self._learn_leaves(entry)
-        for slot in entry.slots or ():
-            buffer = slot.buffer
-            if buffer is None:
-                continue
-            key = id(buffer)
-            owned = not self._is_alias(slot)
-            if key in self.pending:
-                self._count(self.pending.pop(key), owned)
-            elif key in self.counted:  # one buffer, one classification...
-                was_owned, size, root_id = self.counted[key]
-                if was_owned and not owned:  # ...but claimed as owned before its entry came
-                    self.live -= size
-                    self.counted[key] = (False, size, root_id)
-                    self._add(False, size)
-                owned = self.counted[key][0]
-            self.profile.records.append(SavedRecord(
-                op=entry.name,
-                role=slot.name,
-                shape=buffer.shape,
-                dtype=_dtype_name(buffer.dtype),
-                logical_bytes=buffer.logical_nbytes,
-                stored_bytes=buffer.stored_nbytes,
-                origin=_origin(entry),
-                buffer=self._serial(buffer),
-                phase=self.phase,
-                owned=owned,
-            ))
+        if not (self.backward_depth or self.recompute_depth):
+            self._learn_leaves(entry)
+        slots = entry.slots
+        if slots:
+            op, frame, phase = entry.op.name, entry.origin_frame, self.phase
+            pending, counted = self.pending, self.counted
+            for slot in slots:
+                buffer = slot.buffer
+                if buffer is None:
+                    continue
+                key = id(buffer)
+                owned = not self._is_alias(slot)
+                if key in pending:
+                    self._count(pending.pop(key), owned)
+                elif key in counted:  # one buffer, one classification...
+                    was_owned, size, root_id = counted[key]
+                    if was_owned and not owned:  # ...but claimed as owned before its entry
+                        self.live -= size
+                        counted[key] = (False, size, root_id)
+                        self._add(False, size)
+                    owned = counted[key][0]
+                self.raw_records.append((
+                    op, slot.name, buffer.shape, buffer.dtype, buffer.logical_nbytes,
+                    buffer.stored_nbytes, frame, self._serial(buffer), phase, owned,
+                ))
         if self.pending:  # saved by reference but held by no slot of this entry
             self._claim_pending()
         else:
@@ -183,7 +212,8 @@ class _Recorder:
 
     def _pack(self, buffer: Any) -> None:
         self.serials[id(buffer)] = next(self.counter)
-        self.probe.sample()
+        if self.sampling:
+            self.probe.sample()
         if buffer.source is None:  # stored by reference: its record says whose memory it is
             self.pending[id(buffer)] = buffer
             return
@@ -207,7 +237,8 @@ class _Recorder:
             if not self.roots[root_id]:
                 del self.roots[root_id]
         self.serials.pop(key, None)
-        self.probe.sample()
+        if self.sampling:
+            self.probe.sample()
         self._point()
 
     def _backward_begin(self, _: Any) -> None:
@@ -216,9 +247,11 @@ class _Recorder:
             self._sample_rss()
             self.backward_started = time.perf_counter()
         self.backward_depth += 1
+        self._set_phase()
 
     def _backward_end(self, _: Any) -> None:
         self.backward_depth -= 1
+        self._set_phase()
         if self.backward_depth == 0 and self.recompute_depth == 0:
             synchronize(self.device)
             self.profile.backward_seconds += time.perf_counter() - self.backward_started
@@ -229,9 +262,11 @@ class _Recorder:
             synchronize(self.device)
             self.recompute_started = time.perf_counter()
         self.recompute_depth += 1
+        self._set_phase()
 
     def _recompute_end(self, _: Any) -> None:
         self.recompute_depth -= 1
+        self._set_phase()
         if self.recompute_depth == 0:
             synchronize(self.device)
             self.profile.recompute_seconds += time.perf_counter() - self.recompute_started
@@ -244,6 +279,7 @@ class _Recorder:
         synchronize(self.device)
         self.started = time.perf_counter()
         self._point()
+        self.profile.__dict__["_fill"] = self.fill
 
     def stop(self) -> None:
         if self.pending:
@@ -254,6 +290,8 @@ class _Recorder:
         self.profile.forward_seconds = max(elapsed - self.profile.backward_seconds, 0.0)
         self.profile.device_peak_bytes = self.probe.stop()
         self._sample_rss()
+        del self.profile.__dict__["_fill"]
+        self.fill()
 
 
 def _root(array: Any) -> Any:
@@ -289,7 +327,7 @@ def profile(
         device_memory = device.startswith("cuda")
     recorder = _Recorder(result, device, bool(device_memory))
     recorder.start()
-    unsubscribe = events.subscribe(recorder, recorder.handlers)
+    unsubscribe = events.subscribe_handlers(recorder.handlers)
     try:
         yield result
     finally:
@@ -309,10 +347,9 @@ def _dtype_name(dtype: Any) -> str:
     return name
 
 
-def _origin(entry: Any) -> str:
-    """entry.origin ('file:line'), remembered per source line."""
-    frame = entry.origin_frame
+def _origin(frame: tuple[Any, int]) -> str:
+    """An entry's origin ('file:line') from its `origin_frame`, remembered per source line."""
     text = _origins.get(frame)
     if text is None:
-        text = _origins[frame] = entry.origin
+        text = _origins[frame] = origin_text(frame)
     return text

@@ -39,6 +39,27 @@ class SavedRecord:
     owned: bool = True  # False: the caller's own memory (a parameter, input data) by reference
 
 
+class _Filled:
+    """A list field of `Profile` that a running recorder fills on demand: the recorder keeps
+    raw tuples while the program runs (cheap), and `Profile._fill`, set while it runs, turns
+    them into items the moment the field is read. The dataclass sees a descriptor-typed field
+    whose default is empty; a list assigned to it is kept as the field's value."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.key = "_" + name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return ()  # the field's default (no items)
+        fill = obj.__dict__.get("_fill")
+        if fill is not None:
+            fill()
+        return obj.__dict__[self.key]
+
+    def __set__(self, obj: Any, value: Iterable[Any]) -> None:
+        obj.__dict__[self.key] = value if type(value) is list else list(value)
+
+
 @dataclass
 class Profile:
     """Measurements of one run: saved values, live tape bytes over time, times, memory.
@@ -54,10 +75,10 @@ class Profile:
 
     device: str = "cpu"
     meta: dict[str, Any] = field(default_factory=dict)
-    records: list[SavedRecord] = field(default_factory=list)
-    timeline_seconds: list[float] = field(default_factory=list)
-    timeline_bytes: list[int] = field(default_factory=list)
-    timeline_phase: list[str] = field(default_factory=list)
+    records: list[SavedRecord] = _Filled()  # type: ignore[assignment]
+    timeline_seconds: list[float] = _Filled()  # type: ignore[assignment]
+    timeline_bytes: list[int] = _Filled()  # type: ignore[assignment]
+    timeline_phase: list[str] = _Filled()  # type: ignore[assignment]
     peak_tape_bytes: int = 0
     aliased_bytes: int | None = 0
     primitives: int = 0
