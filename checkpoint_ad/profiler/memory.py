@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import tracemalloc
 from typing import Any
 
@@ -73,13 +74,19 @@ def probe_for(device: str, enabled: bool = True) -> MemoryProbe:
     return TracemallocProbe()
 
 
+_process: list[Any] = []  # [(pid, psutil.Process)]: making one costs more than reading it
+
+
 def rss_bytes() -> int | None:
     """Resident set size of this process (psutil), or None if psutil is missing."""
     try:
         import psutil
     except ImportError:
         return None
-    return int(psutil.Process().memory_info().rss)
+    pid = os.getpid()
+    if not _process or _process[0][0] != pid:  # first call, or in a forked child
+        _process[:] = [(pid, psutil.Process(pid))]
+    return int(_process[0][1].memory_info().rss)
 
 
 def synchronize(device: str) -> None:

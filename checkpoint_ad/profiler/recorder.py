@@ -18,19 +18,18 @@ from contextlib import contextmanager
 from typing import Any
 
 from .. import events
-from ..tape import origin_text
 from ..tensor_base import TensorBase
+from .gathered import Gathered
 from .memory import MemoryProbe, probe_for, rss_bytes, synchronize
-from .records import Profile, SavedRecord
+from .records import Profile
 
 
 class _Recorder:
     """The event listener: keeps live saved bytes, phases and records up to date.
 
     `handlers` maps each event kind it hears to one method (add a kind: add a method and a
-    line there). It runs inside the profiled program, so it keeps raw tuples (`raw_records`,
-    `points`) and `fill` turns them into the profile's records and timeline when those are
-    read, or when the block ends.
+    line there). It runs inside the profiled program, so it keeps raw tuples (`Gathered`),
+    turned into the profile's records and timeline when those are read.
     """
 
     def __init__(self, profile: Profile, device: str, device_memory: bool) -> None:
@@ -53,9 +52,9 @@ class _Recorder:
         self.phase = "forward"
         self.backward_started = 0.0
         self.recompute_started = 0.0
-        # (op, role, shape, dtype, logical, stored, origin frame, serial, phase, owned)
-        self.raw_records: list[tuple[Any, ...]] = []
-        self.points: list[tuple[float, int, str]] = []  # (seconds, live bytes, phase)
+        self.gathered = Gathered()
+        self.raw_records = self.gathered.records
+        self.points = self.gathered.points
         self.handlers: dict[str, Callable[[Any], None]] = {
             "record": self._record,
             "pack": self._pack,
@@ -85,30 +84,6 @@ class _Recorder:
 
     def _point(self) -> None:
         self.points.append((time.perf_counter() - self.started, self.live, self.phase))
-
-    def fill(self) -> None:
-        """Move what was gathered so far into the profile's records and timeline."""
-        p = self.profile.__dict__
-        if self.raw_records:
-            p["_records"].extend([
-                SavedRecord(op, role, shape, _dtype_name(dtype), logical, stored,
-                            _origin(frame), serial, phase, owned)
-                for op, role, shape, dtype, logical, stored, frame, serial, phase, owned
-                in self.raw_records
-            ])
-            self.raw_records.clear()
-        if self.points:
-            seconds, live, phases = zip(*self.points)
-            p["_timeline_seconds"].extend(seconds)
-            p["_timeline_bytes"].extend(live)
-            p["_timeline_phase"].extend(phases)
-            self.points.clear()
-
-    def _serial(self, buffer: Any) -> int:
-        serial = self.serials.get(id(buffer))
-        if serial is None:  # saved before profiling began: known from now on
-            serial = self.serials[id(buffer)] = next(self.counter)
-        return serial
 
     def _sample_rss(self) -> None:
         rss = rss_bytes()
@@ -154,15 +129,15 @@ class _Recorder:
         for edge in entry.edges:
             if edge is not None and isinstance(edge[0], TensorBase):
                 root = _root(edge[0]._data)
-                if id(root) not in leaf_roots:
+                known = leaf_roots.get(id(root))
+                if known is None or known() is not root:  # new, or its id reused
                     leaf_roots[id(root)] = weakref.ref(root)
 
-    def _is_alias(self, slot: Any) -> bool:
+    def _is_alias(self, slot: Any, buffer: Any) -> bool:
         """Whether `slot` holds, by reference, memory the caller keeps anyway: an array of a
         leaf that requires grad (or a view of one), or a view (a slice of input data) saved
         for a value with no history. An array of its own with no history (a dropout mask, an
         initial state made inside the model) may be kept alive by the tape alone: owned."""
-        buffer = slot.buffer
         if buffer.source is not None:  # packed: the stored form is a new array
             return False
         array = buffer.packed
@@ -174,19 +149,22 @@ class _Recorder:
 
     # ------------------------------------------------------------- events
     def _record(self, entry: Any) -> None:
-        self._apply(entry)
-        if not (self.backward_depth or self.recompute_depth):
+        self.profile.primitives += 1
+        if self.backward_depth or self.recompute_depth:
+            if self.recompute_depth:
+                self.profile.recomputed_primitives += 1
+        else:
             self._learn_leaves(entry)
         slots = entry.slots
         if slots:
             op, frame, phase = entry.op.name, entry.origin_frame, self.phase
-            pending, counted = self.pending, self.counted
+            pending, counted, serials = self.pending, self.counted, self.serials
             for slot in slots:
                 buffer = slot.buffer
                 if buffer is None:
                     continue
                 key = id(buffer)
-                owned = not self._is_alias(slot)
+                owned = not self._is_alias(slot, buffer)
                 if key in pending:
                     self._count(pending.pop(key), owned)
                 elif key in counted:  # one buffer, one classification...
@@ -196,14 +174,17 @@ class _Recorder:
                         counted[key] = (False, size, root_id)
                         self._add(False, size)
                     owned = counted[key][0]
+                serial = serials.get(key)
+                if serial is None:  # saved before profiling began: known from now on
+                    serial = serials[key] = next(self.counter)
                 self.raw_records.append((
                     op, slot.name, buffer.shape, buffer.dtype, buffer.logical_nbytes,
-                    buffer.stored_nbytes, frame, self._serial(buffer), phase, owned,
+                    buffer.stored_nbytes, frame, serial, phase, owned,
                 ))
         if self.pending:  # saved by reference but held by no slot of this entry
             self._claim_pending()
         else:
-            self._point()
+            self.points.append((time.perf_counter() - self.started, self.live, self.phase))
 
     def _apply(self, _: Any) -> None:
         self.profile.primitives += 1
@@ -279,7 +260,7 @@ class _Recorder:
         synchronize(self.device)
         self.started = time.perf_counter()
         self._point()
-        self.profile.__dict__["_fill"] = self.fill
+        self.profile.__dict__["_fill"] = self.gathered
 
     def stop(self) -> None:
         if self.pending:
@@ -290,8 +271,7 @@ class _Recorder:
         self.profile.forward_seconds = max(elapsed - self.profile.backward_seconds, 0.0)
         self.profile.device_peak_bytes = self.probe.stop()
         self._sample_rss()
-        del self.profile.__dict__["_fill"]
-        self.fill()
+        self.gathered.ended = True
 
 
 def _root(array: Any) -> Any:
@@ -333,23 +313,3 @@ def profile(
     finally:
         unsubscribe()
         recorder.stop()
-
-
-_dtype_names: dict[Any, str] = {}
-_origins: dict[Any, str] = {}
-
-
-def _dtype_name(dtype: Any) -> str:
-    """str(dtype), remembered: numpy's is slow enough to show in a profiled run."""
-    name = _dtype_names.get(dtype)
-    if name is None:
-        name = _dtype_names[dtype] = str(dtype)
-    return name
-
-
-def _origin(frame: tuple[Any, int]) -> str:
-    """An entry's origin ('file:line') from its `origin_frame`, remembered per source line."""
-    text = _origins.get(frame)
-    if text is None:
-        text = _origins[frame] = origin_text(frame)
-    return text

@@ -40,10 +40,10 @@ class SavedRecord:
 
 
 class _Filled:
-    """A list field of `Profile` that a running recorder fills on demand: the recorder keeps
-    raw tuples while the program runs (cheap), and `Profile._fill`, set while it runs, turns
-    them into items the moment the field is read. The dataclass sees a descriptor-typed field
-    whose default is empty; a list assigned to it is kept as the field's value."""
+    """A list field of `Profile` filled on demand: a recorder keeps raw tuples while the
+    program runs (cheap), and the profile's `_fill` (its `Gathered`) turns them into items the
+    moment the field is read. The dataclass sees a descriptor-typed field whose default is
+    empty; a list assigned to it is kept as the field's value."""
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.key = "_" + name
@@ -53,7 +53,7 @@ class _Filled:
             return ()  # the field's default (no items)
         fill = obj.__dict__.get("_fill")
         if fill is not None:
-            fill()
+            fill(obj)
         return obj.__dict__[self.key]
 
     def __set__(self, obj: Any, value: Iterable[Any]) -> None:
