@@ -13,7 +13,7 @@ from typing import Any
 
 from .table import Ratio
 
-BENCHMARKS = ("tape", "rnn", "mlp", "heat", "quantize", "plan")
+BENCHMARKS = ("tape", "rnn", "mlp", "heat", "quantize", "plan", "profiler")
 
 DESCRIPTIONS = {
     "tape": "tape overhead: a chain of small elementwise ops, forward+backward",
@@ -22,6 +22,7 @@ DESCRIPTIONS = {
     "heat": "heat equation time-stepping (built-in model)",
     "quantize": "quantization throughput, pack = quantize, unpack = dequantize",
     "plan": "binomial (Revolve) schedule planning time",
+    "profiler": "what profiling costs: plain, profile(), profile(device_memory=True)",
 }
 
 SIZES: dict[str, dict[str, Any]] = {
@@ -34,6 +35,9 @@ SIZES: dict[str, dict[str, Any]] = {
         "quantize": {"megabytes": 64, "repeats": 5},
         "plan": {"cases": [(10**5, 16), (10**5, 100), (10**6, 16), (10**6, 100)],
                  "repeats": 5, "walk_up_to": 10**5},
+        "profiler": {"imperative RNN": {"steps": 256, "batch": 32, "hidden": 128, "input": 128},
+                     "GRU training step": {"steps": 32, "batch": 16, "hidden": 64, "input": 32},
+                     "repeats": 15},
     },
     "quick": {
         "tape": {"size": 16, "ops": 2000, "repeats": 3},
@@ -43,6 +47,9 @@ SIZES: dict[str, dict[str, Any]] = {
         "heat": {"sizes": {"grid": 32, "steps": 100}, "repeats": 3},
         "quantize": {"megabytes": 8, "repeats": 3},
         "plan": {"cases": [(10**5, 16), (10**6, 16)], "repeats": 3, "walk_up_to": 0},
+        "profiler": {"imperative RNN": {"steps": 64, "batch": 16, "hidden": 64, "input": 64},
+                     "GRU training step": {"steps": 16, "batch": 8, "hidden": 32, "input": 16},
+                     "repeats": 5},
     },
 }
 
@@ -69,6 +76,8 @@ EXTRA_COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {
                  ("stored/input", "stored_fraction")),
     "plan": (("actions", "actions"), ("evaluations", "evaluations"),
              ("walk s", "walk_seconds")),
+    "profiler": (("/plain", "overhead"), ("records", "records"),
+                 ("same grads", "same_grads")),
 }
 
 
@@ -161,5 +170,7 @@ def jobs(quick: bool, only: set[str] | None = None) -> list[Job]:
         "quantize": lambda: [Job("quantize", f"{sizes['quantize']['megabytes']} MiB float32",
                                  "kernels", "quantize_throughput:throughput", sizes["quantize"])],
         "plan": lambda: [Job("plan", "binomial_plan", "plans", "planning:plans", sizes["plan"])],
+        "profiler": lambda: [Job("profiler", "one thread, variants interleaved", "overhead",
+                                 "profiler_overhead:overhead", sizes["profiler"])],
     }
     return [job for name in BENCHMARKS if only is None or name in only for job in makers[name]()]
