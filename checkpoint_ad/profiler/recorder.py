@@ -59,7 +59,7 @@ class _Recorder:
             "record": self._record,
             "pack": self._pack,
             "apply": self._settled(self._apply),
-            "free": self._settled(self._free),
+            "free": self._free,  # settles pending buffers itself: the most frequent kind
             "backward_begin": self._settled(self._backward_begin),
             "backward_end": self._settled(self._backward_end),
             "recompute_begin": self._settled(self._recompute_begin),
@@ -164,7 +164,7 @@ class _Recorder:
                 if buffer is None:
                     continue
                 key = id(buffer)
-                owned = not self._is_alias(slot, buffer)
+                owned = buffer.source is not None or not self._is_alias(slot, buffer)
                 if key in pending:
                     self._count(pending.pop(key), owned)
                 elif key in counted:  # one buffer, one classification...
@@ -202,9 +202,8 @@ class _Recorder:
         self._point()
 
     def _free(self, key: int) -> None:
-        if self.pending.pop(key, None) is not None:
-            self.serials.pop(key, None)
-            return
+        if self.pending:  # as `_settled` does (a buffer dying unclaimed was owned)
+            self._claim_pending()
         counted = self.counted.pop(key, None)
         if counted is None:
             return
