@@ -8,34 +8,39 @@ read (`records._Filled`), during the block or after it.
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Callable
 from typing import Any
 
 from ..tape import origin_text
 from .records import SavedRecord
 
-# (op, role, shape, dtype, logical bytes, stored bytes, origin frame, serial, phase, owned)
-RawRecord = tuple[str, str, tuple[int, ...], Any, int, int, tuple[Any, int], int, str, bool]
+# (op, role, shape, dtype, logical bytes, stored bytes, origin frame, serial, phase, owned,
+#  strategy class name)
+RawRecord = tuple[str, str, tuple[int, ...], Any, int, int, tuple[Any, int], int, str, bool,
+                  str]
 
 
 class Gathered:
     """Raw records and timeline points of one profile; called with the profile, moves them
     into its fields (and, once the recording has ended, stops being called)."""
 
-    __slots__ = ("ended", "points", "records")
+    __slots__ = ("ended", "judge", "points", "records")
 
     def __init__(self) -> None:
         self.records: list[RawRecord] = []
         self.points: list[tuple[float, int, str]] = []  # (seconds, live bytes, phase)
         self.ended = False
+        self.judge: Callable[[Any], None] | None = None  # set when the recording ends
 
     def __call__(self, profile: Any) -> None:
         fields = profile.__dict__
         if self.records:
             fields["_records"].extend([
                 SavedRecord(op, role, shape, _dtype_name(dtype), logical, stored,
-                            _origin(frame), serial, phase, owned)
-                for op, role, shape, dtype, logical, stored, frame, serial, phase, owned
-                in self.records
+                            _origin(frame), serial, phase, owned, strategy)
+                for op, role, shape, dtype, logical, stored, frame, serial, phase, owned,
+                strategy in self.records
             ])
             self.records.clear()
         if self.points:
@@ -46,6 +51,9 @@ class Gathered:
             self.points.clear()
         if self.ended:
             fields.pop("_fill", None)
+            if self.judge is not None:
+                judge, self.judge = self.judge, None
+                judge(profile)
 
 
 _dtype_names: dict[Any, str] = {}
@@ -66,3 +74,34 @@ def _origin(frame: tuple[Any, int]) -> str:
     if text is None:
         text = _origins[frame] = origin_text(frame)
     return text
+
+
+def judge_buffers(originals: dict[int, tuple[Any, bool]], released: set[int],
+                  born: dict[int, tuple[int, int]], died: dict[int, int], peak_at: int,
+                  profile: Any) -> None:
+    """Fill what `explain` reads once the recording has ended, when first asked (not while
+    the program runs: it collects garbage first, so that only arrays someone still holds count
+    as held): the owned buffers alive at the tape's peak, and the saved arrays that outlived
+    the tape's hold on them: released values and originals of packed values still alive."""
+    gc.collect()
+    fields = profile.__dict__
+    at_peak = fields["_peak_buffers"]
+    for serial, (start, size) in born.items():
+        if start <= peak_at < died.get(serial, peak_at + 1):
+            at_peak[str(serial)] = size
+    named: dict[int, int] = {}  # id(array the caller holds) -> the serial naming it
+    for serial, (ref, packed) in originals.items():
+        array = ref()
+        if array is None or id(array) in named:
+            continue
+        if packed:
+            fields["_originals_kept"].append(serial)
+        elif serial in released:
+            fields["_kept_by_caller"].append(serial)
+        else:  # the tape still holds it: not known to be the caller's
+            continue
+        named[id(array)] = serial
+    for serial, (ref, _) in originals.items():  # its other buffers: named once
+        array = ref()
+        if array is not None and named.get(id(array), serial) != serial:
+            fields["_also_kept"].append(serial)

@@ -10,16 +10,18 @@ the engine; one that no record claims before the next other event is owned.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 from .. import events
 from ..tensor_base import TensorBase
-from .gathered import Gathered
+from .gathered import Gathered, judge_buffers
 from .memory import MemoryProbe, probe_for, rss_bytes, synchronize
 from .records import Profile
 
@@ -52,6 +54,14 @@ class _Recorder:
         self.phase = "forward"
         self.backward_started = 0.0
         self.recompute_started = 0.0
+        # what `explain` needs: serial -> (weakref of the original array, stored packed?)
+        self.originals: dict[int, tuple[Any, bool]] = {}
+        self.released: set[int] = set()  # serials of owned buffers the tape let go of
+        self.view_roots: set[int] = set()  # id(base array) of saved views, counted once
+        # owned buffers: serial -> (timeline index when counted, bytes counted); when freed
+        self.born: dict[int, tuple[int, int]] = {}
+        self.died: dict[int, int] = {}
+        self.peak_at = 0  # timeline index of the latest new peak
         self.gathered = Gathered()
         self.raw_records = self.gathered.records
         self.points = self.gathered.points
@@ -101,6 +111,10 @@ class _Recorder:
                 size = 0
             self.roots[root_id] = self.roots.get(root_id, 0) + 1
         self.counted[key] = (owned, size, root_id)
+        if owned:
+            serial = self.serials.get(key)
+            if serial is not None:
+                self.born[serial] = (len(self.points), size)
         self._add(owned, size)
 
     def _add(self, owned: bool, size: int) -> None:
@@ -108,6 +122,7 @@ class _Recorder:
             self.live += size
             if self.live > self.peak:
                 self.peak = self.profile.peak_tape_bytes = self.live
+                self.peak_at = len(self.points)
         else:
             self.live_aliased += size
             if self.live_aliased > (self.profile.aliased_bytes or 0):
@@ -116,8 +131,10 @@ class _Recorder:
     def _claim_pending(self) -> None:
         """Buffers stored by reference that no entry claimed: owned (a loop's snapshots, a
         checkpointed region's inputs)."""
-        for buffer in self.pending.values():
+        unrecorded = self.profile.unrecorded_bytes
+        for key, buffer in self.pending.items():
             self._count(buffer, owned=True)
+            unrecorded[str(self.serials[key])] = self.counted[key][1]
         self.pending.clear()
         self._point()
 
@@ -132,6 +149,7 @@ class _Recorder:
                 known = leaf_roots.get(id(root))
                 if known is None or known() is not root:  # new, or its id reused
                     leaf_roots[id(root)] = weakref.ref(root)
+                    self.profile.leaf_bytes += int(getattr(root, "nbytes", 0))
 
     def _is_alias(self, slot: Any, buffer: Any) -> bool:
         """Whether `slot` holds, by reference, memory the caller keeps anyway: an array of a
@@ -177,14 +195,29 @@ class _Recorder:
                 serial = serials.get(key)
                 if serial is None:  # saved before profiling began: known from now on
                     serial = serials[key] = next(self.counter)
+                if owned and buffer.source is None:
+                    self._note_view(buffer, serial)
                 self.raw_records.append((
                     op, slot.name, buffer.shape, buffer.dtype, buffer.logical_nbytes,
                     buffer.stored_nbytes, frame, serial, phase, owned,
+                    type(buffer.packer).__name__,
                 ))
         if self.pending:  # saved by reference but held by no slot of this entry
             self._claim_pending()
         else:
             self.points.append((time.perf_counter() - self.started, self.live, self.phase))
+
+    def _note_view(self, buffer: Any, serial: int) -> None:
+        """A saved view keeps its whole base alive: note the bytes beyond the view's own
+        (once per base, and not if the base is itself a saved value the tape owns)."""
+        array = buffer.packed
+        root = _root(array)
+        if root is array or id(root) in self.view_roots or self.roots.get(id(root)):
+            return
+        self.view_roots.add(id(root))
+        extra = int(getattr(root, "nbytes", 0)) - buffer.stored_nbytes
+        if extra > 0:
+            self.profile.view_base_bytes[str(serial)] = extra
 
     def _apply(self, _: Any) -> None:
         self.profile.primitives += 1
@@ -192,7 +225,12 @@ class _Recorder:
             self.profile.recomputed_primitives += 1
 
     def _pack(self, buffer: Any) -> None:
-        self.serials[id(buffer)] = next(self.counter)
+        serial = self.serials[id(buffer)] = next(self.counter)
+        if buffer.source is None or buffer.source() is buffer.packed:  # stored as is
+            with contextlib.suppress(TypeError):  # no weak references: not judged
+                self.originals[serial] = (weakref.ref(buffer.packed), False)
+        else:
+            self.originals[serial] = (buffer.source, True)
         if self.sampling:
             self.probe.sample()
         if buffer.source is None:  # stored by reference: its record says whose memory it is
@@ -210,6 +248,10 @@ class _Recorder:
         owned, size, root_id = counted
         if owned:
             self.live -= size
+            serial = self.serials.get(key)
+            if serial is not None:
+                self.released.add(serial)
+                self.died[serial] = len(self.points)
         else:
             self.live_aliased -= size
         if root_id is not None:
@@ -254,6 +296,7 @@ class _Recorder:
     # ------------------------------------------------------------- lifetime
     def start(self) -> None:
         self._sample_rss()
+        self.profile.rss_start_bytes = self.profile.rss_peak_bytes
         self.probe.start()
         self.profile.memory_source = self.probe.source
         synchronize(self.device)
@@ -270,6 +313,8 @@ class _Recorder:
         self.profile.forward_seconds = max(elapsed - self.profile.backward_seconds, 0.0)
         self.profile.device_peak_bytes = self.probe.stop()
         self._sample_rss()
+        self.gathered.judge = partial(
+            judge_buffers, self.originals, self.released, self.born, self.died, self.peak_at)
         self.gathered.ended = True
 
 

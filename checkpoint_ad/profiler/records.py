@@ -14,12 +14,13 @@ from typing import Any, TypeVar
 
 from ..errors import FileFormatError, ProfileFormatError
 from ..safe_files import write_text
+from .explain import Explanation, explain
 
 __all__ = ["Profile", "ProfileFormatError", "SavedRecord", "from_plain"]
 
 SCHEMA = "checkpoint-ad/profile"
-VERSION = 2  # 2: records say whether they are owned; aliased bytes are counted apart
-READS = (1, 2)  # version 1 counted every saved value as owned: loaded as such
+VERSION = 3  # 2: records say whether they are owned; 3: what `explain` reads
+READS = (1, 2, 3)  # version 1 counted every saved value as owned: loaded as such
 T = TypeVar("T")
 
 
@@ -37,6 +38,7 @@ class SavedRecord:
     buffer: int  # identifies the stored buffer: records sharing one count its bytes once
     phase: str  # "forward", "backward" or "recompute"
     owned: bool = True  # False: the caller's own memory (a parameter, input data) by reference
+    strategy: str = ""  # the class of the strategy that stored it ("" in files before version 3)
 
 
 class _Filled:
@@ -44,6 +46,9 @@ class _Filled:
     program runs (cheap), and the profile's `_fill` (its `Gathered`) turns them into items the
     moment the field is read. The dataclass sees a descriptor-typed field whose default is
     empty; a list assigned to it is kept as the field's value."""
+
+    def __init__(self, kind: type = list) -> None:
+        self.kind = kind  # list or dict
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.key = "_" + name
@@ -57,7 +62,7 @@ class _Filled:
         return obj.__dict__[self.key]
 
     def __set__(self, obj: Any, value: Iterable[Any]) -> None:
-        obj.__dict__[self.key] = value if type(value) is list else list(value)
+        obj.__dict__[self.key] = value if type(value) is self.kind else self.kind(value)
 
 
 @dataclass
@@ -89,6 +94,21 @@ class Profile:
     device_peak_bytes: int | None = None
     rss_peak_bytes: int | None = None
     memory_source: str = "none"
+    # what `explain` reads (version 3): owned buffers alive at the tape's peak and the bytes
+    # each counted there, by buffer number; stored bytes of owned buffers no entry recorded
+    # (a loop's snapshots, a checkpointed region's inputs), by buffer number; bytes of base
+    # arrays that saved views keep alive beyond the view, by buffer; buffers saved by
+    # reference whose array outlived the tape's hold on it (the caller kept it); packed
+    # buffers whose original array is still alive at the end; bytes of the arrays of leaves
+    # that require grad (parameters, inputs); RSS when the block began
+    peak_buffers: dict[str, int] = _Filled(dict)  # type: ignore[assignment]
+    unrecorded_bytes: dict[str, int] = field(default_factory=dict)
+    view_base_bytes: dict[str, int] = field(default_factory=dict)
+    kept_by_caller: list[int] = _Filled()  # type: ignore[assignment]
+    originals_kept: list[int] = _Filled()  # type: ignore[assignment]
+    also_kept: list[int] = _Filled()  # type: ignore[assignment]  # more buffers of one array
+    leaf_bytes: int = 0
+    rss_start_bytes: int | None = None
 
     # ------------------------------------------------------------- queries
     @property
@@ -124,6 +144,11 @@ class Profile:
                 else:
                     row["aliased"] += r.stored_bytes
         return dict(table)
+
+    def explain(self, top: int = 3) -> Explanation:
+        """Why memory did not drop: bytes by cause, the largest first, each with the source
+        lines that saved the most of it (see `profiler.explain`)."""
+        return explain(self, top)
 
     def by_op(self) -> dict[str, dict[str, int]]:
         """Count, logical and stored bytes of the saved values, per primitive."""
@@ -191,6 +216,13 @@ class Profile:
                 "checkpoint-ad"
             )
         fields = {k: v for k, v in data.items() if k not in ("schema", "version")}
+        if version in (1, 2):  # nothing `explain` reads beyond the records
+            fields = {"peak_buffers": {}, "unrecorded_bytes": {}, "view_base_bytes": {},
+                      "kept_by_caller": [], "originals_kept": [], "also_kept": [],
+                      "leaf_bytes": 0, "rss_start_bytes": None, **fields}
+            if isinstance(fields.get("records"), list):
+                fields["records"] = [{"strategy": "", **r} if isinstance(r, dict) else r
+                                     for r in fields["records"]]
         if version == 1:  # every saved value counted as owned; aliases not told apart
             fields.setdefault("aliased_bytes", None)
             if isinstance(fields.get("records"), list):
