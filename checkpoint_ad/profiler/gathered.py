@@ -77,18 +77,14 @@ def _origin(frame: tuple[Any, int]) -> str:
 
 
 def judge_buffers(originals: dict[int, tuple[Any, bool]], released: set[int],
-                  born: dict[int, tuple[int, int]], died: dict[int, int], peak_at: int,
-                  profile: Any) -> None:
+                  at_peak: list[tuple[int, int]], profile: Any) -> None:
     """Fill what `explain` reads once the recording has ended, when first asked (not while
     the program runs: it collects garbage first, so that only arrays someone still holds count
-    as held): the owned buffers alive at the tape's peak, and the saved arrays that outlived
-    the tape's hold on them: released values and originals of packed values still alive."""
+    as held): the owned buffers alive at the tape's peak, and the forward's saved arrays that
+    outlived the tape's hold on them: released values and originals of packed values."""
     gc.collect()
     fields = profile.__dict__
-    at_peak = fields["_peak_buffers"]
-    for serial, (start, size) in born.items():
-        if start <= peak_at < died.get(serial, peak_at + 1):
-            at_peak[str(serial)] = size
+    fields["_peak_buffers"].update((str(serial), size) for serial, size in at_peak)
     named: dict[int, int] = {}  # id(array the caller holds) -> the serial naming it
     for serial, (ref, packed) in originals.items():
         array = ref()

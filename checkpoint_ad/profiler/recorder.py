@@ -58,9 +58,11 @@ class _Recorder:
         self.originals: dict[int, tuple[Any, bool]] = {}
         self.released: set[int] = set()  # serials of owned buffers the tape let go of
         self.view_roots: set[int] = set()  # id(base array) of saved views, counted once
-        # owned buffers: serial -> (timeline index when counted, bytes counted); when freed
+        # live owned buffers: serial -> (timeline index when counted, bytes counted), and
+        # those freed since the latest new peak that were alive at it: together, what the
+        # tape owned at its peak, in memory bounded by what is alive
         self.born: dict[int, tuple[int, int]] = {}
-        self.died: dict[int, int] = {}
+        self.freed_since_peak: list[tuple[int, int]] = []
         self.peak_at = 0  # timeline index of the latest new peak
         self.gathered = Gathered()
         self.raw_records = self.gathered.records
@@ -123,6 +125,8 @@ class _Recorder:
             if self.live > self.peak:
                 self.peak = self.profile.peak_tape_bytes = self.live
                 self.peak_at = len(self.points)
+                if self.freed_since_peak:
+                    self.freed_since_peak.clear()
         else:
             self.live_aliased += size
             if self.live_aliased > (self.profile.aliased_bytes or 0):
@@ -226,7 +230,9 @@ class _Recorder:
 
     def _pack(self, buffer: Any) -> None:
         serial = self.serials[id(buffer)] = next(self.counter)
-        if buffer.source is None or buffer.source() is buffer.packed:  # stored as is
+        if self.backward_depth or self.recompute_depth:  # re-run values: the tape's own
+            pass
+        elif buffer.source is None or buffer.source() is buffer.packed:  # stored as is
             with contextlib.suppress(TypeError):  # no weak references: not judged
                 self.originals[serial] = (weakref.ref(buffer.packed), False)
         else:
@@ -250,8 +256,11 @@ class _Recorder:
             self.live -= size
             serial = self.serials.get(key)
             if serial is not None:
-                self.released.add(serial)
-                self.died[serial] = len(self.points)
+                if serial in self.originals:
+                    self.released.add(serial)
+                born = self.born.pop(serial, None)
+                if born is not None and born[0] <= self.peak_at:
+                    self.freed_since_peak.append((serial, born[1]))
         else:
             self.live_aliased -= size
         if root_id is not None:
@@ -313,8 +322,9 @@ class _Recorder:
         self.profile.forward_seconds = max(elapsed - self.profile.backward_seconds, 0.0)
         self.profile.device_peak_bytes = self.probe.stop()
         self._sample_rss()
-        self.gathered.judge = partial(
-            judge_buffers, self.originals, self.released, self.born, self.died, self.peak_at)
+        at_peak = self.freed_since_peak + [
+            (serial, size) for serial, (born, size) in self.born.items() if born <= self.peak_at]
+        self.gathered.judge = partial(judge_buffers, self.originals, self.released, at_peak)
         self.gathered.ended = True
 
 
