@@ -13,7 +13,8 @@ from typing import Any
 
 from .table import Ratio
 
-BENCHMARKS = ("tape", "rnn", "mlp", "heat", "quantize", "plan", "offload", "budget")
+BENCHMARKS = ("tape", "rnn", "mlp", "heat", "quantize", "plan", "offload", "budget",
+              "profiler")
 
 DESCRIPTIONS = {
     "tape": "tape overhead: a chain of small elementwise ops, forward+backward",
@@ -24,6 +25,7 @@ DESCRIPTIONS = {
     "plan": "binomial (Revolve) schedule planning time",
     "offload": "heat model, binomial with a disk level: backward time, I/O stall, bytes per level",
     "budget": "Budget(limit): predicted vs measured peak and time, against the best preset",
+    "profiler": "what profiling costs: plain, profile(), profile(device_memory=True)",
 }
 
 SIZES: dict[str, dict[str, Any]] = {
@@ -41,6 +43,9 @@ SIZES: dict[str, dict[str, Any]] = {
                                       "hidden": 128},
                               "heat": {"grid": 32, "steps": 256}},
                    "budgets": 6, "repeats": 5},
+        "profiler": {"imperative RNN": {"steps": 256, "batch": 32, "hidden": 128, "input": 128},
+                     "GRU training step": {"steps": 32, "batch": 16, "hidden": 64, "input": 32},
+                     "repeats": 15},
     },
     "quick": {
         "tape": {"size": 16, "ops": 2000, "repeats": 3},
@@ -54,6 +59,9 @@ SIZES: dict[str, dict[str, Any]] = {
         "budget": {"models": {"rnn": {"steps": 64, "batch": 16, "input_size": 16, "hidden": 64},
                               "heat": {"grid": 16, "steps": 64}},
                    "budgets": 4, "repeats": 3},
+        "profiler": {"imperative RNN": {"steps": 64, "batch": 16, "hidden": 64, "input": 64},
+                     "GRU training step": {"steps": 16, "batch": 8, "hidden": 32, "input": 16},
+                     "repeats": 5},
     },
 }
 
@@ -91,6 +99,8 @@ EXTRA_COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {
     "budget": (("plan", "plan"), ("peak/pred", "peak_over_predicted"),
                ("time/pred", "time_over_predicted"), ("best preset", "best_preset"),
                ("/best preset", "over_best_preset")),
+    "profiler": (("/plain", "overhead"), ("records", "records"),
+                 ("same grads", "same_grads")),
 }
 
 
@@ -191,5 +201,7 @@ def jobs(quick: bool, only: set[str] | None = None) -> list[Job]:
             "offload:heat_disk", sizes["offload"])],
         "budget": lambda: [Job("budget", "budgets from keep-all down to the least", "budgets",
                                "budgets:budgets", sizes["budget"])],
+        "profiler": lambda: [Job("profiler", "one thread, variants interleaved", "overhead",
+                                 "profiler_overhead:overhead", sizes["profiler"])],
     }
     return [job for name in BENCHMARKS if only is None or name in only for job in makers[name]()]

@@ -142,9 +142,28 @@ def _budgets(rows: Sequence[Row]) -> list[Target]:
             slowest.extras["over_best_preset"], 1.05, "<=",
             f"worst at {slowest.name} ({slowest.extras['plan']} vs "
             f"{slowest.extras['best_preset']})"))
+
+
+def _profiler(rows: Sequence[Row]) -> list[Target]:
+    """Issue 10: tape accounting costs <= 10% of the run; tracemalloc would be on by default
+    only within 25% (it is opt-in on the CPU: `profile(device_memory=True)`)."""
+    targets = []
+    for row in (r for r in rows if r.bench == "profiler"):
+        extras = row.extras
+        program, variant = extras.get("program"), extras.get("variant")
+        detail = ("median of per-repeat ratios to the plain run, interleaved; gradients "
+                  + ("bitwise equal" if extras.get("same_grads") else "NOT equal") + " to plain")
+        if variant == "profiled":
+            targets.append(Target(f"{program}: profiled <= 1.10x plain", extras.get("overhead"),
+                                  1.10, "<=", detail))
+        elif variant == "profiled + tracemalloc":
+            targets.append(Target(
+                f"{program}: with tracemalloc (on by default only if <= 1.25x; opt-in)",
+                extras.get("overhead"), None, "info", detail))
     return targets
 
 
 def check(rows: Sequence[Row]) -> list[Target]:
     """Every target that the rows of this run can speak to."""
-    return [*_tape(rows), *_rnn(rows), *_quantize(rows), *_planning(rows), *_budgets(rows)]
+    return [*_tape(rows), *_rnn(rows), *_quantize(rows), *_planning(rows), *_budgets(rows),
+            *_profiler(rows)]

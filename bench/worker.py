@@ -23,7 +23,7 @@ from .measure import blas_info, pin_threads
 from .peers import PeerMissing
 
 TASK_MODULES = ("tape_overhead", "rnn", "models", "quantize_throughput", "planning", "offload",
-                "budgets")
+                "budgets", "profiler_overhead")
 
 
 def run_task(task: str, params: dict, threads: int) -> dict:

@@ -1,21 +1,41 @@
-"""Engine events for observers (the profiler): free when nobody listens.
+"""Engine events for observers (the profiler): free when nobody listens, cheap when some do.
 
 The engine calls `emit` only behind an `if listeners:` check, so an unobserved program pays
 one list truth-test per event site. A listener hears the events of the thread that subscribed
-it only: a profile taken in one thread does not count another thread's work.
+it only: a profile taken in one thread does not count another thread's work. Subscriptions are
+kept as a table from kind to its handlers, rebuilt at each (rare) subscribe, so an event costs
+one lookup, and an event nobody asked for costs nothing more.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 Listener = Callable[[str, Any], None]
+Handler = Callable[[Any], None]
 
-# (subscribing thread, listener, the kinds it hears or None for all), every thread's
-listeners: list[tuple[int, Listener, frozenset[str] | None]] = []
+
+class Subscription:
+    """One subscriber: its thread, its handler per kind, or one listener for every kind."""
+
+    __slots__ = ("every", "handlers", "thread")
+
+    def __init__(self, handlers: Mapping[str, Handler] | None, every: Listener | None) -> None:
+        self.thread = threading.get_ident()
+        self.handlers = handlers
+        self.every = every
+
+
+listeners: list[Subscription] = []  # every thread's; the engine only tests it for emptiness
+# what `emit` reads, rebuilt from `listeners` at each subscribe:
+# kind -> ((subscribing thread, handler(payload)), ...)
+_routes: dict[str, tuple[tuple[int, Handler], ...]] = {}
+_hear_every_kind = False  # some listener hears every kind
+_lock = threading.Lock()
 
 
 def emit(kind: str, payload: Any) -> None:
@@ -31,41 +51,92 @@ def emit(kind: str, payload: Any) -> None:
     (bytes handed to or read back from a storage level), 'io_stall' (seconds spent waiting),
     'step' (a loop evaluated one step, recorded or replayed: its count so far).
     """
+    route = _routes.get(kind)
+    if route is None:
+        if not _hear_every_kind:
+            return
+        route = _catch_all(kind)
     thread = threading.get_ident()
-    for subscriber, listener, kinds in tuple(listeners):
-        if subscriber == thread and (kinds is None or kind in kinds):
-            listener(kind, payload)
-
-
-def hears(kind: str) -> bool:
-    """Whether a listener in the calling thread would hear `kind` (work that only feeds a
-    listener, such as a replayed loop describing its steps to a profiler, asks first)."""
-    if not listeners:
-        return False
-    thread = threading.get_ident()
-    return any(subscriber == thread and (kinds is None or kind in kinds)
-               for subscriber, _, kinds in listeners)
+    for subscriber, handler in route:
+        if subscriber == thread:
+            handler(payload)
 
 
 def emit_to(thread: int, kind: str, payload: Any) -> None:
     """Send one event to the listeners subscribed from `thread` (for a saved buffer that dies
     in another thread than the one that made it: its 'free' belongs to its maker's profile)."""
-    for subscriber, listener, kinds in tuple(listeners):
-        if subscriber == thread and (kinds is None or kind in kinds):
-            listener(kind, payload)
+    route = _routes.get(kind)
+    if route is None:
+        if not _hear_every_kind:
+            return
+        route = _catch_all(kind)
+    for subscriber, handler in route:
+        if subscriber == thread:
+            handler(payload)
+
+
+def hears(kind: str) -> bool:
+    """Whether a listener subscribed from the calling thread hears `kind` (lets the engine
+    skip work that only a listener needs: watching a buffer for its 'free', a replayed loop
+    describing its steps to a profiler)."""
+    route = _routes.get(kind)
+    if route is None:
+        if not _hear_every_kind:
+            return False
+        route = _catch_all(kind)
+    thread = threading.get_ident()
+    return any(subscriber == thread for subscriber, _ in route)
+
+
+def _catch_all(kind: str) -> tuple[tuple[int, Handler], ...]:
+    """Handlers for a kind no subscriber named: the listeners that hear every kind."""
+    return tuple((s.thread, partial(s.every, kind)) for s in tuple(listeners)
+                 if s.every is not None)
+
+
+def _rebuild() -> None:
+    """Recompute `_routes` from `listeners` (under `_lock`; `emit` reads the old table or
+    the new one, never half of one)."""
+    named = {kind for s in listeners if s.handlers is not None for kind in s.handlers}
+    routes: dict[str, list[tuple[int, Handler]]] = {kind: [] for kind in named}
+    for s in listeners:
+        for kind in named:
+            if s.handlers is None:
+                routes[kind].append((s.thread, partial(s.every, kind)))  # type: ignore[arg-type]
+            elif kind in s.handlers:
+                routes[kind].append((s.thread, s.handlers[kind]))
+    global _routes, _hear_every_kind
+    _routes = {kind: tuple(route) for kind, route in routes.items()}
+    _hear_every_kind = any(s.every is not None for s in listeners)
+
+
+def _add(subscription: Subscription) -> Callable[[], None]:
+    with _lock:
+        listeners.append(subscription)
+        _rebuild()
+
+    def unsubscribe() -> None:
+        with _lock:
+            if subscription in listeners:
+                listeners.remove(subscription)
+                _rebuild()
+
+    return unsubscribe
 
 
 def subscribe(listener: Listener, kinds: Iterable[str] | None = None) -> Callable[[], None]:
     """Start delivering the calling thread's events (of `kinds` only, when given) to
-    `listener`; returns a function that stops it."""
-    item = (threading.get_ident(), listener, None if kinds is None else frozenset(kinds))
-    listeners.append(item)
+    `listener(kind, payload)`; returns a function that stops it."""
+    if kinds is None:
+        return _add(Subscription(None, listener))
+    return _add(Subscription({kind: partial(listener, kind) for kind in kinds}, None))
 
-    def unsubscribe() -> None:
-        if item in listeners:
-            listeners.remove(item)
 
-    return unsubscribe
+def subscribe_handlers(handlers: Mapping[str, Handler]) -> Callable[[], None]:
+    """Start delivering the calling thread's events of each kind in `handlers` to its
+    handler, called with the payload alone (one call per event: the profiler's way in);
+    returns a function that stops it."""
+    return _add(Subscription(dict(handlers), None))
 
 
 @contextmanager

@@ -205,8 +205,26 @@ def pack_value(array: Any, packer: Strategy) -> SavedBuffer:
     buffer = SavedBuffer(array, packer)
     if events.listeners:
         events.emit("pack", buffer)
-        weakref.finalize(buffer, events.emit_to, threading.get_ident(), "free", id(buffer))
+        if events.hears("free"):
+            _watch(buffer)
     return buffer
+
+
+# id(weak reference) -> (the reference, its buffer's maker thread, id(buffer)): keeps each
+# reference alive until its buffer dies (a plain weakref with a callback costs half a finalize)
+_watched: dict[int, tuple[weakref.ref, int, int]] = {}
+
+
+def _watch(buffer: SavedBuffer) -> None:
+    """Announce 'free' (to the maker thread's listeners) when `buffer` dies."""
+    ref = weakref.ref(buffer, _announce_free)
+    _watched[id(ref)] = (ref, threading.get_ident(), id(buffer))
+
+
+def _announce_free(ref: weakref.ref) -> None:
+    watched = _watched.pop(id(ref), None)
+    if watched is not None:
+        events.emit_to(watched[1], "free", watched[2])
 
 
 def live_buffer_count() -> int:

@@ -204,8 +204,7 @@ class Entry:
     @property
     def origin(self) -> str:
         """'file:line' of the user code that recorded this entry."""
-        code, line = self.origin_frame
-        return f"{code.co_filename}:{line}" if code is not None else "<unknown>"
+        return origin_text(self.origin_frame)
 
     def describe(self) -> str:
         return f"tape entry #{self.seq} {self.name!r} (recorded at {self.origin})"
@@ -311,6 +310,12 @@ def _is_internal(code: Any) -> bool:
         _codes_seen.append(code)
         internal = _code_kinds[id(code)] = code.co_filename.startswith(_PACKAGE_DIR)
     return internal
+
+
+def origin_text(frame: tuple[Any, int]) -> str:
+    """'file:line' of an entry's `origin_frame` (code object, line number)."""
+    code, line = frame
+    return f"{code.co_filename}:{line}" if code is not None else "<unknown>"
 
 
 def _user_frame() -> tuple[Any, int]:

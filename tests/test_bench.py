@@ -177,3 +177,16 @@ def test_the_whole_quick_suite_runs(tmp_path):
     assert {r["bench"] for r in data["rows"]} >= {"tape", "rnn", "quantize", "plan"}
     assert {t["status"] for t in data["targets"]} <= {"met", "missed", "not measured", "info"}
     assert any(t["status"] in ("met", "missed") for t in data["targets"])
+
+
+def test_profiler_overhead_rows_and_gradients_at_a_tiny_size():
+    from bench import profiler_overhead
+
+    tiny = {"imperative RNN": {"steps": 3, "batch": 2, "hidden": 4, "input": 3},
+            "GRU training step": {"steps": 3, "batch": 2, "hidden": 4, "input": 3},
+            "repeats": 1}
+    rows = profiler_overhead.overhead(tiny, threads=1)["rows"]
+    assert len(rows) == 2 * len(profiler_overhead.VARIANTS)
+    assert all(r["extras"]["same_grads"] and r["seconds"] > 0 for r in rows)
+    plain = [r for r in rows if r["extras"]["variant"] == "plain"]
+    assert all(r["extras"]["overhead"] == 1.0 for r in plain)

@@ -10,93 +10,118 @@ the engine; one that no record claims before the next other event is owned.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 from .. import events
 from ..tensor_base import TensorBase
-from .memory import probe_for, rss_bytes, synchronize
-from .records import Profile, SavedRecord
+from .gathered import Gathered, judge_buffers
+from .memory import MemoryProbe, probe_for, rss_bytes, synchronize
+from .records import Profile
 
 
 class _Recorder:
-    """The event listener: keeps live saved bytes, phases and records up to date."""
+    """The event listener: keeps live saved bytes, phases and records up to date.
+
+    `handlers` maps each event kind it hears to one method (add a kind: add a method and a
+    line there). It runs inside the profiled program, so it keeps raw tuples (`Gathered`),
+    turned into the profile's records and timeline when those are read.
+    """
 
     def __init__(self, profile: Profile, device: str, device_memory: bool) -> None:
         self.profile = profile
         self.device = device
         self.probe = probe_for(device, device_memory)
+        self.sampling = type(self.probe).sample is not MemoryProbe.sample
         self.serials: dict[int, int] = {}  # id(buffer) -> serial (ids are reused; serials not)
         # id(buffer) -> (owned, bytes counted, id of its array if owned and by reference)
         self.counted: dict[int, tuple[bool, int, int | None]] = {}
         self.roots: dict[int, int] = {}  # id(array) -> live owned buffers holding it
         self.pending: dict[int, Any] = {}  # id(buffer) -> buffer stored by reference, unclaimed
         self.leaf_roots: dict[int, Any] = {}  # id(root array) -> weakref of a caller's leaf's
+        self.counter = itertools.count()
         # packed buffers by their stored form, for events about a stored form (an eviction)
         self.by_stored: dict[int, int] = {}  # id(stored form) -> id(buffer)
         self.stored_of: dict[int, int] = {}  # id(buffer) -> id(stored form)
         self.evicted: dict[int, int] = {}  # id(buffer) -> bytes an eviction took off
-        self.counter = itertools.count()
-        self.live = 0
-        self.live_aliased = 0
         self.level_live: dict[str, int] = {}  # owned stored bytes off the device, per level
         self.levels: dict[int, tuple[str, int]] = {}  # id(buffer) -> (level, bytes) if off it
-        self.backward_depth = 0
-        self.recompute_depth = 0
-        self.backward_started = 0.0
-        self.recompute_started = 0.0
         # a saved buffer that dies in a reference cycle is freed by whichever thread's
         # allocation triggers the collector (in a Dask worker, its event loop's): its 'free'
         # must not interleave with this thread's handlers, or a count is lost; reentrant, as
         # the collector may also run inside one of this thread's own handlers
         self.lock = threading.RLock()
-        self.handlers = {
+        self.live = 0
+        self.live_aliased = 0
+        self.peak = 0
+        self.backward_depth = 0
+        self.recompute_depth = 0
+        self.phase = "forward"
+        self.backward_started = 0.0
+        self.recompute_started = 0.0
+        # what `explain` needs: serial -> (weakref of the original array, stored packed?)
+        self.originals: dict[int, tuple[Any, bool]] = {}
+        self.released: set[int] = set()  # serials of owned buffers the tape let go of
+        self.view_roots: set[int] = set()  # id(base array) of saved views, counted once
+        # live owned buffers: serial -> (timeline index when counted, bytes counted), and
+        # those freed since the latest new peak that were alive at it: together, what the
+        # tape owned at its peak, in memory bounded by what is alive
+        self.born: dict[int, tuple[int, int]] = {}
+        self.freed_since_peak: list[tuple[int, int]] = []
+        self.peak_at = 0  # timeline index of the latest new peak
+        self.gathered = Gathered()
+        self.raw_records = self.gathered.records
+        self.points = self.gathered.points
+        self.handlers: dict[str, Callable[[Any], None]] = {
             "record": self._record,
-            "apply": self._apply,
             "pack": self._pack,
-            "free": self._free,
-            "backward_begin": self._backward_begin,
-            "backward_end": self._backward_end,
-            "recompute_begin": self._recompute_begin,
-            "recompute_end": self._recompute_end,
-            "evict": self._evict,
-            "rematerialize": self._rematerialize,
-            "io_write": self._io_write,
-            "io_read": self._io_read,
-            "io_stall": self._io_stall,
+            "apply": self._settled(self._apply),
+            "free": self._free,  # settles pending buffers itself: the most frequent kind
+            "backward_begin": self._settled(self._backward_begin),
+            "backward_end": self._settled(self._backward_end),
+            "recompute_begin": self._settled(self._recompute_begin),
+            "recompute_end": self._settled(self._recompute_end),
+            "evict": self._settled(self._evict),
+            "rematerialize": self._settled(self._rematerialize),
+            "io_write": self._settled(self._io_write),
+            "io_read": self._settled(self._io_read),
+            "io_stall": self._settled(self._io_stall),
         }
+        self.handlers = {kind: self._locked(h) for kind, h in self.handlers.items()}
 
-    def __call__(self, kind: str, payload: Any) -> None:
-        with self.lock:
-            if self.pending and kind not in ("pack", "record"):
-                self._claim_pending()
-            handler = self.handlers.get(kind)
-            if handler is not None:
+    def _locked(self, handler: Callable[[Any], None]) -> Callable[[Any], None]:
+        lock = self.lock
+
+        def locked(payload: Any) -> None:
+            with lock:
                 handler(payload)
+        return locked
+
+    def _settled(self, handler: Callable[[Any], None]) -> Callable[[Any], None]:
+        """`handler`, first claiming the buffers stored by reference that no 'record' came
+        for: every kind but 'pack' and 'record' ends that wait."""
+        def settled(payload: Any) -> None:
+            if self.pending:
+                self._claim_pending()
+            handler(payload)
+        return settled
 
     # ------------------------------------------------------------- helpers
-    @property
-    def phase(self) -> str:
+    def _set_phase(self) -> None:
         if self.recompute_depth:
-            return "recompute"
-        return "backward" if self.backward_depth else "forward"
+            self.phase = "recompute"
+        else:
+            self.phase = "backward" if self.backward_depth else "forward"
 
     def _point(self) -> None:
-        p = self.profile
-        p.timeline_seconds.append(time.perf_counter() - self.started)
-        p.timeline_bytes.append(self.live)
-        p.timeline_phase.append(self.phase)
-
-    def _serial(self, buffer: Any) -> int:
-        serial = self.serials.get(id(buffer))
-        if serial is None:  # saved before profiling began: known from now on
-            serial = self.serials[id(buffer)] = next(self.counter)
-        return serial
+        self.points.append((time.perf_counter() - self.started, self.live, self.phase))
 
     def _sample_rss(self) -> None:
         rss = rss_bytes()
@@ -108,27 +133,36 @@ class _Recorder:
         buffer stored by reference holding the very array a live owned buffer holds (a loop's
         restored snapshot, saved again by the step re-run from it) adds no bytes."""
         key, size, root_id = id(buffer), buffer.stored_nbytes, None
+        if buffer.source is None and owned:
+            root_id = id(buffer.packed)
+            if self.roots.get(root_id):
+                size = 0
+            self.roots[root_id] = self.roots.get(root_id, 0) + 1
         if buffer.source is not None:
             level = buffer.packer.stored_level(buffer.packed)
             if level != "device":  # offloaded: counted on its level, not in the tape bytes
                 self.levels[key] = (level, size)
                 self._add_level(level, size)
                 size = 0
-        if buffer.source is None and owned:
-            root_id = id(buffer.packed)
-            if self.roots.get(root_id):
-                size = 0
-            self.roots[root_id] = self.roots.get(root_id, 0) + 1
         self.counted[key] = (owned, size, root_id)
+        if owned:
+            serial = self.serials.get(key)
+            if serial is not None:
+                self.born[serial] = (len(self.points), size)
         self._add(owned, size)
 
     def _add(self, owned: bool, size: int) -> None:
         if owned:
             self.live += size
-            self.profile.peak_tape_bytes = max(self.profile.peak_tape_bytes, self.live)
+            if self.live > self.peak:
+                self.peak = self.profile.peak_tape_bytes = self.live
+                self.peak_at = len(self.points)
+                if self.freed_since_peak:
+                    self.freed_since_peak.clear()
         else:
             self.live_aliased += size
-            self.profile.aliased_bytes = max(self.profile.aliased_bytes or 0, self.live_aliased)
+            if self.live_aliased > (self.profile.aliased_bytes or 0):
+                self.profile.aliased_bytes = self.live_aliased
 
     def _add_level(self, level: str, size: int) -> None:
         live = self.level_live[level] = self.level_live.get(level, 0) + size
@@ -138,8 +172,10 @@ class _Recorder:
     def _claim_pending(self) -> None:
         """Buffers stored by reference that no entry claimed: owned (a loop's snapshots, a
         checkpointed region's inputs)."""
-        for buffer in self.pending.values():
+        unrecorded = self.profile.unrecorded_bytes
+        for key, buffer in self.pending.items():
             self._count(buffer, owned=True)
+            unrecorded[str(self.serials[key])] = self.counted[key][1]
         self.pending.clear()
         self._point()
 
@@ -147,19 +183,20 @@ class _Recorder:
         """Remember the arrays of leaves that require grad and take part in the forward
         computation: parameters and inputs the caller holds. (Leaves a loop or a checkpointed
         region makes while re-running steps for the backward sweep are its own, not these.)"""
-        if self.backward_depth or self.recompute_depth:
-            return
+        leaf_roots = self.leaf_roots
         for edge in entry.edges:
             if edge is not None and isinstance(edge[0], TensorBase):
                 root = _root(edge[0]._data)
-                self.leaf_roots.setdefault(id(root), weakref.ref(root))
+                known = leaf_roots.get(id(root))
+                if known is None or known() is not root:  # new, or its id reused
+                    leaf_roots[id(root)] = weakref.ref(root)
+                    self.profile.leaf_bytes += int(getattr(root, "nbytes", 0))
 
-    def _is_alias(self, slot: Any) -> bool:
+    def _is_alias(self, slot: Any, buffer: Any) -> bool:
         """Whether `slot` holds, by reference, memory the caller keeps anyway: an array of a
         leaf that requires grad (or a view of one), or a view (a slice of input data) saved
         for a value with no history. An array of its own with no history (a dropout mask, an
         initial state made inside the model) may be kept alive by the tape alone: owned."""
-        buffer = slot.buffer
         if buffer.source is not None:  # packed: the stored form is a new array
             return False
         array = buffer.packed
@@ -171,40 +208,58 @@ class _Recorder:
 
     # ------------------------------------------------------------- events
     def _record(self, entry: Any) -> None:
-        self._apply(entry)
-        self._learn_leaves(entry)
-        for slot in entry.slots or ():
-            buffer = slot.buffer
-            if buffer is None:
-                continue
-            key = id(buffer)
-            owned = not self._is_alias(slot)
-            if key in self.pending:
-                self._count(self.pending.pop(key), owned)
-            elif key in self.counted:  # one buffer, one classification...
-                was_owned, size, root_id = self.counted[key]
-                if was_owned and not owned:  # ...but claimed as owned before its entry came
-                    self.live -= size
-                    self.counted[key] = (False, size, root_id)
-                    self._add(False, size)
-                owned = self.counted[key][0]
-            self.profile.records.append(SavedRecord(
-                op=entry.name,
-                role=slot.name,
-                shape=buffer.shape,
-                dtype=_dtype_name(buffer.dtype),
-                logical_bytes=buffer.logical_nbytes,
-                stored_bytes=buffer.stored_nbytes,
-                origin=_origin(entry),
-                buffer=self._serial(buffer),
-                phase=self.phase,
-                owned=owned,
-                level=self.levels[key][0] if key in self.levels else "device",
-            ))
+        self.profile.primitives += 1
+        if self.backward_depth or self.recompute_depth:
+            if self.recompute_depth:
+                self.profile.recomputed_primitives += 1
+        else:
+            self._learn_leaves(entry)
+        slots = entry.slots
+        if slots:
+            op, frame, phase = entry.op.name, entry.origin_frame, self.phase
+            pending, counted, serials = self.pending, self.counted, self.serials
+            for slot in slots:
+                buffer = slot.buffer
+                if buffer is None:
+                    continue
+                key = id(buffer)
+                owned = buffer.source is not None or not self._is_alias(slot, buffer)
+                if key in pending:
+                    self._count(pending.pop(key), owned)
+                elif key in counted:  # one buffer, one classification...
+                    was_owned, size, root_id = counted[key]
+                    if was_owned and not owned:  # ...but claimed as owned before its entry
+                        self.live -= size
+                        counted[key] = (False, size, root_id)
+                        self._add(False, size)
+                    owned = counted[key][0]
+                serial = serials.get(key)
+                if serial is None:  # saved before profiling began: known from now on
+                    serial = serials[key] = next(self.counter)
+                if owned and buffer.source is None:
+                    self._note_view(buffer, serial)
+                self.raw_records.append((
+                    op, slot.name, buffer.shape, buffer.dtype, buffer.logical_nbytes,
+                    buffer.stored_nbytes, frame, serial, phase, owned,
+                    self.levels[key][0] if key in self.levels else "device",
+                    type(buffer.packer).__name__,
+                ))
         if self.pending:  # saved by reference but held by no slot of this entry
             self._claim_pending()
         else:
-            self._point()
+            self.points.append((time.perf_counter() - self.started, self.live, self.phase))
+
+    def _note_view(self, buffer: Any, serial: int) -> None:
+        """A saved view keeps its whole base alive: note the bytes beyond the view's own
+        (once per base, and not if the base is itself a saved value the tape owns)."""
+        array = buffer.packed
+        root = _root(array)
+        if root is array or id(root) in self.view_roots or self.roots.get(id(root)):
+            return
+        self.view_roots.add(id(root))
+        extra = int(getattr(root, "nbytes", 0)) - buffer.stored_nbytes
+        if extra > 0:
+            self.profile.view_base_bytes[str(serial)] = extra
 
     def _apply(self, _: Any) -> None:
         self.profile.primitives += 1
@@ -212,8 +267,16 @@ class _Recorder:
             self.profile.recomputed_primitives += 1
 
     def _pack(self, buffer: Any) -> None:
-        self.serials[id(buffer)] = next(self.counter)
-        self.probe.sample()
+        serial = self.serials[id(buffer)] = next(self.counter)
+        if self.backward_depth or self.recompute_depth:  # re-run values: the tape's own
+            pass
+        elif buffer.source is None or buffer.source() is buffer.packed:  # stored as is
+            with contextlib.suppress(TypeError):  # no weak references: not judged
+                self.originals[serial] = (weakref.ref(buffer.packed), False)
+        else:
+            self.originals[serial] = (buffer.source, True)
+        if self.sampling:
+            self.probe.sample()
         if buffer.source is None:  # stored by reference: its record says whose memory it is
             self.pending[id(buffer)] = buffer
             return
@@ -223,22 +286,28 @@ class _Recorder:
         self._point()
 
     def _free(self, key: int) -> None:
-        if self.pending.pop(key, None) is not None:
-            self.serials.pop(key, None)
-            return
+        if self.pending:  # as `_settled` does (a buffer dying unclaimed was owned)
+            self._claim_pending()
         stored = self.stored_of.pop(key, None)
         if stored is not None:
             self.by_stored.pop(stored, None)
             self.evicted.pop(key, None)
+        level = self.levels.pop(key, None)
+        if level is not None:
+            self._add_level(level[0], -level[1])
         counted = self.counted.pop(key, None)
         if counted is None:
             return
         owned, size, root_id = counted
-        level = self.levels.pop(key, None)
-        if level is not None:
-            self._add_level(level[0], -level[1])
         if owned:
             self.live -= size
+            serial = self.serials.get(key)
+            if serial is not None:
+                if serial in self.originals:
+                    self.released.add(serial)
+                born = self.born.pop(serial, None)
+                if born is not None and born[0] <= self.peak_at:
+                    self.freed_since_peak.append((serial, born[1]))
         else:
             self.live_aliased -= size
         if root_id is not None:
@@ -246,7 +315,8 @@ class _Recorder:
             if not self.roots[root_id]:
                 del self.roots[root_id]
         self.serials.pop(key, None)
-        self.probe.sample()
+        if self.sampling:
+            self.probe.sample()
         self._point()
 
     def _evict(self, stored: Any) -> None:
@@ -290,9 +360,11 @@ class _Recorder:
             self._sample_rss()
             self.backward_started = time.perf_counter()
         self.backward_depth += 1
+        self._set_phase()
 
     def _backward_end(self, _: Any) -> None:
         self.backward_depth -= 1
+        self._set_phase()
         if self.backward_depth == 0 and self.recompute_depth == 0:
             synchronize(self.device)
             self.profile.backward_seconds += time.perf_counter() - self.backward_started
@@ -303,9 +375,11 @@ class _Recorder:
             synchronize(self.device)
             self.recompute_started = time.perf_counter()
         self.recompute_depth += 1
+        self._set_phase()
 
     def _recompute_end(self, _: Any) -> None:
         self.recompute_depth -= 1
+        self._set_phase()
         if self.recompute_depth == 0:
             synchronize(self.device)
             self.profile.recompute_seconds += time.perf_counter() - self.recompute_started
@@ -313,11 +387,13 @@ class _Recorder:
     # ------------------------------------------------------------- lifetime
     def start(self) -> None:
         self._sample_rss()
+        self.profile.rss_start_bytes = self.profile.rss_peak_bytes
         self.probe.start()
         self.profile.memory_source = self.probe.source
         synchronize(self.device)
         self.started = time.perf_counter()
         self._point()
+        self.profile.__dict__["_fill"] = self.gathered
 
     def stop(self) -> None:
         if self.pending:
@@ -329,6 +405,10 @@ class _Recorder:
         self.profile.device_peak_bytes = self.probe.stop()
         self._sample_rss()
         self.profile.level_peak_bytes["device"] = self.profile.peak_tape_bytes
+        at_peak = self.freed_since_peak + [
+            (serial, size) for serial, (born, size) in self.born.items() if born <= self.peak_at]
+        self.gathered.judge = partial(judge_buffers, self.originals, self.released, at_peak)
+        self.gathered.ended = True
 
 
 def _root(array: Any) -> Any:
@@ -364,30 +444,9 @@ def profile(
         device_memory = device.startswith("cuda")
     recorder = _Recorder(result, device, bool(device_memory))
     recorder.start()
-    unsubscribe = events.subscribe(recorder, recorder.handlers)
+    unsubscribe = events.subscribe_handlers(recorder.handlers)
     try:
         yield result
     finally:
         unsubscribe()
         recorder.stop()
-
-
-_dtype_names: dict[Any, str] = {}
-_origins: dict[Any, str] = {}
-
-
-def _dtype_name(dtype: Any) -> str:
-    """str(dtype), remembered: numpy's is slow enough to show in a profiled run."""
-    name = _dtype_names.get(dtype)
-    if name is None:
-        name = _dtype_names[dtype] = str(dtype)
-    return name
-
-
-def _origin(entry: Any) -> str:
-    """entry.origin ('file:line'), remembered per source line."""
-    frame = entry.origin_frame
-    text = _origins.get(frame)
-    if text is None:
-        text = _origins[frame] = entry.origin
-    return text

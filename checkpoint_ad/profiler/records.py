@@ -14,11 +14,12 @@ from typing import Any, TypeVar
 
 from ..errors import FileFormatError, ProfileFormatError
 from ..safe_files import write_text
+from .explain import Explanation, explain
 
 __all__ = ["Profile", "ProfileFormatError", "SavedRecord", "from_plain"]
 
 SCHEMA = "checkpoint-ad/profile"
-VERSION = 3  # 3: storage levels and I/O; 2: owned records, aliased bytes counted apart
+VERSION = 3  # 3: storage levels and I/O, and what `explain` reads; 2: owned records
 READS = (1, 2, 3)  # version 1 counted every saved value as owned: loaded as such
 T = TypeVar("T")
 
@@ -38,6 +39,31 @@ class SavedRecord:
     phase: str  # "forward", "backward" or "recompute"
     owned: bool = True  # False: the caller's own memory (a parameter, input data) by reference
     level: str = "device"  # where the stored bytes live: "device", "host" or "disk"
+    strategy: str = ""  # the class of the strategy that stored it ("" in files before version 3)
+
+
+class _Filled:
+    """A list field of `Profile` filled on demand: a recorder keeps raw tuples while the
+    program runs (cheap), and the profile's `_fill` (its `Gathered`) turns them into items the
+    moment the field is read. The dataclass sees a descriptor-typed field whose default is
+    empty; a list assigned to it is kept as the field's value."""
+
+    def __init__(self, kind: type = list) -> None:
+        self.kind = kind  # list or dict
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.key = "_" + name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return ()  # the field's default (no items)
+        fill = obj.__dict__.get("_fill")
+        if fill is not None:
+            fill(obj)
+        return obj.__dict__[self.key]
+
+    def __set__(self, obj: Any, value: Iterable[Any]) -> None:
+        obj.__dict__[self.key] = value if type(value) is self.kind else self.kind(value)
 
 
 @dataclass
@@ -55,10 +81,10 @@ class Profile:
 
     device: str = "cpu"
     meta: dict[str, Any] = field(default_factory=dict)
-    records: list[SavedRecord] = field(default_factory=list)
-    timeline_seconds: list[float] = field(default_factory=list)
-    timeline_bytes: list[int] = field(default_factory=list)
-    timeline_phase: list[str] = field(default_factory=list)
+    records: list[SavedRecord] = _Filled()  # type: ignore[assignment]
+    timeline_seconds: list[float] = _Filled()  # type: ignore[assignment]
+    timeline_bytes: list[int] = _Filled()  # type: ignore[assignment]
+    timeline_phase: list[str] = _Filled()  # type: ignore[assignment]
     peak_tape_bytes: int = 0
     aliased_bytes: int | None = 0
     primitives: int = 0
@@ -79,6 +105,21 @@ class Profile:
     io_stall_seconds: float = 0.0
     """Seconds the computation waited for a storage level (a read not done ahead, a full
     write queue)."""
+    # what `explain` reads (version 3): owned buffers alive at the tape's peak and the bytes
+    # each counted there, by buffer number; stored bytes of owned buffers no entry recorded
+    # (a loop's snapshots, a checkpointed region's inputs), by buffer number; bytes of base
+    # arrays that saved views keep alive beyond the view, by buffer; buffers saved by
+    # reference whose array outlived the tape's hold on it (the caller kept it); packed
+    # buffers whose original array is still alive at the end; bytes of the arrays of leaves
+    # that require grad (parameters, inputs); RSS when the block began
+    peak_buffers: dict[str, int] = _Filled(dict)  # type: ignore[assignment]
+    unrecorded_bytes: dict[str, int] = field(default_factory=dict)
+    view_base_bytes: dict[str, int] = field(default_factory=dict)
+    kept_by_caller: list[int] = _Filled()  # type: ignore[assignment]
+    originals_kept: list[int] = _Filled()  # type: ignore[assignment]
+    also_kept: list[int] = _Filled()  # type: ignore[assignment]  # more buffers of one array
+    leaf_bytes: int = 0
+    rss_start_bytes: int | None = None
 
     # ------------------------------------------------------------- queries
     @property
@@ -114,6 +155,11 @@ class Profile:
                 else:
                     row["aliased"] += r.stored_bytes
         return dict(table)
+
+    def explain(self, top: int = 3) -> Explanation:
+        """Why memory did not drop: bytes by cause, the largest first, each with the source
+        lines that saved the most of it (see `profiler.explain`)."""
+        return explain(self, top)
 
     def by_op(self) -> dict[str, dict[str, int]]:
         """Count, logical and stored bytes of the saved values, per primitive."""
@@ -192,13 +238,17 @@ class Profile:
                 "checkpoint-ad"
             )
         fields = {k: v for k, v in data.items() if k not in ("schema", "version")}
-        if version in (1, 2):  # no storage levels yet: everything was on the device
+        if version in (1, 2):  # nothing `explain` reads beyond the records
             fields.setdefault("level_peak_bytes", {})
             fields.setdefault("io_bytes_written", 0)
             fields.setdefault("io_bytes_read", 0)
             fields.setdefault("io_stall_seconds", 0.0)
+            fields = {"peak_buffers": {}, "unrecorded_bytes": {}, "view_base_bytes": {},
+                      "kept_by_caller": [], "originals_kept": [], "also_kept": [],
+                      "leaf_bytes": 0, "rss_start_bytes": None, **fields}
             if isinstance(fields.get("records"), list):
-                fields["records"] = [{"level": "device", **r} if isinstance(r, dict) else r
+                fields["records"] = [{"level": "device", "strategy": "", **r}
+                                     if isinstance(r, dict) else r
                                      for r in fields["records"]]
         if version == 1:  # every saved value counted as owned; aliases not told apart
             fields.setdefault("aliased_bytes", None)

@@ -1,0 +1,167 @@
+"""`Profile.explain()`: why memory did not drop, as bytes by cause, largest first.
+
+A strategy can only save memory that exists *because the tape keeps it*. When a run's memory
+does not drop, the bytes usually sit somewhere a strategy cannot reach: arrays the caller
+keeps alive anyway (a list of every hidden state), originals of values stored packed (the
+caller holds the float32 array the tape keeps as int8), base arrays that small saved views
+keep alive. Each saved buffer is put in exactly one cause, counted once, over the whole run:
+
+- "kept alive by your references": saved by reference and released by the tape, or dropped
+  to be recomputed, yet still alive at the end of the block: the caller holds them (or a
+  tensor the caller holds does: a loss's graph keeps each checkpoint's inputs), so no
+  strategy could have freed them.
+- "originals of packed values you hold": the tape keeps a packed copy (quantized, offloaded);
+  the original is still alive, so packing added the copy and freed nothing.
+- "bases kept alive by saved views": a saved slice keeps its whole base array alive.
+- "saved by <strategy> (owned)": what the tape alone keeps: what a strategy can save.
+- "loop snapshots and region inputs": owned buffers no entry recorded (`scan`, `checkpoint`).
+- "aliases of your live arrays": parameters and input slices saved by reference (free).
+
+Then the memory no strategy touches: parameters, their gradients (estimated: one per
+parameter), and what the process's RSS grew beyond tracemalloc's measure (the allocator,
+libraries). Figures are bytes; a cause lists the source lines that saved the most of it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+KEPT = "kept alive by your references"
+ORIGINALS = "originals of packed values you hold"
+VIEWS = "bases kept alive by saved views"
+SNAPSHOTS = "loop snapshots and region inputs"
+ALIASES = "aliases of your live arrays"
+
+
+@dataclass(frozen=True)
+class Cause:
+    """One reason memory is in use: its bytes and the source lines that saved the most."""
+
+    name: str
+    bytes: int
+    lines: tuple[tuple[str, int], ...] = ()  # (origin 'file:line', bytes), largest first
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """Bytes by cause (`causes`, largest first) and the memory no strategy touches.
+
+    >>> import checkpoint_ad as cad
+    >>> x = cad.tensor([1.0, 2.0], requires_grad=True)
+    >>> with cad.profile() as prof:
+    ...     hs = [cad.tanh(x)]
+    ...     hs[0].sum().backward()
+    >>> prof.explain().causes[0].name
+    'kept alive by your references'
+    """
+
+    causes: tuple[Cause, ...]
+    kept_by_caller: int
+    packed_originals: int
+    view_bases: int
+    owned_by_strategy: dict[str, int] = field(default_factory=dict)
+    snapshots: int = 0
+    aliases: int = 0
+    parameters: int = 0
+    gradients: int = 0  # estimated: one gradient the size of each parameter
+    beyond_tracemalloc: int | None = None  # RSS growth not seen by tracemalloc
+    peak_tape_bytes: int = 0
+
+    @property
+    def top(self) -> Cause | None:
+        """The largest cause, or None if the tape saved nothing."""
+        return self.causes[0] if self.causes else None
+
+    def table(self) -> str:
+        """The causes and the baseline as an aligned text table (bytes in MiB)."""
+        mib = 2**20
+        rows = [(c.name, c.bytes) for c in self.causes]
+        rows += [("parameters (no strategy touches)", self.parameters),
+                 ("gradients (estimated, one per parameter)", self.gradients)]
+        if self.beyond_tracemalloc is not None:
+            rows.append(("RSS growth beyond tracemalloc", self.beyond_tracemalloc))
+        width = max(len(name) for name, _ in rows)
+        lines = [f"{'cause':<{width}}  {'MiB':>10}"]
+        lines += [f"{name:<{width}}  {size / mib:>10.3f}" for name, size in rows]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        mib = 2**20
+        if not self.causes:
+            return "the tape saved nothing: memory in use is not the tape's\n" + self.table()
+        lines = [f"why memory did not drop (peak owned tape {self.peak_tape_bytes / mib:.3f} "
+                 "MiB):"]
+        for i, cause in enumerate(self.causes, 1):
+            lines.append(f"{i}. {cause.name}: {cause.bytes / mib:.3f} MiB")
+            lines += [f"     {origin}  {size / mib:.3f} MiB" for origin, size in cause.lines]
+        return "\n".join([*lines, "", self.table()])
+
+
+def explain(profile: Any, top: int = 3) -> Explanation:
+    """The `Explanation` of `profile` (a `Profile`), each cause naming its `top` lines."""
+    kept, originals = set(profile.kept_by_caller), set(profile.originals_kept)
+    also = set(profile.also_kept)
+    at_peak = {int(k): v for k, v in profile.peak_buffers.items()}
+    unrecorded = {int(k): v for k, v in profile.unrecorded_bytes.items()}
+    view_bases = {int(k): v for k, v in profile.view_base_bytes.items()}
+    first = {}
+    for r in profile.records:
+        first.setdefault(r.buffer, r)
+    totals: dict[str, int] = defaultdict(int)
+    lines: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    owned: dict[str, int] = defaultdict(int)
+
+    def add(name: str, size: int, record: Any) -> None:
+        totals[name] += size
+        lines[name][record.origin if record is not None else "<no entry: loop or region>"] += size
+
+    for serial in kept | originals:  # arrays the caller holds: alive at the end, together
+        r = first.get(serial)
+        if r is None:
+            add(KEPT, unrecorded.get(serial, at_peak.get(serial, 0)), None)
+        elif serial in kept or not r.stored_bytes:  # by reference, or dropped (recompute)
+            add(KEPT, r.logical_bytes, r)
+        else:  # a packed copy (owned, counted below) and the original as well
+            add(ORIGINALS, r.logical_bytes, r)
+    for serial, size in at_peak.items():  # what the tape alone kept at its peak
+        r = first.get(serial)
+        if serial in view_bases:
+            add(VIEWS, view_bases[serial], r)
+        if serial in kept or serial in also or (
+                serial in originals and r is not None and not r.stored_bytes):
+            continue
+        if r is None:
+            add(SNAPSHOTS, size, None)
+        else:
+            add(f"saved by {r.strategy or 'the tape'} (owned)", size, r)
+            owned[r.strategy or "unknown"] += size
+    for r in first.values():  # aliases: lines from every record, bytes at their peak
+        if not r.owned:
+            lines[ALIASES][r.origin] += r.stored_bytes
+    if profile.aliased_bytes:
+        totals[ALIASES] = profile.aliased_bytes
+    snapshots = totals.get(SNAPSHOTS, 0)
+    causes = tuple(sorted(
+        (Cause(name, size, tuple(sorted(lines[name].items(), key=lambda kv: -kv[1])[:top]))
+         for name, size in totals.items() if size > 0),
+        key=lambda c: -c.bytes))
+    beyond = None
+    if (profile.device_peak_bytes is not None and profile.rss_peak_bytes is not None
+            and profile.rss_start_bytes is not None):
+        beyond = max(profile.rss_peak_bytes - profile.rss_start_bytes
+                     - profile.device_peak_bytes, 0)
+    return Explanation(
+        causes=causes,
+        kept_by_caller=totals.get(KEPT, 0),
+        packed_originals=totals.get(ORIGINALS, 0),
+        view_bases=totals.get(VIEWS, 0),
+        owned_by_strategy=dict(owned),
+        snapshots=snapshots,
+        aliases=totals.get(ALIASES, 0),
+        parameters=profile.leaf_bytes,
+        gradients=profile.leaf_bytes,
+        beyond_tracemalloc=beyond,
+        peak_tape_bytes=profile.peak_tape_bytes,
+    )

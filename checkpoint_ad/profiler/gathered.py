@@ -1,0 +1,104 @@
+"""What a recorder gathers while the program runs, kept raw until the profile is read.
+
+Building a `SavedRecord` (a frozen dataclass) per saved value and three timeline appends per
+event cost more than the bookkeeping itself; a profiled run appends plain tuples instead, and
+the profile's `records` and `timeline_*` fields are filled from them the first time they are
+read (`records._Filled`), during the block or after it.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from typing import Any
+
+from ..tape import origin_text
+from .records import SavedRecord
+
+# (op, role, shape, dtype, logical bytes, stored bytes, origin frame, serial, phase, owned,
+#  storage level, strategy class name)
+RawRecord = tuple[str, str, tuple[int, ...], Any, int, int, tuple[Any, int], int, str, bool,
+                  str, str]
+
+
+class Gathered:
+    """Raw records and timeline points of one profile; called with the profile, moves them
+    into its fields (and, once the recording has ended, stops being called)."""
+
+    __slots__ = ("ended", "judge", "points", "records")
+
+    def __init__(self) -> None:
+        self.records: list[RawRecord] = []
+        self.points: list[tuple[float, int, str]] = []  # (seconds, live bytes, phase)
+        self.ended = False
+        self.judge: Callable[[Any], None] | None = None  # set when the recording ends
+
+    def __call__(self, profile: Any) -> None:
+        fields = profile.__dict__
+        if self.records:
+            fields["_records"].extend([
+                SavedRecord(op, role, shape, _dtype_name(dtype), logical, stored,
+                            _origin(frame), serial, phase, owned=owned, level=level,
+                            strategy=strategy)
+                for op, role, shape, dtype, logical, stored, frame, serial, phase, owned,
+                level, strategy in self.records
+            ])
+            self.records.clear()
+        if self.points:
+            seconds, live, phases = zip(*self.points)
+            fields["_timeline_seconds"].extend(seconds)
+            fields["_timeline_bytes"].extend(live)
+            fields["_timeline_phase"].extend(phases)
+            self.points.clear()
+        if self.ended:
+            fields.pop("_fill", None)
+            if self.judge is not None:
+                judge, self.judge = self.judge, None
+                judge(profile)
+
+
+_dtype_names: dict[Any, str] = {}
+_origins: dict[Any, str] = {}
+
+
+def _dtype_name(dtype: Any) -> str:
+    """str(dtype), remembered: numpy's is slow."""
+    name = _dtype_names.get(dtype)
+    if name is None:
+        name = _dtype_names[dtype] = str(dtype)
+    return name
+
+
+def _origin(frame: tuple[Any, int]) -> str:
+    """An entry's origin ('file:line') from its `origin_frame`, remembered per source line."""
+    text = _origins.get(frame)
+    if text is None:
+        text = _origins[frame] = origin_text(frame)
+    return text
+
+
+def judge_buffers(originals: dict[int, tuple[Any, bool]], released: set[int],
+                  at_peak: list[tuple[int, int]], profile: Any) -> None:
+    """Fill what `explain` reads once the recording has ended, when first asked (not while
+    the program runs: it collects garbage first, so that only arrays someone still holds count
+    as held): the owned buffers alive at the tape's peak, and the forward's saved arrays that
+    outlived the tape's hold on them: released values and originals of packed values."""
+    gc.collect()
+    fields = profile.__dict__
+    fields["_peak_buffers"].update((str(serial), size) for serial, size in at_peak)
+    named: dict[int, int] = {}  # id(array the caller holds) -> the serial naming it
+    for serial, (ref, packed) in originals.items():
+        array = ref()
+        if array is None or id(array) in named:
+            continue
+        if packed:
+            fields["_originals_kept"].append(serial)
+        elif serial in released:
+            fields["_kept_by_caller"].append(serial)
+        else:  # the tape still holds it: not known to be the caller's
+            continue
+        named[id(array)] = serial
+    for serial, (ref, _) in originals.items():  # its other buffers: named once
+        array = ref()
+        if array is not None and named.get(id(array), serial) != serial:
+            fields["_also_kept"].append(serial)
