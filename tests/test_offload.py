@@ -303,7 +303,10 @@ def test_disk_level_plans_give_bitwise_keep_all_gradients(name, strategy) -> Non
     with cad.profile() as prof:
         got = _model_grads(model, strategy)
     assert all(np.array_equal(a, b) for a, b in zip(reference, got))
-    assert prof.io_bytes_written > 0 and prof.io_bytes_read > 0  # the disk level was used
+    # the disk level was used; whether a restore reads the file or finds the value still in
+    # memory (its write not done yet) depends on timing: a fast replayed backward may beat
+    # the writer, so reads are not asserted here (the store's tests cover both paths)
+    assert prof.io_bytes_written > 0
     assert prof.level_peak_bytes["disk"] > 0
     assert Offload("disk").folder is None
 
