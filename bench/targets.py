@@ -142,6 +142,7 @@ def _budgets(rows: Sequence[Row]) -> list[Target]:
             slowest.extras["over_best_preset"], 1.05, "<=",
             f"worst at {slowest.name} ({slowest.extras['plan']} vs "
             f"{slowest.extras['best_preset']})"))
+    return targets
 
 
 def _profiler(rows: Sequence[Row]) -> list[Target]:

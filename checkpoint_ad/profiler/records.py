@@ -122,6 +122,14 @@ class Profile:
     rss_start_bytes: int | None = None
 
     # ------------------------------------------------------------- queries
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled settled (a sweep's run comes back from a Dask worker): raw records become
+        records first, and the filler, which holds weak references, stays behind."""
+        self.records  # noqa: B018  # reading a filled field settles the raw tuples
+        state = dict(self.__dict__)
+        state.pop("_fill", None)
+        return state
+
     @property
     def total_seconds(self) -> float:
         return self.forward_seconds + self.backward_seconds
