@@ -32,6 +32,7 @@ class EntryInfo:
     saved: tuple[SavedInfo, ...]
     origin: str
     released: bool
+    mode: str = ""  # a planned loop's: "replayed", or "recorded: <why>"
 
     @property
     def saved_nbytes(self) -> int:
@@ -59,6 +60,7 @@ def describe_entry(entry: Entry) -> EntryInfo:
         saved,
         entry.origin,
         entry.released,
+        str(entry.attrs.get("mode", "")),
     )
 
 
@@ -104,7 +106,7 @@ class TapeView:
             shapes = ",".join(str(list(s)) for s in info.output_shapes)
             lines.append(
                 f"{info.seq:>6}  {info.op:<14} {shapes:<18} {info.form:<7} {saved:<34} "
-                f"{_short(info.origin)}"
+                f"{_short(info.origin)}" + (f"  ({info.mode})" if info.mode else "")
             )
         total = f"{self.saved_nbytes:,} bytes saved (shared counted once)"
         lines.append(f"{len(self)} entries, {total}")

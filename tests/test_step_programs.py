@@ -290,3 +290,14 @@ def test_a_caller_generator_inside_the_step_is_not_frozen():
 
     _, mode = _grads(step, Binomial(2))
     assert mode.startswith("recorded: the step") and "change from step to step" in mode
+
+
+def test_the_tape_table_says_how_each_loop_ran():
+    w, h0, xs = _rnn()
+    carry, _ = cad.scan(lambda h, x: (cad.tanh(h @ w + x), None), h0, xs, strategy=Binomial(2))
+    recorded, _ = cad.scan(lambda h, x: (cad.tanh(h @ w + x), None), carry, xs,
+                           strategy=Binomial(2), trace=False)
+    table = cad.tape_of(recorded.sum()).table()
+    assert "(replayed)" in table and "(recorded: trace=False)" in table
+    assert [e.mode for e in cad.tape_of(recorded.sum()) if e.mode] == [
+        "replayed", "recorded: trace=False"]

@@ -532,7 +532,9 @@ class PlannedLoop:
         inputs = [*carry_leaves, *loop.xs_leaves]
         edges = [None if t is None else edge_of(t) for t in inputs] + list(self.externals.values())
         self.n_inputs = len(inputs)
-        results = add_entry(self, tuple(edges), outputs, {}, self._snapshot_slots)
+        # the entry says how the loop ran ("replayed", or "recorded: <why>"), for inspection
+        results = add_entry(self, tuple(edges), outputs, {"mode": self.mode},
+                            self._snapshot_slots)
         carry = unflatten(loop.carry_spec, iter(results[:n_carry]))
         ys = unflatten(loop.y_spec, iter(results[n_carry:])) if loop.y_spec is not None else None
         return carry, ys

@@ -53,7 +53,8 @@ def scan(
     re-runs and each step's backward replay on arrays (bitwise the same gradients, far less
     Python per operation); a step that cannot be replayed exactly is recorded step by step
     instead (see `step_program.py`). `trace=False` forces recording; the loop's tape entry
-    says which mode ran and why (``entry.op.mode``, also in ``cad.inspect`` tables).
+    says which mode ran and why (``carry.grad_fn.op.mode``, and the loop's line in
+    ``cad.tape_of(...).table()``).
     `until(carry)` is asked after each step (without recording) and the loop stops after the
     first step where it is true, or at the end of `xs` (or after `length` steps) if that comes
     first; with neither xs nor length, `until` is required and at least one step runs. `ys`
