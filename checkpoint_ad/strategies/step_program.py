@@ -308,20 +308,12 @@ class StepProgram:
     def run(self, carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
         """One step without saving anything: (new carry arrays, output arrays)."""
         values = self._start(carry, x)
-        xp = None
+        xp = _namespace_of(values)
         emit = events.hears("apply")
         for ins, frees in zip(self.instructions, self.frees):
-            prim = ins.prim
-            if prim is None:
-                values[ins.output] = values[ins.inputs[0]]
-            elif type(prim) is Draw:
-                values[ins.output] = prim.make(random.generator())
-            else:
-                if xp is None:
-                    xp = namespace(values[ins.inputs[0]])
-                values[ins.output] = _forward(prim, xp, values, ins)
-                if emit:
-                    events.emit("apply", prim)
+            values[ins.output] = _evaluate(ins, values, xp)
+            if emit and type(ins.prim) is not Draw and ins.prim is not None:
+                events.emit("apply", ins.prim)
             for s in frees:
                 values[s] = None
         return ([None if s < 0 else values[s] for s in self.carry_out],
@@ -333,7 +325,7 @@ class StepProgram:
         `previous` (the step before, in the same taped segment), the carry is that step's
         output: saved with the primitive's packer, not as a leaf, sharing its buffers."""
         values = self._start(carry, x)
-        xp = None
+        xp = _namespace_of(values)
         saved: list[Any] = [None] * len(self.instructions)
         entries: list[Any] = (
             [None] * len(self.instructions) if events.hears("record") else [])
@@ -346,15 +338,9 @@ class StepProgram:
                         buffers[(k, pid)] = buffer
         for i, ins in enumerate(self.instructions):
             prim = ins.prim
-            if prim is None:
-                values[ins.output] = values[ins.inputs[0]]
+            values[ins.output] = _evaluate(ins, values, xp)
+            if prim is None or type(prim) is Draw:
                 continue
-            if type(prim) is Draw:
-                values[ins.output] = prim.make(random.generator())
-                continue
-            if xp is None:
-                xp = namespace(values[ins.inputs[0]])
-            values[ins.output] = _forward(prim, xp, values, ins)
             if not ins.taped:
                 if entries:
                     events.emit("apply", prim)
@@ -508,6 +494,22 @@ class ReplayedStep:
         for s, v in kept.items():
             self.values[s] = v
         self.buffers = {k: b for k, b in self.buffers.items() if k[0] in kept}
+
+
+def _namespace_of(values: list[Any]) -> Any:
+    """The array namespace of a step's values (one device: the engine checks it per op)."""
+    return next((namespace(v) for v in values if v is not None), np)
+
+
+def _evaluate(ins: Instruction, values: list[Any], xp: Any) -> Any:
+    """One instruction's output: its input's array (detach), a new draw from the engine's
+    generator, or the primitive's forward."""
+    prim = ins.prim
+    if prim is None:
+        return values[ins.inputs[0]]
+    if type(prim) is Draw:
+        return prim.make(random.generator())
+    return _forward(prim, xp, values, ins)
 
 
 def _forward(prim: Primitive, xp: Any, values: list[Any], ins: Instruction) -> Any:
