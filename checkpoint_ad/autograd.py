@@ -4,6 +4,13 @@ Entries carry their recording number, so a max-heap keyed on it visits every ent
 entries that consumed its outputs: the tape's own order, restricted to what the outputs depend
 on, with no recursion (a 100,000-entry chain is fine). Saved values are released as the sweep
 passes each entry unless `retain_graph` keeps them.
+
+A loop run as one entry (a planned `scan`) stands for many steps, each of which a plain tape
+would have added, use by use, onto the gradient sums of the loop's carry and captured tensors.
+Adding the loop's total instead would regroup floating-point sums (a weight also used after
+the loop, a `.grad` left from an earlier pass). So an op with `adds_onto(entry)` is handed
+(`onto=`) the running sum of each input it names, adds its steps' gradients onto it in a plain
+tape's order, and its result replaces the sum: the gradients are bitwise those of recording.
 """
 
 from __future__ import annotations
@@ -177,6 +184,44 @@ class Capture:
             self.values[position] = total
 
 
+class _LeafGrad:
+    """A leaf's `.grad` seen as a one-item container of arrays (for `_running_sums`)."""
+
+    __slots__ = ("leaf",)
+
+    def __init__(self, leaf: TensorBase) -> None:
+        self.leaf = leaf
+
+    def __getitem__(self, _: int) -> Any:
+        grad = self.leaf.grad
+        return None if grad is None else grad._data
+
+    def __setitem__(self, _: int, value: Any) -> None:
+        self.leaf.grad = make_tensor(value)
+
+
+def _running_sums(entry: Entry, wanted: Sequence[bool], sum_at: Any) -> list[Any] | None:
+    """What each input of `entry` that its op adds onto (`wanted`) has summed so far in this
+    sweep (None where nothing has, or where the sum is not a plain running sum); None when
+    no input has a sum. An input reached by two edges gets none: both would add it."""
+    edges = entry.edges
+    counts: dict[tuple[int, int], int] = {}
+    for edge in edges:
+        if edge is not None:
+            key = (id(edge[0]), edge[1])
+            counts[key] = counts.get(key, 0) + 1
+    sums: list[Any] = [None] * len(edges)
+    found = False
+    for i, (edge, want) in enumerate(zip(edges, wanted)):
+        if not want or edge is None or counts[(id(edge[0]), edge[1])] > 1:
+            continue
+        place = sum_at(edge[0], edge[1])
+        if place is not None and place[0][place[1]] is not None:
+            sums[i] = place[0][place[1]]
+            found = True
+    return sums if found else None
+
+
 def _needed_entries(
     roots: list[Any], wanted: dict[tuple[int, int], int], newer_than: int
 ) -> set[Entry]:
@@ -260,6 +305,33 @@ def backpropagate(
         grads = _pending(node)
         grads[index] = grad if grads[index] is None else grads[index] + grad
 
+    def sum_at(node: Any, index: int) -> tuple[Any, Any]:
+        """Where `deliver` would add a gradient for (node, index): (container, key) whose
+        item is the running sum (None there: nothing arrived yet), or None where `deliver`
+        does more than add (it drops the gradient, or moves a captured starting value)."""
+        if capture is not None:
+            position = keys.get((id(node), index))  # type: ignore[union-attr]
+            if type(node) is not Entry or (node not in capture.needed and position is None):
+                if position is None:
+                    return None
+                if type(node) is not Entry and node._hooks:
+                    item = held.get(id(node))
+                    return None if item is None else (item, 1)
+                return capture.values, position
+            if position is not None and capture.values[position] is not None:
+                return None
+        elif type(node) is not Entry:
+            if node._hooks:
+                item = held.get(id(node))
+                return None if item is None else (item, 1)
+            return _LeafGrad(node), 0
+        grads = pending.get(node)
+        return None if grads is None else (grads, index)
+
+    def put_sum(node: Any, index: int, total: Any) -> None:
+        container, key = sum_at(node, index)
+        container[key] = total
+
     def _pending(node: Entry) -> list[Any]:
         grads = pending.get(node)
         if grads is None:
@@ -292,13 +364,32 @@ def backpropagate(
                         t = ref()
                         if t is not None and grads[index] is not None:
                             _accumulate_into(t, grads[index], create_graph)
-                results = entry.op.backward(entry, grads, create_graph, retain_graph)
+                op = entry.op
+                onto = None
+                adds_onto = getattr(op, "adds_onto", None)
+                if adds_onto is not None and not create_graph and not anomaly and (
+                    hooks is None or not hooks.post
+                ):
+                    onto = _running_sums(entry, adds_onto(entry), sum_at)
+                if onto is not None:
+                    results = op.backward(entry, grads, create_graph, retain_graph, onto=onto)
+                else:
+                    results = op.backward(entry, grads, create_graph, retain_graph)
                 if hooks is not None and hooks.post:
                     results = _run_post_hooks(entry, results, grads, create_graph)
                 if anomaly:
                     _check_finite(entry, results)
                 if not retain_graph:
                     entry.release()
+                if onto is not None:  # sums that already hold what arrived before
+                    for edge, grad, start in zip(entry.edges, results, onto):
+                        if edge is not None and grad is not None:
+                            grad = _conform(grad, edge[0], edge[1], entry)
+                            if start is None:
+                                deliver(edge[0], edge[1], grad)
+                            else:
+                                put_sum(edge[0], edge[1], grad)
+                    continue
                 for edge, grad in zip(entry.edges, results):
                     if edge is None or grad is None:
                         continue

@@ -540,9 +540,20 @@ class PlannedLoop:
         return carry, ys
 
     # ------------------------------------------------------------- backward
+    def adds_onto(self, entry: Entry) -> list[bool]:
+        """The inputs whose gradient sums the backward sweep may hand over (`onto`): the
+        carry and the captured tensors, which a plain tape reaches once per use in the steps,
+        each use added onto what arrived before (xs rows are stacked, never summed)."""
+        n_xs = len(self.loop.xs_leaves)
+        return [*self.carry_rg, *([False] * n_xs), *([True] * len(self.externals))]
+
     def backward(
-        self, entry: Entry, grads: list[Any], create_graph: bool, retain_graph: bool = False
+        self, entry: Entry, grads: list[Any], create_graph: bool, retain_graph: bool = False,
+        onto: list[Any] | None = None,
     ) -> list[Any]:
+        """The loop's input gradients. With `onto` (see `adds_onto`), those of the carry and
+        the captured tensors are added onto the sums given there, use by use, as a plain tape
+        would add them: the results replace those sums, and are bitwise the plain tape's."""
         if self.consumed:
             raise freed_error(entry.describe())
         self._check_versions(entry)
@@ -552,7 +563,7 @@ class PlannedLoop:
                 return self._backward_with_graph(entry, grads)
             if self.state is None:  # an earlier backward broke off: rebuild the forward state
                 self._run_forward_prefix(discover=False)
-            return self._backward(entry, grads, retain_graph)
+            return self._backward(entry, grads, retain_graph, onto)
         except BaseException:
             if self.state is not None:  # no snapshot (no file of a disk level) outlives it
                 self.state.snapshots.clear()
@@ -571,7 +582,9 @@ class PlannedLoop:
                     "use out-of-place operations on tensors a loop uses, or modify a copy"
                 )
 
-    def _backward(self, entry: Entry, grads: list[Any], retain_graph: bool) -> list[Any]:
+    def _backward(
+        self, entry: Entry, grads: list[Any], retain_graph: bool, onto: list[Any] | None
+    ) -> list[Any]:
         loop = self.loop
         forward = self.state
         assert forward is not None
@@ -592,6 +605,12 @@ class PlannedLoop:
         ]
         xs_reached = [False] * len(adj_xs)
         adj_ext: dict[tuple[int, int], Any] = {}
+        carry_sums: list[Any] = [None] * n_carry  # what the carry's gradient adds onto
+        if onto is not None:
+            carry_sums = list(onto[:n_carry])
+            for key, start in zip(self.externals, onto[self.n_inputs:]):
+                if start is not None:
+                    adj_ext[key] = start
         owned: dict[int, Any] = {}  # gradient sums made here, safe to add into in place
         arrays = forward.current
         stream = random.restored(self.initial_engine_state)  # rewound before any step re-runs
@@ -638,6 +657,7 @@ class PlannedLoop:
                 adj_carry = self._pull_back(
                     segment, adj_carry, adj_ys, adj_xs, xs_reached, adj_ext, owned,
                     retain_graph=retain_graph and kept is not None,
+                    carry_sums=carry_sums if start == 0 else None,
                 )
                 arrays = None
         if not retain_graph:
@@ -698,12 +718,16 @@ class PlannedLoop:
         adj_ext: dict[tuple[int, int], Any],
         owned: dict[int, Any],
         retain_graph: bool,
+        carry_sums: list[Any] | None = None,
     ) -> list[Any]:
         """Back-propagate the adjoint of the carry after `segment` (and of its outputs) to the
-        carry before it, its scanned inputs and the captured tensors."""
+        carry before it, its scanned inputs and the captured tensors; the carry's gradient
+        adds onto `carry_sums` (the first segment's: what reached the loop's initial carry
+        from after the loop)."""
         if isinstance(segment, _ReplayedSegment):
             return self._pull_back_replayed(
-                segment, adj_carry, adj_ys, adj_xs, xs_reached, adj_ext, owned, retain_graph)
+                segment, adj_carry, adj_ys, adj_xs, xs_reached, adj_ext, owned, retain_graph,
+                carry_sums)
         loop = self.loop
         start, stop, carry_in = segment.start, segment.stop, segment.carry_in
         produced = segment.carry_out + [y for _, ys in segment.y_out for y in ys]
@@ -743,6 +767,10 @@ class PlannedLoop:
             keys.setdefault(key, len(keys))
         # carry on adding each captured tensor's gradient in the order a plain tape would
         initial: list[Any] = [None] * len(keys)
+        if carry_sums is not None:
+            for c, total in zip(carry_in, carry_sums):
+                if c is not None and c.requires_grad and total is not None:
+                    initial[keys[(id(c), 0)]] = total
         if start > 0:
             for k in sorted(self.same, reverse=True):
                 c = carry_in[self.same[k]]
@@ -784,6 +812,7 @@ class PlannedLoop:
         adj_ext: dict[tuple[int, int], Any],
         owned: dict[int, Any],
         retain_graph: bool,
+        carry_sums: list[Any] | None = None,
     ) -> list[Any]:
         """`_pull_back` for a replayed segment: the same roots, keys and starting sums, in
         the same order, so the gradients are bitwise those of the recorded steps."""
@@ -825,6 +854,11 @@ class PlannedLoop:
             if key in external_position:
                 keys[("ext", slot)] = external_position[key]
         initial: list[Any] = [None] * (len(keys) + len(external_position))
+        if carry_sums is not None:
+            for k, total in enumerate(carry_sums):
+                position = keys.get(("carry", k))
+                if position is not None and total is not None:
+                    initial[position] = total
         if start > 0:
             for k in sorted(self.same, reverse=True):
                 position = keys.get(("carry", self.same[k]))
