@@ -132,9 +132,14 @@ class PlannedLoop:
         until: Callable[[Any], Any] | None = None,
         limit: int | None = None,
         trace: bool = True,
+        program: StepProgram | None = None,
+        name: str | None = None,
     ) -> None:
         """`until` (with at most `limit` steps, None for no limit) makes the loop's length
-        known only as it runs: the plan then grows step by step (see the module's doc)."""
+        known only as it runs: the plan then grows step by step (see the module's doc).
+        `program` replays every step from the start: a step program traced from a step
+        recorded on the tape just before (`scan` keeping every step), whose output is the
+        initial carry here."""
         self.loop = loop
         self.strategy = strategy
         self.storage = (strategy.storage or KEEP).for_plan()
@@ -149,9 +154,10 @@ class PlannedLoop:
         # complete when `until` stops the loop
         self.plan: Sequence[Action] | Any = None
         self.restore_at: np.ndarray | None = None
-        self.name = f"scan[{type(strategy).__name__.lower()}]"
+        self.name = name or f"scan[{type(strategy).__name__.lower()}]"
         self.same: dict[int, int] = {}
         self.externals: dict[tuple[int, int], Any] = {}
+        self.discovered = False  # externals (and carry aliases) found
         self.state: _ForwardState | None = None
         self.consumed = False
         self.tracks_numpy = False  # set when the steps draw from numpy's global random state
@@ -159,6 +165,14 @@ class PlannedLoop:
         self.traces: dict[int, Trace] | None = {} if trace else None
         self.program: StepProgram | None = None
         self.mode = "recorded: trace=False" if not trace else "recorded: not traced yet"
+        self.carry_made = program is not None  # the carry is a recorded step's output
+        if program is not None:
+            self.traces = None
+            self.program = program
+            self.mode = "replayed"
+            self.externals = dict(program.external_edges)
+            self.same = program.carry_aliases()
+            self.discovered = True
 
     # ------------------------------------------------------------- forward
     def run(self, carry_leaves: list[Any]) -> tuple[Any, Any]:
@@ -339,7 +353,12 @@ class PlannedLoop:
         if reason is not None:
             self.mode = f"recorded: the step {reason}"
             return
-        self.program = StepProgram(traces[0], len(self.carry_meta))
+        program = StepProgram(traces[0], len(self.carry_meta))
+        reason = program.unreplayable_storage()
+        if reason is not None:
+            self.mode = f"recorded: {reason}"
+            return
+        self.program = program
         self.mode = "replayed"
 
     def _x_arrays(self, t: int) -> list[Any]:
@@ -358,6 +377,9 @@ class PlannedLoop:
             t._hooks for t in program.has_hooks)
 
     def _discover_from(self, segment: _TapedSegment) -> None:
+        if self.discovered:
+            return
+        self.discovered = True
         ys = segment.y_out[0][1]
         new = segment.carry_out if segment.stop == 1 else None
         inputs = segment.carry_in + [p for _, parts in segment.x_parts for p in parts]
@@ -684,7 +706,8 @@ class PlannedLoop:
             carry_in = arrays
             for t in range(start, stop):
                 loop.count()
-                step = program.tape(arrays, self._x_arrays(t), previous)
+                made = self.carry_inputs if self.carry_made and t == 0 else None
+                step = program.tape(arrays, self._x_arrays(t), previous, made)
                 arrays = step.output(program.carry_out)
                 y_out.append((t, step.output(program.y_out)))
                 step.drop_values(program.carry_out)

@@ -20,6 +20,7 @@ from ..grad_mode import is_grad_enabled, no_grad
 from ..pytree import flatten, unflatten
 from ..saved import Strategy, use_packer
 from ..tensor_base import make_tensor
+from .kept_loop import keep_every_step, replays
 from .kinds import LoopPlanner, LoopStrategy
 from .loop import StepLoop, loop_length, stack_outputs
 from .plan_executor import PlannedLoop, stops
@@ -103,7 +104,7 @@ def scan(
         chosen, storage = strategy.choose(loop, carry_leaves)
         with use_packer(storage):
             if chosen is None:
-                carry, ys = _keep_all(loop, carry_leaves, until, limit)
+                carry, ys = _keep_all(loop, carry_leaves, until, limit, trace)
             else:
                 carry, ys = PlannedLoop(loop, chosen, trace=trace).run(carry_leaves)
     elif isinstance(strategy, LoopStrategy) and is_grad_enabled():
@@ -113,9 +114,9 @@ def scan(
             carry, ys = PlannedLoop(loop, strategy, until, limit, trace=trace).run(carry_leaves)
     elif isinstance(strategy, Strategy):
         with use_packer(strategy):
-            carry, ys = _keep_all(loop, carry_leaves, until, limit)
+            carry, ys = _keep_all(loop, carry_leaves, until, limit, trace)
     else:  # no strategy, or a loop strategy with nothing to differentiate: no plan needed
-        carry, ys = _keep_all(loop, carry_leaves, until, limit)
+        carry, ys = _keep_all(loop, carry_leaves, until, limit, trace)
     return carry, (_flipped(ys) if reverse and ys is not None else ys)
 
 
@@ -146,9 +147,14 @@ def _empty_outputs(loop: StepLoop, carry_leaves: list[Any]) -> Any:
 
 
 def _keep_all(
-    loop: StepLoop, carry_leaves: list[Any], until: Callable[[Any], Any] | None, limit: int | None
+    loop: StepLoop, carry_leaves: list[Any], until: Callable[[Any], Any] | None,
+    limit: int | None, trace: bool = False,
 ) -> tuple[Any, Any]:
-    """Every step recorded on the tape; with `until`, the steps up to the first that stops."""
+    """Every step kept on the tape (steps 2.. replayed when they can be, see `kept_loop`);
+    with `until`, the steps up to the first that stops."""
+    if until is None and replays(loop, trace):
+        carry, ys, _ = keep_every_step(loop, carry_leaves)
+        return carry, ys
     most = loop.n if until is None else limit  # None: until alone ends the loop
     loop.n = most or 0  # all of xs is split, if there is one
     rows = loop.all_x() if loop.xs_spec is not None else None

@@ -26,7 +26,16 @@ from .. import events, random
 from ..backend import namespace
 from ..grad_mode import _state
 from ..ops import astype
-from ..saved import KeepAll, SavedBuffer, SavedSlot, VersionCounter, current_packer, pack_value
+from ..saved import (
+    KeepAll,
+    SavedBuffer,
+    SavedSlot,
+    Strategy,
+    VersionCounter,
+    buffer_for,
+    current_packer,
+    pack_value,
+)
 from ..tape import Entry, Primitive, _sum_to, edge_of
 from ..tensor_base import make_tensor
 
@@ -266,15 +275,20 @@ class StepProgram:
         self.x_in = tuple(range(n_carry, trace.n_inputs))
         self.carry_out, self.y_out = trace.outputs
         self.constants = {s: t._data for s, t in trace.constants.items()}
+        # the tensors themselves: a value saved from one shares the buffer recorded entries
+        # made of it (one stored copy, counted once), as recording every step would
+        self.constant_tensors = dict(trace.constants)
         # graph facts of every slot, as the recorded step had them
         self.requires_grad = [rg for rg, _, _ in trace.facts]
         self.leaf = [leaf for _, leaf, _ in trace.facts]
         self.dtype = [dtype for _, _, dtype in trace.facts]
         self.external_keys: dict[int, tuple[int, int]] = {}
+        self.external_edges: dict[tuple[int, int], Any] = {}  # key -> graph edge
         for slot, t in trace.constants.items():
             edge = edge_of(t)
             if edge is not None:
                 self.external_keys[slot] = (id(edge[0]), edge[1])
+                self.external_edges[(id(edge[0]), edge[1])] = edge
         # captured leaves: a hook registered on one, even after the loop ran, makes the
         # backward record (a recorded pass runs leaf hooks on each segment's sum)
         self.has_hooks = [t for t in trace.constants.values()
@@ -293,6 +307,22 @@ class StepProgram:
         self.backward_order = tuple(
             i for i in reversed(range(len(self.instructions))) if self.instructions[i].taped
         )
+
+    def carry_aliases(self) -> dict[int, int]:
+        """Outputs that are a new carry leaf itself (RNNs return h, h): output k -> leaf j."""
+        return {k: j for k, y in enumerate(self.y_out) for j, c in enumerate(self.carry_out)
+                if y >= 0 and y == c}
+
+    def unreplayable_storage(self) -> str | None:
+        """Why a replay could not keep the step's values as recording does, or None: a
+        saved-value strategy that re-makes values itself (`Rematerializing`) learns how from
+        each recorded entry, which a replay does not make."""
+        for ins in self.instructions:
+            for s in ins.saved:
+                if type(s.packer).recorded is not Strategy.recorded:
+                    return (f"its values are kept by {type(s.packer).__name__}, which re-makes "
+                            "them from the recorded entries")
+        return None
 
     # ------------------------------------------------------------- forward
     def _start(self, carry: list[Any], x: list[Any]) -> list[Any]:
@@ -320,18 +350,21 @@ class StepProgram:
                 [None if s < 0 else values[s] for s in self.y_out])
 
     def tape(self, carry: list[Any], x: list[Any],
-             previous: ReplayedStep | None = None) -> ReplayedStep:
+             previous: ReplayedStep | None = None,
+             carry_tensors: list[Any] | None = None) -> ReplayedStep:
         """One step keeping what its backward rules read, packed as recording would. With
         `previous` (the step before, in the same taped segment), the carry is that step's
-        output: saved with the primitive's packer, not as a leaf, sharing its buffers."""
+        output: saved with the primitive's packer, not as a leaf, sharing its buffers;
+        `carry_tensors` says the same of a carry made by a step recorded on the tape (these
+        are its tensors, whose buffers the step shares)."""
         values = self._start(carry, x)
         xp = _namespace_of(values)
         saved: list[Any] = [None] * len(self.instructions)
         entries: list[Any] = (
             [None] * len(self.instructions) if events.hears("record") else [])
         buffers: dict[tuple[int, int], Any] = {}
-        chained = previous is not None
-        if chained:
+        chained = carry_tensors is not None or previous is not None
+        if previous is not None:
             for k, s in enumerate(self.carry_out):
                 for (slot, pid), buffer in previous.buffers.items():
                     if slot == s and s >= 0:
@@ -351,6 +384,12 @@ class StepProgram:
                 packer = s.chained if chained and slot in self.carry_in else s.packer
                 if type(packer) is KeepAll and not entries:
                     kept.append(values[slot])
+                    continue
+                constant = self.constant_tensors.get(slot)
+                if constant is None and carry_tensors is not None and slot in self.carry_in:
+                    constant = carry_tensors[slot]
+                if constant is not None:
+                    kept.append(buffer_for(constant, packer))
                     continue
                 key = (slot, id(packer))
                 buffer = buffers.get(key)

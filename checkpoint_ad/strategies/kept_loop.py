@@ -1,0 +1,130 @@
+"""A `scan` that keeps every step (no loop strategy), replayed after its first two steps.
+
+Steps 0 and 1 are recorded on the tape as any code is, and traced on the way (see
+`step_program.py`). When they trace to one program, steps 2.. run as one tape entry: a plan
+executor that tapes them all in its forward (`Periodic(n)`: nothing re-run) by replaying the
+program on arrays, and pulls the adjoint back through them by the program's rules, adding
+onto the running sums as the sweep hands them over (`PlannedLoop.adds_onto`). The values kept,
+the profile and the gradients are those of recording every step, bit for bit; the Python cost
+per operation is gone. When the trace is refused, the loop goes on recording every step, and
+the result is exactly the recorded loop: nothing was done differently for steps 0 and 1.
+
+The outputs of the three parts (steps 0 and 1, the replayed rest) are put together by two
+primitives that copy rows (`stack`, `concatenate`): their backward splits the gradient rows
+again, adding nothing, and they run after the steps, where a recorded loop stacks its outputs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..function import Function
+from ..grad_mode import _state, is_grad_enabled
+from ..ops import concatenate, stack
+from ..pytree import flatten, unflatten
+from ..tape import next_sequence
+from ..tensor import Tensor
+from .loop import StepLoop, stack_outputs
+from .loop_strategies import Periodic
+from .plan_executor import PlannedLoop
+from .step_program import StepProgram, Trace, same_program, stop_tracing, tracing
+
+TRACED_STEPS = 2
+
+
+class _SplitHead(Function):
+    """Rows 0 and 1 of a tensor, and the rest as one tensor; the backward puts them back."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> tuple[Tensor, ...]:
+        ctx.rest_shape = x.shape[TRACED_STEPS:]
+        data = x._data
+        return (*(Tensor._wrap(data[t]) for t in range(TRACED_STEPS)),
+                Tensor._wrap(data[TRACED_STEPS:]))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> Tensor:
+        return concatenate([stack(list(grads[:TRACED_STEPS]), axis=0), grads[TRACED_STEPS]],
+                           axis=0)
+
+
+def replays(loop: StepLoop, trace: bool) -> bool:
+    """Whether a loop keeping every step is worth tracing: grad on, tracing allowed, more
+    steps than are traced, and not itself inside a step being traced (an outer loop replays
+    this one's operations as its own)."""
+    return trace and is_grad_enabled() and _state.tracer is None and loop.n > TRACED_STEPS
+
+
+def keep_every_step(loop: StepLoop, carry_leaves: list[Any]) -> tuple[Any, Any, str]:
+    """Run `loop` keeping every step; (carry, ys, mode), mode as `PlannedLoop.mode`."""
+    heads, rest = _split_xs(loop)
+    traces: list[Trace] = []
+    per_step = []
+    carry = carry_leaves
+    for t in range(TRACED_STEPS):
+        x = None if heads is None else unflatten(loop.xs_spec, iter(heads[t]))
+        trace = Trace(len(carry) + len(loop.xs_leaves), next_sequence())
+        trace.add_inputs(list(carry) + (list(heads[t]) if heads is not None else []))
+        previous = tracing(trace)
+        try:
+            carry, ys = loop.call(t, carry, x)
+        finally:
+            stop_tracing(previous)
+        trace.finish(carry, ys)
+        traces.append(trace)
+        per_step.append(ys)
+    reason = same_program(traces[0], traces[1])
+    program = None
+    if reason is None:
+        program = StepProgram(traces[1], len(carry))  # step 1: its carry is a step's output
+        reason = program.unreplayable_storage()
+    if reason is not None:  # record the rest as the steps so far were
+        rows = _rows(loop, rest)
+        for t in range(TRACED_STEPS, loop.n):
+            carry, ys = loop.call(t, carry, rows[t - TRACED_STEPS])
+            per_step.append(ys)
+        ys_leaves = stack_outputs(per_step)
+        return (unflatten(loop.carry_spec, iter(carry)), unflatten(loop.y_spec, iter(ys_leaves)),
+                f"recorded: the step {reason}")
+    rest_loop = StepLoop(loop.step, loop.carry_spec, rest or [], loop.xs_spec,
+                         loop.n - TRACED_STEPS, y_spec=loop.y_spec)
+    executor = PlannedLoop(rest_loop, Periodic(rest_loop.n), program=program,
+                           name="scan[keep-all]")
+    carry_out, ys_rest = executor.run(list(carry))
+    loop.evaluations += rest_loop.evaluations
+    from_rest = [None] * len(per_step[0]) if ys_rest is None else flatten(ys_rest)[0]
+    ys_leaves = [
+        None if y0 is None else concatenate([stack([y0, y1], axis=0), r], axis=0)
+        for y0, y1, r in zip(per_step[0], per_step[1], from_rest)
+    ]
+    return carry_out, unflatten(loop.y_spec, iter(ys_leaves)), executor.mode
+
+
+def _split_xs(loop: StepLoop) -> tuple[list[list[Any]] | None, list[Any] | None]:
+    """Rows 0 and 1 of every xs leaf (per step: a list of leaves), and the rest of each leaf
+    as one tensor; a leaf that needs a gradient is split by one differentiable operation."""
+    if loop.xs_spec is None:
+        return None, None
+    heads: list[list[Any]] = [[] for _ in range(TRACED_STEPS)]
+    rest: list[Any] = []
+    for x in loop.xs_leaves:
+        if x is None:
+            parts: tuple[Any, ...] = (None,) * (TRACED_STEPS + 1)
+        elif x.requires_grad:
+            parts = _SplitHead.apply(x)
+        else:
+            parts = (*(Tensor._wrap(x._data[t]) for t in range(TRACED_STEPS)),
+                     Tensor._wrap(x._data[TRACED_STEPS:]))
+        for t in range(TRACED_STEPS):
+            heads[t].append(parts[t])
+        rest.append(parts[TRACED_STEPS])
+    return heads, rest
+
+
+def _rows(loop: StepLoop, rest: list[Any] | None) -> list[Any]:
+    """The scanned inputs of steps 2.. (split off `rest` as a plain loop splits xs)."""
+    n = loop.n - TRACED_STEPS
+    if rest is None:
+        return [None] * n
+    rest_loop = StepLoop(loop.step, loop.carry_spec, rest, loop.xs_spec, n)
+    return rest_loop.all_x()

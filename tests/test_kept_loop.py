@@ -1,0 +1,173 @@
+"""A `scan` that keeps every step records steps 0 and 1 and replays the rest as one entry.
+
+What must hold: its gradients are bitwise those of recording every step (``trace=False``) on
+the built-in models, in float32 and float64, under every saved-value form; also where the
+loop's inputs get gradients from elsewhere too (a weight used after the loop, a `.grad` left
+by an earlier pass, `grad()`, a second backward); a step that cannot be replayed is recorded
+like before; the profiler sees the same saved values and peaks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import checkpoint_ad as cad
+from checkpoint_ad.profiler import profile
+from checkpoint_ad.strategies import (
+    Binomial,
+    Periodic,
+    Quantized,
+    Rematerializing,
+    StoreInputs,
+    StoreOutputs,
+)
+
+MODELS = ["rnn", "lstm", "residual_mlp", "heat", "neural_ode"]
+FORMS = [None, StoreInputs(), StoreOutputs(), Quantized(8)]
+
+
+def _loop_entries(output):
+    return [e for e in cad.tape_of(output) if e.mode]
+
+
+def _model_grads(name, dtype, storage, trace):
+    from checkpoint_ad.models import build
+
+    model = build(name, dtype=dtype)
+    outputs = []
+
+    def run_scan(step, init, xs):
+        carry, ys = cad.scan(step, init, xs, trace=trace)
+        outputs.append(carry)
+        return carry, ys
+
+    if storage is not None:
+        with cad.use(storage):
+            loss = model.run(run_scan)
+    else:
+        loss = model.run(run_scan)
+    modes = [e.mode for e in _loop_entries(loss)]
+    return loss.item(), [g.numpy() for g in cad.grad(loss, model.params)], modes
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("storage", FORMS, ids=["keep", "store-inputs", "store-outputs", "int8"])
+def test_keeping_every_step_replays_with_the_recorded_gradients(model, storage, dtype):
+    loss, got, modes = _model_grads(model, dtype, storage, trace=True)
+    ref_loss, ref, ref_modes = _model_grads(model, dtype, storage, trace=False)
+    assert modes == ["replayed"] and ref_modes == []
+    assert loss == ref_loss
+    for g, r in zip(got, ref, strict=True):
+        assert g.dtype == r.dtype
+        np.testing.assert_array_equal(g, r)
+
+
+def _problem(dtype=np.float64, T=9):
+    rng = np.random.default_rng(1)
+    w = cad.tensor(rng.standard_normal((5, 5)).astype(dtype) * 0.5, requires_grad=True)
+    h0 = cad.tensor(rng.standard_normal((3, 5)).astype(dtype), requires_grad=True)
+    xs = cad.tensor(rng.standard_normal((T, 3, 5)).astype(dtype), requires_grad=True)
+    return w, h0, xs
+
+
+def _loss(strategy, trace, how, dtype=np.float64):
+    """A loop whose carry, weight and initial state also get gradients outside it: a weight
+    used by two operations per step and after the loop, the initial carry used after it."""
+    w, h0, xs = _problem(dtype)
+    shifted = w * 1.0001  # a captured non-leaf
+
+    def step(h, x):
+        a = h @ shifted
+        return cad.tanh(a + h * x + a * h), h
+
+    h, ys = cad.scan(step, h0, xs, strategy=strategy, trace=trace)
+    loss = (h @ shifted).sum() + (ys**2).sum() + (h0 * shifted[2]).sum() + (h0**3).sum()
+    if how == "grad":
+        return [g.numpy() for g in cad.grad(loss, [w, h0, xs])]
+    if how == "twice":
+        loss.backward(retain_graph=True)
+        loss.backward()
+    else:  # a .grad left by an earlier pass
+        w.grad = cad.tensor(np.full((5, 5), 0.1, dtype=dtype))
+        h0.grad = cad.tensor(np.full((3, 5), -0.3, dtype=dtype))
+        loss.backward()
+    return [t.grad.numpy() for t in (w, h0, xs)]
+
+
+@pytest.mark.parametrize("how", ["backward", "grad", "twice"])
+@pytest.mark.parametrize("strategy", [None, Binomial(2), Periodic(9), Periodic(4)],
+                         ids=["keep-all", "binomial-2", "periodic-9", "periodic-4"])
+@pytest.mark.parametrize("trace", [True, False])
+def test_gradients_arriving_from_outside_the_loop_are_summed_as_a_plain_tape_sums(
+        strategy, trace, how):
+    reference = _loss(None, False, how)
+    for got, ref in zip(_loss(strategy, trace, how), reference, strict=True):
+        np.testing.assert_array_equal(got, ref)
+
+
+def test_a_step_that_cannot_be_replayed_is_recorded_as_before():
+    w, h0, xs = _problem()
+
+    def step(h, x):
+        scale = 0.5 if float((h * h).sum().detach().item()) > 1.0 else 0.25
+        h = cad.tanh(h @ w * scale + x)
+        return h, h
+
+    carry, ys = cad.scan(step, h0, xs)
+    loss = (carry * carry).sum() + ys.sum()
+    assert _loop_entries(loss) == []  # every step recorded, no loop entry
+    got = cad.grad(loss, [w, h0, xs])
+    carry, ys = cad.scan(step, h0, xs, trace=False)
+    ref = cad.grad((carry * carry).sum() + ys.sum(), [w, h0, xs])
+    for g, r in zip(got, ref):
+        np.testing.assert_array_equal(g.numpy(), r.numpy())
+
+
+def test_values_kept_by_a_rematerializing_pool_are_recorded():
+    w, h0, xs = _problem()
+    with cad.use(Rematerializing(10**9)):
+        carry, _ = cad.scan(lambda h, x: (cad.tanh(h @ w + x), None), h0, xs)
+    (mode,) = [e.mode for e in _loop_entries(carry.sum())] or ["no loop entry"]
+    assert mode == "no loop entry"  # recorded step by step: the pool learns each entry
+
+
+def test_short_loops_and_no_grad_record_and_nested_loops_replay_the_outer_only():
+    w, h0, xs = _problem(T=2)
+    carry, _ = cad.scan(lambda h, x: (cad.tanh(h @ w + x), None), h0, xs)
+    assert _loop_entries(carry.sum()) == []
+    w, h0, xs = _problem(T=6)
+    inner_xs = cad.tensor(np.linspace(-1.0, 1.0, 60).reshape(4, 3, 5))
+
+    def outer(h, x):  # the inner loop runs while the outer traces: recorded, into its program
+        inner, _ = cad.scan(lambda g, y: (cad.tanh(g @ w + y), None), h, inner_xs)
+        return inner * x, None
+
+    carry, _ = cad.scan(outer, h0, xs)
+    assert [e.mode for e in _loop_entries(carry.sum())] == ["replayed"]
+    got = cad.grad(carry.sum(), [w, h0, xs])
+    carry, _ = cad.scan(outer, h0, xs, trace=False)
+    ref = cad.grad(carry.sum(), [w, h0, xs])
+    for g, r in zip(got, ref):
+        np.testing.assert_array_equal(g.numpy(), r.numpy())
+
+
+def test_the_profiler_sees_a_replayed_loop_keeping_every_step_as_a_recorded_one():
+    def run(trace, storage):
+        w, h0, xs = _problem(np.float32, T=12)
+        with profile() as prof:
+            with cad.use(storage):
+                carry, ys = cad.scan(lambda h, x: (cad.tanh(h @ w + x),) * 2, h0, xs,
+                                     trace=trace)
+            ((carry * carry).sum() + ys.sum()).backward()
+        return prof
+
+    for storage in (cad.strategies.KeepAll(), Quantized(8)):
+        replayed, recorded = run(True, storage), run(False, storage)
+        rows = [sorted((r.op, r.role, r.shape, r.stored_bytes, r.origin, r.owned)
+                       for r in p.records if r.phase == "forward")
+                for p in (replayed, recorded)]
+        assert rows[0] == rows[1]
+        assert replayed.peak_tape_bytes == recorded.peak_tape_bytes
+        assert replayed.aliased_bytes == recorded.aliased_bytes
