@@ -97,7 +97,7 @@ class LoopPlanner(Strategy):
 
     `choose(loop, carry_leaves)` sees the loop (a `loop.StepLoop`: its step, length and
     scanned inputs) and its initial carry, and returns ``(loop_strategy or None, storage)``:
-    the plan to run (None records every step) and the saved-value strategy every step's
+    the plan to run (None keeps every step) and the saved-value strategy every step's
     values go through. `use` puts a planner on both stacks: outside a `scan` it acts as the
     saved-value strategy it is.
     """

@@ -1,9 +1,11 @@
 """`scan` and `while_loop`: the unrolled loops users wrap (JAX's `lax.scan` and
 `lax.while_loop` semantics, and a `scan` that stops on a condition).
 
-Without a loop strategy every step is recorded on the tape as it runs; with one (`Binomial`,
-`Periodic`, `Recompute`) the plan executor runs the loop as one tape entry. A loop stopped by
-a condition has a length known only when it ends: `Binomial` then places its snapshots online.
+Without a loop strategy every step is kept: steps 0 and 1 are recorded on the tape as they run,
+and the rest replayed from their step program as one tape entry (`kept_loop.py`); with one
+(`Binomial`, `Periodic`, `Recompute`) the plan executor runs the loop as one tape entry. A loop
+stopped by a condition has a length known only when it ends: `Binomial` then places its
+snapshots online.
 """
 
 from __future__ import annotations
@@ -50,12 +52,14 @@ def scan(
     trade recomputation for memory; a storage strategy (e.g. `Quantized`) applies to the values
     every step saves; a planner (`Budget("64MiB")`) measures one step and picks the plan.
 
-    Under a loop strategy, steps 0 and 1 are traced into a step program that later steps,
-    re-runs and each step's backward replay on arrays (bitwise the same gradients, far less
-    Python per operation); a step that cannot be replayed exactly is recorded step by step
-    instead (see `step_program.py`). `trace=False` forces recording; the loop's tape entry
-    says which mode ran and why (``carry.grad_fn.op.mode``, and the loop's line in
-    ``cad.tape_of(...).table()``).
+    Steps 0 and 1 are traced into a step program that later steps, re-runs and each step's
+    backward replay on arrays (bitwise the same gradients, far less Python per operation);
+    a step that cannot be replayed exactly is recorded step by step instead (see
+    `step_program.py`). `trace=False` forces recording; the loop's tape entry says which
+    mode ran and why (``carry.grad_fn.op.mode``, and the loop's line in
+    ``cad.tape_of(...).table()``). Keeping every step, steps 0 and 1 stay on the tape as
+    recorded entries and the loop's entry (``scan[keep-all]``) holds the rest; a loop of
+    fewer than 3 steps, or one run inside a step being traced, is recorded.
     `until(carry)` is asked after each step (without recording) and the loop stops after the
     first step where it is true, or at the end of `xs` (or after `length` steps) if that comes
     first; with neither xs nor length, `until` is required and at least one step runs. `ys`
