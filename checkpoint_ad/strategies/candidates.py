@@ -7,8 +7,13 @@ way (offloaded snapshots, a multi-level plan) is one more function passed in `fa
 
 Peak tape bytes are what the profiler counts as the tape's own (`Profile.peak_tape_bytes`): the
 snapshots alive at once plus the longest tape recorded at once. Times add the measured step
-costs: ``n`` taped steps and their backward, every re-run (`Advance`) at the untaped cost,
-and packing / unpacking of stored carries.
+costs as the executor spends them: ``n`` taped steps and their backward, every re-run
+(`Advance`) at the untaped cost, and packing / unpacking of stored carries. A planned loop
+whose step traces to a step program (`StepCost.replays`) records step 0 (with a tape, to find
+what the step captures) and step 1 (without, traced) and replays every later step, re-run and
+backward, so those are priced at the replayed costs; a step that refuses tracing is priced at
+the recorded ones. A plain `scan` (keep-all and the every-step forms) replays too when
+`PLAIN_SCAN_REPLAYS` says it does.
 """
 
 from __future__ import annotations
@@ -38,6 +43,11 @@ STEP_FORMS: dict[str, Strategy] = {
 SNAPSHOT_FORMS: dict[str, Strategy | None] = {"keep": None, "int8": Quantized(bits=8),
                                               "int4": Quantized(bits=4)}
 _SIMULATED_UP_TO = 100_000  # step evaluations; longer plans estimate their pack counts
+
+PLAIN_SCAN_REPLAYS = False
+"""Whether a plain `scan` (no loop strategy, grad enabled, ``trace=True``) runs through the
+executor and replays its steps after the first two, as planned loops do. False while it
+records every step: keep-all and the every-step forms are then priced at recorded costs."""
 
 
 @dataclass(frozen=True)
@@ -78,17 +88,34 @@ def _tape(form: FormCost, steps: int, stored: int = 0) -> int:
     return form.first_bytes + carry + (steps - 1) * form.step_bytes
 
 
+def _speeds(cost: StepCost, form: FormCost) -> tuple[float, float, float]:
+    """Seconds per step a planned loop spends replaying it (or recording it, when the step
+    refuses tracing): (without a tape, with one, backward)."""
+    if cost.replays:
+        assert form.replayed_taped_seconds is not None
+        assert cost.replayed_untaped_seconds is not None
+        assert form.replayed_backward_seconds is not None
+        return (cost.replayed_untaped_seconds, form.replayed_taped_seconds,
+                form.replayed_backward_seconds)
+    return cost.untaped_seconds, form.taped_seconds, form.backward_seconds
+
+
 def keep_every_step(cost: StepCost) -> Iterator[Candidate]:
-    """Every step recorded (a plain `scan`), its values in each measured form."""
+    """Every step recorded (a plain `scan`), its values in each measured form; replayed after
+    the first two when `PLAIN_SCAN_REPLAYS` (and the step traces)."""
     n = cost.n_steps
     for name, form in cost.forms.items():
+        recorded = n
+        if PLAIN_SCAN_REPLAYS and cost.replays:
+            recorded = min(n, 2)
+        _, taped, backward = _speeds(cost, form) if recorded < n else (0.0, 0.0, 0.0)
         yield Candidate(
             name=name if name != "keep" else "keep-all",
             loop=None,
             storage=STEP_FORMS[name],
             peak_tape_bytes=_tape(form, n),
-            forward_seconds=n * form.taped_seconds,
-            backward_seconds=n * form.backward_seconds,
+            forward_seconds=recorded * form.taped_seconds + (n - recorded) * taped,
+            backward_seconds=recorded * form.backward_seconds + (n - recorded) * backward,
             evaluations=n,
             error_bound=relative_error_bound(STEP_FORMS[name]),
         )
@@ -116,23 +143,41 @@ def periodic(cost: StepCost) -> Iterator[Candidate]:
         stored = segments - 1
         last = n - stored * k
         advanced = n - last
+        forward, backward = _planned_seconds(cost, form, advanced, last, advanced, 0)
         yield Candidate(
             name=f"periodic k={k}",
             loop=Periodic(k),
             storage=KEEP,
             peak_tape_bytes=stored * snap.bytes + _tape(form, k, stored),
-            forward_seconds=_plan_forward(cost, form, advanced, last),
-            backward_seconds=n * form.backward_seconds + advanced * form.taped_seconds,
+            forward_seconds=forward,
+            backward_seconds=backward,
             evaluations=n + advanced,
             error_bound=None,
         )
 
 
-def _plan_forward(cost: StepCost, form: FormCost, advanced: int, taped: int) -> float:
-    """A plan's forward: the steps before its first reverse without a tape, except step 0,
-    which runs with one to find what the step captures; the first reverse's steps taped."""
-    discovery = form.taped_seconds - cost.untaped_seconds if advanced else 0.0
-    return advanced * cost.untaped_seconds + taped * form.taped_seconds + discovery
+def _planned_seconds(
+    cost: StepCost, form: FormCost, advanced: int, last: int, retaped: int, rerun: int
+) -> tuple[float, float]:
+    """(forward, backward) seconds of a plan whose forward advances `advanced` steps without
+    a tape and tapes the `last` ones (kept for the first reverse), and whose backward re-runs
+    `retaped` steps with a tape and `rerun` without, as the executor runs them: step 0 with a
+    tape (to find what the step captures), step 1 without (both recorded and traced), then
+    replayed steps once the program is known; a segment taped before that is recorded."""
+    untaped, taped, backward = _speeds(cost, form)
+    n = advanced + last
+    if not cost.replays:
+        discovery = form.taped_seconds - untaped if advanced else 0.0
+        return (advanced * untaped + last * taped + discovery,
+                n * backward + retaped * taped + rerun * untaped)
+    if advanced >= 2:  # the program is known before the kept steps are taped
+        forward = (form.taped_seconds + cost.untaped_seconds + (advanced - 2) * untaped
+                   + last * taped)
+        kept_backward = last * backward
+    else:  # the kept segment starts before step 2: it is recorded
+        forward = advanced * form.taped_seconds + last * form.taped_seconds
+        kept_backward = last * form.backward_seconds
+    return forward, (n - last) * backward + kept_backward + retaped * taped + rerun * untaped
 
 
 def binomial(cost: StepCost) -> Iterator[Candidate]:
@@ -147,14 +192,14 @@ def binomial(cost: StepCost) -> Iterator[Candidate]:
             suffix = "" if storage is None else f" {storage_name} snapshots"
             # a quantized snapshot comes back as a new full-size carry, which the re-run saves
             tape = _tape(form, 1, stored if storage is None else 0)
-            backward = (n * form.backward_seconds + (n - 1) * form.taped_seconds
-                        + (advanced - (n - 1)) * cost.untaped_seconds)
+            forward, backward = _planned_seconds(cost, form, n - 1, 1, n - 1,
+                                                 advanced - (n - 1))
             yield Candidate(
                 name=f"binomial s={s}{suffix}",
                 loop=Binomial(s, storage),
                 storage=KEEP,
                 peak_tape_bytes=stored * snap.bytes + tape,
-                forward_seconds=_plan_forward(cost, form, n - 1, 1) + stored * snap.pack_seconds,
+                forward_seconds=forward + stored * snap.pack_seconds,
                 backward_seconds=backward + _snapshot_io(n, s, snap, storage),
                 evaluations=n + advanced,
                 error_bound=relative_error_bound(storage),
