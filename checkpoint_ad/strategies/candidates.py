@@ -29,7 +29,14 @@ from .kinds import LoopStrategy
 from .loop_strategies import Binomial, Periodic
 from .pricing import FormCost, SnapshotCost, StepCost, relative_error_bound
 from .quantized import Quantized
-from .revolve import optimal_evaluations, simulate_plan
+from .revolve import (
+    Advance,
+    DiskSnapshot,
+    Reverse,
+    ReverseSegment,
+    optimal_evaluations,
+    simulate_plan,
+)
 
 # the saved-value strategies a step's values may go through (lossy ones only when admitted)
 STEP_FORMS: dict[str, Strategy] = {
@@ -218,4 +225,59 @@ def _snapshot_io(n: int, s: int, snap: SnapshotCost, storage: Any) -> float:
     return max(packs, 0) * snap.pack_seconds + restores * snap.unpack_seconds
 
 
-FAMILIES: tuple[Family, ...] = (keep_every_step, periodic, binomial)
+DISK_RAM_SNAPSHOTS = (1, 2, 3, 4, 6, 8, 12, 16)
+"""RAM snapshots of the RAM + disk plans priced: the small budgets they are for."""
+
+
+def binomial_disk(cost: StepCost) -> Iterator[Candidate]:
+    """`Binomial(s, disk=None)`: s RAM snapshots plus the disk snapshots that pay for their
+    measured write and read (H-Revolve, `multilevel.py`); disk bytes are not tape bytes. Only
+    when the dry run timed the disk (``Budget(limit, disk=True)``): writing files is the
+    user's call. A plan that writes nothing to disk is `binomial`'s, and left out."""
+    if cost.disk is None:
+        return
+    n = cost.n_steps
+    form, snap = cost.forms["keep"], cost.snapshots["keep"]
+    step = max(_speeds(cost, form)[0], 1e-9)  # the plan's costs are in re-run steps
+    write, read = cost.disk.pack_seconds / step, cost.disk.unpack_seconds / step
+    for s in DISK_RAM_SNAPSHOTS:
+        if s >= n - 1:
+            break
+        strategy = Binomial(s, disk=None, write_cost=round(write, 3), read_cost=round(read, 3))
+        plan = strategy.plan(n)
+        if plan.disk_writes == 0:
+            continue
+        advanced, last, forward_writes = _forward_part(plan)
+        forward, backward = _planned_seconds(cost, form, advanced, last, n - last,
+                                             plan.advanced_steps - advanced)
+        stored = plan.max_live_snapshots
+        yield Candidate(
+            name=f"binomial s={s} + disk",
+            loop=strategy,
+            storage=KEEP,
+            peak_tape_bytes=stored * snap.bytes + _tape(form, 1, stored),
+            forward_seconds=forward + forward_writes * cost.disk.pack_seconds,
+            backward_seconds=backward + (plan.disk_writes - forward_writes)
+            * cost.disk.pack_seconds + plan.disk_reads * cost.disk.unpack_seconds,
+            evaluations=n + plan.advanced_steps,
+            error_bound=None,
+        )
+
+
+def _forward_part(plan: Any) -> tuple[int, int, int]:
+    """(steps advanced, steps taped, disk writes) of a plan's forward: its actions up to and
+    including its first reverse action."""
+    advanced = writes = 0
+    for action in plan:
+        if isinstance(action, Advance):
+            advanced += action.stop - action.start
+        elif isinstance(action, DiskSnapshot):
+            writes += 1
+        elif isinstance(action, Reverse):
+            return advanced, 1, writes
+        elif isinstance(action, ReverseSegment):
+            return advanced, action.stop - action.start, writes
+    return advanced, 0, writes
+
+
+FAMILIES: tuple[Family, ...] = (keep_every_step, periodic, binomial, binomial_disk)

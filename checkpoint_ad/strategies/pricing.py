@@ -37,7 +37,7 @@ from ..backend import is_floating, namespace
 from ..backend import nbytes as array_nbytes
 from ..grad_mode import enable_grad, no_grad
 from ..pytree import flatten, unflatten
-from ..saved import Strategy, use_packer
+from ..saved import SavedBuffer, Strategy, use_packer
 from ..tape import Entry, edge_of, next_sequence
 from ..tensor import Tensor
 from .loop import StepLoop
@@ -151,7 +151,8 @@ def measure(
                 program, mode = _traced(loop, carry_leaves, storage, engine_state)
                 if program is None:
                     break
-                run, taped, backward = _replayed(program, loop, carry_leaves, engine_state)
+                run, taped, backward, held = _replayed(program, loop, carry_leaves, engine_state)
+                dry_run_bytes = max(dry_run_bytes, held)
                 replayed_untaped = run if replayed_untaped is None else min(replayed_untaped, run)
                 priced[name] = replace(priced[name], replayed_taped_seconds=taped,
                                        replayed_backward_seconds=backward)
@@ -189,14 +190,15 @@ def _traced(
 
 def _replayed(
     program: StepProgram, loop: StepLoop, carry_leaves: list[Any], engine_state: Any
-) -> tuple[float, float, float]:
+) -> tuple[float, float, float, int]:
     """Seconds per step of `program` replayed without a tape, with one (as the executor tapes
-    a segment: chained, intermediate values dropped), and that tape's backward; each the
-    least of `REPEATS`."""
+    a segment: chained, intermediate values dropped), and that tape's backward, each the
+    least of `REPEATS`; and the bytes the replayed tape held."""
     steps = _steps(loop)
     initial = [None if c is None else c._data for c in carry_leaves]
     xs = [[None if x is None else _row(x._data, t) for x in loop.xs_leaves] for t in range(steps)]
     run = taped = backward = float("inf")
+    held = 0
     for _ in range(REPEATS):
         with random.replaying(engine_state):
             start = time.perf_counter()
@@ -217,6 +219,7 @@ def _replayed(
                     previous.buffers = {}
                 previous = step
             taped = min(taped, time.perf_counter() - start)
+        held = max(held, _replay_held(segment))
         roots = _replay_roots(program, arrays, outputs)
         keys: dict[tuple[Any, ...], int] = {}
         for k in range(len(program.carry_in)):
@@ -232,7 +235,22 @@ def _replayed(
         if roots:
             program.pull_back(segment, roots, Capture({}, initial=[None] * len(keys)), keys)
         backward = min(backward, time.perf_counter() - start)
-    return run / steps, taped / steps, backward / steps
+    return run / steps, taped / steps, backward / steps, held
+
+
+def _replay_held(segment: list[tuple[int, Any]]) -> int:
+    """Every byte the replayed steps keep for their backward, each buffer counted once, as a
+    profiler counts them (a replay packs a captured array once per step)."""
+    seen: set[int] = set()
+    total = 0
+    for _, step in segment:
+        for kept in step.saved:
+            for value in kept or ():
+                if id(value) not in seen:
+                    seen.add(id(value))
+                    total += (value.stored_nbytes if isinstance(value, SavedBuffer)
+                              else array_nbytes(value))
+    return total
 
 
 def _replay_roots(
