@@ -37,6 +37,7 @@ from .candidates import FAMILIES, SNAPSHOT_FORMS, STEP_FORMS, Candidate, Family
 from .dtr import Rematerializing
 from .kinds import LoopPlanner, LoopStrategy
 from .loop import StepLoop, loop_length
+from .overhead import with_overhead
 from .pricing import StepCost, measure, relative_error_bound
 
 __all__ = ["Budget", "BudgetError", "Estimate", "PlanRow", "estimate", "parse_bytes"]
@@ -265,7 +266,7 @@ class Budget(LoopPlanner):
             cost = cached[1]
         else:
             forms, snapshots = _forms(self.lossy, self.max_rel_error)
-            cost = measure(loop, carry_leaves, forms, snapshots, disk=self.disk)
+            cost = with_overhead(measure(loop, carry_leaves, forms, snapshots, disk=self.disk))
             self._memory["cost"] = (key, cost)
         result = plan_table(cost, self.limit_bytes, self.families, self.admits)
         self._memory["last"] = result
@@ -384,6 +385,6 @@ def estimate(
     if not isinstance(disk, bool):
         raise StrategyConfigError(f"estimate(disk={disk!r}): disk must be True or False")
     forms, snapshots = _forms(lossy, max_rel_error)
-    cost = measure(loop, carry_leaves, forms, snapshots, disk=disk)
+    cost = with_overhead(measure(loop, carry_leaves, forms, snapshots, disk=disk))
     return plan_table(cost, None, families,
                       lambda c: _admitted(c.error_bound, lossy, max_rel_error))

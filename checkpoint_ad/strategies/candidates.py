@@ -18,6 +18,7 @@ the recorded ones. A plain `scan` (keep-all and the every-step forms) replays to
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -27,13 +28,14 @@ from ..saved import KEEP, Strategy
 from .base import StoreInputs, StoreOutputs
 from .kinds import LoopStrategy
 from .loop_strategies import Binomial, Periodic
-from .pricing import FormCost, SnapshotCost, StepCost, relative_error_bound
+from .pricing import FormCost, StepCost, relative_error_bound
 from .quantized import Quantized
 from .revolve import (
     Advance,
     DiskSnapshot,
     Reverse,
     ReverseSegment,
+    Snapshot,
     optimal_evaluations,
     simulate_plan,
 )
@@ -156,8 +158,8 @@ def periodic(cost: StepCost) -> Iterator[Candidate]:
             loop=Periodic(k),
             storage=KEEP,
             peak_tape_bytes=stored * snap.bytes + _tape(form, k, stored),
-            forward_seconds=forward,
-            backward_seconds=backward,
+            forward_seconds=forward + stored * cost.snapshot_overhead_seconds,
+            backward_seconds=backward + segments * cost.reverse_overhead_seconds,
             evaluations=n + advanced,
             error_bound=None,
         )
@@ -201,28 +203,30 @@ def binomial(cost: StepCost) -> Iterator[Candidate]:
             tape = _tape(form, 1, stored if storage is None else 0)
             forward, backward = _planned_seconds(cost, form, n - 1, 1, n - 1,
                                                  advanced - (n - 1))
+            packs, restores = _backward_snapshots(n, s)
             yield Candidate(
                 name=f"binomial s={s}{suffix}",
                 loop=Binomial(s, storage),
                 storage=KEEP,
                 peak_tape_bytes=stored * snap.bytes + tape,
-                forward_seconds=forward + stored * snap.pack_seconds,
-                backward_seconds=backward + _snapshot_io(n, s, snap, storage),
+                forward_seconds=forward + stored * (snap.pack_seconds
+                                                    + cost.snapshot_overhead_seconds),
+                backward_seconds=(backward + packs * (snap.pack_seconds
+                                                      + cost.snapshot_overhead_seconds)
+                                  + restores * snap.unpack_seconds
+                                  + n * cost.reverse_overhead_seconds),
                 evaluations=n + advanced,
                 error_bound=relative_error_bound(storage),
             )
 
 
-def _snapshot_io(n: int, s: int, snap: SnapshotCost, storage: Any) -> float:
-    """Seconds packing and unpacking quantized snapshots in the backward sweep."""
-    if storage is None:
-        return 0.0
+@functools.lru_cache(maxsize=4096)
+def _backward_snapshots(n: int, s: int) -> tuple[int, int]:
+    """(snapshots taken, snapshots restored) in the backward sweep of `Binomial(s)`."""
     if optimal_evaluations(n, s) <= _SIMULATED_UP_TO:
         stats = simulate_plan(Binomial(s).plan(n))
-        packs, restores = stats.snapshots_taken - min(s, n - 1), stats.restores
-    else:  # each reverse after the first follows one restore; packs at most as many
-        packs = restores = n - 1
-    return max(packs, 0) * snap.pack_seconds + restores * snap.unpack_seconds
+        return max(stats.snapshots_taken - min(s, n - 1), 0), stats.restores
+    return n - 1, n - 1  # each reverse after the first follows one restore; packs as many
 
 
 DISK_RAM_SNAPSHOTS = (1, 2, 3, 4, 6, 8, 12, 16)
@@ -247,9 +251,11 @@ def binomial_disk(cost: StepCost) -> Iterator[Candidate]:
         plan = strategy.plan(n)
         if plan.disk_writes == 0:
             continue
-        advanced, last, forward_writes = _forward_part(plan)
+        advanced, last, forward_writes, forward_snapshots = _forward_part(plan)
         forward, backward = _planned_seconds(cost, form, advanced, last, n - last,
                                              plan.advanced_steps - advanced)
+        forward += forward_snapshots * cost.snapshot_overhead_seconds
+        backward += n * cost.reverse_overhead_seconds
         stored = plan.max_live_snapshots
         yield Candidate(
             name=f"binomial s={s} + disk",
@@ -264,20 +270,23 @@ def binomial_disk(cost: StepCost) -> Iterator[Candidate]:
         )
 
 
-def _forward_part(plan: Any) -> tuple[int, int, int]:
-    """(steps advanced, steps taped, disk writes) of a plan's forward: its actions up to and
-    including its first reverse action."""
-    advanced = writes = 0
+def _forward_part(plan: Any) -> tuple[int, int, int, int]:
+    """(steps advanced, steps taped, disk writes, snapshots) of a plan's forward: its actions
+    up to and including its first reverse action."""
+    advanced = writes = snapshots = 0
     for action in plan:
         if isinstance(action, Advance):
             advanced += action.stop - action.start
         elif isinstance(action, DiskSnapshot):
             writes += 1
+            snapshots += 1
+        elif isinstance(action, Snapshot):
+            snapshots += 1
         elif isinstance(action, Reverse):
-            return advanced, 1, writes
+            return advanced, 1, writes, snapshots
         elif isinstance(action, ReverseSegment):
-            return advanced, action.stop - action.start, writes
-    return advanced, 0, writes
+            return advanced, action.stop - action.start, writes, snapshots
+    return advanced, 0, writes, snapshots
 
 
 FAMILIES: tuple[Family, ...] = (keep_every_step, periodic, binomial, binomial_disk)

@@ -25,7 +25,7 @@ effects the step has outside the tape (a Python counter) happen once per dry run
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -46,6 +46,10 @@ from .quantized import Quantized
 from .step_program import StepProgram, program_of, traced_call
 
 REPEATS = 3  # dry runs per strategy priced; each phase's time is the least measured
+TIMING_SECONDS = 0.02
+"""Each timed phase repeats (at least `REPEATS`, at most `MOST_REPEATS` times) until this long
+is spent: the least of many is a steady figure on a busy machine, and cheap steps cost little."""
+MOST_REPEATS = 30
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,10 @@ class StepCost:
     """One step replayed without a tape (None when the loop records)."""
     disk: SnapshotCost | None = None
     """One carry written to disk and read back (None unless measured: ``disk=True``)."""
+    snapshot_overhead_seconds: float = 0.0
+    """What the plan executor adds per snapshot it takes (see `overhead.py`)."""
+    reverse_overhead_seconds: float = 0.0
+    """What the plan executor adds per reverse action (see `overhead.py`)."""
 
     @property
     def replays(self) -> bool:
@@ -136,11 +144,11 @@ def measure(
     try:
         with events.recomputing("budget dry run"):
             untaped = min(_untaped(loop, carry_leaves, engine_state, numpy_state)
-                          for _ in range(REPEATS))
+                          for _ in _repeating())
             priced: dict[str, FormCost] = {}
             gradient_bytes = output_bytes = dry_run_bytes = 0
-            for _ in range(REPEATS):  # the fastest of a few: a busy machine only adds time
-                for name, storage in forms.items():
+            for name, storage in forms.items():
+                for _ in _repeating():  # the fastest of a few: a busy machine only adds time
                     np.random.set_state(numpy_state)
                     cost, gradient_bytes, output_bytes, held = _taped(
                         loop, carry_leaves, storage, engine_state)
@@ -193,13 +201,14 @@ def _replayed(
 ) -> tuple[float, float, float, int]:
     """Seconds per step of `program` replayed without a tape, with one (as the executor tapes
     a segment: chained, intermediate values dropped), and that tape's backward, each the
-    least of `REPEATS`; and the bytes the replayed tape held."""
+    least of `_repeating()`; and the bytes the replayed tape
+    held."""
     steps = _steps(loop)
     initial = [None if c is None else c._data for c in carry_leaves]
     xs = [[None if x is None else _row(x._data, t) for x in loop.xs_leaves] for t in range(steps)]
     run = taped = backward = float("inf")
     held = 0
-    for _ in range(REPEATS):
+    for _ in _repeating():
         with random.replaying(engine_state):
             start = time.perf_counter()
             arrays = initial
@@ -279,6 +288,16 @@ def _row(array: Any, t: int) -> Any:
     """Row t of a scanned array, as an array (numpy gives a scalar for a 1-d array's row)."""
     row = array[t]
     return np.asarray(row) if isinstance(row, np.generic) else row
+
+
+def _repeating() -> Iterator[int]:
+    """Repeat numbers of one timed phase: at least `REPEATS`, then more while the phase has
+    taken less than `TIMING_SECONDS` (at most `MOST_REPEATS`)."""
+    began = time.perf_counter()
+    for repeat in range(MOST_REPEATS):
+        if repeat >= REPEATS and time.perf_counter() - began > TIMING_SECONDS:
+            return
+        yield repeat
 
 
 def _faster(a: FormCost | None, b: FormCost) -> FormCost:
