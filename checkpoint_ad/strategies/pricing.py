@@ -19,7 +19,8 @@ The dry run changes nothing the loop computes afterwards: randomness it draws is
 the state before it (the engine's generator and numpy's global one are left as they were), its
 tape is its own (gradients are captured, never added to `.grad`; what was recorded before it is
 not touched), and the loop's evaluation count is restored. It does run the user's step: side
-effects the step has outside the tape (a Python counter) happen once per dry run.
+effects the step has outside the tape (a Python counter) happen on each of its calls (a few
+dozen, each timed phase repeating up to `TIMING_SECONDS`).
 """
 
 from __future__ import annotations
