@@ -142,7 +142,7 @@ def test_disk_plans_are_opt_in():
     assert not any("disk" in name for name in names)
     table = cad.estimate(*loop, disk=True)
     assert table.cost.disk is not None and table.cost.disk.pack_seconds > 0
-    assert any(r.name == "binomial s=1 + disk" for r in table.rows)
+    assert any(r.name.endswith(" + disk") for r in table.rows)
     with pytest.raises(StrategyConfigError, match="disk"):
         Budget("1MiB", disk="yes")
     with pytest.raises(StrategyConfigError, match="disk"):
