@@ -203,7 +203,7 @@ def binomial(cost: StepCost) -> Iterator[Candidate]:
             tape = _tape(form, 1, stored if storage is None else 0)
             forward, backward = _planned_seconds(cost, form, n - 1, 1, n - 1,
                                                  advanced - (n - 1))
-            packs, restores = _backward_snapshots(n, s)
+            packs, restores = backward_snapshots(n, s)
             yield Candidate(
                 name=f"binomial s={s}{suffix}",
                 loop=Binomial(s, storage),
@@ -213,7 +213,8 @@ def binomial(cost: StepCost) -> Iterator[Candidate]:
                                                     + cost.snapshot_overhead_seconds),
                 backward_seconds=(backward + packs * (snap.pack_seconds
                                                       + cost.snapshot_overhead_seconds)
-                                  + restores * snap.unpack_seconds
+                                  + restores * (snap.unpack_seconds
+                                                + cost.advance_overhead_seconds)
                                   + n * cost.reverse_overhead_seconds),
                 evaluations=n + advanced,
                 error_bound=relative_error_bound(storage),
@@ -221,7 +222,7 @@ def binomial(cost: StepCost) -> Iterator[Candidate]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _backward_snapshots(n: int, s: int) -> tuple[int, int]:
+def backward_snapshots(n: int, s: int) -> tuple[int, int]:
     """(snapshots taken, snapshots restored) in the backward sweep of `Binomial(s)`."""
     if optimal_evaluations(n, s) <= _SIMULATED_UP_TO:
         stats = simulate_plan(Binomial(s).plan(n))

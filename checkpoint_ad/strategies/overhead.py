@@ -7,7 +7,9 @@ its pull-back), about the same for any loop on one machine, and far from negligi
 replayed step when a plan has many reverse actions (`Binomial` reverses every step on its own).
 So a tiny loop runs under two periodic plans that differ only in how many segments they have,
 and what each took beyond its priced steps, divided by the difference in segments, is the
-time per segment: per snapshot taken in the forward, and per reverse action in the backward.
+time per segment: per snapshot taken in the forward, and per reverse action in the backward;
+then under `Binomial(2)`, whose backward re-runs from a restored snapshot before most reverse
+actions: what is left over, per restore, is the time per re-run.
 """
 
 from __future__ import annotations
@@ -25,15 +27,15 @@ from ..ops import multiply, tanh
 from ..pytree import flatten
 from ..saved import KEEP, use_packer
 from ..tensor import tensor
-from .candidates import periodic
+from .candidates import backward_snapshots, binomial, periodic
 from .loop import StepLoop
-from .loop_strategies import Periodic
 from .pricing import StepCost, measure
 from .scan import scan
 
 STEPS = 64
-"""Steps of the tiny loop; it runs under Periodic(1) (64 segments) and Periodic(16) (4)."""
-RUNS = 7  # each plan's time is the least of these
+"""Steps of the tiny loop; it runs under Periodic(1) (64 segments), Periodic(16) (4) and
+Binomial(2)."""
+RUNS = 9  # each plan's time is the least of these
 
 
 @dataclass(frozen=True)
@@ -44,13 +46,16 @@ class Overhead:
     """Per snapshot taken in the forward (the step loop broken up, the carry packed)."""
     reverse_seconds: float
     """Per reverse action in the backward (its restore, tape set-up and pull-back)."""
+    advance_seconds: float = 0.0
+    """Per re-run (an `Advance` after a restore) in the backward, beyond its steps."""
 
 
 def with_overhead(cost: StepCost) -> StepCost:
     """`cost` with the executor's time per snapshot and per reverse action filled in."""
     overhead = executor_overhead()
     return replace(cost, snapshot_overhead_seconds=overhead.snapshot_seconds,
-                   reverse_overhead_seconds=overhead.reverse_seconds)
+                   reverse_overhead_seconds=overhead.reverse_seconds,
+                   advance_overhead_seconds=overhead.advance_seconds)
 
 
 @functools.cache
@@ -64,11 +69,18 @@ def executor_overhead() -> Overhead:
     finally:
         np.random.set_state(numpy_state)
     segments = STEPS - STEPS // 16  # Periodic(1) has this many more segments than Periodic(16)
-    return Overhead(max(0.0, (excess[1][0] - excess[16][0]) / segments),
-                    max(0.0, (excess[1][1] - excess[16][1]) / segments))
+    fine, coarse, revolve = excess["periodic k=1"], excess["periodic k=16"], excess["binomial"]
+    snapshot = max(0.0, (fine[0] - coarse[0]) / segments)
+    reverse = max(0.0, (fine[1] - coarse[1]) / segments)
+    # Binomial(2) re-runs from a restored snapshot before most reverse actions: what its
+    # backward took beyond its steps, its reverse actions and the loop's fixed part
+    fixed = coarse[1] - (STEPS // 16) * reverse
+    packs, restores = backward_snapshots(STEPS, 2)
+    advance = (revolve[1] - fixed - STEPS * reverse - packs * snapshot) / max(restores, 1)
+    return Overhead(snapshot, reverse, max(0.0, advance))
 
 
-def _excess() -> dict[int, tuple[float, float]]:
+def _excess() -> dict[str, tuple[float, float]]:
     """Per plan: (forward, backward) seconds beyond the priced steps."""
     w = tensor(0.5, requires_grad=True)
     xs = tensor(np.linspace(0.0, 1.0, STEPS * 4).reshape(STEPS, 4))
@@ -82,17 +94,19 @@ def _excess() -> dict[int, tuple[float, float]]:
     xs_leaves, xs_spec = flatten(xs)
     loop = StepLoop(step, carry_spec, xs_leaves, xs_spec, STEPS)
     cost = measure(loop, carry_leaves, {"keep": KEEP}, {"keep": None})
-    priced = {c.loop.every: c for c in periodic(cost) if c.loop.every in (1, 16)}
-    excess = {}
-    for k, row in priced.items():
-        forward = backward = float("inf")
-        for _ in range(RUNS):
+    priced = {c.name: c for c in periodic(cost) if c.loop.every in (1, 16)}
+    priced["binomial"] = next(c for c in binomial(cost) if c.name == "binomial s=2")
+    forward = dict.fromkeys(priced, float("inf"))
+    backward = dict.fromkeys(priced, float("inf"))
+    for _ in range(RUNS):  # the plans take turns: a machine getting busier slows them alike
+        for name, row in priced.items():
             began = time.perf_counter()
-            _, ys = scan(step, init, xs, strategy=Periodic(k))
+            _, ys = scan(step, init, xs, strategy=row.loop)
             total = ys.sum()
             ran = time.perf_counter()
             grad(total, [w])
-            forward = min(forward, ran - began)
-            backward = min(backward, time.perf_counter() - ran)
-        excess[k] = (forward - row.forward_seconds, backward - row.backward_seconds)
+            forward[name] = min(forward[name], ran - began)
+            backward[name] = min(backward[name], time.perf_counter() - ran)
+    excess = {name: (forward[name] - row.forward_seconds, backward[name] - row.backward_seconds)
+              for name, row in priced.items()}
     return excess

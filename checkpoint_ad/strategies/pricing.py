@@ -110,6 +110,8 @@ class StepCost:
     """What the plan executor adds per snapshot it takes (see `overhead.py`)."""
     reverse_overhead_seconds: float = 0.0
     """What the plan executor adds per reverse action (see `overhead.py`)."""
+    advance_overhead_seconds: float = 0.0
+    """What the plan executor adds per re-run after a restore (see `overhead.py`)."""
 
     @property
     def replays(self) -> bool:
