@@ -56,8 +56,10 @@ def test_bad_lossy_options_are_refused(options):
 
 
 def test_budgets_print_like_their_constructor_and_compare_by_value():
-    assert repr(Budget("64MiB")) == "Budget(limit='64MiB', lossy=False, max_rel_error=None)"
+    assert repr(Budget("64MiB")) == ("Budget(limit='64MiB', lossy=False, max_rel_error=None, "
+                                      "disk=False)")
     assert Budget("64MiB") == Budget("64MiB") != Budget("64MiB", lossy=True)
+    assert Budget("64MiB") != Budget("64MiB", disk=True)
     assert hash(Budget(100)) == hash(Budget(100))
     assert isinstance(Budget(1), cad.strategies.Strategy)
     assert isinstance(Budget(1), cad.strategies.LoopPlanner)

@@ -1,9 +1,11 @@
 """`Budget(limit)`: say how many bytes the tape may hold; get the fastest plan that fits.
 
 For a `scan`, the budget prices every candidate plan (`candidates.py`) from a dry run of the
-loop's first steps (`pricing.py`) and runs the one with the least predicted time whose
-predicted peak tape fits; `estimate` shows the same table without running the loop, and
-`Budget.explain()` shows it for the last loop a budget planned. The limit counts what the
+loop's first steps (`pricing.py`: recorded, and traced into a step program whose replays are
+timed, since a loop replays every step after the first two unless the step refuses tracing)
+and runs the one with the least predicted time whose predicted peak tape fits; `estimate`
+shows the same table without running the loop, and `Budget.explain()` shows it for the last
+loop a budget planned. The limit counts what the
 profiler counts as the tape's own bytes (`Profile.peak_tape_bytes`): snapshots and saved
 values. The bytes any plan needs besides (gradients, the stacked outputs, the carry in hand)
 are named in the table as fixed bytes, and so are the bytes the dry run holds once before the
@@ -35,6 +37,7 @@ from .candidates import FAMILIES, SNAPSHOT_FORMS, STEP_FORMS, Candidate, Family
 from .dtr import Rematerializing
 from .kinds import LoopPlanner, LoopStrategy
 from .loop import StepLoop, loop_length
+from .overhead import with_overhead
 from .pricing import StepCost, measure, relative_error_bound
 
 __all__ = ["Budget", "BudgetError", "Estimate", "PlanRow", "estimate", "parse_bytes"]
@@ -191,6 +194,12 @@ class Budget(LoopPlanner):
     pool of `limit` bytes, one per thread: past the limit it evicts values DTR-style and
     recomputes them when the backward sweep needs them (gradients bitwise those of keep-all).
 
+    With `disk=True`, plans that also write snapshots to disk (``binomial s=4 + disk``:
+    `Binomial` with a disk level, H-Revolve) are priced too, from a disk write and read of
+    the carry timed in the dry run: a small budget then runs far fewer re-runs. Disk bytes
+    are not tape bytes (the profiler counts them in `level_peak_bytes`); the files are gone
+    after the backward sweep. Off by default: writing to disk is the user's call.
+
     >>> Budget("64MiB").limit_bytes
     67108864
     """
@@ -198,6 +207,7 @@ class Budget(LoopPlanner):
     limit: int | str
     lossy: bool = False
     max_rel_error: float | None = None
+    disk: bool = False
     families: tuple[Family, ...] = field(default=FAMILIES, repr=False)
     _memory: dict[str, Any] = field(init=False, repr=False, compare=False, hash=False)
 
@@ -205,6 +215,10 @@ class Budget(LoopPlanner):
         parse_bytes(self.limit)
         if not isinstance(self.lossy, bool):
             raise StrategyConfigError(f"Budget(lossy={self.lossy!r}): lossy must be True or False")
+        if not isinstance(self.disk, bool):
+            raise StrategyConfigError(
+                f"Budget(disk={self.disk!r}): disk must be True (also price plans with disk "
+                "snapshots) or False")
         bound = self.max_rel_error
         if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, float))
                                   or not bound > 0 or math.isnan(bound)):
@@ -252,7 +266,7 @@ class Budget(LoopPlanner):
             cost = cached[1]
         else:
             forms, snapshots = _forms(self.lossy, self.max_rel_error)
-            cost = measure(loop, carry_leaves, forms, snapshots)
+            cost = with_overhead(measure(loop, carry_leaves, forms, snapshots, disk=self.disk))
             self._memory["cost"] = (key, cost)
         result = plan_table(cost, self.limit_bytes, self.families, self.admits)
         self._memory["last"] = result
@@ -331,14 +345,18 @@ def estimate(
     reverse: bool = False,
     lossy: bool = False,
     max_rel_error: float | None = None,
+    disk: bool = False,
     families: tuple[Family, ...] = FAMILIES,
 ) -> Estimate:
     """Predict every candidate plan of ``scan(step, init, xs, length)`` without running it.
 
     One dry run of the first steps prices them (see `checkpoint_ad.strategies.pricing`). With
     a `budget` (a `Budget`, or bytes / a size string) the table marks the plan `scan` would run
-    under it (a `Budget` brings its own `lossy`, `max_rel_error` and `families`); without
-    one, every plan fits and `chosen` is the fastest.
+    under it (a `Budget` brings its own `lossy`, `max_rel_error`, `disk` and `families`);
+    without one, every plan fits and `chosen` is the fastest. Times are those of the steps as
+    the loop will run them: replayed from a step program where the step traces, recorded
+    where it refuses (`StepCost.mode` says which). `disk=True` also prices plans with disk
+    snapshots (one write and read of the carry is timed; see `Budget`).
 
     >>> import checkpoint_ad as cad
     >>> w = cad.tensor(0.5, requires_grad=True)
@@ -350,7 +368,8 @@ def estimate(
     if isinstance(budget, Budget):
         planner = budget
     elif budget is not None:
-        planner = Budget(budget, lossy=lossy, max_rel_error=max_rel_error, families=families)
+        planner = Budget(budget, lossy=lossy, max_rel_error=max_rel_error, disk=disk,
+                         families=families)
     else:
         planner = None
     if reverse and xs is not None:
@@ -363,7 +382,9 @@ def estimate(
         raise StrategyConfigError("estimate: the loop has no steps; there is nothing to plan")
     if planner is not None:
         return planner.estimate_loop(loop, carry_leaves)
+    if not isinstance(disk, bool):
+        raise StrategyConfigError(f"estimate(disk={disk!r}): disk must be True or False")
     forms, snapshots = _forms(lossy, max_rel_error)
-    cost = measure(loop, carry_leaves, forms, snapshots)
+    cost = with_overhead(measure(loop, carry_leaves, forms, snapshots, disk=disk))
     return plan_table(cost, None, families,
                       lambda c: _admitted(c.error_bound, lossy, max_rel_error))

@@ -7,12 +7,18 @@ way (offloaded snapshots, a multi-level plan) is one more function passed in `fa
 
 Peak tape bytes are what the profiler counts as the tape's own (`Profile.peak_tape_bytes`): the
 snapshots alive at once plus the longest tape recorded at once. Times add the measured step
-costs: ``n`` taped steps and their backward, every re-run (`Advance`) at the untaped cost,
-and packing / unpacking of stored carries.
+costs as the executor spends them: ``n`` taped steps and their backward, every re-run
+(`Advance`) at the untaped cost, and packing / unpacking of stored carries. A planned loop
+whose step traces to a step program (`StepCost.replays`) records step 0 (with a tape, to find
+what the step captures) and step 1 (without, traced) and replays every later step, re-run and
+backward, so those are priced at the replayed costs; a step that refuses tracing is priced at
+the recorded ones. A plain `scan` (keep-all and the every-step forms) replays too when
+`PLAIN_SCAN_REPLAYS` says it does.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -22,9 +28,17 @@ from ..saved import KEEP, Strategy
 from .base import StoreInputs, StoreOutputs
 from .kinds import LoopStrategy
 from .loop_strategies import Binomial, Periodic
-from .pricing import FormCost, SnapshotCost, StepCost, relative_error_bound
+from .pricing import FormCost, StepCost, relative_error_bound
 from .quantized import Quantized
-from .revolve import optimal_evaluations, simulate_plan
+from .revolve import (
+    Advance,
+    DiskSnapshot,
+    Reverse,
+    ReverseSegment,
+    Snapshot,
+    optimal_evaluations,
+    simulate_plan,
+)
 
 # the saved-value strategies a step's values may go through (lossy ones only when admitted)
 STEP_FORMS: dict[str, Strategy] = {
@@ -38,6 +52,11 @@ STEP_FORMS: dict[str, Strategy] = {
 SNAPSHOT_FORMS: dict[str, Strategy | None] = {"keep": None, "int8": Quantized(bits=8),
                                               "int4": Quantized(bits=4)}
 _SIMULATED_UP_TO = 100_000  # step evaluations; longer plans estimate their pack counts
+
+PLAIN_SCAN_REPLAYS = True
+"""Whether a plain `scan` (no loop strategy, grad enabled, ``trace=True``) replays its steps
+after the first two (`kept_loop.py`), as planned loops replay theirs: keep-all and the
+every-step forms are then priced at replayed costs after two recorded steps."""
 
 
 @dataclass(frozen=True)
@@ -78,17 +97,34 @@ def _tape(form: FormCost, steps: int, stored: int = 0) -> int:
     return form.first_bytes + carry + (steps - 1) * form.step_bytes
 
 
+def _speeds(cost: StepCost, form: FormCost) -> tuple[float, float, float]:
+    """Seconds per step a planned loop spends replaying it (or recording it, when the step
+    refuses tracing): (without a tape, with one, backward)."""
+    if cost.replays:
+        assert form.replayed_taped_seconds is not None
+        assert cost.replayed_untaped_seconds is not None
+        assert form.replayed_backward_seconds is not None
+        return (cost.replayed_untaped_seconds, form.replayed_taped_seconds,
+                form.replayed_backward_seconds)
+    return cost.untaped_seconds, form.taped_seconds, form.backward_seconds
+
+
 def keep_every_step(cost: StepCost) -> Iterator[Candidate]:
-    """Every step recorded (a plain `scan`), its values in each measured form."""
+    """Every step recorded (a plain `scan`), its values in each measured form; replayed after
+    the first two when `PLAIN_SCAN_REPLAYS` (and the step traces)."""
     n = cost.n_steps
     for name, form in cost.forms.items():
+        recorded = n
+        if PLAIN_SCAN_REPLAYS and cost.replays:
+            recorded = min(n, 2)
+        _, taped, backward = _speeds(cost, form) if recorded < n else (0.0, 0.0, 0.0)
         yield Candidate(
             name=name if name != "keep" else "keep-all",
             loop=None,
             storage=STEP_FORMS[name],
             peak_tape_bytes=_tape(form, n),
-            forward_seconds=n * form.taped_seconds,
-            backward_seconds=n * form.backward_seconds,
+            forward_seconds=recorded * form.taped_seconds + (n - recorded) * taped,
+            backward_seconds=recorded * form.backward_seconds + (n - recorded) * backward,
             evaluations=n,
             error_bound=relative_error_bound(STEP_FORMS[name]),
         )
@@ -116,23 +152,41 @@ def periodic(cost: StepCost) -> Iterator[Candidate]:
         stored = segments - 1
         last = n - stored * k
         advanced = n - last
+        forward, backward = _planned_seconds(cost, form, advanced, last, advanced, 0)
         yield Candidate(
             name=f"periodic k={k}",
             loop=Periodic(k),
             storage=KEEP,
             peak_tape_bytes=stored * snap.bytes + _tape(form, k, stored),
-            forward_seconds=_plan_forward(cost, form, advanced, last),
-            backward_seconds=n * form.backward_seconds + advanced * form.taped_seconds,
+            forward_seconds=forward + stored * cost.snapshot_overhead_seconds,
+            backward_seconds=backward + segments * cost.reverse_overhead_seconds,
             evaluations=n + advanced,
             error_bound=None,
         )
 
 
-def _plan_forward(cost: StepCost, form: FormCost, advanced: int, taped: int) -> float:
-    """A plan's forward: the steps before its first reverse without a tape, except step 0,
-    which runs with one to find what the step captures; the first reverse's steps taped."""
-    discovery = form.taped_seconds - cost.untaped_seconds if advanced else 0.0
-    return advanced * cost.untaped_seconds + taped * form.taped_seconds + discovery
+def _planned_seconds(
+    cost: StepCost, form: FormCost, advanced: int, last: int, retaped: int, rerun: int
+) -> tuple[float, float]:
+    """(forward, backward) seconds of a plan whose forward advances `advanced` steps without
+    a tape and tapes the `last` ones (kept for the first reverse), and whose backward re-runs
+    `retaped` steps with a tape and `rerun` without, as the executor runs them: step 0 with a
+    tape (to find what the step captures), step 1 without (both recorded and traced), then
+    replayed steps once the program is known; a segment taped before that is recorded."""
+    untaped, taped, backward = _speeds(cost, form)
+    n = advanced + last
+    if not cost.replays:
+        discovery = form.taped_seconds - untaped if advanced else 0.0
+        return (advanced * untaped + last * taped + discovery,
+                n * backward + retaped * taped + rerun * untaped)
+    if advanced >= 2:  # the program is known before the kept steps are taped
+        forward = (form.taped_seconds + cost.untaped_seconds + (advanced - 2) * untaped
+                   + last * taped)
+        kept_backward = last * backward
+    else:  # the kept segment starts before step 2: it is recorded
+        forward = advanced * form.taped_seconds + last * form.taped_seconds
+        kept_backward = last * form.backward_seconds
+    return forward, (n - last) * backward + kept_backward + retaped * taped + rerun * untaped
 
 
 def binomial(cost: StepCost) -> Iterator[Candidate]:
@@ -147,30 +201,93 @@ def binomial(cost: StepCost) -> Iterator[Candidate]:
             suffix = "" if storage is None else f" {storage_name} snapshots"
             # a quantized snapshot comes back as a new full-size carry, which the re-run saves
             tape = _tape(form, 1, stored if storage is None else 0)
-            backward = (n * form.backward_seconds + (n - 1) * form.taped_seconds
-                        + (advanced - (n - 1)) * cost.untaped_seconds)
+            forward, backward = _planned_seconds(cost, form, n - 1, 1, n - 1,
+                                                 advanced - (n - 1))
+            packs, restores = backward_snapshots(n, s)
             yield Candidate(
                 name=f"binomial s={s}{suffix}",
                 loop=Binomial(s, storage),
                 storage=KEEP,
                 peak_tape_bytes=stored * snap.bytes + tape,
-                forward_seconds=_plan_forward(cost, form, n - 1, 1) + stored * snap.pack_seconds,
-                backward_seconds=backward + _snapshot_io(n, s, snap, storage),
+                forward_seconds=forward + stored * (snap.pack_seconds
+                                                    + cost.snapshot_overhead_seconds),
+                backward_seconds=(backward + packs * (snap.pack_seconds
+                                                      + cost.snapshot_overhead_seconds)
+                                  + restores * (snap.unpack_seconds
+                                                + cost.advance_overhead_seconds)
+                                  + n * cost.reverse_overhead_seconds),
                 evaluations=n + advanced,
                 error_bound=relative_error_bound(storage),
             )
 
 
-def _snapshot_io(n: int, s: int, snap: SnapshotCost, storage: Any) -> float:
-    """Seconds packing and unpacking quantized snapshots in the backward sweep."""
-    if storage is None:
-        return 0.0
+@functools.lru_cache(maxsize=4096)
+def backward_snapshots(n: int, s: int) -> tuple[int, int]:
+    """(snapshots taken, snapshots restored) in the backward sweep of `Binomial(s)`."""
     if optimal_evaluations(n, s) <= _SIMULATED_UP_TO:
         stats = simulate_plan(Binomial(s).plan(n))
-        packs, restores = stats.snapshots_taken - min(s, n - 1), stats.restores
-    else:  # each reverse after the first follows one restore; packs at most as many
-        packs = restores = n - 1
-    return max(packs, 0) * snap.pack_seconds + restores * snap.unpack_seconds
+        return max(stats.snapshots_taken - min(s, n - 1), 0), stats.restores
+    return n - 1, n - 1  # each reverse after the first follows one restore; packs as many
 
 
-FAMILIES: tuple[Family, ...] = (keep_every_step, periodic, binomial)
+DISK_RAM_SNAPSHOTS = (1, 2, 3, 4, 6, 8, 12, 16)
+"""RAM snapshots of the RAM + disk plans priced: the small budgets they are for."""
+
+
+def binomial_disk(cost: StepCost) -> Iterator[Candidate]:
+    """`Binomial(s, disk=None)`: s RAM snapshots plus the disk snapshots that pay for their
+    measured write and read (H-Revolve, `multilevel.py`); disk bytes are not tape bytes. Only
+    when the dry run timed the disk (``Budget(limit, disk=True)``): writing files is the
+    user's call. A plan that writes nothing to disk is `binomial`'s, and left out."""
+    if cost.disk is None:
+        return
+    n = cost.n_steps
+    form, snap = cost.forms["keep"], cost.snapshots["keep"]
+    step = max(_speeds(cost, form)[0], 1e-9)  # the plan's costs are in re-run steps
+    write, read = cost.disk.pack_seconds / step, cost.disk.unpack_seconds / step
+    for s in DISK_RAM_SNAPSHOTS:
+        if s >= n - 1:
+            break
+        strategy = Binomial(s, disk=None, write_cost=round(write, 3), read_cost=round(read, 3))
+        plan = strategy.plan(n)
+        if plan.disk_writes == 0:
+            continue
+        advanced, last, forward_writes, forward_snapshots = _forward_part(plan)
+        forward, backward = _planned_seconds(cost, form, advanced, last, n - last,
+                                             plan.advanced_steps - advanced)
+        forward += forward_snapshots * cost.snapshot_overhead_seconds
+        backward += n * cost.reverse_overhead_seconds
+        stored = plan.max_live_snapshots
+        yield Candidate(
+            name=f"binomial s={s} + disk",
+            loop=strategy,
+            storage=KEEP,
+            peak_tape_bytes=stored * snap.bytes + _tape(form, 1, stored),
+            forward_seconds=forward + forward_writes * cost.disk.pack_seconds,
+            backward_seconds=backward + (plan.disk_writes - forward_writes)
+            * cost.disk.pack_seconds + plan.disk_reads * cost.disk.unpack_seconds,
+            evaluations=n + plan.advanced_steps,
+            error_bound=None,
+        )
+
+
+def _forward_part(plan: Any) -> tuple[int, int, int, int]:
+    """(steps advanced, steps taped, disk writes, snapshots) of a plan's forward: its actions
+    up to and including its first reverse action."""
+    advanced = writes = snapshots = 0
+    for action in plan:
+        if isinstance(action, Advance):
+            advanced += action.stop - action.start
+        elif isinstance(action, DiskSnapshot):
+            writes += 1
+            snapshots += 1
+        elif isinstance(action, Snapshot):
+            snapshots += 1
+        elif isinstance(action, Reverse):
+            return advanced, 1, writes, snapshots
+        elif isinstance(action, ReverseSegment):
+            return advanced, action.stop - action.start, writes, snapshots
+    return advanced, 0, writes, snapshots
+
+
+FAMILIES: tuple[Family, ...] = (keep_every_step, periodic, binomial, binomial_disk)

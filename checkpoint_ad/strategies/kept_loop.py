@@ -22,12 +22,11 @@ from ..function import Function
 from ..grad_mode import _state, is_grad_enabled
 from ..ops import concatenate, stack
 from ..pytree import flatten, unflatten
-from ..tape import next_sequence
 from ..tensor import Tensor
 from .loop import StepLoop, stack_outputs
 from .loop_strategies import Periodic
 from .plan_executor import PlannedLoop
-from .step_program import StepProgram, Trace, same_program, stop_tracing, tracing
+from .step_program import program_of, traced_call
 
 TRACED_STEPS = 2
 
@@ -58,34 +57,23 @@ def replays(loop: StepLoop, trace: bool) -> bool:
 def keep_every_step(loop: StepLoop, carry_leaves: list[Any]) -> tuple[Any, Any, str]:
     """Run `loop` keeping every step; (carry, ys, mode), mode as `PlannedLoop.mode`."""
     heads, rest = _split_xs(loop)
-    traces: list[Trace] = []
+    traces: dict[int, Any] = {}
     per_step = []
     carry = carry_leaves
     for t in range(TRACED_STEPS):
         x = None if heads is None else unflatten(loop.xs_spec, iter(heads[t]))
-        trace = Trace(len(carry) + len(loop.xs_leaves), next_sequence())
-        trace.add_inputs(list(carry) + (list(heads[t]) if heads is not None else []))
-        previous = tracing(trace)
-        try:
-            carry, ys = loop.call(t, carry, x)
-        finally:
-            stop_tracing(previous)
-        trace.finish(carry, ys)
-        traces.append(trace)
+        carry, ys, traces[t] = traced_call(loop, t, carry, x)
         per_step.append(ys)
-    reason = same_program(traces[0], traces[1])
-    program = None
-    if reason is None:
-        program = StepProgram(traces[1], len(carry))  # step 1: its carry is a step's output
-        reason = program.unreplayable_storage()
-    if reason is not None:  # record the rest as the steps so far were
+    # step 1's trace: its carry is a step's output, as the carry of every step replayed
+    program, mode = program_of(traces, loop.n, len(carry), template=1)
+    if program is None:  # record the rest as the steps so far were
         rows = _rows(loop, rest)
         for t in range(TRACED_STEPS, loop.n):
             carry, ys = loop.call(t, carry, rows[t - TRACED_STEPS])
             per_step.append(ys)
         ys_leaves = stack_outputs(per_step)
         return (unflatten(loop.carry_spec, iter(carry)), unflatten(loop.y_spec, iter(ys_leaves)),
-                f"recorded: the step {reason}")
+                mode)
     rest_loop = StepLoop(loop.step, loop.carry_spec, rest or [], loop.xs_spec,
                          loop.n - TRACED_STEPS, y_spec=loop.y_spec)
     executor = PlannedLoop(rest_loop, Periodic(rest_loop.n), program=program,

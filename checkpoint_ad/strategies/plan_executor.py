@@ -70,7 +70,7 @@ from .revolve import (
     ReverseSegment,
     Snapshot,
 )
-from .step_program import ReplayedStep, StepProgram, Trace, same_program, stop_tracing, tracing
+from .step_program import ReplayedStep, StepProgram, Trace, program_of, traced_call
 
 READ_AHEAD = 2
 """Restores whose snapshots the executor announces to their storage ahead (`prefetch`)."""
@@ -328,15 +328,7 @@ class PlannedLoop:
         traces = self.traces
         if traces is None or t > 1 or t in traces:
             return self.loop.call(t, carry, x)
-        trace = Trace(len(carry) + len(self.loop.xs_leaves), next_sequence())
-        trace.add_inputs(list(carry) + (flatten(x)[0] if x is not None else []))
-        previous = tracing(trace)
-        try:
-            new, ys = self.loop.call(t, carry, x)
-        finally:
-            stop_tracing(previous)
-        trace.finish(new, ys)
-        traces[t] = trace
+        new, ys, traces[t] = traced_call(self.loop, t, carry, x)
         if len(traces) == 2 or self.loop.n == 1:
             self._decide()
         return new, ys
@@ -346,20 +338,7 @@ class PlannedLoop:
         traces = self.traces
         assert traces is not None
         self.traces = None  # decided: no more tracing, and the traced tensors are let go
-        if self.loop.n == 1:
-            self.mode = "recorded: a loop of one step has nothing to replay"
-            return
-        reason = same_program(traces[0], traces[1])
-        if reason is not None:
-            self.mode = f"recorded: the step {reason}"
-            return
-        program = StepProgram(traces[0], len(self.carry_meta))
-        reason = program.unreplayable_storage()
-        if reason is not None:
-            self.mode = f"recorded: {reason}"
-            return
-        self.program = program
-        self.mode = "replayed"
+        self.program, self.mode = program_of(traces, self.loop.n, len(self.carry_meta))
 
     def _x_arrays(self, t: int) -> list[Any]:
         return [None if x is None else _row(x._data, t) for x in self.loop.xs_leaves]

@@ -7,17 +7,26 @@ the machine. So the real step function runs on the real carry, once per saved-va
 priced: steps 0 and 1 with a tape (step 1 shows what each further step adds in a chain), then
 their backward sweep, timed; plus the steps without a tape, and the carry packed as a snapshot.
 
+A loop runs most of its steps replayed from a step program (`step_program.py`), far faster
+than recording them, so the dry run also traces steps 0 and 1 the way the executor does
+(`traced_call`, `program_of`) and times the program's three replays per step: without a tape
+(`run`, what an `Advance` costs), with one (`tape`), and that tape's backward (`pull_back`).
+A step that refuses tracing (an `.item()`, an in-place change, ...) is recorded by the loop,
+and the recorded times price it. With ``disk=True``, one disk write and read of the carry is
+timed too (for plans with disk snapshots).
+
 The dry run changes nothing the loop computes afterwards: randomness it draws is replayed from
 the state before it (the engine's generator and numpy's global one are left as they were), its
 tape is its own (gradients are captured, never added to `.grad`; what was recorded before it is
 not touched), and the loop's evaluation count is restored. It does run the user's step: side
-effects the step has outside the tape (a Python counter) happen once per dry run.
+effects the step has outside the tape (a Python counter) happen on each of its calls (a few
+dozen, each timed phase repeating up to `TIMING_SECONDS`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -29,13 +38,19 @@ from ..backend import is_floating, namespace
 from ..backend import nbytes as array_nbytes
 from ..grad_mode import enable_grad, no_grad
 from ..pytree import flatten, unflatten
-from ..saved import Strategy, use_packer
+from ..saved import SavedBuffer, Strategy, use_packer
 from ..tape import Entry, edge_of, next_sequence
 from ..tensor import Tensor
 from .loop import StepLoop
+from .offload import Offload
 from .quantized import Quantized
+from .step_program import StepProgram, program_of, traced_call
 
 REPEATS = 3  # dry runs per strategy priced; each phase's time is the least measured
+TIMING_SECONDS = 0.02
+"""Each timed phase repeats (at least `REPEATS`, at most `MOST_REPEATS` times) until this long
+is spent: the least of many is a steady figure on a busy machine, and cheap steps cost little."""
+MOST_REPEATS = 30
 
 
 @dataclass(frozen=True)
@@ -52,6 +67,10 @@ class FormCost:
     """One step's forward with a tape."""
     backward_seconds: float
     """One step's backward sweep."""
+    replayed_taped_seconds: float | None = None
+    """One step's forward with a tape, replayed from the step program (None: not traced)."""
+    replayed_backward_seconds: float | None = None
+    """One replayed step's backward (None: not traced)."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +99,24 @@ class StepCost:
     dry_run_bytes: int = 0
     """The most saved bytes the dry run held at once (every buffer of its two steps): a
     profiler around the loop's first run sees them, before the loop, once."""
+    mode: str = "recorded: not traced"
+    """How a planned loop runs its steps, as its tape entry will say: "replayed", or
+    "recorded: <why>" (the step refused tracing)."""
+    replayed_untaped_seconds: float | None = None
+    """One step replayed without a tape (None when the loop records)."""
+    disk: SnapshotCost | None = None
+    """One carry written to disk and read back (None unless measured: ``disk=True``)."""
+    snapshot_overhead_seconds: float = 0.0
+    """What the plan executor adds per snapshot it takes (see `overhead.py`)."""
+    reverse_overhead_seconds: float = 0.0
+    """What the plan executor adds per reverse action (see `overhead.py`)."""
+    advance_overhead_seconds: float = 0.0
+    """What the plan executor adds per re-run after a restore (see `overhead.py`)."""
+
+    @property
+    def replays(self) -> bool:
+        """Whether a planned loop replays its steps (priced with the replayed times)."""
+        return self.mode == "replayed"
 
 
 def relative_error_bound(storage: Strategy | None) -> float | None:
@@ -98,25 +135,38 @@ def measure(
     carry_leaves: list[Any],
     forms: Mapping[str, Strategy],
     snapshots: Mapping[str, Strategy | None],
+    disk: bool = False,
 ) -> StepCost:
     """Price `loop` from a dry run (see the module docstring): each strategy in `forms` as the
-    saved-value strategy of every step, each storage in `snapshots` for stored carries."""
+    saved-value strategy of every step, each storage in `snapshots` for stored carries; with
+    `disk`, a disk snapshot's write and read."""
     numpy_state = np.random.get_state()
     engine_state = random.get_state()
     evaluations = loop.evaluations
+    mode, replayed_untaped = "recorded: not traced", None
     try:
         with events.recomputing("budget dry run"):
             untaped = min(_untaped(loop, carry_leaves, engine_state, numpy_state)
-                          for _ in range(REPEATS))
+                          for _ in _repeating())
             priced: dict[str, FormCost] = {}
             gradient_bytes = output_bytes = dry_run_bytes = 0
-            for _ in range(REPEATS):  # the fastest of a few: a busy machine only adds time
-                for name, storage in forms.items():
+            for name, storage in forms.items():
+                for _ in _repeating():  # the fastest of a few: a busy machine only adds time
                     np.random.set_state(numpy_state)
                     cost, gradient_bytes, output_bytes, held = _taped(
                         loop, carry_leaves, storage, engine_state)
                     priced[name] = _faster(priced.get(name), cost)
                     dry_run_bytes = max(dry_run_bytes, held)
+            for name, storage in forms.items():
+                np.random.set_state(numpy_state)
+                program, mode = _traced(loop, carry_leaves, storage, engine_state)
+                if program is None:
+                    break
+                run, taped, backward, held = _replayed(program, loop, carry_leaves, engine_state)
+                dry_run_bytes = max(dry_run_bytes, held)
+                replayed_untaped = run if replayed_untaped is None else min(replayed_untaped, run)
+                priced[name] = replace(priced[name], replayed_taped_seconds=taped,
+                                       replayed_backward_seconds=backward)
     finally:
         np.random.set_state(numpy_state)
         loop.evaluations = evaluations
@@ -130,7 +180,127 @@ def measure(
         gradient_bytes=gradient_bytes,
         output_bytes=output_bytes * loop.n,
         dry_run_bytes=dry_run_bytes,
+        mode=mode,
+        replayed_untaped_seconds=replayed_untaped,
+        disk=_disk_cost(carry) if disk else None,
     )
+
+
+def _traced(
+    loop: StepLoop, carry_leaves: list[Any], storage: Strategy, engine_state: Any
+) -> tuple[StepProgram | None, str]:
+    """Steps 0 and 1 traced with a tape under `storage`, as the executor traces them: the
+    program they give (None if the step refuses) and the loop's mode."""
+    carry = _carry_tensors(carry_leaves, grad=True)
+    traces = {}
+    with random.replaying(engine_state), enable_grad(), use_packer(storage):
+        for t in range(_steps(loop)):
+            carry, _, traces[t] = traced_call(loop, t, carry, _x_tensors(loop, t))
+    return program_of(traces, loop.n, len(carry_leaves))
+
+
+def _replayed(
+    program: StepProgram, loop: StepLoop, carry_leaves: list[Any], engine_state: Any
+) -> tuple[float, float, float, int]:
+    """Seconds per step of `program` replayed without a tape, with one (as the executor tapes
+    a segment: chained, intermediate values dropped), and that tape's backward, each the
+    least of `_repeating()`; and the bytes the replayed tape
+    held."""
+    steps = _steps(loop)
+    initial = [None if c is None else c._data for c in carry_leaves]
+    xs = [[None if x is None else _row(x._data, t) for x in loop.xs_leaves] for t in range(steps)]
+    run = taped = backward = float("inf")
+    held = 0
+    for _ in _repeating():
+        with random.replaying(engine_state):
+            start = time.perf_counter()
+            arrays = initial
+            for t in range(steps):
+                arrays, _ = program.run(arrays, xs[t])
+            run = min(run, time.perf_counter() - start)
+        with random.replaying(engine_state):
+            start = time.perf_counter()
+            segment, outputs, arrays, previous = [], [], initial, None
+            for t in range(steps):
+                step = program.tape(arrays, xs[t], previous)
+                arrays = step.output(program.carry_out)
+                outputs.append(step.output(program.y_out))
+                step.drop_values(program.carry_out)
+                segment.append((t, step))
+                if previous is not None:
+                    previous.buffers = {}
+                previous = step
+            taped = min(taped, time.perf_counter() - start)
+        held = max(held, _replay_held(segment))
+        roots = _replay_roots(program, arrays, outputs)
+        keys: dict[tuple[Any, ...], int] = {}
+        for k in range(len(program.carry_in)):
+            if program.requires_grad[k]:
+                keys[("carry", k)] = len(keys)
+        for t in range(steps):
+            for k, x in enumerate(loop.xs_leaves):
+                if x is not None and x.requires_grad:
+                    keys[("x", t, k)] = len(keys)
+        for slot in program.external_keys:
+            keys[("ext", slot)] = len(keys)
+        start = time.perf_counter()
+        if roots:
+            program.pull_back(segment, roots, Capture({}, initial=[None] * len(keys)), keys)
+        backward = min(backward, time.perf_counter() - start)
+    return run / steps, taped / steps, backward / steps, held
+
+
+def _replay_held(segment: list[tuple[int, Any]]) -> int:
+    """Every byte the replayed steps keep for their backward, each buffer counted once, as a
+    profiler counts them (a replay packs a captured array once per step)."""
+    seen: set[int] = set()
+    total = 0
+    for _, step in segment:
+        for kept in step.saved:
+            for value in kept or ():
+                if id(value) not in seen:
+                    seen.add(id(value))
+                    total += (value.stored_nbytes if isinstance(value, SavedBuffer)
+                              else array_nbytes(value))
+    return total
+
+
+def _replay_roots(
+    program: StepProgram, carry: list[Any], outputs: list[list[Any]]
+) -> list[tuple[tuple[int, int], Any]]:
+    """Ones pulled back from the last step's carry and every step's outputs."""
+    last = len(outputs) - 1
+    found = [((last, slot), a) for slot, a in zip(program.carry_out, carry)]
+    found += [((t, slot), a) for t, ys in enumerate(outputs) for slot, a in zip(program.y_out, ys)]
+    return [(key, namespace(a).ones_like(a)) for key, a in found
+            if a is not None and key[1] >= 0 and program.requires_grad[key[1]]
+            and is_floating(a.dtype)]
+
+
+def _disk_cost(carry: list[Any]) -> SnapshotCost:
+    """One carry written to the disk level a plan's disk snapshots use, and read back."""
+    level = Offload("disk", planned=True)
+    write = read = 0.0
+    for a in carry:
+        w, r = level.time_io(a)
+        write, read = write + w, read + r
+    return SnapshotCost(sum(array_nbytes(a) for a in carry), write, read)
+
+
+def _row(array: Any, t: int) -> Any:
+    """Row t of a scanned array, as an array (numpy gives a scalar for a 1-d array's row)."""
+    row = array[t]
+    return np.asarray(row) if isinstance(row, np.generic) else row
+
+
+def _repeating() -> Iterator[int]:
+    """Repeat numbers of one timed phase: at least `REPEATS`, then more while the phase has
+    taken less than `TIMING_SECONDS` (at most `MOST_REPEATS`)."""
+    began = time.perf_counter()
+    for repeat in range(MOST_REPEATS):
+        if repeat >= REPEATS and time.perf_counter() - began > TIMING_SECONDS:
+            return
+        yield repeat
 
 
 def _faster(a: FormCost | None, b: FormCost) -> FormCost:

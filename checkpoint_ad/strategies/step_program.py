@@ -26,6 +26,7 @@ from .. import events, random
 from ..backend import namespace
 from ..grad_mode import _state
 from ..ops import astype
+from ..pytree import flatten
 from ..saved import (
     KeepAll,
     SavedBuffer,
@@ -36,7 +37,7 @@ from ..saved import (
     current_packer,
     pack_value,
 )
-from ..tape import Entry, Primitive, _sum_to, edge_of
+from ..tape import Entry, Primitive, _sum_to, edge_of, next_sequence
 from ..tensor_base import make_tensor
 
 
@@ -579,6 +580,38 @@ def _announce(
     )
     events.emit("record", entry)
     return entry
+
+
+def traced_call(loop: Any, t: int, carry: list[Any], x: Any) -> tuple[list[Any], list[Any], Trace]:
+    """Run step `t` of `loop` (a `StepLoop`) recorded, tracing it: (new carry, outputs, trace).
+    The one way a step is traced, by the executor and by a budget's dry run alike."""
+    trace = Trace(len(carry) + len(loop.xs_leaves), next_sequence())
+    trace.add_inputs(list(carry) + (flatten(x)[0] if x is not None else []))
+    previous = tracing(trace)
+    try:
+        new, ys = loop.call(t, carry, x)
+    finally:
+        stop_tracing(previous)
+    trace.finish(new, ys)
+    return new, ys, trace
+
+
+def program_of(traces: dict[int, Trace], n_steps: int, n_carry: int, template: int = 0,
+               ) -> tuple[StepProgram | None, str]:
+    """The program steps 0 and 1 traced to, and how the loop runs: ("replayed"), or no
+    program and "recorded: <why>". The program is made from trace `template`: step 1's
+    where step 0's carry came from the caller (which need not require grad) and the steps
+    to replay take a step's output as their carry."""
+    if n_steps == 1:
+        return None, "recorded: a loop of one step has nothing to replay"
+    reason = same_program(traces[0], traces[1])
+    if reason is not None:
+        return None, f"recorded: the step {reason}"
+    program = StepProgram(traces[template], n_carry)
+    reason = program.unreplayable_storage()
+    if reason is not None:
+        return None, f"recorded: {reason}"
+    return program, "replayed"
 
 
 def tracing(trace: Trace) -> Any:

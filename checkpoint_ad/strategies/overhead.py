@@ -1,0 +1,112 @@
+"""The plan executor's own time per segment, measured once per process: what a plan's price
+adds to the measured costs of its steps.
+
+Why: a plan's steps are priced from a dry run of the user's step, but the executor also spends
+time between them (taking a snapshot, restoring one, setting up each reverse action's tape and
+its pull-back), about the same for any loop on one machine, and far from negligible next to a
+replayed step when a plan has many reverse actions (`Binomial` reverses every step on its own).
+So a tiny loop runs under two periodic plans that differ only in how many segments they have,
+and what each took beyond its priced steps, divided by the difference in segments, is the
+time per segment: per snapshot taken in the forward, and per reverse action in the backward;
+then under `Binomial(2)`, whose backward re-runs from a restored snapshot before most reverse
+actions: what is left over, per restore, is the time per re-run.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from .. import events, random
+from ..autograd import grad
+from ..grad_mode import enable_grad
+from ..ops import multiply, tanh
+from ..pytree import flatten
+from ..saved import KEEP, use_packer
+from ..tensor import tensor
+from .candidates import backward_snapshots, binomial, periodic
+from .loop import StepLoop
+from .pricing import StepCost, measure
+from .scan import scan
+
+STEPS = 64
+"""Steps of the tiny loop; it runs under Periodic(1) (64 segments), Periodic(16) (4) and
+Binomial(2)."""
+RUNS = 9  # each plan's time is the least of these
+
+
+@dataclass(frozen=True)
+class Overhead:
+    """Seconds the executor adds per segment beyond its steps."""
+
+    snapshot_seconds: float
+    """Per snapshot taken in the forward (the step loop broken up, the carry packed)."""
+    reverse_seconds: float
+    """Per reverse action in the backward (its restore, tape set-up and pull-back)."""
+    advance_seconds: float = 0.0
+    """Per re-run (an `Advance` after a restore) in the backward, beyond its steps."""
+
+
+def with_overhead(cost: StepCost) -> StepCost:
+    """`cost` with the executor's time per snapshot and per reverse action filled in."""
+    overhead = executor_overhead()
+    return replace(cost, snapshot_overhead_seconds=overhead.snapshot_seconds,
+                   reverse_overhead_seconds=overhead.reverse_seconds,
+                   advance_overhead_seconds=overhead.advance_seconds)
+
+
+@functools.cache
+def executor_overhead() -> Overhead:
+    """The executor's time per segment on this machine (measured on the first call)."""
+    numpy_state = np.random.get_state()
+    try:
+        with random.replaying(random.get_state()), enable_grad(), use_packer(KEEP), \
+                events.recomputing("budget dry run"):
+            excess = _excess()
+    finally:
+        np.random.set_state(numpy_state)
+    segments = STEPS - STEPS // 16  # Periodic(1) has this many more segments than Periodic(16)
+    fine, coarse, revolve = excess["periodic k=1"], excess["periodic k=16"], excess["binomial"]
+    snapshot = max(0.0, (fine[0] - coarse[0]) / segments)
+    reverse = max(0.0, (fine[1] - coarse[1]) / segments)
+    # Binomial(2) re-runs from a restored snapshot before most reverse actions: what its
+    # backward took beyond its steps, its reverse actions and the loop's fixed part
+    fixed = coarse[1] - (STEPS // 16) * reverse
+    packs, restores = backward_snapshots(STEPS, 2)
+    advance = (revolve[1] - fixed - STEPS * reverse - packs * snapshot) / max(restores, 1)
+    return Overhead(snapshot, reverse, max(0.0, advance))
+
+
+def _excess() -> dict[str, tuple[float, float]]:
+    """Per plan: (forward, backward) seconds beyond the priced steps."""
+    w = tensor(0.5, requires_grad=True)
+    xs = tensor(np.linspace(0.0, 1.0, STEPS * 4).reshape(STEPS, 4))
+    init = tensor(np.zeros(4))
+
+    def step(h, x):
+        h = tanh(multiply(h, w) + x)
+        return h, h
+
+    carry_leaves, carry_spec = flatten(init)
+    xs_leaves, xs_spec = flatten(xs)
+    loop = StepLoop(step, carry_spec, xs_leaves, xs_spec, STEPS)
+    cost = measure(loop, carry_leaves, {"keep": KEEP}, {"keep": None})
+    priced = {c.name: c for c in periodic(cost) if c.loop.every in (1, 16)}
+    priced["binomial"] = next(c for c in binomial(cost) if c.name == "binomial s=2")
+    forward = dict.fromkeys(priced, float("inf"))
+    backward = dict.fromkeys(priced, float("inf"))
+    for _ in range(RUNS):  # the plans take turns: a machine getting busier slows them alike
+        for name, row in priced.items():
+            began = time.perf_counter()
+            _, ys = scan(step, init, xs, strategy=row.loop)
+            total = ys.sum()
+            ran = time.perf_counter()
+            grad(total, [w])
+            forward[name] = min(forward[name], ran - began)
+            backward[name] = min(backward[name], time.perf_counter() - ran)
+    excess = {name: (forward[name] - row.forward_seconds, backward[name] - row.backward_seconds)
+              for name, row in priced.items()}
+    return excess
