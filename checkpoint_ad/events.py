@@ -30,7 +30,21 @@ class Subscription:
         self.every = every
 
 
+class _EveryKind:
+    """What `wanted` is while some listener hears every kind."""
+
+    def __contains__(self, kind: object) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "<every kind>"
+
+
 listeners: list[Subscription] = []  # every thread's; the engine only tests it for emptiness
+# kinds some listener of any thread hears: an engine site whose event is frequent and seldom
+# heard (a saved value read back, an entry released) tests ``kind in wanted`` rather than
+# `listeners`, and skips even the call to `emit` while only other kinds are heard
+wanted: frozenset[str] | _EveryKind = frozenset()
 # what `emit` reads, rebuilt from `listeners` at each subscribe:
 # kind -> ((subscribing thread, handler(payload)), ...)
 _routes: dict[str, tuple[tuple[int, Handler], ...]] = {}
@@ -105,9 +119,10 @@ def _rebuild() -> None:
                 routes[kind].append((s.thread, partial(s.every, kind)))  # type: ignore[arg-type]
             elif kind in s.handlers:
                 routes[kind].append((s.thread, s.handlers[kind]))
-    global _routes, _hear_every_kind
+    global _routes, _hear_every_kind, wanted
     _routes = {kind: tuple(route) for kind, route in routes.items()}
     _hear_every_kind = any(s.every is not None for s in listeners)
+    wanted = _EveryKind() if _hear_every_kind else frozenset(_routes)
 
 
 def _add(subscription: Subscription) -> Callable[[], None]:

@@ -220,7 +220,7 @@ class Entry:
                 slot.release()
             self.slots = None  # type: ignore[assignment]  # None: had saved values, now freed
         self.released = True
-        if events.listeners:
+        if "release" in events.wanted:
             events.emit("release", self)
 
     def register_hook(self, fn: Callable[[tuple[Any, ...], tuple[Any, ...]], Any]) -> Any:
@@ -693,7 +693,7 @@ def unpack_saved(entry: Entry, create_graph: bool) -> dict[str, Any]:
         buffer = slot.buffer
         counter = slot.counter
         if (
-            buffer is not None and buffer.source is None and not events.listeners
+            buffer is not None and buffer.source is None and "unpack" not in events.wanted
             and (counter is None or counter.value == slot.version)
         ):
             array = buffer.packed  # kept as is and unchanged: nothing to check or announce
