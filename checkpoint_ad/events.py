@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from functools import partial
+from threading import get_ident  # bound once: `emit` runs for every recorded entry
 from typing import Any
 
 Listener = Callable[[str, Any], None]
@@ -70,7 +71,7 @@ def emit(kind: str, payload: Any) -> None:
         if not _hear_every_kind:
             return
         route = _catch_all(kind)
-    thread = threading.get_ident()
+    thread = get_ident()
     for subscriber, handler in route:
         if subscriber == thread:
             handler(payload)

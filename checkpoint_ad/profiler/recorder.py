@@ -200,17 +200,17 @@ class _Recorder:
             self.watch.drain()
         profile = self.profile
         profile.primitives += 1
-        if self.backward_depth or self.recompute_depth:
-            if self.recompute_depth:
-                profile.recomputed_primitives += 1
-        else:
+        phase = self.phase
+        if phase == "forward":
             for edge in entry.edges:  # a leaf among them: learn it (`_learn_leaves`)
                 if edge is not None and isinstance(edge[0], TensorBase):
                     self._learn_leaves(entry.edges)
                     break
+        elif phase == "recompute":
+            profile.recomputed_primitives += 1
         slots = entry.slots
         if slots:
-            op, frame, phase = entry.op.name, entry.origin_frame, self.phase
+            op, frame = entry.op.name, entry.origin_frame
             pending, tracked_by_id = self.pending, self.tracked
             leaf_roots, append = self.leaf_roots, self.raw_records.append
             for slot in slots:
@@ -248,7 +248,7 @@ class _Recorder:
         if self.pending:  # saved by reference but held by no slot of this entry
             self._claim_pending()
         else:
-            self.points.append((perf_counter(), self.live, self.phase))
+            self.points.append((perf_counter(), self.live, phase))
 
     def _note_view(self, buffer: Any, serial: int, root: Any) -> None:
         """A saved view keeps its whole base (`root`) alive: note the bytes beyond the view's
