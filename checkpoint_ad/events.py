@@ -1,7 +1,9 @@
 """Engine events for observers (the profiler): free when nobody listens, cheap when some do.
 
 The engine calls `emit` only behind an `if listeners:` check, so an unobserved program pays
-one list truth-test per event site. A listener hears the events of the thread that subscribed
+one list truth-test per event site; the most frequent kinds that a profile does not hear (a
+saved value read back, an entry released) test ``kind in wanted`` instead, and skip even the
+call while only other kinds are heard. A listener hears the events of the thread that subscribed
 it only: a profile taken in one thread does not count another thread's work. Subscriptions are
 kept as a table from kind to its handlers, rebuilt at each (rare) subscribe, so an event costs
 one lookup, and an event nobody asked for costs nothing more.

@@ -183,7 +183,8 @@ class Entry:
         "slots",
     )
 
-    def __init__(self, op: Any, edges: tuple[Any, ...], attrs: dict[str, Any]) -> None:
+    def __init__(self, op: Any, edges: tuple[Any, ...], attrs: dict[str, Any],
+                 origin_frame: tuple[Any, int] | None = None) -> None:
         self.op = op
         self.seq = next(_sequence)
         self.edges = edges
@@ -192,7 +193,8 @@ class Entry:
         self.form: Form | None = None
         self.in_shapes: tuple[tuple[int, ...], ...] = ()
         self.out_meta: tuple[tuple[tuple[int, ...], Any], ...] = ()
-        self.origin_frame = _user_frame()
+        # known already for a replayed step's entry: the stack walk is the costly part
+        self.origin_frame = _user_frame() if origin_frame is None else origin_frame
         self.released = False
         self.retained: dict[int, Any] | None = None
         self.hooks: EntryHooks | None = None  # made by the first register_hook only
