@@ -1,7 +1,9 @@
 """Engine events for observers (the profiler): free when nobody listens, cheap when some do.
 
 The engine calls `emit` only behind an `if listeners:` check, so an unobserved program pays
-one list truth-test per event site. A listener hears the events of the thread that subscribed
+one list truth-test per event site; the most frequent kinds that a profile does not hear (a
+saved value read back, an entry released) test ``kind in wanted`` instead, and skip even the
+call while only other kinds are heard. A listener hears the events of the thread that subscribed
 it only: a profile taken in one thread does not count another thread's work. Subscriptions are
 kept as a table from kind to its handlers, rebuilt at each (rare) subscribe, so an event costs
 one lookup, and an event nobody asked for costs nothing more.
@@ -13,6 +15,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from functools import partial
+from threading import get_ident  # bound once: `emit` runs for every recorded entry
 from typing import Any
 
 Listener = Callable[[str, Any], None]
@@ -30,7 +33,21 @@ class Subscription:
         self.every = every
 
 
+class _EveryKind:
+    """What `wanted` is while some listener hears every kind."""
+
+    def __contains__(self, kind: object) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "<every kind>"
+
+
 listeners: list[Subscription] = []  # every thread's; the engine only tests it for emptiness
+# kinds some listener of any thread hears: an engine site whose event is frequent and seldom
+# heard (a saved value read back, an entry released) tests ``kind in wanted`` rather than
+# `listeners`, and skips even the call to `emit` while only other kinds are heard
+wanted: frozenset[str] | _EveryKind = frozenset()
 # what `emit` reads, rebuilt from `listeners` at each subscribe:
 # kind -> ((subscribing thread, handler(payload)), ...)
 _routes: dict[str, tuple[tuple[int, Handler], ...]] = {}
@@ -56,7 +73,7 @@ def emit(kind: str, payload: Any) -> None:
         if not _hear_every_kind:
             return
         route = _catch_all(kind)
-    thread = threading.get_ident()
+    thread = get_ident()
     for subscriber, handler in route:
         if subscriber == thread:
             handler(payload)
@@ -105,9 +122,10 @@ def _rebuild() -> None:
                 routes[kind].append((s.thread, partial(s.every, kind)))  # type: ignore[arg-type]
             elif kind in s.handlers:
                 routes[kind].append((s.thread, s.handlers[kind]))
-    global _routes, _hear_every_kind
+    global _routes, _hear_every_kind, wanted
     _routes = {kind: tuple(route) for kind, route in routes.items()}
     _hear_every_kind = any(s.every is not None for s in listeners)
+    wanted = _EveryKind() if _hear_every_kind else frozenset(_routes)
 
 
 def _add(subscription: Subscription) -> Callable[[], None]:

@@ -205,7 +205,7 @@ def pack_value(array: Any, packer: Strategy) -> SavedBuffer:
     buffer = SavedBuffer(array, packer)
     if events.listeners:
         events.emit("pack", buffer)
-        if events.hears("free"):
+        if "free" in events.wanted and events.hears("free"):
             _watch(buffer)
     return buffer
 
@@ -271,7 +271,7 @@ class SavedSlot:
                 "original; use an out-of-place operation (y = x + 1 rather than x += 1) or "
                 "modify a copy"
             )
-        if events.listeners:
+        if "unpack" in events.wanted:
             events.emit("unpack", buffer)
         return buffer.unpack()
 

@@ -183,7 +183,8 @@ class Entry:
         "slots",
     )
 
-    def __init__(self, op: Any, edges: tuple[Any, ...], attrs: dict[str, Any]) -> None:
+    def __init__(self, op: Any, edges: tuple[Any, ...], attrs: dict[str, Any],
+                 origin_frame: tuple[Any, int] | None = None) -> None:
         self.op = op
         self.seq = next(_sequence)
         self.edges = edges
@@ -192,7 +193,8 @@ class Entry:
         self.form: Form | None = None
         self.in_shapes: tuple[tuple[int, ...], ...] = ()
         self.out_meta: tuple[tuple[tuple[int, ...], Any], ...] = ()
-        self.origin_frame = _user_frame()
+        # known already for a replayed step's entry: the stack walk is the costly part
+        self.origin_frame = _user_frame() if origin_frame is None else origin_frame
         self.released = False
         self.retained: dict[int, Any] | None = None
         self.hooks: EntryHooks | None = None  # made by the first register_hook only
@@ -220,7 +222,7 @@ class Entry:
                 slot.release()
             self.slots = None  # type: ignore[assignment]  # None: had saved values, now freed
         self.released = True
-        if events.listeners:
+        if "release" in events.wanted:
             events.emit("release", self)
 
     def register_hook(self, fn: Callable[[tuple[Any, ...], tuple[Any, ...]], Any]) -> Any:
@@ -693,7 +695,7 @@ def unpack_saved(entry: Entry, create_graph: bool) -> dict[str, Any]:
         buffer = slot.buffer
         counter = slot.counter
         if (
-            buffer is not None and buffer.source is None and not events.listeners
+            buffer is not None and buffer.source is None and "unpack" not in events.wanted
             and (counter is None or counter.value == slot.version)
         ):
             array = buffer.packed  # kept as is and unchanged: nothing to check or announce

@@ -1,9 +1,10 @@
 """What a recorder gathers while the program runs, kept raw until the profile is read.
 
 Building a `SavedRecord` (a frozen dataclass) per saved value and three timeline appends per
-event cost more than the bookkeeping itself; a profiled run appends plain tuples instead, and
-the profile's `records` and `timeline_*` fields are filled from them the first time they are
-read (`records._Filled`), during the block or after it.
+event (even the subtraction that turns a clock reading into seconds since the start) cost more
+than the bookkeeping itself; a profiled run appends plain tuples instead, and the profile's
+`records` and `timeline_*` fields are filled from them the first time they are read
+(`records._Filled`), during the block or after it.
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ class Gathered:
     """Raw records and timeline points of one profile; called with the profile, moves them
     into its fields (and, once the recording has ended, stops being called)."""
 
-    __slots__ = ("ended", "judge", "points", "records")
+    __slots__ = ("ended", "judge", "points", "records", "started")
 
     def __init__(self) -> None:
         self.records: list[RawRecord] = []
-        self.points: list[tuple[float, int, str]] = []  # (seconds, live bytes, phase)
+        # (perf_counter() then, live bytes, phase): seconds counted from `started` when read
+        self.points: list[tuple[float, int, str]] = []
+        self.started = 0.0
         self.ended = False
         self.judge: Callable[[Any], None] | None = None  # set when the recording ends
 
@@ -45,8 +48,9 @@ class Gathered:
             ])
             self.records.clear()
         if self.points:
-            seconds, live, phases = zip(*self.points)
-            fields["_timeline_seconds"].extend(seconds)
+            clock, live, phases = zip(*self.points)
+            started = self.started
+            fields["_timeline_seconds"].extend([t - started for t in clock])
             fields["_timeline_bytes"].extend(live)
             fields["_timeline_phase"].extend(phases)
             self.points.clear()

@@ -10,14 +10,13 @@ the engine; one that no record claims before the next other event is owned.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
+from time import perf_counter
 from typing import Any
 
 from .. import events
@@ -25,6 +24,7 @@ from ..tensor_base import TensorBase
 from .gathered import Gathered, judge_buffers
 from .memory import MemoryProbe, probe_for, rss_bytes, synchronize
 from .records import Profile
+from .watch import Tracked, Watch
 
 
 class _Recorder:
@@ -32,7 +32,8 @@ class _Recorder:
 
     `handlers` maps each event kind it hears to one method (add a kind: add a method and a
     line there). It runs inside the profiled program, so it keeps raw tuples (`Gathered`),
-    turned into the profile's records and timeline when those are read.
+    turned into the profile's records and timeline when those are read, and what it knows of
+    each live buffer on the weak reference that watches it (`watch.Tracked`).
     """
 
     def __init__(self, profile: Profile, device: str, device_memory: bool) -> None:
@@ -40,24 +41,18 @@ class _Recorder:
         self.device = device
         self.probe = probe_for(device, device_memory)
         self.sampling = type(self.probe).sample is not MemoryProbe.sample
-        self.serials: dict[int, int] = {}  # id(buffer) -> serial (ids are reused; serials not)
-        # id(buffer) -> (owned, bytes counted, id of its array if owned and by reference)
-        self.counted: dict[int, tuple[bool, int, int | None]] = {}
+        # the live buffers it knows, watched for their death: one that dies in another thread
+        # (the collector runs in whichever thread allocates; in a Dask worker, its event
+        # loop's) is taken in at this thread's next event, so no lock guards every handler
+        self.watch = Watch(self._free)
+        self.tracked = self.watch.tracked  # id(buffer) -> Tracked
+        self.foreign = self.watch.foreign  # tested before every event: frees to take in first
         self.roots: dict[int, int] = {}  # id(array) -> live owned buffers holding it
         self.pending: dict[int, Any] = {}  # id(buffer) -> buffer stored by reference, unclaimed
         self.leaf_roots: dict[int, Any] = {}  # id(root array) -> weakref of a caller's leaf's
-        self.counter = itertools.count()
-        # packed buffers by their stored form, for events about a stored form (an eviction)
-        self.by_stored: dict[int, int] = {}  # id(stored form) -> id(buffer)
-        self.stored_of: dict[int, int] = {}  # id(buffer) -> id(stored form)
-        self.evicted: dict[int, int] = {}  # id(buffer) -> bytes an eviction took off
+        self.counter = itertools.count()  # buffer serials (ids are reused; serials not)
+        self.by_stored: dict[int, int] = {}  # id(stored form) -> id(buffer), if packed
         self.level_live: dict[str, int] = {}  # owned stored bytes off the device, per level
-        self.levels: dict[int, tuple[str, int]] = {}  # id(buffer) -> (level, bytes) if off it
-        # a saved buffer that dies in a reference cycle is freed by whichever thread's
-        # allocation triggers the collector (in a Dask worker, its event loop's): its 'free'
-        # must not interleave with this thread's handlers, or a count is lost; reentrant, as
-        # the collector may also run inside one of this thread's own handlers
-        self.lock = threading.RLock()
         self.live = 0
         self.live_aliased = 0
         self.peak = 0
@@ -70,11 +65,11 @@ class _Recorder:
         self.originals: dict[int, tuple[Any, bool]] = {}
         self.released: set[int] = set()  # serials of owned buffers the tape let go of
         self.view_roots: set[int] = set()  # id(base array) of saved views, counted once
-        # live owned buffers: serial -> (timeline index when counted, bytes counted), and
-        # those freed since the latest new peak that were alive at it: together, what the
-        # tape owned at its peak, in memory bounded by what is alive
-        self.born: dict[int, tuple[int, int]] = {}
+        # owned buffers freed since the latest new peak that were alive at it: with the live
+        # ones born before it (`Tracked.born`), what the tape owned at its peak, in memory
+        # bounded by what is alive; and buffers born owned but found the caller's later
         self.freed_since_peak: list[tuple[int, int]] = []
+        self.freed_reclassified: list[tuple[int, int, int]] = []  # (born at, serial, bytes)
         self.peak_at = 0  # timeline index of the latest new peak
         self.gathered = Gathered()
         self.raw_records = self.gathered.records
@@ -83,7 +78,6 @@ class _Recorder:
             "record": self._record,
             "pack": self._pack,
             "apply": self._settled(self._apply),
-            "free": self._free,  # settles pending buffers itself: the most frequent kind
             "backward_begin": self._settled(self._backward_begin),
             "backward_end": self._settled(self._backward_end),
             "recompute_begin": self._settled(self._recompute_begin),
@@ -94,20 +88,14 @@ class _Recorder:
             "io_read": self._settled(self._io_read),
             "io_stall": self._settled(self._io_stall),
         }
-        self.handlers = {kind: self._locked(h) for kind, h in self.handlers.items()}
-
-    def _locked(self, handler: Callable[[Any], None]) -> Callable[[Any], None]:
-        lock = self.lock
-
-        def locked(payload: Any) -> None:
-            with lock:
-                handler(payload)
-        return locked
 
     def _settled(self, handler: Callable[[Any], None]) -> Callable[[Any], None]:
-        """`handler`, first claiming the buffers stored by reference that no 'record' came
-        for: every kind but 'pack' and 'record' ends that wait."""
+        """`handler`, first taking in the frees heard from other threads and claiming the
+        buffers stored by reference that no 'record' came for (every kind but 'pack' and
+        'record' ends that wait)."""
         def settled(payload: Any) -> None:
+            if self.foreign:
+                self.watch.drain()
             if self.pending:
                 self._claim_pending()
             handler(payload)
@@ -121,44 +109,52 @@ class _Recorder:
             self.phase = "backward" if self.backward_depth else "forward"
 
     def _point(self) -> None:
-        self.points.append((time.perf_counter() - self.started, self.live, self.phase))
+        self.points.append((perf_counter(), self.live, self.phase))
 
     def _sample_rss(self) -> None:
         rss = rss_bytes()
         if rss is not None and (self.profile.rss_peak_bytes or 0) < rss:
             self.profile.rss_peak_bytes = rss
 
-    def _count(self, buffer: Any, owned: bool) -> None:
+    def _count(self, buffer: Any, tracked: Tracked, owned: bool) -> None:
         """Start counting a live buffer as owned (tape memory) or aliased (the caller's). A
         buffer stored by reference holding the very array a live owned buffer holds (a loop's
         restored snapshot, saved again by the step re-run from it) adds no bytes."""
-        key, size, root_id = id(buffer), buffer.stored_nbytes, None
-        if buffer.source is None and owned:
-            root_id = id(buffer.packed)
-            if self.roots.get(root_id):
-                size = 0
-            self.roots[root_id] = self.roots.get(root_id, 0) + 1
-        if buffer.source is not None:
+        size, root_id = buffer.stored_nbytes, None
+        if buffer.source is None:
+            if owned:
+                root_id = id(buffer.packed)
+                roots = self.roots
+                held = roots.get(root_id, 0)
+                if held:
+                    size = 0
+                roots[root_id] = held + 1
+        else:
             level = buffer.packer.stored_level(buffer.packed)
             if level != "device":  # offloaded: counted on its level, not in the tape bytes
-                self.levels[key] = (level, size)
+                tracked.level, tracked.level_size = level, size
                 self._add_level(level, size)
                 size = 0
-        self.counted[key] = (owned, size, root_id)
+        tracked.counted, tracked.owned, tracked.size, tracked.root_id = True, owned, size, root_id
         if owned:
-            serial = self.serials.get(key)
-            if serial is not None:
-                self.born[serial] = (len(self.points), size)
-        self._add(owned, size)
+            tracked.born = (len(self.points), size)
+            self.live += size
+            if self.live > self.peak:
+                self._new_peak()
+        else:
+            self._add(False, size)
+
+    def _new_peak(self) -> None:
+        self.peak = self.profile.peak_tape_bytes = self.live
+        self.peak_at = len(self.points)
+        if self.freed_since_peak:
+            self.freed_since_peak.clear()
 
     def _add(self, owned: bool, size: int) -> None:
         if owned:
             self.live += size
             if self.live > self.peak:
-                self.peak = self.profile.peak_tape_bytes = self.live
-                self.peak_at = len(self.points)
-                if self.freed_since_peak:
-                    self.freed_since_peak.clear()
+                self._new_peak()
         else:
             self.live_aliased += size
             if self.live_aliased > (self.profile.aliased_bytes or 0):
@@ -173,18 +169,20 @@ class _Recorder:
         """Buffers stored by reference that no entry claimed: owned (a loop's snapshots, a
         checkpointed region's inputs)."""
         unrecorded = self.profile.unrecorded_bytes
-        for key, buffer in self.pending.items():
-            self._count(buffer, owned=True)
-            unrecorded[str(self.serials[key])] = self.counted[key][1]
-        self.pending.clear()
+        claimed = list(self.pending.items())
+        self.pending.clear()  # in place: `_record` holds it
+        for key, buffer in claimed:
+            tracked = self.tracked[key]
+            self._count(buffer, tracked, owned=True)
+            unrecorded[str(tracked.serial)] = tracked.size
         self._point()
 
-    def _learn_leaves(self, entry: Any) -> None:
+    def _learn_leaves(self, edges: Any) -> None:
         """Remember the arrays of leaves that require grad and take part in the forward
         computation: parameters and inputs the caller holds. (Leaves a loop or a checkpointed
         region makes while re-running steps for the backward sweep are its own, not these.)"""
         leaf_roots = self.leaf_roots
-        for edge in entry.edges:
+        for edge in edges:
             if edge is not None and isinstance(edge[0], TensorBase):
                 root = _root(edge[0]._data)
                 known = leaf_roots.get(id(root))
@@ -192,69 +190,70 @@ class _Recorder:
                     leaf_roots[id(root)] = weakref.ref(root)
                     self.profile.leaf_bytes += int(getattr(root, "nbytes", 0))
 
-    def _is_alias(self, slot: Any, buffer: Any) -> bool:
-        """Whether `slot` holds, by reference, memory the caller keeps anyway: an array of a
-        leaf that requires grad (or a view of one), or a view (a slice of input data) saved
-        for a value with no history. An array of its own with no history (a dropout mask, an
-        initial state made inside the model) may be kept alive by the tape alone: owned."""
-        if buffer.source is not None:  # packed: the stored form is a new array
-            return False
-        array = buffer.packed
-        root = _root(array)
-        known = self.leaf_roots.get(id(root))
-        if known is not None and known() is root:
-            return True
-        return slot.edge is None and slot.counter is not None and root is not array
-
     # ------------------------------------------------------------- events
     def _record(self, entry: Any) -> None:
-        self.profile.primitives += 1
-        if self.backward_depth or self.recompute_depth:
-            if self.recompute_depth:
-                self.profile.recomputed_primitives += 1
-        else:
-            self._learn_leaves(entry)
+        """One tape entry: count it, and classify and list each value it saved.
+
+        The most frequent event, so the common paths (a value kept as is, claimed by the
+        entry that saved it) are written out here rather than through helpers."""
+        if self.foreign:
+            self.watch.drain()
+        profile = self.profile
+        profile.primitives += 1
+        phase = self.phase
+        if phase == "forward":
+            for edge in entry.edges:  # a leaf among them: learn it (`_learn_leaves`)
+                if edge is not None and isinstance(edge[0], TensorBase):
+                    self._learn_leaves(entry.edges)
+                    break
+        elif phase == "recompute":
+            profile.recomputed_primitives += 1
         slots = entry.slots
         if slots:
-            op, frame, phase = entry.op.name, entry.origin_frame, self.phase
-            pending, counted, serials = self.pending, self.counted, self.serials
+            op, frame = entry.op.name, entry.origin_frame
+            pending, tracked_by_id = self.pending, self.tracked
+            leaf_roots, append = self.leaf_roots, self.raw_records.append
             for slot in slots:
                 buffer = slot.buffer
                 if buffer is None:
                     continue
                 key = id(buffer)
-                owned = buffer.source is not None or not self._is_alias(slot, buffer)
-                if key in pending:
-                    self._count(pending.pop(key), owned)
-                elif key in counted:  # one buffer, one classification...
-                    was_owned, size, root_id = counted[key]
-                    if was_owned and not owned:  # ...but claimed as owned before its entry
-                        self.live -= size
-                        counted[key] = (False, size, root_id)
-                        self._add(False, size)
-                    owned = counted[key][0]
-                serial = serials.get(key)
-                if serial is None:  # saved before profiling began: known from now on
-                    serial = serials[key] = next(self.counter)
-                if owned and buffer.source is None:
-                    self._note_view(buffer, serial)
-                self.raw_records.append((
+                if buffer.source is None:  # stored as is: the caller's memory, or the tape's?
+                    array = buffer.packed
+                    root = array if getattr(array, "base", None) is None else _root(array)
+                    known = leaf_roots.get(id(root))
+                    owned = not ((known is not None and known() is root) or (
+                        slot.edge is None and slot.counter is not None and root is not array))
+                else:  # packed: the stored form is a new array
+                    owned, root = True, None
+                tracked = tracked_by_id.get(key)
+                if tracked is None:  # saved before profiling began: known from now on
+                    tracked = self.watch.track(buffer, key, next(self.counter))
+                elif key in pending:
+                    del pending[key]
+                    self._count(buffer, tracked, owned)
+                elif tracked.counted:  # one buffer, one classification...
+                    if tracked.owned and not owned:  # ...but claimed as owned before its entry
+                        self.live -= tracked.size
+                        tracked.owned = False
+                        self._add(False, tracked.size)
+                    owned = tracked.owned
+                if owned and root is not None and root is not buffer.packed:
+                    self._note_view(buffer, tracked.serial, root)
+                append((
                     op, slot.name, buffer.shape, buffer.dtype, buffer.logical_nbytes,
-                    buffer.stored_nbytes, frame, serial, phase, owned,
-                    self.levels[key][0] if key in self.levels else "device",
-                    type(buffer.packer).__name__,
+                    buffer.stored_nbytes, frame, tracked.serial, phase, owned,
+                    tracked.level or "device", type(buffer.packer).__name__,
                 ))
         if self.pending:  # saved by reference but held by no slot of this entry
             self._claim_pending()
         else:
-            self.points.append((time.perf_counter() - self.started, self.live, self.phase))
+            self.points.append((perf_counter(), self.live, phase))
 
-    def _note_view(self, buffer: Any, serial: int) -> None:
-        """A saved view keeps its whole base alive: note the bytes beyond the view's own
-        (once per base, and not if the base is itself a saved value the tape owns)."""
-        array = buffer.packed
-        root = _root(array)
-        if root is array or id(root) in self.view_roots or self.roots.get(id(root)):
+    def _note_view(self, buffer: Any, serial: int, root: Any) -> None:
+        """A saved view keeps its whole base (`root`) alive: note the bytes beyond the view's
+        own (once per base, and not if the base is itself a saved value the tape owns)."""
+        if id(root) in self.view_roots or self.roots.get(id(root)):
             return
         self.view_roots.add(id(root))
         extra = int(getattr(root, "nbytes", 0)) - buffer.stored_nbytes
@@ -267,82 +266,93 @@ class _Recorder:
             self.profile.recomputed_primitives += 1
 
     def _pack(self, buffer: Any) -> None:
-        serial = self.serials[id(buffer)] = next(self.counter)
+        if self.foreign:
+            self.watch.drain()
+        key = id(buffer)
+        serial = next(self.counter)
+        tracked = self.watch.track(buffer, key, serial)
+        source = buffer.source
         if self.backward_depth or self.recompute_depth:  # re-run values: the tape's own
             pass
-        elif buffer.source is None or buffer.source() is buffer.packed:  # stored as is
-            with contextlib.suppress(TypeError):  # no weak references: not judged
+        elif source is None or source() is buffer.packed:  # stored as is
+            try:  # noqa: SIM105 (not contextlib.suppress: a context manager per value)
                 self.originals[serial] = (weakref.ref(buffer.packed), False)
+            except TypeError:  # no weak references: not judged
+                pass
         else:
-            self.originals[serial] = (buffer.source, True)
+            self.originals[serial] = (source, True)
         if self.sampling:
             self.probe.sample()
-        if buffer.source is None:  # stored by reference: its record says whose memory it is
-            self.pending[id(buffer)] = buffer
+        if source is None:  # stored by reference: its record says whose memory it is
+            self.pending[key] = buffer
             return
-        self.by_stored[id(buffer.packed)] = id(buffer)
-        self.stored_of[id(buffer)] = id(buffer.packed)
-        self._count(buffer, owned=True)
+        tracked.stored_id = id(buffer.packed)
+        self.by_stored[tracked.stored_id] = key
+        self._count(buffer, tracked, owned=True)
         self._point()
 
-    def _free(self, key: int) -> None:
+    def _free(self, tracked: Tracked) -> None:
+        """A tracked buffer died (`Watch` calls this, in this thread)."""
         if self.pending:  # as `_settled` does (a buffer dying unclaimed was owned)
             self._claim_pending()
-        stored = self.stored_of.pop(key, None)
-        if stored is not None:
-            self.by_stored.pop(stored, None)
-            self.evicted.pop(key, None)
-        level = self.levels.pop(key, None)
-        if level is not None:
-            self._add_level(level[0], -level[1])
-        counted = self.counted.pop(key, None)
-        if counted is None:
+        if tracked.stored_id is not None:
+            self.by_stored.pop(tracked.stored_id, None)
+        if tracked.level is not None:
+            self._add_level(tracked.level, -tracked.level_size)
+        if not tracked.counted:
             return
-        owned, size, root_id = counted
-        if owned:
+        size = tracked.size
+        if tracked.owned:
             self.live -= size
-            serial = self.serials.get(key)
-            if serial is not None:
-                if serial in self.originals:
-                    self.released.add(serial)
-                born = self.born.pop(serial, None)
-                if born is not None and born[0] <= self.peak_at:
-                    self.freed_since_peak.append((serial, born[1]))
+            serial = tracked.serial
+            if serial in self.originals:
+                self.released.add(serial)
+            born = tracked.born
+            if born is not None and born[0] <= self.peak_at:
+                self.freed_since_peak.append((serial, born[1]))
         else:
             self.live_aliased -= size
+            if tracked.born is not None:  # owned when counted: listed at the peak as such
+                self.freed_reclassified.append((tracked.born[0], tracked.serial,
+                                                tracked.born[1]))
+        root_id = tracked.root_id
         if root_id is not None:
-            self.roots[root_id] -= 1
-            if not self.roots[root_id]:
-                del self.roots[root_id]
-        self.serials.pop(key, None)
+            roots = self.roots
+            if roots[root_id] == 1:
+                del roots[root_id]
+            else:
+                roots[root_id] -= 1
         if self.sampling:
             self.probe.sample()
-        self._point()
+        self.points.append((perf_counter(), self.live, self.phase))
+
+    def _tracked_stored(self, stored: Any) -> Tracked | None:
+        """The counted buffer whose stored form is `stored`, if any."""
+        key = self.by_stored.get(id(stored)) if stored is not None else None
+        tracked = self.tracked.get(key) if key is not None else None
+        return tracked if tracked is not None and tracked.counted else None
 
     def _evict(self, stored: Any) -> None:
         """A pool dropped the array of a saved value (it is recomputed when needed): its
         bytes leave the tape until it is rematerialized or freed."""
         self.profile.evictions += 1
-        key = self.by_stored.get(id(stored))
-        counted = self.counted.get(key) if key is not None else None
-        if counted is None or key in self.evicted:
+        tracked = self._tracked_stored(stored)
+        if tracked is None or tracked.evicted is not None:
             return
-        owned, size, root_id = counted
-        self.evicted[key] = size
-        self.counted[key] = (owned, 0, root_id)
-        self._add(owned, -size)
+        size = tracked.evicted = tracked.size
+        tracked.size = 0
+        self._add(tracked.owned, -size)
         self._point()
 
     def _rematerialize(self, stored: Any) -> None:
         """One primitive re-run to bring an evicted value back; a saved value's bytes return."""
         self.profile.rematerializations += 1
-        key = self.by_stored.get(id(stored)) if stored is not None else None
-        size = self.evicted.pop(key, None) if key is not None else None
-        if size is None:
+        tracked = self._tracked_stored(stored)
+        if tracked is None or tracked.evicted is None:
             return
-        owned, _, root_id = self.counted[key]
-        self.counted[key] = (owned, size, root_id)
-        self._add(owned, size)
+        size, tracked.evicted = tracked.evicted, None
+        tracked.size = size
+        self._add(tracked.owned, size)
         self._point()
 
     def _io_write(self, nbytes: int) -> None:
@@ -391,11 +401,12 @@ class _Recorder:
         self.probe.start()
         self.profile.memory_source = self.probe.source
         synchronize(self.device)
-        self.started = time.perf_counter()
+        self.started = self.gathered.started = time.perf_counter()
         self._point()
         self.profile.__dict__["_fill"] = self.gathered
 
     def stop(self) -> None:
+        self.watch.drain()  # frees heard from other threads
         if self.pending:
             self._claim_pending()
         synchronize(self.device)
@@ -406,7 +417,11 @@ class _Recorder:
         self._sample_rss()
         self.profile.level_peak_bytes["device"] = self.profile.peak_tape_bytes
         at_peak = self.freed_since_peak + [
-            (serial, size) for serial, (born, size) in self.born.items() if born <= self.peak_at]
+            (t.serial, t.born[1]) for t in self.tracked.values()
+            if t.born is not None and t.born[0] <= self.peak_at] + [
+            (serial, size) for born, serial, size in self.freed_reclassified
+            if born <= self.peak_at]
+        self.watch.close()
         self.gathered.judge = partial(judge_buffers, self.originals, self.released, at_peak)
         self.gathered.ended = True
 

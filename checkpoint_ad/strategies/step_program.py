@@ -568,8 +568,7 @@ def _announce(
     """For a profiler listening: the entry a recorded step would have made, with its saved
     slots and leaf inputs (`made`: carry slots the previous step made, graph values rather
     than leaves), announced as recorded (never differentiated: the replay does that)."""
-    entry = Entry(ins.prim, edges, ins.attrs)
-    entry.origin_frame = ins.origin
+    entry = Entry(ins.prim, edges, ins.attrs, ins.origin)
     entry.form = ins.form
     entry.slots = tuple(
         SavedSlot(s.name, buffer, VersionCounter() if s.counted or slot in made else None,
