@@ -187,17 +187,18 @@ class Capture:
 class _LeafGrad:
     """A leaf's `.grad` seen as a one-item container of arrays (for `_running_sums`)."""
 
-    __slots__ = ("leaf",)
+    __slots__ = ("graph", "leaf")
 
-    def __init__(self, leaf: TensorBase) -> None:
+    def __init__(self, leaf: TensorBase, graph: bool) -> None:
         self.leaf = leaf
+        self.graph = graph  # create_graph: sums are Tensors with a history, kept as they are
 
     def __getitem__(self, _: int) -> Any:
         grad = self.leaf.grad
-        return None if grad is None else grad._data
+        return grad if grad is None or self.graph else grad._data
 
     def __setitem__(self, _: int, value: Any) -> None:
-        self.leaf.grad = make_tensor(value)
+        self.leaf.grad = value if self.graph else make_tensor(value)
 
 
 def _running_sums(entry: Entry, wanted: Sequence[bool], sum_at: Any) -> list[Any] | None:
@@ -324,7 +325,7 @@ def backpropagate(
             if node._hooks:
                 item = held.get(id(node))
                 return None if item is None else (item, 1)
-            return _LeafGrad(node), 0
+            return _LeafGrad(node, create_graph), 0
         grads = pending.get(node)
         return None if grads is None else (grads, index)
 
@@ -367,7 +368,7 @@ def backpropagate(
                 op = entry.op
                 onto = None
                 adds_onto = getattr(op, "adds_onto", None)
-                if adds_onto is not None and not create_graph and not anomaly and (
+                if adds_onto is not None and not anomaly and (
                     hooks is None or not hooks.post
                 ):
                     onto = _running_sums(entry, adds_onto(entry), sum_at)

@@ -171,3 +171,21 @@ def test_the_profiler_sees_a_replayed_loop_keeping_every_step_as_a_recorded_one(
         assert rows[0] == rows[1]
         assert replayed.peak_tape_bytes == recorded.peak_tape_bytes
         assert replayed.aliased_bytes == recorded.aliased_bytes
+
+
+@pytest.mark.parametrize("strategy", [None, Binomial(2)], ids=["keep-all", "binomial-2"])
+def test_higher_order_gradients_through_a_replayed_loop(strategy):
+    """create_graph re-runs the loop with a tape: the first-order gradient (a weight also used
+    after the loop) is bitwise the recorded one; the second order equals it to rounding."""
+    def run(trace):
+        w, h0, xs = _problem(T=7)
+        h, ys = cad.scan(lambda h, x: (cad.tanh(h @ w + x),) * 2, h0, xs, strategy=strategy,
+                         trace=trace)
+        loss = (ys**2).sum() + (h @ w).sum()
+        (g,) = cad.grad(loss, [w], create_graph=True)
+        (hv,) = cad.grad((g * g).sum(), [w])
+        return g.numpy(), hv.numpy()
+
+    (g, hv), (g_ref, hv_ref) = run(True), run(False)
+    np.testing.assert_array_equal(g, g_ref)
+    np.testing.assert_allclose(hv, hv_ref, rtol=1e-12, atol=1e-12)

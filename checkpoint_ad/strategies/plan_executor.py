@@ -561,7 +561,7 @@ class PlannedLoop:
         outer_numpy_state = np.random.get_state()
         try:
             if create_graph:
-                return self._backward_with_graph(entry, grads)
+                return self._backward_with_graph(entry, grads, onto)
             if self.state is None:  # an earlier backward broke off: rebuild the forward state
                 self._run_forward_prefix(discover=False)
             return self._backward(entry, grads, retain_graph, onto)
@@ -890,7 +890,9 @@ class PlannedLoop:
                 adj_ext[key] = captured[position]
         return new_adj
 
-    def _backward_with_graph(self, entry: Entry, grads: list[Any]) -> list[Any]:
+    def _backward_with_graph(
+        self, entry: Entry, grads: list[Any], onto: list[Any] | None = None
+    ) -> list[Any]:
         """Differentiate the loop with a graph of its own gradient (create_graph=True): re-run
         every step with a tape from the loop's real inputs, like a plain loop, and pull the
         gradients back through that tape with create_graph."""
@@ -913,7 +915,11 @@ class PlannedLoop:
         for edge in entry.edges:
             if edge is not None:
                 keys.setdefault((id(edge[0]), edge[1]), len(keys))
-        sink = Capture(keys, newer_than=entry.seq)
+        initial: list[Any] = [None] * len(keys)
+        for edge, total in zip(entry.edges, onto or ()):
+            if edge is not None and total is not None:
+                initial[keys[(id(edge[0]), edge[1])]] = total
+        sink = Capture(keys, initial=initial, newer_than=entry.seq)
         backpropagate(roots, retain_graph=True, create_graph=True, capture=sink)
         return [
             None if edge is None else sink.values[keys[(id(edge[0]), edge[1])]]
