@@ -26,7 +26,7 @@ import numpy as np
 from . import events
 from .backend import broadcast_axes, namespace
 from .errors import DeviceError, InplaceError, ShapeError
-from .grad_mode import _state
+from .grad_mode import _state, origin_blocks
 from .saved import KeepAll, SavedSlot, Strategy, buffer_for, current_packer, freed_error
 from .tensor_base import TensorBase, as_tensor_like, make_tensor
 
@@ -192,7 +192,11 @@ class Entry:
         self.form: Form | None = None
         self.in_shapes: tuple[tuple[int, ...], ...] = ()
         self.out_meta: tuple[tuple[tuple[int, ...], Any], ...] = ()
-        self.origin_frame = _user_frame()
+        # the user's line, where someone will read it: the stack walk costs more than a small op
+        if events.listeners or (origin_blocks and _state.origins):
+            self.origin_frame = _user_frame()
+        else:
+            self.origin_frame = NO_ORIGIN
         self.released = False
         self.retained: dict[int, Any] | None = None
         self.hooks: EntryHooks | None = None  # made by the first register_hook only
@@ -203,10 +207,14 @@ class Entry:
 
     @property
     def origin(self) -> str:
-        """'file:line' of the user code that recorded this entry."""
+        """'file:line' of the user code that recorded this entry, or '<unknown>' where no one
+        asked for it (see `record_origins`)."""
         return origin_text(self.origin_frame)
 
     def describe(self) -> str:
+        if self.origin_frame[0] is None:
+            return f"tape entry #{self.seq} {self.name!r} (record under cad.record_origins() " \
+                "to see its line)"
         return f"tape entry #{self.seq} {self.name!r} (recorded at {self.origin})"
 
     def saved_nbytes(self) -> int:
@@ -299,6 +307,7 @@ _codes_seen: list[Any] = []
 # (id(code), line) -> (code, line): one shared pair per user code line
 _origins: dict[tuple[int, int], tuple[Any, int]] = {}
 _MAX_ORIGINS = 100_000
+NO_ORIGIN: tuple[Any, int] = (None, 0)  # the origin of an entry recorded where no one asked
 
 
 def _is_internal(code: Any) -> bool:
@@ -339,7 +348,7 @@ def _user_frame() -> tuple[Any, int]:
                 pair = _origins[(id(code), line)] = (code, line)
             return pair
         frame = frame.f_back
-    return (None, 0)
+    return NO_ORIGIN
 
 
 class _Tapes(threading.local):
