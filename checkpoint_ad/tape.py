@@ -614,7 +614,10 @@ def _save_primitive_values(
     if prim.variadic:
         if not form.rules["xs"].needs:
             return ()
-        return tuple(save_tensor(t, f"x{i}", packer, entry) for i, t in enumerate(tensors))
+        edges = entry.edges
+        return tuple(
+            save_tensor(t, f"x{i}", packer, entry, edges[i]) for i, t in enumerate(tensors)
+        )
     if len(tensors) == 1:
         mask: tuple[bool, ...] = _ONE_INPUT  # recorded, so its one input requires grad
     else:
@@ -625,12 +628,13 @@ def _save_primitive_values(
     if len(needed) == 1:
         ((name, position),) = needed
         if position < 0:
-            return (save_tensor(results[0], name, packer, entry, own=True),)
-        return (save_tensor(tensors[position], name, packer, entry),)
+            return (save_tensor(results[0], name, packer, entry, 0),)
+        return (save_tensor(tensors[position], name, packer, entry, entry.edges[position]),)
+    edges = entry.edges
     return tuple([
-        save_tensor(results[0], name, packer, entry, own=True)
+        save_tensor(results[0], name, packer, entry, 0)
         if position < 0
-        else save_tensor(tensors[position], name, packer, entry)
+        else save_tensor(tensors[position], name, packer, entry, edges[position])
         for name, position in needed
     ])
 
@@ -658,23 +662,18 @@ def _needed_values(
     return tuple((n, -1 if n == "out" else prim.args.index(n)) for n in sorted(names))
 
 
-def save_tensor(
-    tensor: Any, name: str, packer: Strategy, entry: Entry, own: bool = False
-) -> SavedSlot:
-    """Keep `tensor`'s value for `entry`'s backward through `packer` (`own`: it is one of the
-    entry's outputs, so its graph position is the output index)."""
+def save_tensor(tensor: Any, name: str, packer: Strategy, entry: Entry, edge: Any) -> SavedSlot:
+    """Keep `tensor`'s value for `entry`'s backward through `packer`. `edge` is the value's
+    place in the graph: an int for one of the entry's own outputs (its output index), else
+    the tensor's edge as an input (the one in `entry.edges`, shared rather than made again)."""
     if tensor._inference:
         raise InplaceError(
             f"{entry.describe()} needs to save an inference tensor ({tensor.dtype}"
             f"{list(tensor.shape)}) for backward; tensors made under inference_mode() cannot be "
             "saved: compute it under no_grad() instead, or .clone() it outside inference_mode()"
         )
-    if own:
-        edge: Any = tensor._index  # an int marks the entry's own output
-    else:
-        if tensor._entry is None and type(packer) is not KeepAll:
-            packer = packer.for_leaf()  # a parameter or input: the caller keeps it anyway
-        edge = edge_of(tensor)
+    if tensor._entry is None and type(packer) is not KeepAll:
+        packer = packer.for_leaf()  # a parameter or input: the caller keeps it anyway
     return SavedSlot(name, buffer_for(tensor, packer), tensor._version, edge)
 
 
