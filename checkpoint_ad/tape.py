@@ -161,6 +161,16 @@ class Primitive:
 
 
 _sequence = itertools.count()
+
+
+class _NothingFreed(tuple):
+    """The saved slots of a released entry that had none: empty like `()`, yet its own object,
+    so that `Entry.released` needs no field of its own on every entry."""
+
+    __slots__ = ()
+
+
+NOTHING_FREED = _NothingFreed()
 _NO_ATTRS: dict[str, Any] = {}  # shared by every entry without attributes (never mutated)
 
 
@@ -168,7 +178,6 @@ class Entry:
     """One operation recorded on the tape."""
 
     __slots__ = (
-        "__weakref__",
         "attrs",
         "edges",
         "form",
@@ -177,7 +186,6 @@ class Entry:
         "op",
         "origin_frame",
         "out_meta",
-        "released",
         "retained",
         "seq",
         "slots",
@@ -197,7 +205,6 @@ class Entry:
             self.origin_frame = _user_frame()
         else:
             self.origin_frame = NO_ORIGIN
-        self.released = False
         self.retained: dict[int, Any] | None = None
         self.hooks: EntryHooks | None = None  # made by the first register_hook only
 
@@ -221,13 +228,20 @@ class Entry:
         """Stored bytes of this entry's saved values (shared buffers counted in full)."""
         return sum(s.buffer.stored_nbytes for s in self.slots or () if s.buffer is not None)
 
+    @property
+    def released(self) -> bool:
+        """Whether a backward sweep has released this entry (freed its saved values)."""
+        slots = self.slots
+        return slots is None or slots is NOTHING_FREED
+
     def release(self) -> None:
         """Drop the saved values; the entry stays so a second sweep can say it was freed."""
         if self.slots:
             for slot in self.slots:
                 slot.release()
             self.slots = None  # type: ignore[assignment]  # None: had saved values, now freed
-        self.released = True
+        elif self.slots is not None:
+            self.slots = NOTHING_FREED  # nothing to free: a second sweep may run it again
         if events.listeners:
             events.emit("release", self)
 

@@ -153,3 +153,20 @@ def test_record_origins_restores_the_mode_when_its_block_raises():
         raise RuntimeError("inside")
     assert not cad.grad_mode.origins_wanted()
     assert repr(cad.record_origins(False)) == "record_origins(enabled=False)"
+
+
+def test_released_entries_say_so_whether_or_not_they_saved_values():
+    x = cad.tensor(np.ones(3), requires_grad=True)
+    s = x + 1.0  # saves nothing
+    t = cad.tanh(s)  # saves its output
+    loss = cad.sum(t)
+    assert not s.grad_fn.released and not t.grad_fn.released
+    loss.backward()
+    assert s.grad_fn.released and t.grad_fn.released
+    assert "(freed)" in cad.tape_of(t).table()
+    t.grad_fn.release()  # a second release keeps "freed", not "nothing saved"
+    with pytest.raises(cad.BackwardError, match="second time"):
+        loss.backward()
+    x.grad = None
+    cad.sum(s).backward()  # nothing was saved for x + 1.0: it can run again
+    assert np.array_equal(x.grad.numpy(), np.ones(3))
