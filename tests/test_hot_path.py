@@ -170,3 +170,13 @@ def test_released_entries_say_so_whether_or_not_they_saved_values():
     x.grad = None
     cad.sum(s).backward()  # nothing was saved for x + 1.0: it can run again
     assert np.array_equal(x.grad.numpy(), np.ones(3))
+
+
+def test_a_listing_without_lines_says_how_to_get_them():
+    x = cad.tensor(np.ones(3), requires_grad=True)
+    plain = cad.tape_of(cad.tanh(x)).table()
+    assert "<unknown>" in plain and "cad.record_origins()" in plain
+    with cad.record_origins():
+        y = cad.tanh(x)
+    listed = cad.tape_of(y).table()
+    assert "test_hot_path.py:" in listed and "record_origins" not in listed
