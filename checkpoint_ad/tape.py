@@ -178,6 +178,7 @@ class Entry:
     """One operation recorded on the tape."""
 
     __slots__ = (
+        "__weakref__",  # the rematerializing strategy (dtr.py) keys what it knows by entry
         "attrs",
         "edges",
         "form",
