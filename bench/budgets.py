@@ -3,8 +3,9 @@
 For each model, budgets from keep-all's predicted peak down to the smallest plan's (spaced
 geometrically): the loop runs under ``Budget(limit)``, planned in a warm-up run (so the timed
 runs time the plan, not the dry run), and its measured peak tape (the profiler's, less what the
-model's own code saved before the loop, reported apart) and median time are compared with what the budget predicted for the plan it chose, and with the fastest
-shipped preset whose measured peak fits the same budget.
+model's own code saved before the loop, reported apart) and median time are compared with what
+the budget predicted for the plan it chose, and with the fastest shipped preset whose measured
+peak fits the same budget.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from .grad_mode import (
     is_anomaly_enabled,
     is_grad_enabled,
     no_grad,
+    record_origins,
     set_grad_enabled,
 )
 from .gradient_tape import GradientTape
@@ -91,6 +92,7 @@ __all__ = [
     "no_grad",
     "once_differentiable",
     "profile",
+    "record_origins",
     "remat",
     "saved_values_hooks",
     "scan",

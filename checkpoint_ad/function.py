@@ -189,9 +189,9 @@ class Function:
                     continue
                 own = next((k for k, o in enumerate(outputs) if o is t), None)
                 if own is not None:
-                    slots.append(save_tensor(results[own], f"saved{i}", packer, entry, own=True))
+                    slots.append(save_tensor(results[own], f"saved{i}", packer, entry, own))
                 else:
-                    slots.append(save_tensor(t, f"saved{i}", packer, entry))
+                    slots.append(save_tensor(t, f"saved{i}", packer, entry, edge_of(t)))
             return tuple(slots)
 
         dirty = _check_dirty(cls.__name__, ctx._dirty, tensors, outputs)

@@ -15,10 +15,15 @@ class _ModeState(threading.local):
     grad_enabled: bool = True
     inference: bool = False
     anomaly: bool = False
+    origins: bool = False  # inside record_origins() or detect_anomaly(): entries keep their line
     tracer: Any = None  # a loop's step tracer while it traces (strategies/step_program.py)
 
 
 _state = _ModeState()
+
+# one item per record_origins/detect_anomaly block open in any thread: while it is empty (the
+# common case) the tape asks no thread-local question before skipping the origin line
+origin_blocks: list[Any] = []
 
 
 def refuse_trace(reason: str) -> None:
@@ -36,6 +41,11 @@ def is_grad_enabled() -> bool:
 
 def is_inference_mode_enabled() -> bool:
     return _state.inference
+
+
+def origins_wanted() -> bool:
+    """True where new tape entries keep the line of user code that recorded them."""
+    return bool(origin_blocks) and _state.origins
 
 
 def is_anomaly_enabled() -> bool:
@@ -165,8 +175,9 @@ class detect_anomaly:
     """Check every gradient of a backward run inside the block for nan and inf.
 
     The first tape entry whose backward makes one raises `AnomalyError`, naming the forward
-    operation, the line of user code that recorded it, and which input's gradient went bad.
-    Outside the block backward pays one flag check per entry.
+    operation, the line of user code that recorded it (entries recorded inside the block keep
+    it, as under `record_origins`), and which input's gradient went bad. Outside the block
+    backward pays one flag check per entry.
 
     >>> import checkpoint_ad as cad
     >>> x = cad.tensor([0.0], requires_grad=True)
@@ -182,11 +193,50 @@ class detect_anomaly:
         self._saved: list[bool] = []
 
     def __enter__(self) -> None:
-        self._saved.append(_state.anomaly)
+        self._saved.append((_state.anomaly, _state.origins))
         _state.anomaly = self._enabled
+        _state.origins = self._enabled or _state.origins
+        origin_blocks.append(self)
 
     def __exit__(self, *exc: object) -> None:
-        _state.anomaly = self._saved.pop()
+        origin_blocks.pop()  # any item: only their number matters
+        _state.anomaly, _state.origins = self._saved.pop()
 
     def __repr__(self) -> str:
         return f"detect_anomaly(enabled={self._enabled})"
+
+
+class record_origins:
+    """Keep, for every tape entry recorded inside the block, the line of user code that ran it.
+
+    Finding that line walks the Python stack on every recorded operation, which costs more
+    than many small operations themselves, so plain runs skip it: their entries list their
+    origin as "<unknown>". A profiler (anything listening to engine events) and
+    `detect_anomaly` keep lines too. Use this block to see lines in `tape_of(...)` listings
+    and in error messages that name a tape entry.
+
+    >>> import checkpoint_ad as cad
+    >>> x = cad.tensor([1.0], requires_grad=True)
+    >>> with cad.record_origins():
+    ...     y = x * 2
+    >>> "doctest" in y.grad_fn.origin  # this example's own "file" and line
+    True
+    >>> (x * 2).grad_fn.origin
+    '<unknown>'
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        self._enabled = bool(enabled)
+        self._saved: list[bool] = []
+
+    def __enter__(self) -> None:
+        self._saved.append(_state.origins)
+        _state.origins = self._enabled
+        origin_blocks.append(self)
+
+    def __exit__(self, *exc: object) -> None:
+        origin_blocks.pop()
+        _state.origins = self._saved.pop()
+
+    def __repr__(self) -> str:
+        return f"record_origins(enabled={self._enabled})"

@@ -108,6 +108,8 @@ class TapeView:
                 f"{info.seq:>6}  {info.op:<14} {shapes:<18} {info.form:<7} {saved:<34} "
                 f"{_short(info.origin)}" + (f"  ({info.mode})" if info.mode else "")
             )
+        if any(e.origin_frame[0] is None for e in self._entries):
+            lines.append("origins: record under cad.record_origins() to see each entry's line")
         total = f"{self.saved_nbytes:,} bytes saved (shared counted once)"
         lines.append(f"{len(self)} entries, {total}")
         return "\n".join(lines)
@@ -118,7 +120,7 @@ class TapeView:
 
 def _short(origin: str) -> str:
     path, _, line = origin.rpartition(":")
-    return f"{path.rsplit('/', 1)[-1]}:{line}"
+    return f"{path.rsplit('/', 1)[-1]}:{line}" if path else origin
 
 
 def tape_of(*outputs: Any) -> TapeView:

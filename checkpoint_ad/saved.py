@@ -130,18 +130,72 @@ def _shared_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 class SavedBuffer:
-    """One stored array, shared by every slot that saved the same array with the same packer."""
+    """One stored array, shared by every slot that saved the same array with the same packer.
 
-    __slots__ = (
-        "__weakref__",
-        "dtype",
-        "logical_nbytes",
-        "packed",
-        "packer",
-        "shape",
-        "source",
-        "stored_nbytes",
-    )
+    `pack_value` makes either kind: a `KeptBuffer` (the array as is) or a `PackedBuffer` (a
+    packer's stored form). Both answer the same questions: `packed`, `packer`, `shape`,
+    `dtype`, `logical_nbytes`, `stored_nbytes`, `source` (a weak reference to the original
+    array, None when `packed` is that array), `holds(array)` and `unpack()`.
+    """
+
+    __slots__ = ("__weakref__", "packed")
+
+    packed: Any
+    packer: Any
+    shape: tuple[int, ...]
+    dtype: Any
+    logical_nbytes: int
+    stored_nbytes: int
+    source: Any
+
+    def holds(self, array: Any) -> bool:
+        raise NotImplementedError
+
+    def unpack(self) -> Any:
+        raise NotImplementedError
+
+
+class KeptBuffer(SavedBuffer):
+    """An array kept as is (`KeepAll`): everything else about it is the array's own, so the
+    buffer holds nothing but the array (a long tape of small values pays for no copies of
+    their shapes and sizes)."""
+
+    __slots__ = ()
+    source = None
+
+    def __init__(self, array: Any) -> None:
+        self.packed = array
+
+    @property
+    def packer(self) -> Strategy:
+        return KEEP
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.packed.shape)
+
+    @property
+    def dtype(self) -> Any:
+        return self.packed.dtype
+
+    @property
+    def logical_nbytes(self) -> int:
+        return array_nbytes(self.packed)
+
+    stored_nbytes = logical_nbytes
+
+    def holds(self, array: Any) -> bool:
+        return self.packed is array
+
+    def unpack(self) -> Any:
+        return self.packed
+
+
+class PackedBuffer(SavedBuffer):
+    """A packer's stored form of an array, with the array's shape, dtype and sizes (the
+    stored form may have none of them) and a weak reference to the array it came from."""
+
+    __slots__ = ("dtype", "logical_nbytes", "packer", "shape", "source", "stored_nbytes")
 
     def __init__(self, array: Any, packer: Any) -> None:
         self.packer = packer
@@ -154,24 +208,15 @@ class SavedBuffer:
         shared = _shapes.get(shape)
         self.shape = shared if shared is not None else _shared_shape(shape)
         self.dtype = array.dtype
-        if type(packer) is KeepAll:
-            self.packed = array
-            self.source = None
-            self.stored_nbytes = self.logical_nbytes
-        else:
-            self.packed = packer.pack(array)
-            self.source = weakref.ref(array)
-            measured = packer.stored_nbytes(self.packed)
-            self.stored_nbytes = self.logical_nbytes if measured is None else int(measured)
+        self.packed = packer.pack(array)
+        self.source = weakref.ref(array)
+        measured = packer.stored_nbytes(self.packed)
+        self.stored_nbytes = self.logical_nbytes if measured is None else int(measured)
 
     def holds(self, array: Any) -> bool:
-        if self.source is None:
-            return self.packed is array
         return self.source() is array
 
     def unpack(self) -> Any:
-        if self.source is None:
-            return self.packed
         array = self.packer.unpack(self.packed)
         if tuple(array.shape) != self.shape or array.dtype != self.dtype:
             raise BackwardError(
@@ -190,6 +235,8 @@ def buffer_for(tensor: Any, packer: Any) -> SavedBuffer:
     with the last entry that needs it.
     """
     array = tensor._data
+    if type(packer) is KeepAll:
+        packer = KEEP  # every KeepAll keeps the array as is: one buffer serves them all
     ref = tensor._saved_ref
     if ref is not None:
         buffer = ref()
@@ -202,7 +249,7 @@ def buffer_for(tensor: Any, packer: Any) -> SavedBuffer:
 
 def pack_value(array: Any, packer: Strategy) -> SavedBuffer:
     """Store `array` under `packer`: the one place a saved buffer is made (and announced)."""
-    buffer = SavedBuffer(array, packer)
+    buffer = KeptBuffer(array) if type(packer) is KeepAll else PackedBuffer(array, packer)
     if events.listeners:
         events.emit("pack", buffer)
         if "free" in events.wanted and events.hears("free"):
@@ -229,7 +276,7 @@ def _announce_free(ref: weakref.ref) -> None:
 
 def live_buffer_count() -> int:
     """How many saved buffers exist right now (slow: walks the heap; for tests and debugging)."""
-    return sum(1 for o in gc.get_objects() if type(o) is SavedBuffer)
+    return sum(1 for o in gc.get_objects() if isinstance(o, SavedBuffer))
 
 
 def freed_error(what: str) -> BackwardError:

@@ -26,7 +26,7 @@ import numpy as np
 from . import events
 from .backend import broadcast_axes, namespace
 from .errors import DeviceError, InplaceError, ShapeError
-from .grad_mode import _state
+from .grad_mode import _state, origin_blocks
 from .saved import KeepAll, SavedSlot, Strategy, buffer_for, current_packer, freed_error
 from .tensor_base import TensorBase, as_tensor_like, make_tensor
 
@@ -161,6 +161,16 @@ class Primitive:
 
 
 _sequence = itertools.count()
+
+
+class _NothingFreed(tuple):
+    """The saved slots of a released entry that had none: empty like `()`, yet its own object,
+    so that `Entry.released` needs no field of its own on every entry."""
+
+    __slots__ = ()
+
+
+NOTHING_FREED = _NothingFreed()
 _NO_ATTRS: dict[str, Any] = {}  # shared by every entry without attributes (never mutated)
 
 
@@ -168,7 +178,7 @@ class Entry:
     """One operation recorded on the tape."""
 
     __slots__ = (
-        "__weakref__",
+        "__weakref__",  # the rematerializing strategy (dtr.py) keys what it knows by entry
         "attrs",
         "edges",
         "form",
@@ -177,7 +187,6 @@ class Entry:
         "op",
         "origin_frame",
         "out_meta",
-        "released",
         "retained",
         "seq",
         "slots",
@@ -193,9 +202,14 @@ class Entry:
         self.form: Form | None = None
         self.in_shapes: tuple[tuple[int, ...], ...] = ()
         self.out_meta: tuple[tuple[tuple[int, ...], Any], ...] = ()
-        # known already for a replayed step's entry: the stack walk is the costly part
-        self.origin_frame = _user_frame() if origin_frame is None else origin_frame
-        self.released = False
+        # the user's line, where someone will read it: the stack walk costs more than a small
+        # op (a replayed step's entry knows its line already)
+        if origin_frame is not None:
+            self.origin_frame = origin_frame
+        elif events.listeners or (origin_blocks and _state.origins):
+            self.origin_frame = _user_frame()
+        else:
+            self.origin_frame = NO_ORIGIN
         self.retained: dict[int, Any] | None = None
         self.hooks: EntryHooks | None = None  # made by the first register_hook only
 
@@ -205,15 +219,25 @@ class Entry:
 
     @property
     def origin(self) -> str:
-        """'file:line' of the user code that recorded this entry."""
+        """'file:line' of the user code that recorded this entry, or '<unknown>' where no one
+        asked for it (see `record_origins`)."""
         return origin_text(self.origin_frame)
 
     def describe(self) -> str:
+        if self.origin_frame[0] is None:
+            return f"tape entry #{self.seq} {self.name!r} (record under cad.record_origins() " \
+                "to see its line)"
         return f"tape entry #{self.seq} {self.name!r} (recorded at {self.origin})"
 
     def saved_nbytes(self) -> int:
         """Stored bytes of this entry's saved values (shared buffers counted in full)."""
         return sum(s.buffer.stored_nbytes for s in self.slots or () if s.buffer is not None)
+
+    @property
+    def released(self) -> bool:
+        """Whether a backward sweep has released this entry (freed its saved values)."""
+        slots = self.slots
+        return slots is None or slots is NOTHING_FREED
 
     def release(self) -> None:
         """Drop the saved values; the entry stays so a second sweep can say it was freed."""
@@ -221,7 +245,8 @@ class Entry:
             for slot in self.slots:
                 slot.release()
             self.slots = None  # type: ignore[assignment]  # None: had saved values, now freed
-        self.released = True
+        elif self.slots is not None:
+            self.slots = NOTHING_FREED  # nothing to free: a second sweep may run it again
         if "release" in events.wanted:
             events.emit("release", self)
 
@@ -301,6 +326,7 @@ _codes_seen: list[Any] = []
 # (id(code), line) -> (code, line): one shared pair per user code line
 _origins: dict[tuple[int, int], tuple[Any, int]] = {}
 _MAX_ORIGINS = 100_000
+NO_ORIGIN: tuple[Any, int] = (None, 0)  # the origin of an entry recorded where no one asked
 
 
 def _is_internal(code: Any) -> bool:
@@ -341,7 +367,7 @@ def _user_frame() -> tuple[Any, int]:
                 pair = _origins[(id(code), line)] = (code, line)
             return pair
         frame = frame.f_back
-    return (None, 0)
+    return NO_ORIGIN
 
 
 class _Tapes(threading.local):
@@ -607,7 +633,10 @@ def _save_primitive_values(
     if prim.variadic:
         if not form.rules["xs"].needs:
             return ()
-        return tuple(save_tensor(t, f"x{i}", packer, entry) for i, t in enumerate(tensors))
+        edges = entry.edges
+        return tuple(
+            save_tensor(t, f"x{i}", packer, entry, edges[i]) for i, t in enumerate(tensors)
+        )
     if len(tensors) == 1:
         mask: tuple[bool, ...] = _ONE_INPUT  # recorded, so its one input requires grad
     else:
@@ -618,12 +647,13 @@ def _save_primitive_values(
     if len(needed) == 1:
         ((name, position),) = needed
         if position < 0:
-            return (save_tensor(results[0], name, packer, entry, own=True),)
-        return (save_tensor(tensors[position], name, packer, entry),)
+            return (save_tensor(results[0], name, packer, entry, 0),)
+        return (save_tensor(tensors[position], name, packer, entry, entry.edges[position]),)
+    edges = entry.edges
     return tuple([
-        save_tensor(results[0], name, packer, entry, own=True)
+        save_tensor(results[0], name, packer, entry, 0)
         if position < 0
-        else save_tensor(tensors[position], name, packer, entry)
+        else save_tensor(tensors[position], name, packer, entry, edges[position])
         for name, position in needed
     ])
 
@@ -651,23 +681,18 @@ def _needed_values(
     return tuple((n, -1 if n == "out" else prim.args.index(n)) for n in sorted(names))
 
 
-def save_tensor(
-    tensor: Any, name: str, packer: Strategy, entry: Entry, own: bool = False
-) -> SavedSlot:
-    """Keep `tensor`'s value for `entry`'s backward through `packer` (`own`: it is one of the
-    entry's outputs, so its graph position is the output index)."""
+def save_tensor(tensor: Any, name: str, packer: Strategy, entry: Entry, edge: Any) -> SavedSlot:
+    """Keep `tensor`'s value for `entry`'s backward through `packer`. `edge` is the value's
+    place in the graph: an int for one of the entry's own outputs (its output index), else
+    the tensor's edge as an input (the one in `entry.edges`, shared rather than made again)."""
     if tensor._inference:
         raise InplaceError(
             f"{entry.describe()} needs to save an inference tensor ({tensor.dtype}"
             f"{list(tensor.shape)}) for backward; tensors made under inference_mode() cannot be "
             "saved: compute it under no_grad() instead, or .clone() it outside inference_mode()"
         )
-    if own:
-        edge: Any = tensor._index  # an int marks the entry's own output
-    else:
-        if tensor._entry is None and type(packer) is not KeepAll:
-            packer = packer.for_leaf()  # a parameter or input: the caller keeps it anyway
-        edge = edge_of(tensor)
+    if tensor._entry is None and type(packer) is not KeepAll:
+        packer = packer.for_leaf()  # a parameter or input: the caller keeps it anyway
     return SavedSlot(name, buffer_for(tensor, packer), tensor._version, edge)
 
 

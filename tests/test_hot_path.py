@@ -61,7 +61,8 @@ def test_float32_constants_keep_float32():
 
 def test_entries_recorded_on_one_line_share_one_origin_that_names_it():
     x = cad.tensor(np.ones(2), requires_grad=True)
-    ys = [cad.tanh(x) * 2.0 for _ in range(3)]  # the line recorded, through an operator too
+    with cad.record_origins():
+        ys = [cad.tanh(x) * 2.0 for _ in range(3)]  # the line recorded, through an operator too
     entries = [y.grad_fn for y in ys] + [y.grad_fn.edges[0][0] for y in ys]
     assert len({id(e.origin_frame) for e in entries}) == 1
     assert entries[0].origin.endswith(f"test_hot_path.py:{_line_of('ys = [cad.tanh')}")
@@ -98,3 +99,84 @@ def test_a_packer_in_one_thread_leaves_another_thread_keeping_all():
         done.set()
         worker.join()
     assert not cad.saved._pushed  # the blocks closed: none left
+
+
+def test_plain_runs_skip_the_origin_line_and_say_how_to_get_it():
+    x = cad.tensor(np.ones(2), requires_grad=True)
+    y = cad.tanh(x)
+    assert y.grad_fn.origin == "<unknown>"
+    assert "cad.record_origins()" in y.grad_fn.describe()
+    with pytest.raises(cad.BackwardError, match=r"'tanh' \(record under cad.record_origins"):
+        y.requires_grad = False
+
+
+def test_record_origins_detect_anomaly_and_profiles_keep_the_line():
+    x = cad.tensor(np.ones(2), requires_grad=True)
+    with cad.record_origins():
+        a = cad.tanh(x)
+        with cad.record_origins(False):
+            off = cad.tanh(x)
+        b = cad.tanh(x)
+    with cad.detect_anomaly():
+        c = cad.tanh(x)
+    with cad.profile():
+        d = cad.tanh(x)
+    after = cad.tanh(x)
+    assert off.grad_fn.origin == after.grad_fn.origin == "<unknown>"
+    for y in (a, b, c, d):
+        assert "test_hot_path.py:" in y.grad_fn.origin
+        assert "(recorded at " in y.grad_fn.describe()
+    assert not cad.grad_mode.origin_blocks  # every block closed
+
+
+def test_record_origins_in_one_thread_leaves_another_without_lines():
+    seen, ready, done = [], threading.Event(), threading.Event()
+
+    def other_thread():
+        with cad.record_origins():
+            ready.set()
+            done.wait(10)
+
+    worker = threading.Thread(target=other_thread)
+    worker.start()
+    try:
+        ready.wait(10)
+        seen.append(cad.tanh(cad.tensor(np.ones(2), requires_grad=True)).grad_fn.origin)
+    finally:
+        done.set()
+        worker.join()
+    assert seen == ["<unknown>"]
+
+
+def test_record_origins_restores_the_mode_when_its_block_raises():
+    with pytest.raises(RuntimeError), cad.record_origins():
+        raise RuntimeError("inside")
+    assert not cad.grad_mode.origins_wanted()
+    assert repr(cad.record_origins(False)) == "record_origins(enabled=False)"
+
+
+def test_released_entries_say_so_whether_or_not_they_saved_values():
+    x = cad.tensor(np.ones(3), requires_grad=True)
+    s = x + 1.0  # saves nothing
+    t = cad.tanh(s)  # saves its output
+    loss = cad.sum(t)
+    assert not s.grad_fn.released and not t.grad_fn.released
+    loss.backward()
+    assert s.grad_fn.released and t.grad_fn.released
+    assert "(freed)" in cad.tape_of(t).table()
+    t.grad_fn.release()  # a second release keeps "freed", not "nothing saved"
+    with pytest.raises(cad.BackwardError, match="second time"):
+        loss.backward()
+    x.grad = None
+    cad.sum(s).backward()  # nothing was saved for x + 1.0: it can run again
+    assert np.array_equal(x.grad.numpy(), np.ones(3))
+
+
+def test_a_listing_without_lines_says_how_to_get_them():
+    x = cad.tensor(np.ones(3), requires_grad=True)
+    plain = cad.tape_of(cad.tanh(x)).table()
+    assert "<unknown>" in plain and "cad.record_origins()" in plain
+    with cad.record_origins():
+        y = cad.tanh(x)
+    listed = cad.tape_of(y).table()
+    assert "test_hot_path.py:" in listed and "record_origins" not in listed

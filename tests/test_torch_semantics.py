@@ -197,19 +197,24 @@ def test_backward_inputs_accumulates_only_into_those():
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_detect_anomaly_names_the_op_its_line_and_the_input():
     """PyTorch `test_anomaly_detect_nan`: inside detect_anomaly the first backward making a
-    nan/inf raises, naming the forward op and where it was recorded."""
+    nan/inf raises, naming the forward op and, where the forward ran inside detect_anomaly too
+    (as PyTorch's forward traces), where it was recorded."""
     import inspect
 
     b = leaf([0.0, 1.0])
     one = cad.tensor(np.ones(2))
-    y = one / b  # d/db = -1/b**2: inf, then nan, at b = 0
-    line = inspect.currentframe().f_lineno - 1
+    with cad.detect_anomaly():
+        y = one / b  # d/db = -1/b**2: inf, then nan, at b = 0
+        line = inspect.currentframe().f_lineno - 1
     z = (y * 0 + 1).sum()
     with cad.detect_anomaly(), pytest.raises(cad.AnomalyError) as info:
         z.backward(retain_graph=True)
     message = str(info.value)
     assert "'divide'" in message and f"test_torch_semantics.py:{line}" in message
     assert "input 1 ('b')" in message
+    recorded_outside = (one / b).sum()
+    with cad.detect_anomaly(), pytest.raises(cad.AnomalyError, match="record_origins"):
+        recorded_outside.backward()  # the message says how to see the line
     assert isinstance(info.value, RuntimeError)
     assert not cad.is_anomaly_enabled()
     z.backward()  # outside: no check, the nan goes through silently (as in PyTorch)

@@ -516,7 +516,7 @@ class ReplayedStep:
         self.buffers = buffers  # (slot, id(packer)) -> packed buffer, shared with the next step
 
     def unpack(self, i: int) -> list[Any]:
-        return [v.unpack() if type(v) is SavedBuffer else v for v in self.saved[i]]
+        return [v.unpack() if isinstance(v, SavedBuffer) else v for v in self.saved[i]]
 
     def release(self, i: int) -> None:
         self.saved[i] = None
