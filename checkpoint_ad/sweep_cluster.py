@@ -10,7 +10,12 @@ serial sweep:
   would spoil each other's memory peak and time;
 - BLAS threads pinned with threadpoolctl (one by default) and recorded in each profile's meta
   (``blas_threads``, with the ``worker`` address), as the local cluster's workers are;
-- one unmeasured warm-up run per worker process and problem, as the serial sweep does once.
+- one unmeasured warm-up run per worker process and problem, as the serial sweep does once;
+- a local cluster's workers run without Dask's worker profiler (`NO_FRAME_SAMPLING`): it
+  samples the running task's frames from another thread and keeps them, and the arrays
+  their locals hold, alive a while, so a run's measured peak tape would depend on its
+  timing. Give workers of your own cluster the same setting for peaks that match a serial
+  sweep's.
 
 Results come back in any order and are put back in the sweep's order, so the table, files and
 plots are those of a serial sweep. Whatever this module started (a local cluster, a connection)
@@ -41,6 +46,8 @@ from .errors import (
 from .sweep_runs import RunOutcome, SweepRun, measure, progress, warm_up
 
 INSTALL_HINT = "python3 -m pip install 'checkpoint-ad[dask]'"
+NO_FRAME_SAMPLING = {"distributed.worker.profile.enabled": False}
+"""Dask configuration without the worker profiler (see the module's docstring)."""
 
 _alone = threading.Lock()  # one run at a time in a worker process (see the module's docstring)
 _warmed: set[tuple[str, str, str]] = set()  # the problems this worker process has warmed up
@@ -90,6 +97,8 @@ def connect(workers: int | None = None, client: Any = None) -> Iterator[Any]:
     processes. What this opened is closed when the block ends, however it ends."""
     check_cluster_options(workers, client)
     distributed = _require_dask()
+    import dask
+
     if isinstance(client, distributed.Client):
         yield client
         return
@@ -105,7 +114,10 @@ def connect(workers: int | None = None, client: Any = None) -> Iterator[Any]:
             yield own
         return
     try:
-        with _children_ignore_ctrl_c():
+        # Dask's worker profiler samples the running task's frames from another thread and
+        # keeps them (and the arrays their locals hold) alive a while: measured peaks would
+        # depend on its timing, so a sweep's own workers run without it
+        with _children_ignore_ctrl_c(), dask.config.set(NO_FRAME_SAMPLING):
             cluster = distributed.LocalCluster(
                 n_workers=workers or 1, threads_per_worker=1, processes=True,
                 dashboard_address=":0",  # a free port: another cluster may hold the usual one

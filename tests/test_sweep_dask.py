@@ -75,8 +75,13 @@ class FailingPreset(Preset):
 @pytest.fixture(scope="module")
 def client():
     distributed = pytest.importorskip("distributed")
-    cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                                       dashboard_address=":0")
+    import dask
+
+    from checkpoint_ad.sweep_cluster import NO_FRAME_SAMPLING
+
+    with dask.config.set(NO_FRAME_SAMPLING):  # peaks that do not depend on frame sampling
+        cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                           dashboard_address=":0")
     with cluster, distributed.Client(cluster, set_as_default=False) as dask_client:
         yield dask_client
 
