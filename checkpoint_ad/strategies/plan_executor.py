@@ -255,6 +255,8 @@ class PlannedLoop:
             if discover and start == 0:
                 self._discover_from(state.kept)
             per_step.extend(_arrays(ys) for _, ys in state.kept.y_out)
+            if isinstance(state.kept, _ReplayedSegment):  # stacked by run(): not kept twice
+                state.kept.y_out = []
             state.current = None
         else:
             state.current = arrays

@@ -528,12 +528,11 @@ class ReplayedStep:
         return [None if s < 0 else self.values[s] for s in slots]
 
     def drop_values(self, keep: tuple[int, ...]) -> None:
-        """Forget intermediate values (the saved ones stay in `saved`)."""
-        kept = {s: self.values[s] for s in keep if s >= 0}
-        self.values = [None] * len(self.values)
-        for s, v in kept.items():
-            self.values[s] = v
-        self.buffers = {k: b for k, b in self.buffers.items() if k[0] in kept}
+        """Forget every value (the saved ones stay in `saved`): the step's outputs are in the
+        caller's hands, and a full-precision copy kept here would undo a compressing strategy.
+        Buffers of the `keep` slots (the new carry) stay, for the next step to share."""
+        self.values = []
+        self.buffers = {k: b for k, b in self.buffers.items() if k[0] in keep}
 
 
 def _namespace_of(values: list[Any]) -> Any:
