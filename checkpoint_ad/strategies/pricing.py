@@ -252,7 +252,7 @@ def _replayed(
 
 def _replay_held(segment: list[tuple[int, Any]]) -> int:
     """Every byte the replayed steps keep for their backward, each buffer counted once, as a
-    profiler counts them (a replay packs a captured array once per step)."""
+    profiler counts them."""
     seen: set[int] = set()
     total = 0
     for _, step in segment:
