@@ -127,10 +127,10 @@ class _Engine:
     def run(self) -> None:
         self.clear()
         with self.cad.use(self.storage):
-            _, ys = self.cad.scan(self.step, self.h0, self.xs, strategy=self.strategy,
+            h, ys = self.cad.scan(self.step, self.h0, self.xs, strategy=self.strategy,
                                   trace=self.trace)
         if isinstance(self.strategy, self.cad.strategies.LoopStrategy):
-            self.loop = ys.grad_fn.op  # the planned loop: its mode and step program
+            self.loop = h.grad_fn.op  # the planned loop (the carry's entry): mode and program
         self.cad.sum(ys).backward()
 
     def forward_replayed(self) -> None:

@@ -222,3 +222,35 @@ def test_a_replayed_loop_holds_no_full_precision_copy_of_what_it_compresses(stra
     replayed, recorded = held(True), held(False)
     assert replayed <= recorded * 1.05
     assert replayed < 0.6 * full_precision
+
+
+@pytest.mark.parametrize("strategy", [None, Binomial(2), Binomial(3)],
+                         ids=["keep-all", "binomial-2", "binomial-3"])
+@pytest.mark.parametrize("steps", [1, 2, 7])
+def test_hooks_and_retain_grad_on_the_final_carry_see_its_whole_gradient(strategy, steps):
+    """A step returning its carry as an output: the final carry is also the last row of the
+    outputs, so its hook and `.grad` see both uses, as with a plain recorded loop."""
+    def run(trace):
+        w, h0, xs = _problem(T=steps)
+        h, ys = cad.scan(lambda h, x: (cad.tanh(h @ w + x),) * 2, h0, xs, strategy=strategy,
+                         trace=trace)
+        seen = []
+        h.register_hook(lambda g: seen.append(g.numpy().copy()))
+        h.retain_grad()
+        ys.retain_grad()
+        (ys.sum() * 2.0 + (h * h).sum()).backward()
+        return [seen[0], h.grad.numpy(), ys.grad.numpy(), w.grad.numpy(), xs.grad.numpy()]
+
+    reference = run(False) if strategy is None else None
+    if reference is None:
+        w, h0, xs = _problem(T=steps)  # the recorded keep-all loop is the reference
+        h, ys = cad.scan(lambda h, x: (cad.tanh(h @ w + x),) * 2, h0, xs, trace=False)
+        seen = []
+        h.register_hook(lambda g: seen.append(g.numpy().copy()))
+        h.retain_grad()
+        ys.retain_grad()
+        (ys.sum() * 2.0 + (h * h).sum()).backward()
+        reference = [seen[0], h.grad.numpy(), ys.grad.numpy(), w.grad.numpy(), xs.grad.numpy()]
+    for trace in (True, False):
+        for got, ref in zip(run(trace), reference, strict=True):
+            np.testing.assert_array_equal(got, ref)

@@ -41,6 +41,7 @@ from ..autograd import Capture, backpropagate
 from ..backend import is_floating, namespace
 from ..errors import BackwardError, SavedValueModifiedError
 from ..grad_mode import _state, enable_grad, no_grad
+from ..ops import concatenate, expand_dims, stack
 from ..pytree import flatten, unflatten
 from ..saved import (
     KEEP,
@@ -54,7 +55,7 @@ from ..saved import (
 from ..tape import Entry, add_entry, edge_of, next_sequence
 from ..tensor import Tensor
 from .kinds import LoopStrategy
-from .loop import StepLoop, columns, stack_outputs
+from .loop import StepLoop, columns
 from .offload import Offload
 from .revolve import (
     _DISK_RESTORE,
@@ -210,7 +211,8 @@ class PlannedLoop:
             np.random.set_state(end_state)
             state = self.state
         outputs = list(final_arrays) + [
-            None if c[0] is None else namespace(c[0]).stack(c, axis=0) for c in columns(per_step)
+            None if c[0] is None else _stack_arrays(c[:-1] if k in self.same else c)
+            for k, c in enumerate(columns(per_step))
         ]
         return self._record(carry_leaves, outputs, len(final_arrays))
 
@@ -538,9 +540,24 @@ class PlannedLoop:
         # the entry says how the loop ran ("replayed", or "recorded: <why>"), for inspection
         results = add_entry(self, tuple(edges), outputs, {"mode": self.mode},
                             self._snapshot_slots)
+        results = self._last_rows_from_carry(results, n_carry)
         carry = unflatten(loop.carry_spec, iter(results[:n_carry]))
         ys = unflatten(loop.y_spec, iter(results[n_carry:])) if loop.y_spec is not None else None
         return carry, ys
+
+    def _last_rows_from_carry(self, results: list[Any], n_carry: int) -> list[Any]:
+        """An output that is the new carry itself (RNNs return h, h) leaves the entry without
+        its last row, which is the loop's final carry: joined on here, after the entry, so a
+        hook or `retain_grad` on that carry sees the gradient of the row too, as it would on
+        a plain tape, where that row is the same tensor."""
+        results = list(results)
+        for k, j in self.same.items():
+            part, carry = results[n_carry + k], results[j]
+            if carry is None:
+                continue
+            row = expand_dims(carry, 0)
+            results[n_carry + k] = row if part is None else concatenate([part, row], axis=0)
+        return results
 
     # ------------------------------------------------------------- backward
     def adds_onto(self, entry: Entry) -> list[bool]:
@@ -732,7 +749,6 @@ class PlannedLoop:
             return self._pull_back_replayed(
                 segment, adj_carry, adj_ys, adj_xs, xs_reached, adj_ext, owned, retain_graph,
                 carry_sums)
-        loop = self.loop
         start, stop, carry_in = segment.start, segment.stop, segment.carry_in
         produced = segment.carry_out + [y for _, ys in segment.y_out for y in ys]
         found = self._discover(
@@ -755,8 +771,9 @@ class PlannedLoop:
         for k in reversed(range(len(adj_ys))):
             for t, ys in reversed(segment.y_out):
                 y, g = ys[k], adj_ys[k]
-                if t == stop - 1 and stop < loop.n and k in self.same:
-                    continue  # already added into adj_carry when the next step was reversed
+                if t == stop - 1 and k in self.same:
+                    continue  # in adj_carry: added when the next step was reversed, or the
+                    # loop's last row, which reaches the entry through its final carry
                 if y is not None and g is not None and y.requires_grad:
                     roots.append((edge_of(y), g[t]))
         keys: dict[tuple[int, int], int] = {}
@@ -839,8 +856,9 @@ class PlannedLoop:
         for k in reversed(range(len(adj_ys))):
             slot, g = program.y_out[k], adj_ys[k]
             for t in reversed(range(start, stop)):
-                if t == stop - 1 and stop < loop.n and k in self.same:
-                    continue  # already added into adj_carry when the next step was reversed
+                if t == stop - 1 and k in self.same:
+                    continue  # in adj_carry: added when the next step was reversed, or the
+                    # loop's last row, which reaches the entry through its final carry
                 if g is not None and requires_grad(t, slot):
                     roots.append(((t, slot), g[t]))
         keys: dict[tuple[Any, ...], int] = {}
@@ -908,7 +926,11 @@ class PlannedLoop:
             for t, x in enumerate(loop.all_x()):
                 carry, ys = loop.call(t, carry, x)
                 per_step.append(ys)
-            outputs = carry + stack_outputs(per_step)
+            outputs = carry + [  # stacked as the entry's outputs are (see `run`)
+                None if c[0] is None or (k in self.same and len(c) == 1)
+                else stack(c[:-1] if k in self.same else c, axis=0)
+                for k, c in enumerate(columns(per_step))
+            ]
         roots = []
         for out, g in zip(outputs, grads):
             if out is not None and g is not None and out.requires_grad:
@@ -927,6 +949,14 @@ class PlannedLoop:
             None if edge is None else sink.values[keys[(id(edge[0]), edge[1])]]
             for edge in entry.edges
         ]
+
+
+def _stack_arrays(rows: list[Any]) -> Any:
+    """Rows stacked on a new first axis (a loop of one step whose only row is its carry
+    gives an empty stack)."""
+    if len(rows) == 0:
+        return None
+    return namespace(rows[0]).stack(rows, axis=0)
 
 
 def _row(array: Any, t: int) -> Any:
