@@ -201,10 +201,13 @@ class _LeafGrad:
         self.leaf.grad = value if self.graph else make_tensor(value)
 
 
-def _running_sums(entry: Entry, wanted: Sequence[bool], sum_at: Any) -> list[Any] | None:
+def _running_sums(
+    entry: Entry, wanted: Sequence[bool], sum_at: Any
+) -> tuple[list[Any], list[Any]] | None:
     """What each input of `entry` that its op adds onto (`wanted`) has summed so far in this
-    sweep (None where nothing has, or where the sum is not a plain running sum); None when
-    no input has a sum. An input reached by two edges gets none: both would add it."""
+    sweep, and where that sum is kept (a (container, key) place from `sum_at`, to replace it);
+    None for both where nothing has arrived or the sum is not a plain running sum; None
+    when no input has a sum. An input reached by two edges gets none: both would add it."""
     edges = entry.edges
     counts: dict[tuple[int, int], int] = {}
     for edge in edges:
@@ -212,15 +215,16 @@ def _running_sums(entry: Entry, wanted: Sequence[bool], sum_at: Any) -> list[Any
             key = (id(edge[0]), edge[1])
             counts[key] = counts.get(key, 0) + 1
     sums: list[Any] = [None] * len(edges)
-    found = False
+    places: list[Any] = [None] * len(edges)
     for i, (edge, want) in enumerate(zip(edges, wanted)):
         if not want or edge is None or counts[(id(edge[0]), edge[1])] > 1:
             continue
         place = sum_at(edge[0], edge[1])
-        if place is not None and place[0][place[1]] is not None:
-            sums[i] = place[0][place[1]]
-            found = True
-    return sums if found else None
+        if place is not None:
+            total = place[0][place[1]]
+            if total is not None:
+                sums[i], places[i] = total, place
+    return (sums, places) if any(p is not None for p in places) else None
 
 
 def _needed_entries(
@@ -329,10 +333,6 @@ def backpropagate(
         grads = pending.get(node)
         return None if grads is None else (grads, index)
 
-    def put_sum(node: Any, index: int, total: Any) -> None:
-        container, key = sum_at(node, index)
-        container[key] = total
-
     def _pending(node: Entry) -> list[Any]:
         grads = pending.get(node)
         if grads is None:
@@ -366,14 +366,15 @@ def backpropagate(
                         if t is not None and grads[index] is not None:
                             _accumulate_into(t, grads[index], create_graph)
                 op = entry.op
-                onto = None
+                running = None
                 adds_onto = getattr(op, "adds_onto", None)
                 if adds_onto is not None and not anomaly and (
                     hooks is None or not hooks.post
                 ):
-                    onto = _running_sums(entry, adds_onto(entry), sum_at)
-                if onto is not None:
-                    results = op.backward(entry, grads, create_graph, retain_graph, onto=onto)
+                    running = _running_sums(entry, adds_onto(entry), sum_at)
+                if running is not None:
+                    results = op.backward(entry, grads, create_graph, retain_graph,
+                                          onto=running[0])
                 else:
                     results = op.backward(entry, grads, create_graph, retain_graph)
                 if hooks is not None and hooks.post:
@@ -382,14 +383,14 @@ def backpropagate(
                     _check_finite(entry, results)
                 if not retain_graph:
                     entry.release()
-                if onto is not None:  # sums that already hold what arrived before
-                    for edge, grad, start in zip(entry.edges, results, onto):
+                if running is not None:  # sums that already hold what arrived before
+                    for edge, grad, place in zip(entry.edges, results, running[1]):
                         if edge is not None and grad is not None:
                             grad = _conform(grad, edge[0], edge[1], entry)
-                            if start is None:
+                            if place is None:
                                 deliver(edge[0], edge[1], grad)
-                            else:
-                                put_sum(edge[0], edge[1], grad)
+                            else:  # the op's result includes the sum it was handed
+                                place[0][place[1]] = grad
                     continue
                 for edge, grad in zip(entry.edges, results):
                     if edge is None or grad is None:

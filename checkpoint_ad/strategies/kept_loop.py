@@ -36,10 +36,7 @@ class _SplitHead(Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor) -> tuple[Tensor, ...]:
-        ctx.rest_shape = x.shape[TRACED_STEPS:]
-        data = x._data
-        return (*(Tensor._wrap(data[t]) for t in range(TRACED_STEPS)),
-                Tensor._wrap(data[TRACED_STEPS:]))
+        return _head_and_rest(x)
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> Tensor:
@@ -54,8 +51,9 @@ def replays(loop: StepLoop, trace: bool) -> bool:
     return trace and is_grad_enabled() and _state.tracer is None and loop.n > TRACED_STEPS
 
 
-def keep_every_step(loop: StepLoop, carry_leaves: list[Any]) -> tuple[Any, Any, str]:
-    """Run `loop` keeping every step; (carry, ys, mode), mode as `PlannedLoop.mode`."""
+def keep_every_step(loop: StepLoop, carry_leaves: list[Any]) -> tuple[Any, Any]:
+    """Run `loop` keeping every step; (carry, ys). How it ran is the loop entry's `mode`
+    (no entry: recorded)."""
     heads, rest = _split_xs(loop)
     traces: dict[int, Any] = {}
     per_step = []
@@ -65,15 +63,14 @@ def keep_every_step(loop: StepLoop, carry_leaves: list[Any]) -> tuple[Any, Any, 
         carry, ys, traces[t] = traced_call(loop, t, carry, x)
         per_step.append(ys)
     # step 1's trace: its carry is a step's output, as the carry of every step replayed
-    program, mode = program_of(traces, loop.n, len(carry), template=1)
+    program, _ = program_of(traces, loop.n, len(carry), template=1)
     if program is None:  # record the rest as the steps so far were
         rows = _rows(loop, rest)
         for t in range(TRACED_STEPS, loop.n):
             carry, ys = loop.call(t, carry, rows[t - TRACED_STEPS])
             per_step.append(ys)
         ys_leaves = stack_outputs(per_step)
-        return (unflatten(loop.carry_spec, iter(carry)), unflatten(loop.y_spec, iter(ys_leaves)),
-                mode)
+        return unflatten(loop.carry_spec, iter(carry)), unflatten(loop.y_spec, iter(ys_leaves))
     rest_loop = StepLoop(loop.step, loop.carry_spec, rest or [], loop.xs_spec,
                          loop.n - TRACED_STEPS, y_spec=loop.y_spec)
     executor = PlannedLoop(rest_loop, Periodic(rest_loop.n), program=program,
@@ -85,7 +82,7 @@ def keep_every_step(loop: StepLoop, carry_leaves: list[Any]) -> tuple[Any, Any, 
         None if y0 is None else concatenate([stack([y0, y1], axis=0), r], axis=0)
         for y0, y1, r in zip(per_step[0], per_step[1], from_rest)
     ]
-    return carry_out, unflatten(loop.y_spec, iter(ys_leaves)), executor.mode
+    return carry_out, unflatten(loop.y_spec, iter(ys_leaves))
 
 
 def _split_xs(loop: StepLoop) -> tuple[list[list[Any]] | None, list[Any] | None]:
@@ -101,12 +98,18 @@ def _split_xs(loop: StepLoop) -> tuple[list[list[Any]] | None, list[Any] | None]
         elif x.requires_grad:
             parts = _SplitHead.apply(x)
         else:
-            parts = (*(Tensor._wrap(x._data[t]) for t in range(TRACED_STEPS)),
-                     Tensor._wrap(x._data[TRACED_STEPS:]))
+            parts = _head_and_rest(x)
         for t in range(TRACED_STEPS):
             heads[t].append(parts[t])
         rest.append(parts[TRACED_STEPS])
     return heads, rest
+
+
+def _head_and_rest(x: Tensor) -> tuple[Tensor, ...]:
+    """Rows 0 and 1 of `x`, and the rest, as tensors without history (views of its array)."""
+    data = x._data
+    return (*(Tensor._wrap(data[t]) for t in range(TRACED_STEPS)),
+            Tensor._wrap(data[TRACED_STEPS:]))
 
 
 def _rows(loop: StepLoop, rest: list[Any] | None) -> list[Any]:

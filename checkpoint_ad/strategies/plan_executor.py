@@ -211,10 +211,20 @@ class PlannedLoop:
             np.random.set_state(end_state)
             state = self.state
         outputs = list(final_arrays) + [
-            None if c[0] is None else _stack_arrays(c[:-1] if k in self.same else c)
-            for k, c in enumerate(columns(per_step))
+            None if rows is None else namespace(rows[0]).stack(rows, axis=0)
+            for rows in self._output_rows(per_step)
         ]
         return self._record(carry_leaves, outputs, len(final_arrays))
+
+    def _output_rows(self, per_step: list[list[Any]]) -> list[list[Any] | None]:
+        """The rows each of the entry's stacked outputs holds: every step's, except the last
+        of an output that is the carry itself (joined on after the entry, see
+        `_last_rows_from_carry`); None for an absent output or one left with no rows."""
+        out: list[list[Any] | None] = []
+        for k, column in enumerate(columns(per_step)):
+            rows = column[:-1] if k in self.same else column
+            out.append(None if column[0] is None or not rows else rows)
+        return out
 
     def _run_forward_prefix(self, discover: bool) -> list[list[Any]]:
         """Run the plan up to its first reverse action from the initial carry, taking its
@@ -926,10 +936,9 @@ class PlannedLoop:
             for t, x in enumerate(loop.all_x()):
                 carry, ys = loop.call(t, carry, x)
                 per_step.append(ys)
-            outputs = carry + [  # stacked as the entry's outputs are (see `run`)
-                None if c[0] is None or (k in self.same and len(c) == 1)
-                else stack(c[:-1] if k in self.same else c, axis=0)
-                for k, c in enumerate(columns(per_step))
+            outputs = carry + [
+                None if rows is None else stack(rows, axis=0)
+                for rows in self._output_rows(per_step)
             ]
         roots = []
         for out, g in zip(outputs, grads):
@@ -949,14 +958,6 @@ class PlannedLoop:
             None if edge is None else sink.values[keys[(id(edge[0]), edge[1])]]
             for edge in entry.edges
         ]
-
-
-def _stack_arrays(rows: list[Any]) -> Any:
-    """Rows stacked on a new first axis (a loop of one step whose only row is its carry
-    gives an empty stack)."""
-    if len(rows) == 0:
-        return None
-    return namespace(rows[0]).stack(rows, axis=0)
 
 
 def _row(array: Any, t: int) -> Any:

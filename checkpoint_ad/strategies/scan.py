@@ -157,8 +157,7 @@ def _keep_all(
     """Every step kept on the tape (steps 2.. replayed when they can be, see `kept_loop`);
     with `until`, the steps up to the first that stops."""
     if until is None and replays(loop, trace):
-        carry, ys, _ = keep_every_step(loop, carry_leaves)
-        return carry, ys
+        return keep_every_step(loop, carry_leaves)
     most = loop.n if until is None else limit  # None: until alone ends the loop
     loop.n = most or 0  # all of xs is split, if there is one
     rows = loop.all_x() if loop.xs_spec is not None else None
