@@ -18,16 +18,15 @@ PRESETS = ("keep-all", "store-inputs", "store-outputs", "sqrt-segments", "recomp
            "revolve-4", "revolve-8", "revolve-16", "revolve-32")
 
 
-_PROFILED: dict[str, Any] = {}  # the profile `_peak` runs under, and its tape at the loop
-
-
-def _runner(model: Any, strategy: Any, storage: Any) -> Any:
+def _runner(model: Any, strategy: Any, storage: Any,
+            at_loop: Any = None) -> Any:
+    """One run of `model` (its loop under `strategy`, saved values under `storage`) and its
+    gradient; `at_loop()` is called as the loop starts."""
     import checkpoint_ad as cad
 
     def scan(step: Any, init: Any, xs: Any) -> Any:
-        prof = _PROFILED.get("profile")
-        if prof is not None:  # what the model's own code saved before its loop
-            _PROFILED["before_loop"] = prof.peak_tape_bytes
+        if at_loop is not None:
+            at_loop()
         return cad.scan(step, init, xs, strategy=strategy)
 
     def run() -> None:
@@ -38,18 +37,20 @@ def _runner(model: Any, strategy: Any, storage: Any) -> Any:
     return run
 
 
-def _peak(run: Any) -> tuple[int, int]:
+def _peak(model: Any, strategy: Any, storage: Any) -> tuple[int, int]:
     """(peak tape bytes of the loop, tape bytes the model saved before it): the budget
     limits the loop's tape; what the caller's code saved before the loop (heat saves its
     diffusivity field) is reported apart, as it is in no plan's power."""
     import checkpoint_ad as cad
 
-    _PROFILED.clear()
+    before = 0
+
+    def at_loop() -> None:
+        nonlocal before
+        before = prof.peak_tape_bytes
+
     with cad.profile() as prof:
-        _PROFILED["profile"] = prof
-        run()
-    before = _PROFILED.pop("before_loop", 0)
-    _PROFILED.clear()
+        _runner(model, strategy, storage, at_loop)()
     return prof.peak_tape_bytes - before, before
 
 
@@ -60,8 +61,9 @@ def _presets(model: Any, repeats: int) -> list[tuple[str, int, float]]:
     out = []
     for name in PRESETS:
         preset = load_preset(name)
-        run = _runner(model, preset.loop_strategy(model.n_steps), preset.storage_strategy)
-        out.append((name, _peak(run)[0], time_median(run, repeats).median))
+        strategy, storage = preset.loop_strategy(model.n_steps), preset.storage_strategy
+        run = _runner(model, strategy, storage)
+        out.append((name, _peak(model, strategy, storage)[0], time_median(run, repeats).median))
     return out
 
 
@@ -89,7 +91,7 @@ def budgets(params: dict, threads: int) -> dict[str, Any]:
             run = _runner(model, budget, cad.strategies.KeepAll())
             run()  # plans (the dry run); the runs below reuse it
             chosen = budget.last.chosen
-            peak, before_loop = _peak(run)
+            peak, before_loop = _peak(model, budget, cad.strategies.KeepAll())
             timing = time_median(run, params["repeats"], warmup=0)
             fitting = [(name, seconds) for name, p, seconds in presets if p <= limit]
             best = min(fitting, key=lambda item: item[1]) if fitting else None

@@ -35,12 +35,9 @@ def _model_grads(name, dtype, storage, trace):
     from checkpoint_ad.models import build
 
     model = build(name, dtype=dtype)
-    outputs = []
 
     def run_scan(step, init, xs):
-        carry, ys = cad.scan(step, init, xs, trace=trace)
-        outputs.append(carry)
-        return carry, ys
+        return cad.scan(step, init, xs, trace=trace)
 
     if storage is not None:
         with cad.use(storage):
