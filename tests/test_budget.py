@@ -219,3 +219,57 @@ def test_explain_prints_the_last_plan_or_a_given_loop(capsys):
     table = budget.explain(lambda h, x: (cad.tanh(h * w + x), None), cad.zeros(64),
                            cad.ones((10, 64)))
     assert table.n_steps == 10 and budget.last is table
+
+
+# ------------------------------------------------------------------ one dry run per loop
+class _CountingStep:
+    """A step that counts its calls (a side effect outside the tape)."""
+
+    def __init__(self):
+        self.w = cad.tensor(np.linspace(-1, 1, 16).reshape(4, 4), requires_grad=True)
+        self.calls = 0
+
+    def step(self, h, x):
+        self.calls += 1
+        h = cad.tanh(h @ self.w + x)
+        return h, h
+
+
+def test_budgets_and_estimate_for_one_loop_share_one_dry_run_until_forgotten():
+    from checkpoint_ad.strategies.budget import forget_dry_runs
+
+    model = _CountingStep()
+    xs, init = cad.tensor(np.ones((12, 4)) * 0.1), cad.zeros(4, dtype="float64")
+    table = cad.estimate(model.step, init, xs)
+    measured = model.calls
+    assert measured > 0
+    for limit in (table.minimum_bytes, 10**9):
+        with use(Budget(limit)):
+            scan(model.step, init, xs)
+    assert Budget(10**9).explain(model.step, init, xs).cost is table.cost
+    # each scan calls the step at most once per step (it replays most); a dry run far more
+    assert model.calls - measured <= 2 * 12 < measured
+    calls = model.calls
+    cad.estimate(model.step, init, xs * 2.0)  # the same shapes: values do not matter
+    assert model.calls == calls
+    cad.estimate(model.step, init, cad.tensor(np.ones((13, 4))))  # another length: measured
+    assert model.calls > calls
+    calls = model.calls
+    cad.estimate(model.step, init, xs, lossy=True)  # other forms priced: measured
+    assert model.calls > calls
+    forget_dry_runs()
+    calls = model.calls
+    cad.estimate(model.step, init, xs)
+    assert model.calls > calls
+
+
+def test_a_remembered_dry_run_keeps_no_model_alive():
+    import gc
+    import weakref
+
+    model = _CountingStep()
+    cad.estimate(model.step, cad.zeros(4, dtype="float64"), cad.tensor(np.ones((6, 4))))
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None

@@ -23,9 +23,12 @@ shapes reuses the measurement and holds none).
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 import threading
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,7 +43,7 @@ from .loop import StepLoop, loop_length
 from .overhead import with_overhead
 from .pricing import StepCost, measure, relative_error_bound
 
-__all__ = ["Budget", "BudgetError", "Estimate", "PlanRow", "estimate", "parse_bytes"]
+__all__ = ["Budget", "BudgetError", "Estimate", "PlanRow", "estimate", "forget_dry_runs", "parse_bytes"]
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -265,8 +268,7 @@ class Budget(LoopPlanner):
         if key is not None and cached is not None and cached[0] == key:
             cost = cached[1]
         else:
-            forms, snapshots = _forms(self.lossy, self.max_rel_error)
-            cost = with_overhead(measure(loop, carry_leaves, forms, snapshots, disk=self.disk))
+            cost = dry_run(loop, carry_leaves, self.lossy, self.max_rel_error, self.disk)
             self._memory["cost"] = (key, cost)
         result = plan_table(cost, self.limit_bytes, self.families, self.admits)
         self._memory["last"] = result
@@ -320,6 +322,58 @@ def _cache_key(loop: StepLoop, carry_leaves: list[Any]) -> Any:
     except TypeError:  # a step that cannot be hashed is measured every time
         return None
     return key
+
+
+_DRY_RUNS: OrderedDict[Any, tuple[Any, StepCost]] = OrderedDict()
+DRY_RUNS_KEPT = 16
+"""Dry runs remembered across budgets and `estimate` calls (the least recently used goes)."""
+
+
+def dry_run(loop: StepLoop, carry_leaves: list[Any], lossy: bool,
+            max_rel_error: float | None, disk: bool) -> StepCost:
+    """The measured costs of `loop`, shared by every budget and `estimate` call that prices
+    the same step on the same shapes with the same forms: a second budget for one loop (a
+    sweep over limits, `estimate` then `Budget`) plans from the same figures, so its choices
+    differ only by the limit, not by the machine's noise between two dry runs. The step is
+    held by weak reference: a remembered dry run keeps no model alive."""
+    forms, snapshots = _forms(lossy, max_rel_error)
+    key = _shared_key(loop, carry_leaves, (tuple(forms), tuple(snapshots), disk))
+    held = _DRY_RUNS.get(key) if key is not None else None
+    if held is not None and all(ref() is not None for ref in held[0]):
+        _DRY_RUNS.move_to_end(key)
+        return held[1]
+    cost = with_overhead(measure(loop, carry_leaves, forms, snapshots, disk=disk))
+    if key is not None:
+        _DRY_RUNS[key] = (_step_refs(loop.step), cost)
+        while len(_DRY_RUNS) > DRY_RUNS_KEPT:
+            _DRY_RUNS.popitem(last=False)
+    return cost
+
+
+def forget_dry_runs() -> None:
+    """Drop every remembered dry run: the next budget or `estimate` measures again (after
+    the machine's load changed, say)."""
+    _DRY_RUNS.clear()
+
+
+def _step_refs(step: Any) -> tuple[Any, ...]:
+    """Weak references to what identifies a step: its function, and the object a bound
+    method belongs to (a model's `step`)."""
+    parts = (step.__self__, step.__func__) if inspect.ismethod(step) else (step,)
+    return tuple(weakref.ref(p) for p in parts)
+
+
+def _shared_key(loop: StepLoop, carry_leaves: list[Any], forms: Any) -> Any:
+    """`_cache_key` with the step named by the ids of what identifies it (None when those
+    cannot be weakly referenced: such a step is measured by each budget on its own)."""
+    key = _cache_key(loop, carry_leaves)
+    if key is None:
+        return None
+    try:
+        refs = _step_refs(loop.step)
+    except TypeError:
+        return None
+    return (tuple(id(r()) for r in refs), *key[1:], forms)
 
 
 def _budget_error(budget: Budget, result: Estimate) -> BudgetError:
@@ -384,7 +438,6 @@ def estimate(
         return planner.estimate_loop(loop, carry_leaves)
     if not isinstance(disk, bool):
         raise StrategyConfigError(f"estimate(disk={disk!r}): disk must be True or False")
-    forms, snapshots = _forms(lossy, max_rel_error)
-    cost = with_overhead(measure(loop, carry_leaves, forms, snapshots, disk=disk))
+    cost = dry_run(loop, carry_leaves, lossy, max_rel_error, disk)
     return plan_table(cost, None, families,
                       lambda c: _admitted(c.error_bound, lossy, max_rel_error))
