@@ -43,7 +43,8 @@ from .loop import StepLoop, loop_length
 from .overhead import with_overhead
 from .pricing import StepCost, measure, relative_error_bound
 
-__all__ = ["Budget", "BudgetError", "Estimate", "PlanRow", "estimate", "forget_dry_runs", "parse_bytes"]
+__all__ = ["Budget", "BudgetError", "Estimate", "PlanRow", "estimate", "forget_dry_runs",
+           "parse_bytes"]
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
