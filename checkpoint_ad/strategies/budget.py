@@ -9,8 +9,9 @@ loop a budget planned. The limit counts what the
 profiler counts as the tape's own bytes (`Profile.peak_tape_bytes`): snapshots and saved
 values. The bytes any plan needs besides (gradients, the stacked outputs, the carry in hand)
 are named in the table as fixed bytes, and so are the bytes the dry run holds once before the
-loop (a profiler around the first run sees them; a budget's next loop of the same step and
-shapes reuses the measurement and holds none).
+loop (a profiler around the first run sees them; the next loop of the same step and shapes,
+under this budget or another, or in `estimate`, reuses the measurement and holds none:
+`forget_dry_runs()` makes the next one measure again).
 
 >>> import checkpoint_ad as cad
 >>> w = cad.tensor(0.5, requires_grad=True)
