@@ -266,13 +266,13 @@ class Budget(LoopPlanner):
         """The table for `loop` (its dry run kept for the next loop of the same step and
         shapes, so a training loop pays it once); remembered for `explain`."""
         key = _cache_key(loop, carry_leaves)
-        cached = self._memory.get("cost")
+        cached = self._memory.get("table")
         if key is not None and cached is not None and cached[0] == key:
-            cost = cached[1]
+            result = cached[1]  # the same loop again (a training loop): its table, as it was
         else:
             cost = dry_run(loop, carry_leaves, self.lossy, self.max_rel_error, self.disk)
-            self._memory["cost"] = (key, cost)
-        result = plan_table(cost, self.limit_bytes, self.families, self.admits)
+            result = plan_table(cost, self.limit_bytes, self.families, self.admits)
+            self._memory["table"] = (key, result)
         self._memory["last"] = result
         return result
 
