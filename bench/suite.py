@@ -32,7 +32,7 @@ SIZES: dict[str, dict[str, Any]] = {
     "default": {
         "tape": {"size": 16, "ops": 2000, "repeats": 10},
         "rnn": {"steps": (256, 1024), "batch": 64, "hidden": 256, "input": 256, "repeats": 5,
-                "snapshots": (4, 16, 64), "bits": (8, 4, 2)},
+                "snapshots": (4, 8, 16, 64), "bits": (8, 4, 2)},
         "mlp": {"sizes": {"layers": 256, "width": 256, "batch": 64}, "repeats": 5},
         "heat": {"sizes": {"grid": 128, "steps": 2000}, "repeats": 5},
         "quantize": {"megabytes": 64, "repeats": 5},
@@ -50,7 +50,7 @@ SIZES: dict[str, dict[str, Any]] = {
     "quick": {
         "tape": {"size": 16, "ops": 2000, "repeats": 3},
         "rnn": {"steps": (64,), "batch": 32, "hidden": 128, "input": 128, "repeats": 3,
-                "snapshots": (4, 16), "bits": (8, 4, 2)},
+                "snapshots": (4, 8, 16), "bits": (8, 4, 2)},
         "mlp": {"sizes": {"layers": 32, "width": 128, "batch": 16}, "repeats": 3},
         "heat": {"sizes": {"grid": 32, "steps": 100}, "repeats": 3},
         "quantize": {"megabytes": 8, "repeats": 3},
