@@ -44,31 +44,35 @@ def compile_forward(ins: Any, draw_type: type) -> Forward:
         return lambda values, xp: make(random.generator())
     forward = prim.forward
     attrs = ins.attrs
+    # numpy gives a scalar for a 0-d result; a slot holds an array (checked inline: a call
+    # more per instruction would cost as much as the check)
+    scalar = np.generic
+    asarray = np.asarray
     if prim.variadic:
         def call(values: list[Any], xp: Any) -> Any:
-            return _array(forward(xp, [values[s] for s in slots], **attrs))
+            out = forward(xp, [values[s] for s in slots], **attrs)
+            return asarray(out) if isinstance(out, scalar) else out
     elif attrs:
         def call(values: list[Any], xp: Any) -> Any:
-            return _array(forward(xp, *[values[s] for s in slots], **attrs))
+            out = forward(xp, *[values[s] for s in slots], **attrs)
+            return asarray(out) if isinstance(out, scalar) else out
     elif len(slots) == 1:
         (a,) = slots
 
         def call(values: list[Any], xp: Any) -> Any:
-            return _array(forward(xp, values[a]))
+            out = forward(xp, values[a])
+            return asarray(out) if isinstance(out, scalar) else out
     elif len(slots) == 2:
         a, b = slots
 
         def call(values: list[Any], xp: Any) -> Any:
-            return _array(forward(xp, values[a], values[b]))
+            out = forward(xp, values[a], values[b])
+            return asarray(out) if isinstance(out, scalar) else out
     else:
         def call(values: list[Any], xp: Any) -> Any:
-            return _array(forward(xp, *[values[s] for s in slots]))
+            out = forward(xp, *[values[s] for s in slots])
+            return asarray(out) if isinstance(out, scalar) else out
     return call
-
-
-def _array(out: Any) -> Any:
-    """numpy gives a scalar for a 0-d result; a slot holds an array."""
-    return np.asarray(out) if isinstance(out, np.generic) else out
 
 
 # how a compiled rule is called (see `compile_rules`)

@@ -470,7 +470,10 @@ class StepProgram:
         t's scanned inputs, ("ext", slot) for a captured tensor. Additions happen in the order
         a recorded tape would make them, so the sums are bitwise the same."""
         first = steps[0][0]
-        pending: dict[tuple[int, int], Any] = {}
+        # per step, the gradient summed so far at each slot (made in that step, not yet run
+        # back through the instruction that made it)
+        pending: dict[int, list[Any]] = {}
+        n_slots = self.n_slots
         kinds = self.delivery
         carry_out = self.carry_out
         n_carry = len(self.carry_in)
@@ -482,9 +485,11 @@ class StepProgram:
             while True:
                 kind = kinds[slot]
                 if kind == PENDING:
-                    key = (t, slot)
-                    previous = pending.get(key)
-                    pending[key] = grad if previous is None else previous + grad
+                    grads = pending.get(t)
+                    if grads is None:
+                        grads = pending[t] = [None] * n_slots
+                    previous = grads[slot]
+                    grads[slot] = grad if previous is None else previous + grad
                     return
                 if kind == CARRY:
                     if t == first:
@@ -511,12 +516,16 @@ class StepProgram:
         dtypes = self.dtype
         try:
             for t, step in reversed(steps):
+                grads = pending.get(t)
+                if grads is None:  # nothing reached this step
+                    continue
                 kept = step.saved
                 as_is = step.as_is
                 for i, output, rules in self.backward_rules:
-                    g = pending.pop((t, output), None)
+                    g = grads[output]
                     if g is None:
                         continue
+                    grads[output] = None
                     saved = kept[i] if as_is else step.unpack(i)
                     results = []
                     for call, fn, k, shape, back, _ in rules:
@@ -543,12 +552,17 @@ class StepProgram:
                         dtype = dtypes[slot]
                         if grad.dtype != dtype:
                             grad = astype(grad, dtype)
-                        if kinds[slot] == PENDING:  # deliver()'s first case, without a call
-                            key = (t, slot)
-                            previous = pending.get(key)
-                            pending[key] = grad if previous is None else previous + grad
+                        kind = kinds[slot]
+                        if kind == PENDING:  # deliver()'s cases within the step, inline
+                            previous = grads[slot]
+                            grads[slot] = grad if previous is None else previous + grad
+                        elif kind == EXTERNAL:
+                            position = external_position[slot]
+                            if position is not None:
+                                add(position, grad)
                         else:
                             deliver(t, slot, grad)
+                del pending[t]
         finally:
             if events.listeners:
                 events.emit("backward_end", None)
