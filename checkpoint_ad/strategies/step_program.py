@@ -614,7 +614,10 @@ def _kept_as_is(ins: Instruction) -> tuple[int, ...] | None:
 
 def _namespace_of(values: list[Any]) -> Any:
     """The array namespace of a step's values (one device: the engine checks it per op)."""
-    return next((namespace(v) for v in values if v is not None), np)
+    for v in values:
+        if v is not None:
+            return namespace(v)
+    return np
 
 
 def _announce(
