@@ -287,6 +287,10 @@ class StepProgram:
         self.x_in = tuple(range(n_carry, trace.n_inputs))
         self.carry_out, self.y_out = trace.outputs
         self.constants = {s: t._data for s, t in trace.constants.items()}
+        # every slot after the inputs (carry, then xs: slots 0, 1, ...) as a step starts:
+        # the constants in place, the rest empty
+        self.after_inputs = tuple(
+            self.constants.get(s) for s in range(trace.n_inputs, trace.n_slots))
         # the tensors themselves: a value saved from one shares the buffer recorded entries
         # made of it (one stored copy, counted once), as recording every step would
         self.constant_tensors = dict(trace.constants)
@@ -359,6 +363,8 @@ class StepProgram:
 
     # ------------------------------------------------------------- forward
     def _start(self, carry: list[Any], x: list[Any]) -> list[Any]:
+        if len(carry) == len(self.carry_in) and len(x) == len(self.x_in):
+            return [*carry, *x, *self.after_inputs]  # the usual case, in one go
         values: list[Any] = [None] * self.n_slots
         for s, a in zip(self.carry_in, carry):
             values[s] = a
@@ -599,7 +605,8 @@ class ReplayedStep:
         caller's hands, and a full-precision copy kept here would undo a compressing strategy.
         Buffers of the `keep` slots (the new carry) stay, for the next step to share."""
         self.values = []
-        self.buffers = {k: b for k, b in self.buffers.items() if k[0] in keep}
+        if self.buffers:
+            self.buffers = {k: b for k, b in self.buffers.items() if k[0] in keep}
 
 
 def _kept_as_is(ins: Instruction) -> tuple[int, ...] | None:
