@@ -533,28 +533,24 @@ class StepProgram:
                         continue
                     grads[output] = None
                     saved = kept[i] if as_is else step.unpack(i)
-                    results = []
-                    for call, fn, k, shape, back, _ in rules:
+                    if as_is and not retain:
+                        kept[i] = None
+                    # each input's gradient delivered as soon as it is made: the rules read
+                    # only g and the saved values, which no delivery changes, so the sums are
+                    # made in the same order as computing them all first would make them
+                    for call, fn, k, shape, back, slot in rules:
                         if call == ONE_SAVED:
                             grad = fn(g, saved[k])
                         elif call == GRAD_ONLY:
                             grad = fn(g)
                         else:
                             grad = fn(g, saved)
-                        if shape is not None and grad.shape != shape:
-                            grad = back(grad)
-                        results.append(grad)
-                    if not retain:
-                        if as_is:
-                            kept[i] = None
-                        else:
-                            step.release(i)
-                    for grad, rule in zip(results, rules):
                         if grad is None:
                             continue
+                        if shape is not None and grad.shape != shape:
+                            grad = back(grad)
                         if isinstance(grad, np.generic):
                             grad = np.asarray(grad)
-                        slot = rule[5]
                         dtype = dtypes[slot]
                         if grad.dtype != dtype:
                             grad = astype(grad, dtype)
@@ -568,6 +564,8 @@ class StepProgram:
                                 add(position, grad)
                         else:
                             deliver(t, slot, grad)
+                    if not as_is and not retain:  # an announced entry is freed after its
+                        step.release(i)  # rules ran, as the recorded tape frees it
                 del pending[t]
         finally:
             if events.listeners:
