@@ -5,7 +5,9 @@ Why: a step of an unrolled loop is the same program every time, yet recording it
 a Tensor, a tape entry and a saved-slot object per operation, and a checkpointing plan pays
 that again for every re-run. A replay runs each primitive's forward and backward rules on
 arrays directly, in the order and with the additions a recorded tape would do, so its results
-are bitwise those of recording.
+are bitwise those of recording. What a replay looks up per instruction (functions, slots,
+saved values, where a gradient goes) is bound once when the program is made
+(`compiled_step.py`), so a replayed step costs little more than its array operations.
 
 A trace is refused (the loop then records every step) when the step does something a replay
 cannot repeat: reads a value into Python (`bool`, `item`, `float`, `numpy()`), registers a
