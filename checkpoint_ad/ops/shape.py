@@ -160,6 +160,8 @@ def matrix_transpose(x: Any) -> Any:
     ndim = _data(x).ndim
     if ndim < 2:
         raise ShapeError(f"matrix_transpose needs at least 2 dimensions, got {ndim}")
+    if not isinstance(x, TensorBase):  # an array, as in a backward rule: the same view, made
+        return namespace(x).matrix_transpose(x)  # without a primitive's dispatch
     return TRANSPOSE(x, axes=(*range(ndim - 2), ndim - 1, ndim - 2))
 
 
@@ -213,7 +215,14 @@ def kept_shape(source: tuple[int, ...], axis: tuple[int, ...]) -> tuple[int, ...
 
 def unreduce(g: Any, source: tuple[int, ...], axis: tuple[int, ...]) -> Any:
     """Spread a reduced gradient back over the reduced axes."""
-    return broadcast_to(reshape(g, kept_shape(source, axis)), source)
+    kept = kept_shape(source, axis)
+    if isinstance(g, TensorBase):
+        return broadcast_to(reshape(g, kept), source)
+    # an array (a plain backward, a replayed step): what the primitives compute, without
+    # their dispatch, which costs more than the reshape and broadcast themselves
+    xp = namespace(g)
+    spread = xp.reshape(g, kept)
+    return spread if tuple(spread.shape) == source else xp.broadcast_to(spread, source)
 
 
 SUM = define("sum", lambda xp, x, *, axis, keepdims, source: xp.sum(

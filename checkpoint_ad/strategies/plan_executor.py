@@ -509,6 +509,12 @@ class PlannedLoop:
             kinds = np.frombuffer(self.plan._codes, dtype=np.int64) & _KIND_MASK
             restore_at = self.restore_at = np.flatnonzero(
                 (kinds == _RESTORE) | (kinds == _DISK_RESTORE))
+            if not self.storage.reads_ahead and not (kinds == _DISK_RESTORE).any():
+                # only the disk level reads ahead, and no snapshot goes there: the hints
+                # would all go to storages that ignore them (a cost at every restore)
+                restore_at = self.restore_at = restore_at[:0]
+        if not restore_at.size:
+            return
         first = int(np.searchsorted(restore_at, index, side="right"))
         by_storage: dict[int, tuple[Any, list[Any]]] = {}
         for at in restore_at[first:first + READ_AHEAD]:

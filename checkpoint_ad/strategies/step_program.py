@@ -5,7 +5,9 @@ Why: a step of an unrolled loop is the same program every time, yet recording it
 a Tensor, a tape entry and a saved-slot object per operation, and a checkpointing plan pays
 that again for every re-run. A replay runs each primitive's forward and backward rules on
 arrays directly, in the order and with the additions a recorded tape would do, so its results
-are bitwise those of recording.
+are bitwise those of recording. What a replay looks up per instruction (functions, slots,
+saved values, where a gradient goes) is bound once when the program is made
+(`compiled_step.py`), so a replayed step costs little more than its array operations.
 
 A trace is refused (the loop then records every step) when the step does something a replay
 cannot repeat: reads a value into Python (`bool`, `item`, `float`, `numpy()`), registers a
@@ -22,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import events, random
+from .. import events
 from ..backend import namespace
 from ..grad_mode import _state
 from ..ops import astype
@@ -37,8 +39,19 @@ from ..saved import (
     current_packer,
     pack_value,
 )
-from ..tape import Entry, Primitive, _sum_to, edge_of, next_sequence
+from ..tape import Entry, Primitive, edge_of, next_sequence
 from ..tensor_base import make_tensor
+from .compiled_step import (
+    CARRY,
+    EXTERNAL,
+    GRAD_ONLY,
+    ONE_SAVED,
+    PENDING,
+    XS,
+    compile_forward,
+    compile_rules,
+    delivery_kinds,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,6 +289,10 @@ class StepProgram:
         self.x_in = tuple(range(n_carry, trace.n_inputs))
         self.carry_out, self.y_out = trace.outputs
         self.constants = {s: t._data for s, t in trace.constants.items()}
+        # every slot after the inputs (carry, then xs: slots 0, 1, ...) as a step starts:
+        # the constants in place, the rest empty
+        self.after_inputs = tuple(
+            self.constants.get(s) for s in range(trace.n_inputs, trace.n_slots))
         # the tensors themselves: a value saved from one shares the buffer recorded entries
         # made of it (one stored copy, counted once), as recording every step would
         self.constant_tensors = dict(trace.constants)
@@ -308,6 +325,27 @@ class StepProgram:
         self.backward_order = tuple(
             i for i in reversed(range(len(self.instructions))) if self.instructions[i].taped
         )
+        # bound once, run every step (compiled_step.py): each instruction's forward call, the
+        # primitive it announces (None: not one), and for a taped one the slots it saves when
+        # every value is kept as it is (None where a packer may store it otherwise)
+        self.forwards = tuple(compile_forward(ins, Draw) for ins in self.instructions)
+        announced = tuple(
+            None if ins.prim is None or type(ins.prim) is Draw else ins.prim
+            for ins in self.instructions)
+        self.run_order = tuple(zip(self.forwards, (ins.output for ins in self.instructions),
+                                   self.frees, announced))
+        kept_as_is = [_kept_as_is(ins) for ins in self.instructions]
+        # (index, forward, output slot, slots saved or None) per instruction, where every
+        # taped one keeps its values as they are (`KeepAll`); None where some may not
+        self.tape_as_is = None if any(
+            ins.taped and kept is None for ins, kept in zip(self.instructions, kept_as_is)
+        ) else tuple(zip(range(len(kept_as_is)), self.forwards,
+                         (ins.output for ins in self.instructions), kept_as_is))
+        self.backward_rules = tuple(
+            (i, self.instructions[i].output, compile_rules(self.instructions[i]))
+            for i in self.backward_order)
+        self.delivery = delivery_kinds(self.n_slots, self.carry_in, self.x_in, self.constants,
+                                       self.requires_grad, self.leaf)
 
     def carry_aliases(self) -> dict[int, int]:
         """Outputs that are a new carry leaf itself (RNNs return h, h): output k -> leaf j."""
@@ -327,6 +365,8 @@ class StepProgram:
 
     # ------------------------------------------------------------- forward
     def _start(self, carry: list[Any], x: list[Any]) -> list[Any]:
+        if len(carry) == len(self.carry_in) and len(x) == len(self.x_in):
+            return [*carry, *x, *self.after_inputs]  # the usual case, in one go
         values: list[Any] = [None] * self.n_slots
         for s, a in zip(self.carry_in, carry):
             values[s] = a
@@ -341,10 +381,10 @@ class StepProgram:
         values = self._start(carry, x)
         xp = _namespace_of(values)
         emit = events.hears("apply")
-        for ins, frees in zip(self.instructions, self.frees):
-            values[ins.output] = _evaluate(ins, values, xp)
-            if emit and type(ins.prim) is not Draw and ins.prim is not None:
-                events.emit("apply", ins.prim)
+        for forward, output, frees, prim in self.run_order:
+            values[output] = forward(values, xp)
+            if emit and prim is not None:
+                events.emit("apply", prim)
             for s in frees:
                 values[s] = None
         return ([None if s < 0 else values[s] for s in self.carry_out],
@@ -358,6 +398,8 @@ class StepProgram:
         output: saved with the primitive's packer, not as a leaf, sharing its buffers;
         `carry_tensors` says the same of a carry made by a step recorded on the tape (these
         are its tensors, whose buffers the step shares)."""
+        if self.tape_as_is is not None and not events.hears("record"):
+            return self._tape_as_is(carry, x)
         values = self._start(carry, x)
         xp = _namespace_of(values)
         saved: list[Any] = [None] * len(self.instructions)
@@ -370,9 +412,10 @@ class StepProgram:
                 for (slot, pid), buffer in previous.buffers.items():
                     if slot == s and s >= 0:
                         buffers[(k, pid)] = buffer
+        forwards = self.forwards
         for i, ins in enumerate(self.instructions):
             prim = ins.prim
-            values[ins.output] = _evaluate(ins, values, xp)
+            values[ins.output] = forwards[i](values, xp)
             if prim is None or type(prim) is Draw:
                 continue
             if not ins.taped:
@@ -408,6 +451,18 @@ class StepProgram:
                 entries[i] = _announce(ins, kept, made, edges)
         return ReplayedStep(values, saved, entries, buffers)
 
+    def _tape_as_is(self, carry: list[Any], x: list[Any]) -> ReplayedStep:
+        """`tape` where every saved value is kept as it is (`KeepAll`) and no profiler hears
+        entries: the step's saved values are its arrays, nothing is packed or shared."""
+        values = self._start(carry, x)
+        xp = _namespace_of(values)
+        saved: list[Any] = [None] * len(self.instructions)
+        for i, forward, output, as_is in self.tape_as_is:
+            values[output] = forward(values, xp)
+            if as_is is not None:
+                saved[i] = [values[slot] for slot in as_is]
+        return ReplayedStep(values, saved, [], {}, as_is=True)
+
     # ------------------------------------------------------------- backward
     def pull_back(
         self,
@@ -423,97 +478,115 @@ class StepProgram:
         t's scanned inputs, ("ext", slot) for a captured tensor. Additions happen in the order
         a recorded tape would make them, so the sums are bitwise the same."""
         first = steps[0][0]
-        pending: dict[tuple[int, int], Any] = {}
+        # per step, the gradient summed so far at each slot (made in that step, not yet run
+        # back through the instruction that made it)
+        pending: dict[int, list[Any]] = {}
+        n_slots = self.n_slots
+        kinds = self.delivery
+        carry_out = self.carry_out
+        n_carry = len(self.carry_in)
+        carry_position = [keys.get(("carry", k)) for k in range(n_carry)]
+        external_position = {slot: keys.get(("ext", slot)) for slot in self.constants}
+        add = sink.add
 
         def deliver(t: int, slot: int, grad: Any) -> None:
             while True:
-                if slot in self.constants:
-                    position = keys.get(("ext", slot))
-                    if position is not None:
-                        sink.add(position, grad)
+                kind = kinds[slot]
+                if kind == PENDING:
+                    grads = pending.get(t)
+                    if grads is None:
+                        grads = pending[t] = [None] * n_slots
+                    previous = grads[slot]
+                    grads[slot] = grad if previous is None else previous + grad
                     return
-                if slot in self.x_in:
-                    position = keys.get(("x", t, slot - len(self.carry_in)))
-                    if position is not None:
-                        sink.add(position, grad)
-                    return
-                if slot in self.carry_in:
+                if kind == CARRY:
                     if t == first:
-                        position = keys.get(("carry", slot))
+                        position = carry_position[slot]
                         if position is not None:
-                            sink.add(position, grad)
+                            add(position, grad)
                         return
-                    t, slot = t - 1, self.carry_out[slot]  # the previous step's new carry
+                    t, slot = t - 1, carry_out[slot]  # the previous step's new carry
                     continue
-                if not self.requires_grad[slot] or self.leaf[slot]:
+                if kind == XS:
+                    position = keys.get(("x", t, slot - n_carry))
+                elif kind == EXTERNAL:
+                    position = external_position[slot]
+                else:
                     return
-                key = (t, slot)
-                previous = pending.get(key)
-                pending[key] = grad if previous is None else previous + grad
+                if position is not None:
+                    add(position, grad)
                 return
 
         for (t, slot), grad in roots:
             deliver(t, slot, grad)
         if events.listeners:
             events.emit("backward_begin", None)
+        dtypes = self.dtype
         try:
             for t, step in reversed(steps):
-                for i in self.backward_order:
-                    ins = self.instructions[i]
-                    g = pending.pop((t, ins.output), None)
+                grads = pending.get(t)
+                if grads is None:  # nothing reached this step
+                    continue
+                kept = step.saved
+                as_is = step.as_is
+                for i, output, rules in self.backward_rules:
+                    g = grads[output]
                     if g is None:
                         continue
-                    results = self._rules(ins, g, step.unpack(i))
-                    if not retain:
-                        step.release(i)
-                    for position, grad in enumerate(results):
+                    grads[output] = None
+                    saved = kept[i] if as_is else step.unpack(i)
+                    if as_is and not retain:
+                        kept[i] = None
+                    # each input's gradient delivered as soon as it is made: the rules read
+                    # only g and the saved values, which no delivery changes, so the sums are
+                    # made in the same order as computing them all first would make them
+                    for call, fn, k, shape, back, slot in rules:
+                        if call == ONE_SAVED:
+                            grad = fn(g, saved[k])
+                        elif call == GRAD_ONLY:
+                            grad = fn(g)
+                        else:
+                            grad = fn(g, saved)
                         if grad is None:
                             continue
-                        slot = ins.inputs[position]
+                        if shape is not None and grad.shape != shape:
+                            grad = back(grad)
                         if isinstance(grad, np.generic):
                             grad = np.asarray(grad)
-                        if grad.dtype != self.dtype[slot]:
-                            grad = astype(grad, self.dtype[slot])
-                        deliver(t, slot, grad)
+                        dtype = dtypes[slot]
+                        if grad.dtype != dtype:
+                            grad = astype(grad, dtype)
+                        kind = kinds[slot]
+                        if kind == PENDING:  # deliver()'s cases within the step, inline
+                            previous = grads[slot]
+                            grads[slot] = grad if previous is None else previous + grad
+                        elif kind == EXTERNAL:
+                            position = external_position[slot]
+                            if position is not None:
+                                add(position, grad)
+                        else:
+                            deliver(t, slot, grad)
+                    if not as_is and not retain:  # an announced entry is freed after its
+                        step.release(i)  # rules ran, as the recorded tape frees it
+                del pending[t]
         finally:
             if events.listeners:
                 events.emit("backward_end", None)
-
-    def _rules(self, ins: Instruction, g: Any, saved: list[Any]) -> list[Any]:
-        """The input gradients of one instruction, as `Primitive.backward` computes them."""
-        prim = ins.prim
-        values = {s.name: v for s, v in zip(ins.saved, saved)}
-        attrs = ins.attrs
-        form = ins.form
-        if prim.variadic:
-            rule = form.rules["xs"]
-            args = (tuple(values[f"x{i}"] for i in range(len(ins.inputs))),) if rule.needs else ()
-            return [rule.rule(g, i, *args, **attrs) if needed else None
-                    for i, needed in enumerate(ins.mask)]
-        results = []
-        for i, (name, needed) in enumerate(zip(prim.args, ins.mask)):
-            rule = form.rules.get(name) if needed else None
-            if rule is None:
-                results.append(None)
-                continue
-            grad = rule.rule(g, *[values[n] for n in rule.needs], **attrs)
-            if prim.broadcasts and tuple(grad.shape) != ins.in_shapes[i]:
-                grad = _sum_to(grad, ins.in_shapes[i])
-            results.append(grad)
-        return results
 
 
 class ReplayedStep:
     """One replayed step's values and what its backward rules read."""
 
-    __slots__ = ("buffers", "entries", "saved", "values")
+    __slots__ = ("as_is", "buffers", "entries", "saved", "values")
 
     def __init__(self, values: list[Any], saved: list[Any], entries: list[Any],
-                 buffers: dict[tuple[int, int], Any]) -> None:
+                 buffers: dict[tuple[int, int], Any], as_is: bool = False) -> None:
         self.values = values
         self.saved = saved
         self.entries = entries
         self.buffers = buffers  # (slot, id(packer)) -> packed buffer, shared with the next step
+        # every saved value is the array itself (no buffer to unpack) and no entry announced
+        self.as_is = as_is
 
     def unpack(self, i: int) -> list[Any]:
         return [v.unpack() if isinstance(v, SavedBuffer) else v for v in self.saved[i]]
@@ -532,33 +605,26 @@ class ReplayedStep:
         caller's hands, and a full-precision copy kept here would undo a compressing strategy.
         Buffers of the `keep` slots (the new carry) stay, for the next step to share."""
         self.values = []
-        self.buffers = {k: b for k, b in self.buffers.items() if k[0] in keep}
+        if self.buffers:
+            self.buffers = {k: b for k, b in self.buffers.items() if k[0] in keep}
+
+
+def _kept_as_is(ins: Instruction) -> tuple[int, ...] | None:
+    """The slots a taped instruction saves, when every one is kept as it is (`KeepAll`,
+    chained or not); None otherwise, or for an instruction that saves nothing taped."""
+    if not ins.taped or not all(
+        type(s.packer) is KeepAll and type(s.chained) is KeepAll for s in ins.saved
+    ):
+        return None
+    return tuple(ins.output if s.position < 0 else ins.inputs[s.position] for s in ins.saved)
 
 
 def _namespace_of(values: list[Any]) -> Any:
     """The array namespace of a step's values (one device: the engine checks it per op)."""
-    return next((namespace(v) for v in values if v is not None), np)
-
-
-def _evaluate(ins: Instruction, values: list[Any], xp: Any) -> Any:
-    """One instruction's output: its input's array (detach), a new draw from the engine's
-    generator, or the primitive's forward."""
-    prim = ins.prim
-    if prim is None:
-        return values[ins.inputs[0]]
-    if type(prim) is Draw:
-        return prim.make(random.generator())
-    return _forward(prim, xp, values, ins)
-
-
-def _forward(prim: Primitive, xp: Any, values: list[Any], ins: Instruction) -> Any:
-    if prim.variadic:
-        out = prim.forward(xp, [values[s] for s in ins.inputs], **ins.attrs)
-    else:
-        out = prim.forward(xp, *[values[s] for s in ins.inputs], **ins.attrs)
-    if isinstance(out, np.generic):
-        out = np.asarray(out)
-    return out
+    for v in values:
+        if v is not None:
+            return namespace(v)
+    return np
 
 
 def _announce(
