@@ -127,23 +127,24 @@ class Primitive:
     ) -> list[Any]:
         """Apply the recorded form's rules to the output gradient (one per argument)."""
         g = grads[0]
+        nodes = entry.nodes
         if g is None:
-            return [None] * len(entry.edges)
+            return [None] * len(nodes)
         values = unpack_saved(entry, create_graph)
         form = entry.form
         attrs = entry.attrs
         if self.variadic:
             rule = form.rules["xs"]
-            args = (tuple(values[f"x{i}"] for i in range(len(entry.edges))),) if rule.needs else ()
+            args = (tuple(values[f"x{i}"] for i in range(len(nodes))),) if rule.needs else ()
             return [
-                rule.rule(g, i, *args, **attrs) if edge is not None else None
-                for i, edge in enumerate(entry.edges)
+                rule.rule(g, i, *args, **attrs) if node is not None else None
+                for i, node in enumerate(nodes)
             ]
         results = []
         rules = form.rules
         broadcasts = self.broadcasts
-        for i, (name, edge) in enumerate(zip(self.args, entry.edges)):
-            rule = rules.get(name) if edge is not None else None
+        for i, (name, node) in enumerate(zip(self.args, nodes)):
+            rule = rules.get(name) if node is not None else None
             if rule is None:
                 results.append(None)
                 continue
@@ -174,44 +175,179 @@ NOTHING_FREED = _NothingFreed()
 _NO_ATTRS: dict[str, Any] = {}  # shared by every entry without attributes (never mutated)
 
 
+class _Nodes(tuple):
+    """The inputs of an entry whose every edge is (node, 0) or None, as nodes alone: the edge
+    tuples are made only when someone reads `Entry.edges`, so a primitive's entry holds none."""
+
+    __slots__ = ()
+
+
+class InputEdge:
+    """A saved input's place in the graph: its entry's input edge at `position`. One shared
+    object per position, so a saved slot holds no edge of its own (see `input_edge`)."""
+
+    __slots__ = ("position",)
+
+    def __init__(self, position: int) -> None:
+        self.position = position
+
+    def __repr__(self) -> str:
+        return f"InputEdge({self.position})"
+
+
+_INPUT_EDGES = [InputEdge(p) for p in range(8)]
+
+
+def input_edge(position: int) -> InputEdge:
+    """The shared `InputEdge` for argument `position`."""
+    while position >= len(_INPUT_EDGES):
+        _INPUT_EDGES.append(InputEdge(len(_INPUT_EDGES)))
+    return _INPUT_EDGES[position]
+
+
+def compact_edges(edges: Sequence[Any]) -> Any:
+    """How an entry stores its input edges: one input's node alone (its edge is (node, 0) or
+    None), `_Nodes` when every edge has output index 0, else the tuple of edges itself."""
+    if len(edges) == 1:
+        edge = edges[0]
+        if edge is None:
+            return None
+        if edge[1] == 0 and type(edge[0]) is not tuple:
+            return edge[0]
+        return tuple(edges)
+    for edge in edges:
+        if edge is not None and edge[1] != 0:
+            return tuple(edges)
+    return _Nodes([None if edge is None else edge[0] for edge in edges])
+
+
+class EntryExtra:
+    """What few entries carry: the recording line (when someone asked), retained non-leaf
+    outputs and hooks. Kept apart so that an ordinary entry pays one field for all three."""
+
+    __slots__ = ("hooks", "origin_frame", "retained")
+
+    def __init__(self) -> None:
+        self.origin_frame: tuple[Any, int] = NO_ORIGIN
+        self.retained: dict[int, Any] | None = None
+        self.hooks: EntryHooks | None = None
+
+
 class Entry:
-    """One operation recorded on the tape."""
+    """One operation recorded on the tape.
+
+    Its storage is compact because a long tape is mostly entries: the input edges as nodes
+    (`_in`, see `compact_edges`; read them as `edges`), a single saved slot as itself
+    (`_saved`; read them as `slots`), and the rarely set fields in one `EntryExtra`."""
 
     __slots__ = (
         "__weakref__",  # the rematerializing strategy (dtr.py) keys what it knows by entry
+        "_extra",
+        "_in",
+        "_saved",
         "attrs",
-        "edges",
         "form",
-        "hooks",
         "in_shapes",
         "op",
-        "origin_frame",
         "out_meta",
-        "retained",
         "seq",
-        "slots",
     )
 
-    def __init__(self, op: Any, edges: tuple[Any, ...], attrs: dict[str, Any],
+    def __init__(self, op: Any, edges: Sequence[Any], attrs: dict[str, Any],
                  origin_frame: tuple[Any, int] | None = None) -> None:
         self.op = op
         self.seq = next(_sequence)
-        self.edges = edges
+        self._in = compact_edges(edges)
         self.attrs = attrs
-        self.slots: tuple[SavedSlot, ...] = ()
+        self._saved: Any = ()
         self.form: Form | None = None
         self.in_shapes: tuple[tuple[int, ...], ...] = ()
         self.out_meta: tuple[tuple[tuple[int, ...], Any], ...] = ()
+        self._extra: EntryExtra | None = None
         # the user's line, where someone will read it: the stack walk costs more than a small
         # op (a replayed step's entry knows its line already)
         if origin_frame is not None:
             self.origin_frame = origin_frame
         elif events.listeners or (origin_blocks and _state.origins):
             self.origin_frame = _user_frame()
-        else:
-            self.origin_frame = NO_ORIGIN
-        self.retained: dict[int, Any] | None = None
-        self.hooks: EntryHooks | None = None  # made by the first register_hook only
+
+    # ------------------------------------------------------------- inputs
+    @property
+    def edges(self) -> tuple[Any, ...]:
+        """Per input: (entry, output index), (leaf tensor, 0), or None (no gradient)."""
+        ins = self._in
+        kind = type(ins)
+        if kind is tuple:
+            return ins
+        if kind is _Nodes:
+            return tuple([None if node is None else (node, 0) for node in ins])
+        return (None if ins is None else (ins, 0),)
+
+    @edges.setter
+    def edges(self, edges: Sequence[Any]) -> None:
+        self._in = compact_edges(edges)
+
+    @property
+    def nodes(self) -> tuple[Any, ...]:
+        """Per input: the node its edge leads to (an entry or a leaf), or None; for the
+        sweep, which needs the output index only where it is not 0 (see `edges`)."""
+        ins = self._in
+        kind = type(ins)
+        if kind is _Nodes:
+            return ins
+        if kind is tuple:
+            return tuple([None if edge is None else edge[0] for edge in ins])
+        return (ins,)
+
+    # ------------------------------------------------------------- saved values
+    @property
+    def slots(self) -> tuple[SavedSlot, ...]:
+        """The saved slots; None once released (`NOTHING_FREED` if there were none)."""
+        saved = self._saved
+        return (saved,) if type(saved) is SavedSlot else saved
+
+    @slots.setter
+    def slots(self, slots: tuple[SavedSlot, ...] | None) -> None:
+        self._saved = slots[0] if slots is not None and len(slots) == 1 and type(
+            slots[0]) is SavedSlot else slots
+
+    # ------------------------------------------------------------- rare fields
+    def _extras(self) -> EntryExtra:
+        extra = self._extra
+        if extra is None:
+            extra = self._extra = EntryExtra()
+        return extra
+
+    @property
+    def origin_frame(self) -> tuple[Any, int]:
+        """(code, line) of the user code that recorded this entry; `NO_ORIGIN` when no one
+        asked."""
+        extra = self._extra
+        return NO_ORIGIN if extra is None else extra.origin_frame
+
+    @origin_frame.setter
+    def origin_frame(self, frame: tuple[Any, int]) -> None:
+        if frame[0] is not None or self._extra is not None:
+            self._extras().origin_frame = frame
+
+    @property
+    def retained(self) -> dict[int, Any] | None:
+        """Output index -> weak reference to a non-leaf output that called retain_grad()."""
+        extra = self._extra
+        return None if extra is None else extra.retained
+
+    @retained.setter
+    def retained(self, retained: dict[int, Any] | None) -> None:
+        self._extras().retained = retained
+
+    @property
+    def hooks(self) -> EntryHooks | None:
+        extra = self._extra
+        return None if extra is None else extra.hooks
+
+    @hooks.setter
+    def hooks(self, hooks: EntryHooks | None) -> None:
+        self._extras().hooks = hooks
 
     @property
     def name(self) -> str:
@@ -236,17 +372,21 @@ class Entry:
     @property
     def released(self) -> bool:
         """Whether a backward sweep has released this entry (freed its saved values)."""
-        slots = self.slots
-        return slots is None or slots is NOTHING_FREED
+        saved = self._saved
+        return saved is None or saved is NOTHING_FREED
 
     def release(self) -> None:
         """Drop the saved values; the entry stays so a second sweep can say it was freed."""
-        if self.slots:
-            for slot in self.slots:
+        saved = self._saved
+        if type(saved) is SavedSlot:
+            saved.release()
+            self._saved = None  # None: had saved values, now freed
+        elif saved:
+            for slot in saved:
                 slot.release()
-            self.slots = None  # type: ignore[assignment]  # None: had saved values, now freed
-        elif self.slots is not None:
-            self.slots = NOTHING_FREED  # nothing to free: a second sweep may run it again
+            self._saved = None
+        elif saved is not None:
+            self._saved = NOTHING_FREED  # nothing to free: a second sweep may run it again
         if "release" in events.wanted:
             events.emit("release", self)
 
@@ -414,7 +554,7 @@ def _shared_meta(key: tuple[tuple[int, ...], Any]) -> tuple[tuple[tuple[int, ...
 
 def add_entry(
     op: Any,
-    edges: tuple[Any, ...],
+    edges: Sequence[Any],
     outputs: Sequence[Any],
     attrs: dict[str, Any] = _NO_ATTRS,
     save: Callable[..., tuple[SavedSlot, ...]] | None = None,
@@ -430,7 +570,17 @@ def add_entry(
     output); `save(entry, results, *save_args)` returns the entry's saved slots; `counter` is
     the version counter a view shares.
     """
-    entry = Entry(op, edges, attrs)
+    return _append(Entry(op, edges, attrs), outputs, save, counter, save_args)
+
+
+def _append(
+    entry: Entry,
+    outputs: Sequence[Any],
+    save: Callable[..., tuple[SavedSlot, ...]] | None,
+    counter: Any,
+    save_args: tuple[Any, ...],
+) -> list[Any]:
+    """`add_entry` once the entry is made (`record` makes its own, from nodes)."""
     if len(outputs) == 1 and outputs[0] is not None:  # most entries: skip the generic loops
         out = outputs[0]
         key = (out.shape, out.dtype)
@@ -448,7 +598,8 @@ def add_entry(
             for i, a in enumerate(outputs)
         ]
     if save is not None:
-        entry.slots = save(entry, results, *save_args)
+        saved = save(entry, results, *save_args)
+        entry._saved = saved[0] if len(saved) == 1 and type(saved[0]) is SavedSlot else saved
     tapes = _tapes.items
     if tapes:
         for tape in tapes:
@@ -456,6 +607,22 @@ def add_entry(
     if events.listeners:
         events.emit("record", entry)
     return results
+
+
+def _primitive_entry(prim: Primitive, ins: Any, attrs: dict[str, Any]) -> Entry:
+    """A primitive's entry from its inputs' nodes as `compact_edges` stores them: the
+    recording hot path, which makes no edge tuples."""
+    entry = object.__new__(Entry)
+    entry.op = prim
+    entry.seq = next(_sequence)
+    entry._in = ins
+    entry.attrs = attrs
+    entry._saved = ()
+    entry.in_shapes = ()
+    entry._extra = None
+    if events.listeners or (origin_blocks and _state.origins):
+        entry.origin_frame = _user_frame()
+    return entry
 
 
 def record(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> Any:
@@ -511,15 +678,8 @@ def record(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> 
         else:
             packer = packer.for_primitive(prim)
             form = prim.forms[0] if type(packer) is KeepAll else packer.choose_form(prim)
-        edges = []
-        for t in tensors:
-            entry = t._entry
-            if entry is not None:
-                edges.append((entry, t._index))
-            else:  # a leaf: its own edge if it requires grad (a constant has none)
-                edges.append(edge_of(t) if t._requires_grad else None)
-        (result,) = add_entry(
-            prim, tuple(edges), (out,), attrs or _NO_ATTRS,
+        (result,) = _append(
+            _primitive_entry(prim, _input_nodes(tensors), attrs or _NO_ATTRS), (out,),
             _save_primitive_values, counter, (prim, form, packer, tensors, datas),
         )
         if type(packer) is not KeepAll:
@@ -530,6 +690,34 @@ def record(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> 
     if tracer is not None:
         tracer.note(prim, tensors, attrs, result)
     return result
+
+
+def _input_nodes(tensors: tuple[Any, ...]) -> Any:
+    """The inputs' edges as `compact_edges` stores them, made without edge tuples."""
+    if len(tensors) == 1:
+        t = tensors[0]
+        entry = t._entry
+        if entry is not None:
+            return entry if t._index == 0 else ((entry, t._index),)
+        return _leaf_node(t)
+    nodes = []
+    for t in tensors:
+        entry = t._entry
+        if entry is None:
+            nodes.append(_leaf_node(t))
+        elif t._index == 0:
+            nodes.append(entry)
+        else:  # an output of a multi-output entry: the general form
+            return tuple([edge_of(t) for t in tensors])
+    return _Nodes(nodes)
+
+
+def _leaf_node(t: Any) -> Any:
+    """Where a leaf's gradient goes (its edge's node), or None for a constant."""
+    if not t._requires_grad:
+        return None
+    target = t._leaf_target
+    return t if target is None else target
 
 
 def _with_operands(items: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -633,9 +821,8 @@ def _save_primitive_values(
     if prim.variadic:
         if not form.rules["xs"].needs:
             return ()
-        edges = entry.edges
         return tuple(
-            save_tensor(t, f"x{i}", packer, entry, edges[i]) for i, t in enumerate(tensors)
+            save_tensor(t, f"x{i}", packer, entry, _edge_at(t, i)) for i, t in enumerate(tensors)
         )
     if len(tensors) == 1:
         mask: tuple[bool, ...] = _ONE_INPUT  # recorded, so its one input requires grad
@@ -648,17 +835,25 @@ def _save_primitive_values(
         ((name, position),) = needed
         if position < 0:
             return (save_tensor(results[0], name, packer, entry, 0),)
-        return (save_tensor(tensors[position], name, packer, entry, entry.edges[position]),)
-    edges = entry.edges
+        t = tensors[position]
+        return (save_tensor(t, name, packer, entry, _edge_at(t, position)),)
     return tuple([
         save_tensor(results[0], name, packer, entry, 0)
         if position < 0
-        else save_tensor(tensors[position], name, packer, entry, edges[position])
+        else save_tensor(tensors[position], name, packer, entry,
+                         _edge_at(tensors[position], position))
         for name, position in needed
     ])
 
 
 _ONE_INPUT = (True,)
+
+
+def _edge_at(tensor: Any, position: int) -> InputEdge | None:
+    """A saved input's edge: the entry's input at `position`, None for a constant."""
+    if tensor._entry is None and not tensor._requires_grad:
+        return None
+    return input_edge(position)
 
 
 def _shared_shapes(shapes: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
@@ -683,8 +878,8 @@ def _needed_values(
 
 def save_tensor(tensor: Any, name: str, packer: Strategy, entry: Entry, edge: Any) -> SavedSlot:
     """Keep `tensor`'s value for `entry`'s backward through `packer`. `edge` is the value's
-    place in the graph: an int for one of the entry's own outputs (its output index), else
-    the tensor's edge as an input (the one in `entry.edges`, shared rather than made again)."""
+    place in the graph: an int for one of the entry's own outputs (its output index), an
+    `InputEdge` for one of its inputs (shared rather than a copy of the edge), or an edge."""
     if tensor._inference:
         raise InplaceError(
             f"{entry.describe()} needs to save an inference tensor ({tensor.dtype}"
@@ -710,11 +905,21 @@ def graph_tensor(array: Any, edge: Any) -> Any:
     return t
 
 
+def slot_edge(entry: Entry, slot: SavedSlot) -> Any:
+    """The graph edge of `slot`'s value (see `save_tensor`), or None."""
+    edge = slot.edge
+    if type(edge) is InputEdge:
+        return entry.edges[edge.position]
+    return (entry, edge) if isinstance(edge, int) else edge
+
+
 def unpack_saved(entry: Entry, create_graph: bool) -> dict[str, Any]:
     """Every saved value of `entry`, as arrays (or graph-attached tensors under create_graph)."""
-    slots = entry.slots
+    slots = entry._saved
     if slots is None:
         raise freed_error(entry.describe())
+    if type(slots) is SavedSlot:
+        slots = (slots,)
     values = {}
     for slot in slots:
         buffer = slot.buffer
@@ -727,8 +932,7 @@ def unpack_saved(entry: Entry, create_graph: bool) -> dict[str, Any]:
         else:
             array = slot.unpack(entry.describe)
         if create_graph:
-            edge = (entry, slot.edge) if isinstance(slot.edge, int) else slot.edge
-            array = graph_tensor(array, edge)
+            array = graph_tensor(array, slot_edge(entry, slot))
         values[slot.name] = array
     return values
 
