@@ -27,7 +27,16 @@ from . import events
 from .backend import broadcast_axes, namespace
 from .errors import DeviceError, InplaceError, ShapeError
 from .grad_mode import _state, origin_blocks
-from .saved import KeepAll, SavedSlot, Strategy, buffer_for, current_packer, freed_error
+from .saved import (
+    KeepAll,
+    SavedBuffer,
+    SavedSlot,
+    Strategy,
+    VersionCounter,
+    buffer_for,
+    current_packer,
+    freed_error,
+)
 from .tensor_base import TensorBase, as_tensor_like, make_tensor
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -205,20 +214,36 @@ def input_edge(position: int) -> InputEdge:
     return _INPUT_EDGES[position]
 
 
-def compact_edges(edges: Sequence[Any]) -> Any:
-    """How an entry stores its input edges: one input's node alone (its edge is (node, 0) or
-    None), `_Nodes` when every edge has output index 0, else the tuple of edges itself."""
-    if len(edges) == 1:
-        edge = edges[0]
-        if edge is None:
-            return None
-        if edge[1] == 0 and type(edge[0]) is not tuple:
-            return edge[0]
-        return tuple(edges)
-    for edge in edges:
-        if edge is not None and edge[1] != 0:
-            return tuple(edges)
-    return _Nodes([None if edge is None else edge[0] for edge in edges])
+class _Arity:
+    """What an entry's second input field holds when it is not a second input's node."""
+
+    __slots__ = ("what",)
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __repr__(self) -> str:
+        return f"<{self.what}>"
+
+
+_ONE_INPUT_ONLY = _Arity("one input")
+_SEE_FIRST = _Arity("inputs in the first field")
+
+
+def compact_edges(edges: Sequence[Any]) -> tuple[Any, Any]:
+    """How an entry stores its input edges, as its (`_in`, `_in2`) fields: the nodes of one
+    or two inputs whose edges are (node, 0) or None, one of them `_ONE_INPUT_ONLY`; else
+    `_SEE_FIRST` and, in the first, `_Nodes` when every index is 0 or the edges themselves."""
+    count = len(edges)
+    if all(edge is None or edge[1] == 0 for edge in edges):
+        nodes = [None if edge is None else edge[0] for edge in edges]
+        if count == 1:
+            return nodes[0], _ONE_INPUT_ONLY
+        if count == 2:
+            return nodes[0], nodes[1]
+        if count:
+            return _Nodes(nodes), _SEE_FIRST
+    return tuple(edges), _SEE_FIRST
 
 
 class EntryExtra:
@@ -236,15 +261,22 @@ class EntryExtra:
 class Entry:
     """One operation recorded on the tape.
 
-    Its storage is compact because a long tape is mostly entries: the input edges as nodes
-    (`_in`, see `compact_edges`; read them as `edges`), a single saved slot as itself
-    (`_saved`; read them as `slots`), and the rarely set fields in one `EntryExtra`."""
+    A long tape is mostly entries, so one entry is one object: its inputs as nodes (`_in`,
+    `_in2`, see `compact_edges`; read them as `edges`), a primitive's single saved value
+    inline (`_saved` its buffer, `_key` its (name, argument position or -1), `_counter` and
+    `_version` what catches an in-place change; read them as `slots`), and the rarely set
+    fields in one `EntryExtra`. `_saved` otherwise holds the tuple of slots; None once
+    released."""
 
     __slots__ = (
         "__weakref__",  # the rematerializing strategy (dtr.py) keys what it knows by entry
+        "_counter",
         "_extra",
         "_in",
+        "_in2",
+        "_key",
         "_saved",
+        "_version",
         "attrs",
         "form",
         "in_shapes",
@@ -257,9 +289,12 @@ class Entry:
                  origin_frame: tuple[Any, int] | None = None) -> None:
         self.op = op
         self.seq = next(_sequence)
-        self._in = compact_edges(edges)
+        self._in, self._in2 = compact_edges(edges)
         self.attrs = attrs
         self._saved: Any = ()
+        self._key: tuple[str, int] | None = None
+        self._counter: VersionCounter | None = None
+        self._version = 0
         self.form: Form | None = None
         self.in_shapes: tuple[tuple[int, ...], ...] = ()
         self.out_meta: tuple[tuple[tuple[int, ...], Any], ...] = ()
@@ -275,41 +310,55 @@ class Entry:
     @property
     def edges(self) -> tuple[Any, ...]:
         """Per input: (entry, output index), (leaf tensor, 0), or None (no gradient)."""
-        ins = self._in
-        kind = type(ins)
-        if kind is tuple:
-            return ins
-        if kind is _Nodes:
-            return tuple([None if node is None else (node, 0) for node in ins])
-        return (None if ins is None else (ins, 0),)
+        first, second = self._in, self._in2
+        if second is _ONE_INPUT_ONLY:
+            return (None if first is None else (first, 0),)
+        if second is _SEE_FIRST:
+            if type(first) is tuple:
+                return first
+            return tuple([None if node is None else (node, 0) for node in first])
+        return (None if first is None else (first, 0), None if second is None else (second, 0))
 
     @edges.setter
     def edges(self, edges: Sequence[Any]) -> None:
-        self._in = compact_edges(edges)
+        self._in, self._in2 = compact_edges(edges)
 
     @property
     def nodes(self) -> tuple[Any, ...]:
         """Per input: the node its edge leads to (an entry or a leaf), or None; for the
         sweep, which needs the output index only where it is not 0 (see `edges`)."""
-        ins = self._in
-        kind = type(ins)
-        if kind is _Nodes:
-            return ins
-        if kind is tuple:
-            return tuple([None if edge is None else edge[0] for edge in ins])
-        return (ins,)
+        first, second = self._in, self._in2
+        if second is _ONE_INPUT_ONLY:
+            return (first,)
+        if second is _SEE_FIRST:
+            if type(first) is _Nodes:
+                return first
+            return tuple([None if edge is None else edge[0] for edge in first])
+        return (first, second)
 
     # ------------------------------------------------------------- saved values
     @property
     def slots(self) -> tuple[SavedSlot, ...]:
-        """The saved slots; None once released (`NOTHING_FREED` if there were none)."""
+        """The saved slots; None once released (`NOTHING_FREED` if there were none). A
+        value kept inline is handed out as a new `SavedSlot` over the same buffer."""
         saved = self._saved
-        return (saved,) if type(saved) is SavedSlot else saved
+        if isinstance(saved, SavedBuffer):
+            name, position = self._key  # type: ignore[misc]
+            slot = SavedSlot(name, saved, None, self._inline_edge(position))
+            slot.counter, slot.version = self._counter, self._version
+            return (slot,)
+        return saved
 
     @slots.setter
     def slots(self, slots: tuple[SavedSlot, ...] | None) -> None:
-        self._saved = slots[0] if slots is not None and len(slots) == 1 and type(
-            slots[0]) is SavedSlot else slots
+        self._saved = slots
+        self._key = self._counter = None
+
+    def _inline_edge(self, position: int) -> Any:
+        """The `SavedSlot.edge` of the inline saved value: see `save_tensor`."""
+        if position < 0:
+            return 0
+        return None if self.nodes[position] is None else input_edge(position)
 
     # ------------------------------------------------------------- rare fields
     def _extras(self) -> EntryExtra:
@@ -378,9 +427,8 @@ class Entry:
     def release(self) -> None:
         """Drop the saved values; the entry stays so a second sweep can say it was freed."""
         saved = self._saved
-        if type(saved) is SavedSlot:
-            saved.release()
-            self._saved = None  # None: had saved values, now freed
+        if isinstance(saved, SavedBuffer):
+            self._saved = self._counter = None  # None: had saved values, now freed
         elif saved:
             for slot in saved:
                 slot.release()
@@ -567,8 +615,8 @@ def add_entry(
     `op` has ``backward(entry, grads, create_graph, retain_graph)`` (input gradients from
     output gradients; `retain_graph` says whether the entry must answer again) and a ``name``;
     `edges` are the inputs' `edge_of`; `outputs` the result arrays (None for an absent
-    output); `save(entry, results, *save_args)` returns the entry's saved slots; `counter` is
-    the version counter a view shares.
+    output); `save(entry, results, *save_args)` returns the entry's saved slots (or None where
+    it stored them in the entry itself); `counter` is the version counter a view shares.
     """
     return _append(Entry(op, edges, attrs), outputs, save, counter, save_args)
 
@@ -599,7 +647,8 @@ def _append(
         ]
     if save is not None:
         saved = save(entry, results, *save_args)
-        entry._saved = saved[0] if len(saved) == 1 and type(saved[0]) is SavedSlot else saved
+        if saved is not None:
+            entry._saved = saved
     tapes = _tapes.items
     if tapes:
         for tape in tapes:
@@ -609,15 +658,31 @@ def _append(
     return results
 
 
-def _primitive_entry(prim: Primitive, ins: Any, attrs: dict[str, Any]) -> Entry:
-    """A primitive's entry from its inputs' nodes as `compact_edges` stores them: the
-    recording hot path, which makes no edge tuples."""
+def _primitive_entry(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> Entry:
+    """A primitive's entry, its inputs' nodes taken from the tensors as `compact_edges`
+    stores them: the recording hot path, which makes no edge tuples."""
     entry = object.__new__(Entry)
     entry.op = prim
     entry.seq = next(_sequence)
-    entry._in = ins
+    if len(tensors) == 1:
+        t = tensors[0]
+        node = t._entry
+        if node is None:
+            entry._in, entry._in2 = _leaf_node(t), _ONE_INPUT_ONLY
+        elif t._index == 0:
+            entry._in, entry._in2 = node, _ONE_INPUT_ONLY
+        else:  # an output of a multi-output entry: the general form
+            entry._in, entry._in2 = ((node, t._index),), _SEE_FIRST
+    elif len(tensors) == 2 and tensors[0]._index == 0 and tensors[1]._index == 0:
+        a, b = tensors
+        entry._in = a._entry if a._entry is not None else _leaf_node(a)
+        entry._in2 = b._entry if b._entry is not None else _leaf_node(b)
+    else:
+        entry._in, entry._in2 = compact_edges([edge_of(t) for t in tensors])
     entry.attrs = attrs
     entry._saved = ()
+    entry._key = entry._counter = None
+    entry._version = 0
     entry.in_shapes = ()
     entry._extra = None
     if events.listeners or (origin_blocks and _state.origins):
@@ -679,7 +744,7 @@ def record(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> 
             packer = packer.for_primitive(prim)
             form = prim.forms[0] if type(packer) is KeepAll else packer.choose_form(prim)
         (result,) = _append(
-            _primitive_entry(prim, _input_nodes(tensors), attrs or _NO_ATTRS), (out,),
+            _primitive_entry(prim, tensors, attrs or _NO_ATTRS), (out,),
             _save_primitive_values, counter, (prim, form, packer, tensors, datas),
         )
         if type(packer) is not KeepAll:
@@ -690,26 +755,6 @@ def record(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> 
     if tracer is not None:
         tracer.note(prim, tensors, attrs, result)
     return result
-
-
-def _input_nodes(tensors: tuple[Any, ...]) -> Any:
-    """The inputs' edges as `compact_edges` stores them, made without edge tuples."""
-    if len(tensors) == 1:
-        t = tensors[0]
-        entry = t._entry
-        if entry is not None:
-            return entry if t._index == 0 else ((entry, t._index),)
-        return _leaf_node(t)
-    nodes = []
-    for t in tensors:
-        entry = t._entry
-        if entry is None:
-            nodes.append(_leaf_node(t))
-        elif t._index == 0:
-            nodes.append(entry)
-        else:  # an output of a multi-output entry: the general form
-            return tuple([edge_of(t) for t in tensors])
-    return _Nodes(nodes)
 
 
 def _leaf_node(t: Any) -> Any:
@@ -811,9 +856,9 @@ def _save_primitive_values(
     packer: Strategy,
     tensors: tuple[Any, ...],
     datas: list[Any],
-) -> tuple[SavedSlot, ...]:
+) -> tuple[SavedSlot, ...] | None:
     """The saved slots of a primitive's entry: what `form`'s rules read, for the arguments
-    that need a gradient."""
+    that need a gradient. A single value is kept in the entry itself (None returned)."""
     entry.form = form
     if prim.broadcasts:
         shapes = tuple([d.shape for d in datas])
@@ -832,11 +877,14 @@ def _save_primitive_values(
     if needed is None:
         needed = _needs_cache[(form, mask)] = _needed_values(prim, form, mask)
     if len(needed) == 1:
-        ((name, position),) = needed
-        if position < 0:
-            return (save_tensor(results[0], name, packer, entry, 0),)
-        t = tensors[position]
-        return (save_tensor(t, name, packer, entry, _edge_at(t, position)),)
+        key = needed[0]
+        position = key[1]
+        tensor = results[0] if position < 0 else tensors[position]
+        entry._saved = _buffer(tensor, key[0], packer, entry)
+        entry._key = key
+        counter = entry._counter = tensor._version
+        entry._version = counter.value
+        return None
     return tuple([
         save_tensor(results[0], name, packer, entry, 0)
         if position < 0
@@ -880,15 +928,21 @@ def save_tensor(tensor: Any, name: str, packer: Strategy, entry: Entry, edge: An
     """Keep `tensor`'s value for `entry`'s backward through `packer`. `edge` is the value's
     place in the graph: an int for one of the entry's own outputs (its output index), an
     `InputEdge` for one of its inputs (shared rather than a copy of the edge), or an edge."""
+    return SavedSlot(name, _buffer(tensor, name, packer, entry), tensor._version, edge)
+
+
+def _buffer(tensor: Any, name: str, packer: Strategy, entry: Entry) -> SavedBuffer:
+    """The buffer keeping `tensor`'s value, saved as `name` by `entry`."""
     if tensor._inference:
         raise InplaceError(
-            f"{entry.describe()} needs to save an inference tensor ({tensor.dtype}"
+            f"{entry.describe()} needs to save its {name!r} value, an inference tensor "
+            f"({tensor.dtype}"
             f"{list(tensor.shape)}) for backward; tensors made under inference_mode() cannot be "
             "saved: compute it under no_grad() instead, or .clone() it outside inference_mode()"
         )
     if tensor._entry is None and type(packer) is not KeepAll:
         packer = packer.for_leaf()  # a parameter or input: the caller keeps it anyway
-    return SavedSlot(name, buffer_for(tensor, packer), tensor._version, edge)
+    return buffer_for(tensor, packer)
 
 
 def graph_tensor(array: Any, edge: Any) -> Any:
@@ -918,8 +972,13 @@ def unpack_saved(entry: Entry, create_graph: bool) -> dict[str, Any]:
     slots = entry._saved
     if slots is None:
         raise freed_error(entry.describe())
-    if type(slots) is SavedSlot:
-        slots = (slots,)
+    if isinstance(slots, SavedBuffer):  # one value, kept in the entry
+        if (
+            slots.source is None and "unpack" not in events.wanted and not create_graph
+            and entry._counter.value == entry._version  # type: ignore[union-attr]
+        ):
+            return {entry._key[0]: slots.packed}  # type: ignore[index]
+        slots = entry.slots
     values = {}
     for slot in slots:
         buffer = slot.buffer
