@@ -162,13 +162,10 @@ class KeptBuffer(SavedBuffer):
 
     __slots__ = ()
     source = None
+    packer = KEEP
 
     def __init__(self, array: Any) -> None:
         self.packed = array
-
-    @property
-    def packer(self) -> Strategy:
-        return KEEP
 
     @property
     def shape(self) -> tuple[int, ...]:

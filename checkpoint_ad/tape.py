@@ -227,6 +227,7 @@ class _Arity:
 
 
 _ONE_INPUT_ONLY = _Arity("one input")
+_ZEROS = ((), (0,), (0, 0))
 _SEE_FIRST = _Arity("inputs in the first field")
 
 
@@ -335,6 +336,20 @@ class Entry:
                 return first
             return tuple([None if edge is None else edge[0] for edge in first])
         return (first, second)
+
+    @property
+    def indices(self) -> tuple[int, ...]:
+        """Per input: the output index of its node that the edge leads to (0 for a leaf or
+        where there is no edge); with `nodes`, the edges without their tuples."""
+        second = self._in2
+        if second is _ONE_INPUT_ONLY:
+            return _ZEROS[1]
+        if second is not _SEE_FIRST:
+            return _ZEROS[2]
+        first = self._in
+        if type(first) is _Nodes:
+            return (0,) * len(first)
+        return tuple([0 if edge is None else edge[1] for edge in first])
 
     # ------------------------------------------------------------- saved values
     @property
