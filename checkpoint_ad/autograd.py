@@ -392,10 +392,9 @@ def backpropagate(
                             else:  # the op's result includes the sum it was handed
                                 place[0][place[1]] = grad
                     continue
-                for edge, grad in zip(entry.edges, results):
-                    if edge is None or grad is None:
+                for node, index, grad in zip(entry.nodes, entry.indices, results):
+                    if node is None or grad is None:
                         continue
-                    node, index = edge
                     if type(node) is not Entry or capture is not None:
                         deliver(node, index, _conform(grad, node, index, entry))
                         continue

@@ -162,13 +162,10 @@ class KeptBuffer(SavedBuffer):
 
     __slots__ = ()
     source = None
+    packer = KEEP
 
     def __init__(self, array: Any) -> None:
         self.packed = array
-
-    @property
-    def packer(self) -> Strategy:
-        return KEEP
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -291,8 +288,10 @@ def freed_error(what: str) -> BackwardError:
 class SavedSlot:
     """One tape entry's reference to a saved value.
 
-    `edge` is the value's place in the graph (for higher-order gradients); `counter`/`version`
-    detect an in-place change after saving.
+    `edge` is the value's place in the graph (for higher-order gradients): the entry's output
+    index, a `tape.InputEdge` naming one of its inputs, an edge, or None; `counter`/`version`
+    detect an in-place change after saving. A primitive's entry keeps a single saved value
+    inline and hands it out as a new slot (`Entry.slots`).
     """
 
     __slots__ = ("buffer", "counter", "edge", "name", "version")

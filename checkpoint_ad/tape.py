@@ -27,7 +27,16 @@ from . import events
 from .backend import broadcast_axes, namespace
 from .errors import DeviceError, InplaceError, ShapeError
 from .grad_mode import _state, origin_blocks
-from .saved import KeepAll, SavedSlot, Strategy, buffer_for, current_packer, freed_error
+from .saved import (
+    KeepAll,
+    SavedBuffer,
+    SavedSlot,
+    Strategy,
+    VersionCounter,
+    buffer_for,
+    current_packer,
+    freed_error,
+)
 from .tensor_base import TensorBase, as_tensor_like, make_tensor
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -127,23 +136,24 @@ class Primitive:
     ) -> list[Any]:
         """Apply the recorded form's rules to the output gradient (one per argument)."""
         g = grads[0]
+        nodes = entry.nodes
         if g is None:
-            return [None] * len(entry.edges)
+            return [None] * len(nodes)
         values = unpack_saved(entry, create_graph)
         form = entry.form
         attrs = entry.attrs
         if self.variadic:
             rule = form.rules["xs"]
-            args = (tuple(values[f"x{i}"] for i in range(len(entry.edges))),) if rule.needs else ()
+            args = (tuple(values[f"x{i}"] for i in range(len(nodes))),) if rule.needs else ()
             return [
-                rule.rule(g, i, *args, **attrs) if edge is not None else None
-                for i, edge in enumerate(entry.edges)
+                rule.rule(g, i, *args, **attrs) if node is not None else None
+                for i, node in enumerate(nodes)
             ]
         results = []
         rules = form.rules
         broadcasts = self.broadcasts
-        for i, (name, edge) in enumerate(zip(self.args, entry.edges)):
-            rule = rules.get(name) if edge is not None else None
+        for i, (name, node) in enumerate(zip(self.args, nodes)):
+            rule = rules.get(name) if node is not None else None
             if rule is None:
                 results.append(None)
                 continue
@@ -174,44 +184,234 @@ NOTHING_FREED = _NothingFreed()
 _NO_ATTRS: dict[str, Any] = {}  # shared by every entry without attributes (never mutated)
 
 
+class _Nodes(tuple):
+    """The inputs of an entry whose every edge is (node, 0) or None, as nodes alone: the edge
+    tuples are made only when someone reads `Entry.edges`, so a primitive's entry holds none."""
+
+    __slots__ = ()
+
+
+class InputEdge:
+    """A saved input's place in the graph: its entry's input edge at `position`. One shared
+    object per position, so a saved slot holds no edge of its own (see `input_edge`)."""
+
+    __slots__ = ("position",)
+
+    def __init__(self, position: int) -> None:
+        self.position = position
+
+    def __repr__(self) -> str:
+        return f"InputEdge({self.position})"
+
+
+_INPUT_EDGES = [InputEdge(p) for p in range(8)]
+
+
+def input_edge(position: int) -> InputEdge:
+    """The shared `InputEdge` for argument `position`."""
+    while position >= len(_INPUT_EDGES):
+        _INPUT_EDGES.append(InputEdge(len(_INPUT_EDGES)))
+    return _INPUT_EDGES[position]
+
+
+class _Arity:
+    """What an entry's second input field holds when it is not a second input's node."""
+
+    __slots__ = ("what",)
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __repr__(self) -> str:
+        return f"<{self.what}>"
+
+
+_ONE_INPUT_ONLY = _Arity("one input")
+_ZEROS = ((), (0,), (0, 0))
+_SEE_FIRST = _Arity("inputs in the first field")
+
+
+def compact_edges(edges: Sequence[Any]) -> tuple[Any, Any]:
+    """How an entry stores its input edges, as its (`_in`, `_in2`) fields: the nodes of one
+    or two inputs whose edges are (node, 0) or None, one of them `_ONE_INPUT_ONLY`; else
+    `_SEE_FIRST` and, in the first, `_Nodes` when every index is 0 or the edges themselves."""
+    count = len(edges)
+    if all(edge is None or edge[1] == 0 for edge in edges):
+        nodes = [None if edge is None else edge[0] for edge in edges]
+        if count == 1:
+            return nodes[0], _ONE_INPUT_ONLY
+        if count == 2:
+            return nodes[0], nodes[1]
+        if count:
+            return _Nodes(nodes), _SEE_FIRST
+    return tuple(edges), _SEE_FIRST
+
+
+class EntryExtra:
+    """What few entries carry: the recording line (when someone asked), retained non-leaf
+    outputs and hooks. Kept apart so that an ordinary entry pays one field for all three."""
+
+    __slots__ = ("hooks", "origin_frame", "retained")
+
+    def __init__(self) -> None:
+        self.origin_frame: tuple[Any, int] = NO_ORIGIN
+        self.retained: dict[int, Any] | None = None
+        self.hooks: EntryHooks | None = None
+
+
 class Entry:
-    """One operation recorded on the tape."""
+    """One operation recorded on the tape.
+
+    A long tape is mostly entries, so one entry is one object: its inputs as nodes (`_in`,
+    `_in2`, see `compact_edges`; read them as `edges`), a primitive's single saved value
+    inline (`_saved` its buffer, `_key` its (name, argument position or -1), `_counter` and
+    `_version` what catches an in-place change; read them as `slots`), and the rarely set
+    fields in one `EntryExtra`. `_saved` otherwise holds the tuple of slots; None once
+    released."""
 
     __slots__ = (
         "__weakref__",  # the rematerializing strategy (dtr.py) keys what it knows by entry
+        "_counter",
+        "_extra",
+        "_in",
+        "_in2",
+        "_key",
+        "_saved",
+        "_version",
         "attrs",
-        "edges",
         "form",
-        "hooks",
         "in_shapes",
         "op",
-        "origin_frame",
         "out_meta",
-        "retained",
         "seq",
-        "slots",
     )
 
-    def __init__(self, op: Any, edges: tuple[Any, ...], attrs: dict[str, Any],
+    def __init__(self, op: Any, edges: Sequence[Any], attrs: dict[str, Any],
                  origin_frame: tuple[Any, int] | None = None) -> None:
         self.op = op
         self.seq = next(_sequence)
-        self.edges = edges
+        self._in, self._in2 = compact_edges(edges)
         self.attrs = attrs
-        self.slots: tuple[SavedSlot, ...] = ()
+        self._saved: Any = ()
+        self._key: tuple[str, int] | None = None
+        self._counter: VersionCounter | None = None
+        self._version = 0
         self.form: Form | None = None
         self.in_shapes: tuple[tuple[int, ...], ...] = ()
         self.out_meta: tuple[tuple[tuple[int, ...], Any], ...] = ()
+        self._extra: EntryExtra | None = None
         # the user's line, where someone will read it: the stack walk costs more than a small
         # op (a replayed step's entry knows its line already)
         if origin_frame is not None:
             self.origin_frame = origin_frame
         elif events.listeners or (origin_blocks and _state.origins):
             self.origin_frame = _user_frame()
-        else:
-            self.origin_frame = NO_ORIGIN
-        self.retained: dict[int, Any] | None = None
-        self.hooks: EntryHooks | None = None  # made by the first register_hook only
+
+    # ------------------------------------------------------------- inputs
+    @property
+    def edges(self) -> tuple[Any, ...]:
+        """Per input: (entry, output index), (leaf tensor, 0), or None (no gradient)."""
+        first, second = self._in, self._in2
+        if second is _ONE_INPUT_ONLY:
+            return (None if first is None else (first, 0),)
+        if second is _SEE_FIRST:
+            if type(first) is tuple:
+                return first
+            return tuple([None if node is None else (node, 0) for node in first])
+        return (None if first is None else (first, 0), None if second is None else (second, 0))
+
+    @edges.setter
+    def edges(self, edges: Sequence[Any]) -> None:
+        self._in, self._in2 = compact_edges(edges)
+
+    @property
+    def nodes(self) -> tuple[Any, ...]:
+        """Per input: the node its edge leads to (an entry or a leaf), or None; for the
+        sweep, which needs the output index only where it is not 0 (see `edges`)."""
+        first, second = self._in, self._in2
+        if second is _ONE_INPUT_ONLY:
+            return (first,)
+        if second is _SEE_FIRST:
+            if type(first) is _Nodes:
+                return first
+            return tuple([None if edge is None else edge[0] for edge in first])
+        return (first, second)
+
+    @property
+    def indices(self) -> tuple[int, ...]:
+        """Per input: the output index of its node that the edge leads to (0 for a leaf or
+        where there is no edge); with `nodes`, the edges without their tuples."""
+        second = self._in2
+        if second is _ONE_INPUT_ONLY:
+            return _ZEROS[1]
+        if second is not _SEE_FIRST:
+            return _ZEROS[2]
+        first = self._in
+        if type(first) is _Nodes:
+            return (0,) * len(first)
+        return tuple([0 if edge is None else edge[1] for edge in first])
+
+    # ------------------------------------------------------------- saved values
+    @property
+    def slots(self) -> tuple[SavedSlot, ...]:
+        """The saved slots; None once released (`NOTHING_FREED` if there were none). A
+        value kept inline is handed out as a new `SavedSlot` over the same buffer."""
+        saved = self._saved
+        if isinstance(saved, SavedBuffer):
+            name, position = self._key  # type: ignore[misc]
+            slot = SavedSlot(name, saved, None, self._inline_edge(position))
+            slot.counter, slot.version = self._counter, self._version
+            return (slot,)
+        return saved
+
+    @slots.setter
+    def slots(self, slots: tuple[SavedSlot, ...] | None) -> None:
+        self._saved = slots
+        self._key = self._counter = None
+
+    def _inline_edge(self, position: int) -> Any:
+        """The `SavedSlot.edge` of the inline saved value: see `save_tensor`."""
+        if position < 0:
+            return 0
+        return None if self.nodes[position] is None else input_edge(position)
+
+    # ------------------------------------------------------------- rare fields
+    def _extras(self) -> EntryExtra:
+        extra = self._extra
+        if extra is None:
+            extra = self._extra = EntryExtra()
+        return extra
+
+    @property
+    def origin_frame(self) -> tuple[Any, int]:
+        """(code, line) of the user code that recorded this entry; `NO_ORIGIN` when no one
+        asked."""
+        extra = self._extra
+        return NO_ORIGIN if extra is None else extra.origin_frame
+
+    @origin_frame.setter
+    def origin_frame(self, frame: tuple[Any, int]) -> None:
+        if frame[0] is not None or self._extra is not None:
+            self._extras().origin_frame = frame
+
+    @property
+    def retained(self) -> dict[int, Any] | None:
+        """Output index -> weak reference to a non-leaf output that called retain_grad()."""
+        extra = self._extra
+        return None if extra is None else extra.retained
+
+    @retained.setter
+    def retained(self, retained: dict[int, Any] | None) -> None:
+        self._extras().retained = retained
+
+    @property
+    def hooks(self) -> EntryHooks | None:
+        extra = self._extra
+        return None if extra is None else extra.hooks
+
+    @hooks.setter
+    def hooks(self, hooks: EntryHooks | None) -> None:
+        self._extras().hooks = hooks
 
     @property
     def name(self) -> str:
@@ -236,17 +436,20 @@ class Entry:
     @property
     def released(self) -> bool:
         """Whether a backward sweep has released this entry (freed its saved values)."""
-        slots = self.slots
-        return slots is None or slots is NOTHING_FREED
+        saved = self._saved
+        return saved is None or saved is NOTHING_FREED
 
     def release(self) -> None:
         """Drop the saved values; the entry stays so a second sweep can say it was freed."""
-        if self.slots:
-            for slot in self.slots:
+        saved = self._saved
+        if isinstance(saved, SavedBuffer):
+            self._saved = self._counter = None  # None: had saved values, now freed
+        elif saved:
+            for slot in saved:
                 slot.release()
-            self.slots = None  # type: ignore[assignment]  # None: had saved values, now freed
-        elif self.slots is not None:
-            self.slots = NOTHING_FREED  # nothing to free: a second sweep may run it again
+            self._saved = None
+        elif saved is not None:
+            self._saved = NOTHING_FREED  # nothing to free: a second sweep may run it again
         if "release" in events.wanted:
             events.emit("release", self)
 
@@ -414,7 +617,7 @@ def _shared_meta(key: tuple[tuple[int, ...], Any]) -> tuple[tuple[tuple[int, ...
 
 def add_entry(
     op: Any,
-    edges: tuple[Any, ...],
+    edges: Sequence[Any],
     outputs: Sequence[Any],
     attrs: dict[str, Any] = _NO_ATTRS,
     save: Callable[..., tuple[SavedSlot, ...]] | None = None,
@@ -427,10 +630,20 @@ def add_entry(
     `op` has ``backward(entry, grads, create_graph, retain_graph)`` (input gradients from
     output gradients; `retain_graph` says whether the entry must answer again) and a ``name``;
     `edges` are the inputs' `edge_of`; `outputs` the result arrays (None for an absent
-    output); `save(entry, results, *save_args)` returns the entry's saved slots; `counter` is
-    the version counter a view shares.
+    output); `save(entry, results, *save_args)` returns the entry's saved slots (or None where
+    it stored them in the entry itself); `counter` is the version counter a view shares.
     """
-    entry = Entry(op, edges, attrs)
+    return _append(Entry(op, edges, attrs), outputs, save, counter, save_args)
+
+
+def _append(
+    entry: Entry,
+    outputs: Sequence[Any],
+    save: Callable[..., tuple[SavedSlot, ...]] | None,
+    counter: Any,
+    save_args: tuple[Any, ...],
+) -> list[Any]:
+    """`add_entry` once the entry is made (`record` makes its own, from nodes)."""
     if len(outputs) == 1 and outputs[0] is not None:  # most entries: skip the generic loops
         out = outputs[0]
         key = (out.shape, out.dtype)
@@ -448,7 +661,9 @@ def add_entry(
             for i, a in enumerate(outputs)
         ]
     if save is not None:
-        entry.slots = save(entry, results, *save_args)
+        saved = save(entry, results, *save_args)
+        if saved is not None:
+            entry._saved = saved
     tapes = _tapes.items
     if tapes:
         for tape in tapes:
@@ -456,6 +671,38 @@ def add_entry(
     if events.listeners:
         events.emit("record", entry)
     return results
+
+
+def _primitive_entry(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> Entry:
+    """A primitive's entry, its inputs' nodes taken from the tensors as `compact_edges`
+    stores them: the recording hot path, which makes no edge tuples."""
+    entry = object.__new__(Entry)
+    entry.op = prim
+    entry.seq = next(_sequence)
+    if len(tensors) == 1:
+        t = tensors[0]
+        node = t._entry
+        if node is None:
+            entry._in, entry._in2 = _leaf_node(t), _ONE_INPUT_ONLY
+        elif t._index == 0:
+            entry._in, entry._in2 = node, _ONE_INPUT_ONLY
+        else:  # an output of a multi-output entry: the general form
+            entry._in, entry._in2 = ((node, t._index),), _SEE_FIRST
+    elif len(tensors) == 2 and tensors[0]._index == 0 and tensors[1]._index == 0:
+        a, b = tensors
+        entry._in = a._entry if a._entry is not None else _leaf_node(a)
+        entry._in2 = b._entry if b._entry is not None else _leaf_node(b)
+    else:
+        entry._in, entry._in2 = compact_edges([edge_of(t) for t in tensors])
+    entry.attrs = attrs
+    entry._saved = ()
+    entry._key = entry._counter = None
+    entry._version = 0
+    entry.in_shapes = ()
+    entry._extra = None
+    if events.listeners or (origin_blocks and _state.origins):
+        entry.origin_frame = _user_frame()
+    return entry
 
 
 def record(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> Any:
@@ -511,15 +758,8 @@ def record(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> 
         else:
             packer = packer.for_primitive(prim)
             form = prim.forms[0] if type(packer) is KeepAll else packer.choose_form(prim)
-        edges = []
-        for t in tensors:
-            entry = t._entry
-            if entry is not None:
-                edges.append((entry, t._index))
-            else:  # a leaf: its own edge if it requires grad (a constant has none)
-                edges.append(edge_of(t) if t._requires_grad else None)
-        (result,) = add_entry(
-            prim, tuple(edges), (out,), attrs or _NO_ATTRS,
+        (result,) = _append(
+            _primitive_entry(prim, tensors, attrs or _NO_ATTRS), (out,),
             _save_primitive_values, counter, (prim, form, packer, tensors, datas),
         )
         if type(packer) is not KeepAll:
@@ -530,6 +770,14 @@ def record(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> 
     if tracer is not None:
         tracer.note(prim, tensors, attrs, result)
     return result
+
+
+def _leaf_node(t: Any) -> Any:
+    """Where a leaf's gradient goes (its edge's node), or None for a constant."""
+    if not t._requires_grad:
+        return None
+    target = t._leaf_target
+    return t if target is None else target
 
 
 def _with_operands(items: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -623,9 +871,9 @@ def _save_primitive_values(
     packer: Strategy,
     tensors: tuple[Any, ...],
     datas: list[Any],
-) -> tuple[SavedSlot, ...]:
+) -> tuple[SavedSlot, ...] | None:
     """The saved slots of a primitive's entry: what `form`'s rules read, for the arguments
-    that need a gradient."""
+    that need a gradient. A single value is kept in the entry itself (None returned)."""
     entry.form = form
     if prim.broadcasts:
         shapes = tuple([d.shape for d in datas])
@@ -633,9 +881,8 @@ def _save_primitive_values(
     if prim.variadic:
         if not form.rules["xs"].needs:
             return ()
-        edges = entry.edges
         return tuple(
-            save_tensor(t, f"x{i}", packer, entry, edges[i]) for i, t in enumerate(tensors)
+            save_tensor(t, f"x{i}", packer, entry, _edge_at(t, i)) for i, t in enumerate(tensors)
         )
     if len(tensors) == 1:
         mask: tuple[bool, ...] = _ONE_INPUT  # recorded, so its one input requires grad
@@ -645,20 +892,31 @@ def _save_primitive_values(
     if needed is None:
         needed = _needs_cache[(form, mask)] = _needed_values(prim, form, mask)
     if len(needed) == 1:
-        ((name, position),) = needed
-        if position < 0:
-            return (save_tensor(results[0], name, packer, entry, 0),)
-        return (save_tensor(tensors[position], name, packer, entry, entry.edges[position]),)
-    edges = entry.edges
+        key = needed[0]
+        position = key[1]
+        tensor = results[0] if position < 0 else tensors[position]
+        entry._saved = _buffer(tensor, key[0], packer, entry)
+        entry._key = key
+        counter = entry._counter = tensor._version
+        entry._version = counter.value
+        return None
     return tuple([
         save_tensor(results[0], name, packer, entry, 0)
         if position < 0
-        else save_tensor(tensors[position], name, packer, entry, edges[position])
+        else save_tensor(tensors[position], name, packer, entry,
+                         _edge_at(tensors[position], position))
         for name, position in needed
     ])
 
 
 _ONE_INPUT = (True,)
+
+
+def _edge_at(tensor: Any, position: int) -> InputEdge | None:
+    """A saved input's edge: the entry's input at `position`, None for a constant."""
+    if tensor._entry is None and not tensor._requires_grad:
+        return None
+    return input_edge(position)
 
 
 def _shared_shapes(shapes: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
@@ -683,17 +941,23 @@ def _needed_values(
 
 def save_tensor(tensor: Any, name: str, packer: Strategy, entry: Entry, edge: Any) -> SavedSlot:
     """Keep `tensor`'s value for `entry`'s backward through `packer`. `edge` is the value's
-    place in the graph: an int for one of the entry's own outputs (its output index), else
-    the tensor's edge as an input (the one in `entry.edges`, shared rather than made again)."""
+    place in the graph: an int for one of the entry's own outputs (its output index), an
+    `InputEdge` for one of its inputs (shared rather than a copy of the edge), or an edge."""
+    return SavedSlot(name, _buffer(tensor, name, packer, entry), tensor._version, edge)
+
+
+def _buffer(tensor: Any, name: str, packer: Strategy, entry: Entry) -> SavedBuffer:
+    """The buffer keeping `tensor`'s value, saved as `name` by `entry`."""
     if tensor._inference:
         raise InplaceError(
-            f"{entry.describe()} needs to save an inference tensor ({tensor.dtype}"
+            f"{entry.describe()} needs to save its {name!r} value, an inference tensor "
+            f"({tensor.dtype}"
             f"{list(tensor.shape)}) for backward; tensors made under inference_mode() cannot be "
             "saved: compute it under no_grad() instead, or .clone() it outside inference_mode()"
         )
     if tensor._entry is None and type(packer) is not KeepAll:
         packer = packer.for_leaf()  # a parameter or input: the caller keeps it anyway
-    return SavedSlot(name, buffer_for(tensor, packer), tensor._version, edge)
+    return buffer_for(tensor, packer)
 
 
 def graph_tensor(array: Any, edge: Any) -> Any:
@@ -710,11 +974,26 @@ def graph_tensor(array: Any, edge: Any) -> Any:
     return t
 
 
+def slot_edge(entry: Entry, slot: SavedSlot) -> Any:
+    """The graph edge of `slot`'s value (see `save_tensor`), or None."""
+    edge = slot.edge
+    if type(edge) is InputEdge:
+        return entry.edges[edge.position]
+    return (entry, edge) if isinstance(edge, int) else edge
+
+
 def unpack_saved(entry: Entry, create_graph: bool) -> dict[str, Any]:
     """Every saved value of `entry`, as arrays (or graph-attached tensors under create_graph)."""
-    slots = entry.slots
+    slots = entry._saved
     if slots is None:
         raise freed_error(entry.describe())
+    if isinstance(slots, SavedBuffer):  # one value, kept in the entry
+        if (
+            slots.source is None and "unpack" not in events.wanted and not create_graph
+            and entry._counter.value == entry._version  # type: ignore[union-attr]
+        ):
+            return {entry._key[0]: slots.packed}  # type: ignore[index]
+        slots = entry.slots
     values = {}
     for slot in slots:
         buffer = slot.buffer
@@ -727,8 +1006,7 @@ def unpack_saved(entry: Entry, create_graph: bool) -> dict[str, Any]:
         else:
             array = slot.unpack(entry.describe)
         if create_graph:
-            edge = (entry, slot.edge) if isinstance(slot.edge, int) else slot.edge
-            array = graph_tensor(array, edge)
+            array = graph_tensor(array, slot_edge(entry, slot))
         values[slot.name] = array
     return values
 

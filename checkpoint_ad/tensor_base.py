@@ -198,8 +198,16 @@ def make_tensor(
     if type(data) is not np.ndarray and isinstance(data, np.generic):  # numpy's 0-d results
         data = np.asarray(data)
     t = object.__new__(TensorBase._made_by_engine)
-    t._init(data, entry, index, counter if counter is not None else VersionCounter())
+    # `_init`, written out: every recorded op makes a tensor here
+    t._data = data
+    t._entry = entry
+    t._index = index
+    t._requires_grad = entry is not None
+    t._version = counter if counter is not None else VersionCounter()
+    t._leaf_target = t._base = t._view = t._saved_ref = t._hooks = t.grad = None
+    t._inference = _state.inference
     return t
+
 
 
 def as_tensor_like(value: Any, like: Sequence[Any]) -> Any:

@@ -80,7 +80,7 @@ _TRANSPOSE_MAX_COLUMNS = 128  # see _group_min_max
 Array = Any
 
 
-@dataclass(frozen=True, eq=False, repr=False)
+@dataclass(frozen=True, eq=False, repr=False, slots=True)  # slots: one per saved value
 class QuantizedArray:
     """A floating array stored as packed codes plus per-group min and scale.
 
@@ -500,8 +500,23 @@ def _uniform_noise(xp: Any, rng: Any, shape: tuple[int, int], dtype: Any, device
 
 def _concat_or_empty(xp: Any, parts: list[Array], dtype: Any, device: Any) -> Array:
     if not parts:
-        return xp.empty((0,), dtype=dtype, device=device)
+        return _empty(xp, dtype, device)
     return parts[0] if len(parts) == 1 else xp.concat(parts)
+
+
+_empties: dict[Any, Array] = {}
+
+
+def _empty(xp: Any, dtype: Any, device: Any) -> Array:
+    """An empty array: on numpy one shared read-only array per dtype, so that a saved value
+    without exceptions (nearly all of them) holds no two arrays of its own."""
+    if not array_api_compat.is_numpy_namespace(xp):
+        return xp.empty((0,), dtype=dtype, device=device)
+    empty = _empties.get(dtype)
+    if empty is None:
+        empty = _empties[dtype] = np.empty((0,), dtype=dtype)
+        empty.flags.writeable = False
+    return empty
 
 
 def _itemsize(xp: Any, dtype: Any) -> int:
