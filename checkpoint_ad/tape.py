@@ -6,16 +6,13 @@ product. A form lists, per argument, the rule and the names of the values the ru
 strategy pick a form (store inputs vs store outputs), pack the needed values, or recompute them,
 without touching a rule.
 
-An `Entry` is one recorded application: its inputs' graph edges, its saved slots, its attributes
-and the user code line that ran it. Entries are numbered in execution order, so the backward
+An `Entry` (`entry.py`) is one recorded application: its inputs' graph edges, its saved slots,
+its attributes and the user code line that ran it (`origins.py`, when someone asked). Entries are numbered in execution order, so the backward
 sweep visits them by descending number: no recursive graph search is needed.
 """
 
 from __future__ import annotations
 
-import itertools
-import os
-import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,21 +22,29 @@ import numpy as np
 
 from . import events
 from .backend import broadcast_axes, namespace
+from .entry import (
+    _NO_ATTRS,
+    _ONE_INPUT_ONLY,
+    _SEE_FIRST,
+    Entry,
+    InputEdge,
+    _sequence,
+    compact_edges,
+    input_edge,
+)
 from .errors import DeviceError, InplaceError, ShapeError
 from .grad_mode import _state, origin_blocks
+from .origins import _MAX_ORIGINS, _user_frame
 from .saved import (
     KeepAll,
     SavedBuffer,
     SavedSlot,
     Strategy,
-    VersionCounter,
     buffer_for,
     current_packer,
     freed_error,
 )
 from .tensor_base import TensorBase, as_tensor_like, make_tensor
-
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 @dataclass(frozen=True)
@@ -168,409 +173,6 @@ class Primitive:
                 grad = _sum_to(grad, entry.in_shapes[i])
             results.append(grad)
         return results
-
-
-_sequence = itertools.count()
-
-
-class _NothingFreed(tuple):
-    """The saved slots of a released entry that had none: empty like `()`, yet its own object,
-    so that `Entry.released` needs no field of its own on every entry."""
-
-    __slots__ = ()
-
-
-NOTHING_FREED = _NothingFreed()
-_NO_ATTRS: dict[str, Any] = {}  # shared by every entry without attributes (never mutated)
-
-
-class _Nodes(tuple):
-    """The inputs of an entry whose every edge is (node, 0) or None, as nodes alone: the edge
-    tuples are made only when someone reads `Entry.edges`, so a primitive's entry holds none."""
-
-    __slots__ = ()
-
-
-class InputEdge:
-    """A saved input's place in the graph: its entry's input edge at `position`. One shared
-    object per position, so a saved slot holds no edge of its own (see `input_edge`)."""
-
-    __slots__ = ("position",)
-
-    def __init__(self, position: int) -> None:
-        self.position = position
-
-    def __repr__(self) -> str:
-        return f"InputEdge({self.position})"
-
-
-_INPUT_EDGES = [InputEdge(p) for p in range(8)]
-
-
-def input_edge(position: int) -> InputEdge:
-    """The shared `InputEdge` for argument `position`."""
-    while position >= len(_INPUT_EDGES):
-        _INPUT_EDGES.append(InputEdge(len(_INPUT_EDGES)))
-    return _INPUT_EDGES[position]
-
-
-class _Arity:
-    """What an entry's second input field holds when it is not a second input's node."""
-
-    __slots__ = ("what",)
-
-    def __init__(self, what: str) -> None:
-        self.what = what
-
-    def __repr__(self) -> str:
-        return f"<{self.what}>"
-
-
-_ONE_INPUT_ONLY = _Arity("one input")
-_ZEROS = ((), (0,), (0, 0))
-_SEE_FIRST = _Arity("inputs in the first field")
-
-
-def compact_edges(edges: Sequence[Any]) -> tuple[Any, Any]:
-    """How an entry stores its input edges, as its (`_in`, `_in2`) fields: the nodes of one
-    or two inputs whose edges are (node, 0) or None, one of them `_ONE_INPUT_ONLY`; else
-    `_SEE_FIRST` and, in the first, `_Nodes` when every index is 0 or the edges themselves."""
-    count = len(edges)
-    if all(edge is None or edge[1] == 0 for edge in edges):
-        nodes = [None if edge is None else edge[0] for edge in edges]
-        if count == 1:
-            return nodes[0], _ONE_INPUT_ONLY
-        if count == 2:
-            return nodes[0], nodes[1]
-        if count:
-            return _Nodes(nodes), _SEE_FIRST
-    return tuple(edges), _SEE_FIRST
-
-
-class EntryExtra:
-    """What few entries carry: the recording line (when someone asked), retained non-leaf
-    outputs and hooks. Kept apart so that an ordinary entry pays one field for all three."""
-
-    __slots__ = ("hooks", "origin_frame", "retained")
-
-    def __init__(self) -> None:
-        self.origin_frame: tuple[Any, int] = NO_ORIGIN
-        self.retained: dict[int, Any] | None = None
-        self.hooks: EntryHooks | None = None
-
-
-class Entry:
-    """One operation recorded on the tape.
-
-    A long tape is mostly entries, so one entry is one object: its inputs as nodes (`_in`,
-    `_in2`, see `compact_edges`; read them as `edges`), a primitive's single saved value
-    inline (`_saved` its buffer, `_key` its (name, argument position or -1), `_counter` and
-    `_version` what catches an in-place change; read them as `slots`), and the rarely set
-    fields in one `EntryExtra`. `_saved` otherwise holds the tuple of slots; None once
-    released."""
-
-    __slots__ = (
-        "__weakref__",  # the rematerializing strategy (dtr.py) keys what it knows by entry
-        "_counter",
-        "_extra",
-        "_in",
-        "_in2",
-        "_key",
-        "_saved",
-        "_version",
-        "attrs",
-        "form",
-        "in_shapes",
-        "op",
-        "out_meta",
-        "seq",
-    )
-
-    def __init__(self, op: Any, edges: Sequence[Any], attrs: dict[str, Any],
-                 origin_frame: tuple[Any, int] | None = None) -> None:
-        self.op = op
-        self.seq = next(_sequence)
-        self._in, self._in2 = compact_edges(edges)
-        self.attrs = attrs
-        self._saved: Any = ()
-        self._key: tuple[str, int] | None = None
-        self._counter: VersionCounter | None = None
-        self._version = 0
-        self.form: Form | None = None
-        self.in_shapes: tuple[tuple[int, ...], ...] = ()
-        self.out_meta: tuple[tuple[tuple[int, ...], Any], ...] = ()
-        self._extra: EntryExtra | None = None
-        # the user's line, where someone will read it: the stack walk costs more than a small
-        # op (a replayed step's entry knows its line already)
-        if origin_frame is not None:
-            self.origin_frame = origin_frame
-        elif events.listeners or (origin_blocks and _state.origins):
-            self.origin_frame = _user_frame()
-
-    # ------------------------------------------------------------- inputs
-    @property
-    def edges(self) -> tuple[Any, ...]:
-        """Per input: (entry, output index), (leaf tensor, 0), or None (no gradient)."""
-        first, second = self._in, self._in2
-        if second is _ONE_INPUT_ONLY:
-            return (None if first is None else (first, 0),)
-        if second is _SEE_FIRST:
-            if type(first) is tuple:
-                return first
-            return tuple([None if node is None else (node, 0) for node in first])
-        return (None if first is None else (first, 0), None if second is None else (second, 0))
-
-    @edges.setter
-    def edges(self, edges: Sequence[Any]) -> None:
-        self._in, self._in2 = compact_edges(edges)
-
-    @property
-    def nodes(self) -> tuple[Any, ...]:
-        """Per input: the node its edge leads to (an entry or a leaf), or None; for the
-        sweep, which needs the output index only where it is not 0 (see `edges`)."""
-        first, second = self._in, self._in2
-        if second is _ONE_INPUT_ONLY:
-            return (first,)
-        if second is _SEE_FIRST:
-            if type(first) is _Nodes:
-                return first
-            return tuple([None if edge is None else edge[0] for edge in first])
-        return (first, second)
-
-    @property
-    def indices(self) -> tuple[int, ...]:
-        """Per input: the output index of its node that the edge leads to (0 for a leaf or
-        where there is no edge); with `nodes`, the edges without their tuples."""
-        second = self._in2
-        if second is _ONE_INPUT_ONLY:
-            return _ZEROS[1]
-        if second is not _SEE_FIRST:
-            return _ZEROS[2]
-        first = self._in
-        if type(first) is _Nodes:
-            return (0,) * len(first)
-        return tuple([0 if edge is None else edge[1] for edge in first])
-
-    # ------------------------------------------------------------- saved values
-    @property
-    def slots(self) -> tuple[SavedSlot, ...]:
-        """The saved slots; None once released (`NOTHING_FREED` if there were none). A
-        value kept inline is handed out as a new `SavedSlot` over the same buffer."""
-        saved = self._saved
-        if isinstance(saved, SavedBuffer):
-            name, position = self._key  # type: ignore[misc]
-            slot = SavedSlot(name, saved, None, self._inline_edge(position))
-            slot.counter, slot.version = self._counter, self._version
-            return (slot,)
-        return saved
-
-    @slots.setter
-    def slots(self, slots: tuple[SavedSlot, ...] | None) -> None:
-        self._saved = slots
-        self._key = self._counter = None
-
-    def _inline_edge(self, position: int) -> Any:
-        """The `SavedSlot.edge` of the inline saved value: see `save_tensor`."""
-        if position < 0:
-            return 0
-        return None if self.nodes[position] is None else input_edge(position)
-
-    # ------------------------------------------------------------- rare fields
-    def _extras(self) -> EntryExtra:
-        extra = self._extra
-        if extra is None:
-            extra = self._extra = EntryExtra()
-        return extra
-
-    @property
-    def origin_frame(self) -> tuple[Any, int]:
-        """(code, line) of the user code that recorded this entry; `NO_ORIGIN` when no one
-        asked."""
-        extra = self._extra
-        return NO_ORIGIN if extra is None else extra.origin_frame
-
-    @origin_frame.setter
-    def origin_frame(self, frame: tuple[Any, int]) -> None:
-        if frame[0] is not None or self._extra is not None:
-            self._extras().origin_frame = frame
-
-    @property
-    def retained(self) -> dict[int, Any] | None:
-        """Output index -> weak reference to a non-leaf output that called retain_grad()."""
-        extra = self._extra
-        return None if extra is None else extra.retained
-
-    @retained.setter
-    def retained(self, retained: dict[int, Any] | None) -> None:
-        self._extras().retained = retained
-
-    @property
-    def hooks(self) -> EntryHooks | None:
-        extra = self._extra
-        return None if extra is None else extra.hooks
-
-    @hooks.setter
-    def hooks(self, hooks: EntryHooks | None) -> None:
-        self._extras().hooks = hooks
-
-    @property
-    def name(self) -> str:
-        return self.op.name
-
-    @property
-    def origin(self) -> str:
-        """'file:line' of the user code that recorded this entry, or '<unknown>' where no one
-        asked for it (see `record_origins`)."""
-        return origin_text(self.origin_frame)
-
-    def describe(self) -> str:
-        if self.origin_frame[0] is None:
-            return f"tape entry #{self.seq} {self.name!r} (record under cad.record_origins() " \
-                "to see its line)"
-        return f"tape entry #{self.seq} {self.name!r} (recorded at {self.origin})"
-
-    def saved_nbytes(self) -> int:
-        """Stored bytes of this entry's saved values (shared buffers counted in full)."""
-        return sum(s.buffer.stored_nbytes for s in self.slots or () if s.buffer is not None)
-
-    @property
-    def released(self) -> bool:
-        """Whether a backward sweep has released this entry (freed its saved values)."""
-        saved = self._saved
-        return saved is None or saved is NOTHING_FREED
-
-    def release(self) -> None:
-        """Drop the saved values; the entry stays so a second sweep can say it was freed."""
-        saved = self._saved
-        if isinstance(saved, SavedBuffer):
-            self._saved = self._counter = None  # None: had saved values, now freed
-        elif saved:
-            for slot in saved:
-                slot.release()
-            self._saved = None
-        elif saved is not None:
-            self._saved = NOTHING_FREED  # nothing to free: a second sweep may run it again
-        if "release" in events.wanted:
-            events.emit("release", self)
-
-    def register_hook(self, fn: Callable[[tuple[Any, ...], tuple[Any, ...]], Any]) -> Any:
-        """Call ``fn(grad_inputs, grad_outputs)`` after this entry's backward runs.
-
-        Both are tuples of Tensors (None where there is no gradient); `fn` may return a
-        replacement for `grad_inputs`. Like PyTorch's ``grad_fn.register_hook``.
-
-        >>> import checkpoint_ad as cad
-        >>> x = cad.tensor([1.0, 2.0], requires_grad=True)
-        >>> y = x * 3
-        >>> handle = y.grad_fn.register_hook(lambda gi, go: (gi[0] * 0, gi[1]))
-        >>> y.sum().backward()
-        >>> x.grad.tolist()
-        [0.0, 0.0]
-        >>> handle.remove()
-        """
-        return add_hook(self._hooks().post, fn)
-
-    def _hooks(self) -> EntryHooks:
-        if self.hooks is None:
-            self.hooks = EntryHooks()
-        return self.hooks
-
-    def __repr__(self) -> str:
-        shapes = ", ".join(str(list(s)) for s, _ in self.out_meta)
-        return f"<Entry #{self.seq} {self.name} -> {shapes} at {self.origin}>"
-
-
-class EntryHooks:
-    """Hooks of one entry: on the gradient of each output (tensor hooks of non-leaf tensors,
-    by output index) and after its backward (`Entry.register_hook`)."""
-
-    __slots__ = ("outputs", "post")
-
-    def __init__(self) -> None:
-        self.outputs: dict[int, dict[int, Callable[[Any], Any]]] = {}
-        self.post: dict[int, Callable[..., Any]] = {}
-
-
-class RemovableHandle:
-    """What `register_hook` returns: `remove()` unregisters the hook (a second call is a
-    no-op)."""
-
-    __slots__ = ("_key", "_table")
-
-    def __init__(self, table: dict[int, Any], key: int) -> None:
-        self._table = table
-        self._key = key
-
-    def remove(self) -> None:
-        self._table.pop(self._key, None)
-
-    def __repr__(self) -> str:
-        state = "active" if self._key in self._table else "removed"
-        return f"<RemovableHandle #{self._key} {state}>"
-
-
-_hook_ids = itertools.count()
-
-
-def add_hook(table: dict[int, Any], fn: Callable[..., Any]) -> RemovableHandle:
-    """Put `fn` last in `table` (hooks run in registration order) and return its handle."""
-    if not callable(fn):
-        raise TypeError(f"register_hook takes a callable, got {type(fn).__name__}")
-    key = next(_hook_ids)
-    table[key] = fn
-    return RemovableHandle(table, key)
-
-
-# id(code) -> defined inside this package? Keyed by id because hashing a code object hashes
-# its bytecode and constants, per frame of every recorded op; `_codes_seen` keeps each code
-# object alive so that its id stays its own while listed.
-_code_kinds: dict[int, bool] = {}
-_codes_seen: list[Any] = []
-# (id(code), line) -> (code, line): one shared pair per user code line
-_origins: dict[tuple[int, int], tuple[Any, int]] = {}
-_MAX_ORIGINS = 100_000
-NO_ORIGIN: tuple[Any, int] = (None, 0)  # the origin of an entry recorded where no one asked
-
-
-def _is_internal(code: Any) -> bool:
-    internal = _code_kinds.get(id(code))
-    if internal is None:
-        if len(_codes_seen) > _MAX_ORIGINS:  # code made on the fly (exec) would pile up
-            _code_kinds.clear()
-            _codes_seen.clear()
-        _codes_seen.append(code)
-        internal = _code_kinds[id(code)] = code.co_filename.startswith(_PACKAGE_DIR)
-    return internal
-
-
-def origin_text(frame: tuple[Any, int]) -> str:
-    """'file:line' of an entry's `origin_frame` (code object, line number)."""
-    code, line = frame
-    return f"{code.co_filename}:{line}" if code is not None else "<unknown>"
-
-
-def _user_frame() -> tuple[Any, int]:
-    """(code, line) of the nearest caller outside this package; formatted only when asked.
-
-    Every entry asks, so the walk looks each frame's code up by id, and the pair is shared by
-    every entry recorded on the same line (a loop's entries hold no pair of their own)."""
-    frame = sys._getframe(3)  # past Entry.__init__ and add_entry: entries come from there
-    kinds = _code_kinds
-    while frame is not None:
-        code = frame.f_code
-        internal = kinds.get(id(code))
-        if internal is None:
-            internal = _is_internal(code)
-        if not internal:
-            line = frame.f_lineno
-            pair = _origins.get((id(code), line))
-            if pair is None:
-                if len(_origins) > _MAX_ORIGINS:
-                    _origins.clear()
-                pair = _origins[(id(code), line)] = (code, line)
-            return pair
-        frame = frame.f_back
-    return NO_ORIGIN
 
 
 class _Tapes(threading.local):

@@ -16,11 +16,12 @@ import numpy as np
 from . import ops
 from .autograd import backward as _backward
 from .backend import is_array, namespace
+from .entry import Entry, RemovableHandle, add_hook
 from .errors import BackwardError, InplaceError, RequiresGradConversionError, ShapeError
 from .grad_mode import _state, no_grad, refuse_trace
 from .ops.shape import GETITEM, RESHAPE, TRANSPOSE
 from .saved import VersionCounter, pack_value
-from .tape import Entry, RemovableHandle, add_hook, next_sequence, refresh_view
+from .tape import next_sequence, refresh_view
 from .tensor_base import TensorBase, as_tensor, as_tensor_like, make_tensor, tensor
 
 __all__ = ["Tensor", "as_tensor", "tensor"]

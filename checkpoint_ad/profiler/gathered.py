@@ -13,7 +13,7 @@ import gc
 from collections.abc import Callable
 from typing import Any
 
-from ..tape import origin_text
+from ..origins import origin_text
 from .records import SavedRecord
 
 # (op, role, shape, dtype, logical bytes, stored bytes, origin frame, serial, phase, owned,

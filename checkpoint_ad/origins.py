@@ -1,0 +1,62 @@
+"""Which line of user code recorded an entry: found by walking the stack past this package's
+own frames, only when someone asked (a profiler, anomaly detection, `record_origins`), and
+shared by every entry recorded on the same line."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+# id(code) -> defined inside this package? Keyed by id because hashing a code object hashes
+# its bytecode and constants, per frame of every recorded op; `_codes_seen` keeps each code
+# object alive so that its id stays its own while listed.
+_code_kinds: dict[int, bool] = {}
+_codes_seen: list[Any] = []
+# (id(code), line) -> (code, line): one shared pair per user code line
+_origins: dict[tuple[int, int], tuple[Any, int]] = {}
+_MAX_ORIGINS = 100_000
+NO_ORIGIN: tuple[Any, int] = (None, 0)  # the origin of an entry recorded where no one asked
+
+
+def _is_internal(code: Any) -> bool:
+    internal = _code_kinds.get(id(code))
+    if internal is None:
+        if len(_codes_seen) > _MAX_ORIGINS:  # code made on the fly (exec) would pile up
+            _code_kinds.clear()
+            _codes_seen.clear()
+        _codes_seen.append(code)
+        internal = _code_kinds[id(code)] = code.co_filename.startswith(_PACKAGE_DIR)
+    return internal
+
+
+def origin_text(frame: tuple[Any, int]) -> str:
+    """'file:line' of an entry's `origin_frame` (code object, line number)."""
+    code, line = frame
+    return f"{code.co_filename}:{line}" if code is not None else "<unknown>"
+
+
+def _user_frame() -> tuple[Any, int]:
+    """(code, line) of the nearest caller outside this package; formatted only when asked.
+
+    Every entry asks, so the walk looks each frame's code up by id, and the pair is shared by
+    every entry recorded on the same line (a loop's entries hold no pair of their own)."""
+    frame = sys._getframe(3)  # past Entry.__init__ and add_entry: entries come from there
+    kinds = _code_kinds
+    while frame is not None:
+        code = frame.f_code
+        internal = kinds.get(id(code))
+        if internal is None:
+            internal = _is_internal(code)
+        if not internal:
+            line = frame.f_lineno
+            pair = _origins.get((id(code), line))
+            if pair is None:
+                if len(_origins) > _MAX_ORIGINS:
+                    _origins.clear()
+                pair = _origins[(id(code), line)] = (code, line)
+            return pair
+        frame = frame.f_back
+    return NO_ORIGIN
