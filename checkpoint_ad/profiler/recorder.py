@@ -61,21 +61,28 @@ class _Recorder:
         self.phase = "forward"
         self.backward_started = 0.0
         self.recompute_started = 0.0
-        # what `explain` needs: serial -> (weakref of the original array, stored packed?)
-        self.originals: dict[int, tuple[Any, bool]] = {}
+        # what `explain` needs: serial -> weakref of the original array, and which of those
+        # serials were stored packed (a set beside the table: no pair per buffer)
+        self.originals: dict[int, Any] = {}
+        self.packed_originals: set[int] = set()
         self.released: set[int] = set()  # serials of owned buffers the tape let go of
         self.view_roots: set[int] = set()  # id(base array) of saved views, counted once
-        # owned buffers freed since the latest new peak that were alive at it: with the live
-        # ones born before it (`Tracked.born`), what the tape owned at its peak, in memory
-        # bounded by what is alive; and buffers born owned but found the caller's later
-        self.freed_since_peak: list[tuple[int, int]] = []
+        # owned buffers freed since the latest new peak that were alive at it (serial, bytes,
+        # serial, bytes, ...: flat, no pair per free): with the live ones born before it
+        # (`Tracked.born_at`), what the tape owned at its peak, in memory bounded by what is
+        # alive; and buffers born owned but found the caller's later
+        self.freed_since_peak: list[int] = []
         self.freed_reclassified: list[tuple[int, int, int]] = []  # (born at, serial, bytes)
         self.peak_at = 0  # timeline index of the latest new peak
+        # one object per distinct shape and byte count that records name (a kept value's are
+        # new objects at every read, which a long profile would hold by the thousand)
+        self.shared: dict[Any, Any] = {}
         self.gathered = Gathered()
         self.raw_records = self.gathered.records
         self.points = self.gathered.points
         self.handlers: dict[str, Callable[[Any], None]] = {
             "record": self._record,
+            "replayed": self._replayed,
             "pack": self._pack,
             "apply": self._settled(self._apply),
             "backward_begin": self._settled(self._backward_begin),
@@ -109,7 +116,7 @@ class _Recorder:
             self.phase = "backward" if self.backward_depth else "forward"
 
     def _point(self) -> None:
-        self.points.append((perf_counter(), self.live, self.phase))
+        self.points.extend((perf_counter(), self.live, self.phase))
 
     def _sample_rss(self) -> None:
         rss = rss_bytes()
@@ -137,7 +144,7 @@ class _Recorder:
                 size = 0
         tracked.counted, tracked.owned, tracked.size, tracked.root_id = True, owned, size, root_id
         if owned:
-            tracked.born = (len(self.points), size)
+            tracked.born_at, tracked.born_size = len(self.points), size
             self.live += size
             if self.live > self.peak:
                 self._new_peak()
@@ -177,78 +184,105 @@ class _Recorder:
             unrecorded[str(tracked.serial)] = tracked.size
         self._point()
 
-    def _learn_leaves(self, edges: Any) -> None:
-        """Remember the arrays of leaves that require grad and take part in the forward
-        computation: parameters and inputs the caller holds. (Leaves a loop or a checkpointed
+    def _learn_leaf(self, array: Any) -> None:
+        """Remember the array of a leaf that requires grad and takes part in the forward
+        computation: a parameter or input the caller holds. (Leaves a loop or a checkpointed
         region makes while re-running steps for the backward sweep are its own, not these.)"""
-        leaf_roots = self.leaf_roots
-        for edge in edges:
-            if edge is not None and isinstance(edge[0], TensorBase):
-                root = _root(edge[0]._data)
-                known = leaf_roots.get(id(root))
-                if known is None or known() is not root:  # new, or its id reused
-                    leaf_roots[id(root)] = weakref.ref(root)
-                    self.profile.leaf_bytes += int(getattr(root, "nbytes", 0))
+        root = _root(array)
+        known = self.leaf_roots.get(id(root))
+        if known is None or known() is not root:  # new, or its id reused
+            self.leaf_roots[id(root)] = weakref.ref(root)
+            self.profile.leaf_bytes += int(getattr(root, "nbytes", 0))
 
     # ------------------------------------------------------------- events
     def _record(self, entry: Any) -> None:
-        """One tape entry: count it, and classify and list each value it saved.
-
-        The most frequent event, so the common paths (a value kept as is, claimed by the
-        entry that saved it) are written out here rather than through helpers."""
+        """One tape entry: count it, and classify and list each value it saved."""
         if self.foreign:
             self.watch.drain()
         profile = self.profile
         profile.primitives += 1
         phase = self.phase
         if phase == "forward":
-            for edge in entry.edges:  # a leaf among them: learn it (`_learn_leaves`)
+            for edge in entry.edges:  # its leaves: learn them
                 if edge is not None and isinstance(edge[0], TensorBase):
-                    self._learn_leaves(entry.edges)
-                    break
+                    self._learn_leaf(edge[0]._data)
         elif phase == "recompute":
             profile.recomputed_primitives += 1
         slots = entry.slots
         if slots:
-            op, frame = entry.op.name, entry.origin_frame
-            pending, tracked_by_id = self.pending, self.tracked
-            leaf_roots, append = self.leaf_roots, self.raw_records.append
+            op, frame, saved = entry.op.name, entry.origin_frame, self._saved
             for slot in slots:
                 buffer = slot.buffer
-                if buffer is None:
-                    continue
-                key = id(buffer)
-                if buffer.source is None:  # stored as is: the caller's memory, or the tape's?
-                    array = buffer.packed
-                    root = array if getattr(array, "base", None) is None else _root(array)
-                    known = leaf_roots.get(id(root))
-                    owned = not ((known is not None and known() is root) or (
-                        slot.edge is None and slot.counter is not None and root is not array))
-                else:  # packed: the stored form is a new array
-                    owned, root = True, None
-                tracked = tracked_by_id.get(key)
-                if tracked is None:  # saved before profiling began: known from now on
-                    tracked = self.watch.track(buffer, key, next(self.counter))
-                elif key in pending:
-                    del pending[key]
-                    self._count(buffer, tracked, owned)
-                elif tracked.counted:  # one buffer, one classification...
-                    if tracked.owned and not owned:  # ...but claimed as owned before its entry
-                        self.live -= tracked.size
-                        tracked.owned = False
-                        self._add(False, tracked.size)
-                    owned = tracked.owned
-                if owned and root is not None and root is not buffer.packed:
-                    self._note_view(buffer, tracked.serial, root)
-                append((
-                    op, slot.name, buffer.shape, buffer.dtype, buffer.logical_nbytes,
-                    buffer.stored_nbytes, frame, tracked.serial, phase, owned,
-                    tracked.level or "device", type(buffer.packer).__name__,
-                ))
+                if buffer is not None:
+                    saved(op, slot.name, frame, phase, buffer,
+                          slot.edge is None and slot.counter is not None)
         if self.pending:  # saved by reference but held by no slot of this entry
             self._claim_pending()
         else:
-            self.points.append((perf_counter(), self.live, phase))
+            self.points.extend((perf_counter(), self.live, phase))
+
+    def _replayed(self, payload: tuple[Any, list[Any], list[Any], tuple[int, ...]]) -> None:
+        """One instruction of a replayed loop step, counted as `_record` counts the entry that
+        recording the step would have made (`step_program.Described` says what it would hold,
+        the same for every step; the event brings the buffers and values of this one)."""
+        described, kept, values, made = payload
+        if self.foreign:
+            self.watch.drain()
+        profile = self.profile
+        profile.primitives += 1
+        phase = self.phase
+        if phase == "forward":
+            for slot in described.leaves:
+                if slot not in made:  # a carry the previous step made is no leaf
+                    self._learn_leaf(values[slot])
+        elif phase == "recompute":
+            profile.recomputed_primitives += 1
+        op, frame, saved = described.op, described.origin, self._saved
+        for (role, slot, unedged), buffer in zip(described.saved, kept):
+            saved(op, role, frame, phase, buffer, unedged and slot not in made)
+        if self.pending:
+            self._claim_pending()
+        else:
+            self.points.extend((perf_counter(), self.live, phase))
+
+    def _saved(self, op: str, role: str, frame: Any, phase: str, buffer: Any,
+               unedged: bool) -> None:
+        """One value an entry saved: classify its buffer (owned, or the caller's memory saved
+        by reference), count it if new, and list its record. `unedged`: its tensor is outside
+        the graph (no gradient), so a view of another array there is a slice of the caller's
+        data (an input's row)."""
+        key, shared = id(buffer), self.shared
+        if buffer.source is None:  # stored as is: the caller's memory, or the tape's?
+            array = buffer.packed
+            root = array if getattr(array, "base", None) is None else _root(array)
+            known = self.leaf_roots.get(id(root))
+            owned = not ((known is not None and known() is root) or (
+                unedged and root is not array))
+            # its shape and size are made anew at each read: share one of each per value
+            shape, size = array.shape, buffer.stored_nbytes
+            shape = shared.setdefault(shape, shape)
+            logical = stored = shared.setdefault(size, size)
+        else:  # packed: the stored form is a new array
+            owned, root = True, None
+            shape, logical, stored = buffer.shape, buffer.logical_nbytes, buffer.stored_nbytes
+        tracked = self.tracked.get(key)
+        if tracked is None:  # saved before profiling began: known from now on
+            tracked = self.watch.track(buffer, key, next(self.counter))
+        elif key in self.pending:
+            del self.pending[key]
+            self._count(buffer, tracked, owned)
+        elif tracked.counted:  # one buffer, one classification...
+            if tracked.owned and not owned:  # ...but claimed as owned before its entry
+                self.live -= tracked.size
+                tracked.owned = False
+                self._add(False, tracked.size)
+            owned = tracked.owned
+        if owned and root is not None and root is not array:
+            self._note_view(buffer, tracked.serial, root)
+        self.raw_records.extend((
+            op, role, shape, buffer.dtype, logical, stored, frame, tracked.serial, phase, owned,
+            tracked.level or "device", type(buffer.packer).__name__,
+        ))
 
     def _note_view(self, buffer: Any, serial: int, root: Any) -> None:
         """A saved view keeps its whole base (`root`) alive: note the bytes beyond the view's
@@ -276,11 +310,12 @@ class _Recorder:
             pass
         elif source is None or source() is buffer.packed:  # stored as is
             try:  # noqa: SIM105 (not contextlib.suppress: a context manager per value)
-                self.originals[serial] = (weakref.ref(buffer.packed), False)
+                self.originals[serial] = weakref.ref(buffer.packed)
             except TypeError:  # no weak references: not judged
                 pass
         else:
-            self.originals[serial] = (source, True)
+            self.originals[serial] = source
+            self.packed_originals.add(serial)
         if self.sampling:
             self.probe.sample()
         if source is None:  # stored by reference: its record says whose memory it is
@@ -307,14 +342,14 @@ class _Recorder:
             serial = tracked.serial
             if serial in self.originals:
                 self.released.add(serial)
-            born = tracked.born
-            if born is not None and born[0] <= self.peak_at:
-                self.freed_since_peak.append((serial, born[1]))
+            born_at = tracked.born_at
+            if born_at is not None and born_at <= self.peak_at:
+                self.freed_since_peak.extend((serial, tracked.born_size))
         else:
             self.live_aliased -= size
-            if tracked.born is not None:  # owned when counted: listed at the peak as such
-                self.freed_reclassified.append((tracked.born[0], tracked.serial,
-                                                tracked.born[1]))
+            if tracked.born_at is not None:  # owned when counted: listed at the peak as such
+                self.freed_reclassified.append((tracked.born_at, tracked.serial,
+                                                tracked.born_size))
         root_id = tracked.root_id
         if root_id is not None:
             roots = self.roots
@@ -324,7 +359,7 @@ class _Recorder:
                 roots[root_id] -= 1
         if self.sampling:
             self.probe.sample()
-        self.points.append((perf_counter(), self.live, self.phase))
+        self.points.extend((perf_counter(), self.live, self.phase))
 
     def _tracked_stored(self, stored: Any) -> Tracked | None:
         """The counted buffer whose stored form is `stored`, if any."""
@@ -416,13 +451,15 @@ class _Recorder:
         self.profile.device_peak_bytes = self.probe.stop()
         self._sample_rss()
         self.profile.level_peak_bytes["device"] = self.profile.peak_tape_bytes
-        at_peak = self.freed_since_peak + [
-            (t.serial, t.born[1]) for t in self.tracked.values()
-            if t.born is not None and t.born[0] <= self.peak_at] + [
+        freed = self.freed_since_peak
+        at_peak = list(zip(freed[0::2], freed[1::2])) + [
+            (t.serial, t.born_size) for t in self.tracked.values()
+            if t.born_at is not None and t.born_at <= self.peak_at] + [
             (serial, size) for born, serial, size in self.freed_reclassified
             if born <= self.peak_at]
         self.watch.close()
-        self.gathered.judge = partial(judge_buffers, self.originals, self.released, at_peak)
+        self.gathered.judge = partial(judge_buffers, self.originals, self.packed_originals,
+                                      self.released, at_peak)
         self.gathered.ended = True
 
 

@@ -17,6 +17,7 @@ drawn per call) is caught there, as it would be frozen by a replay.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,13 +33,11 @@ from ..saved import (
     SavedBuffer,
     SavedSlot,
     Strategy,
-    VersionCounter,
     buffer_for,
     current_packer,
     pack_value,
 )
-from ..tape import Entry, Primitive, _sum_to, edge_of, next_sequence
-from ..tensor_base import make_tensor
+from ..tape import Primitive, _sum_to, edge_of, next_sequence
 
 
 @dataclass(frozen=True, slots=True)
@@ -362,7 +361,7 @@ class StepProgram:
         xp = _namespace_of(values)
         saved: list[Any] = [None] * len(self.instructions)
         entries: list[Any] = (
-            [None] * len(self.instructions) if events.hears("record") else [])
+            [None] * len(self.instructions) if events.hears("replayed") else [])
         buffers: dict[tuple[int, int], Any] = {}
         chained = carry_tensors is not None or previous is not None
         if previous is not None:
@@ -399,13 +398,7 @@ class StepProgram:
                 kept.append(buffer)
             saved[i] = kept
             if entries:
-                made = self.carry_in if chained else ()
-                edges = tuple(
-                    (make_tensor(values[slot]), 0)
-                    if needed and self.leaf[slot] and slot not in made else None
-                    for slot, needed in zip(ins.inputs, ins.mask)
-                )
-                entries[i] = _announce(ins, kept, made, edges)
+                entries[i] = _announce(self, i, kept, values, self.carry_in if chained else ())
         return ReplayedStep(values, saved, entries, buffers)
 
     # ------------------------------------------------------------- backward
@@ -561,23 +554,65 @@ def _forward(prim: Primitive, xp: Any, values: list[Any], ins: Instruction) -> A
     return out
 
 
-def _announce(
-    ins: Instruction, kept: list[Any], made: tuple[int, ...], edges: tuple[Any, ...]
-) -> Entry:
-    """For a profiler listening: the entry a recorded step would have made, with its saved
-    slots and leaf inputs (`made`: carry slots the previous step made, graph values rather
-    than leaves), announced as recorded (never differentiated: the replay does that)."""
-    entry = Entry(ins.prim, edges, ins.attrs, ins.origin)
-    entry.form = ins.form
-    entry.slots = tuple(
-        SavedSlot(s.name, buffer, VersionCounter() if s.counted or slot in made else None,
-                  0 if s.leaf_edge or slot in made else None)
-        for s, buffer, slot in zip(
-            ins.saved, kept,
-            (ins.output if s.position < 0 else ins.inputs[s.position] for s in ins.saved))
+@dataclass(frozen=True, slots=True)
+class Described:
+    """What a profiler counts of the entry that recording one instruction would make, the same
+    for every replayed step: its op's name and origin, per saved value (role, slot, whether
+    its recorded slot has a version counter but no graph edge), and the input slots that
+    would be its leaf edges."""
+
+    op: str
+    origin: tuple[Any, int]
+    saved: tuple[tuple[str, int, bool], ...]
+    leaves: tuple[int, ...]
+
+
+# program -> what each of its instructions would record (made on a profiled step's first use)
+_described: weakref.WeakKeyDictionary[StepProgram, list[Described | None]] = (
+    weakref.WeakKeyDictionary())
+
+
+def _describe(program: StepProgram, i: int) -> Described:
+    ins = program.instructions[i]
+    return Described(
+        ins.prim.name, ins.origin,
+        tuple((s.name, ins.output if s.position < 0 else ins.inputs[s.position],
+               s.counted and not s.leaf_edge) for s in ins.saved),
+        tuple(slot for slot, needed in zip(ins.inputs, ins.mask)
+              if needed and program.leaf[slot]),
     )
-    events.emit("record", entry)
-    return entry
+
+
+class _Announced:
+    """What a replayed step keeps of an announced instruction: its saved values, released one
+    by one in slot order as a recorded entry's are, so a profiler sees them freed in the same
+    order (dropping the list at once would free them last first)."""
+
+    __slots__ = ("kept",)
+
+    def __init__(self, kept: list[Any]) -> None:
+        self.kept = kept
+
+    def release(self) -> None:
+        kept = self.kept
+        for j in range(len(kept)):
+            kept[j] = None
+
+
+def _announce(program: StepProgram, i: int, kept: list[Any], values: list[Any],
+              made: tuple[int, ...]) -> _Announced:
+    """For a profiler listening: instruction `i` ran in place of a recorded entry, keeping
+    `kept` (`made`: carry slots the previous step made, graph values rather than leaves). One
+    'replayed' event with the instruction's `Described` and this step's buffers and values:
+    no entry, saved slots or leaf tensors are made just to be announced."""
+    described = _described.get(program)
+    if described is None:
+        described = _described[program] = [None] * len(program.instructions)
+    item = described[i]
+    if item is None:
+        item = described[i] = _describe(program, i)
+    events.emit("replayed", (item, kept, values, made))
+    return _Announced(kept)
 
 
 def traced_call(loop: Any, t: int, carry: list[Any], x: Any) -> tuple[list[Any], list[Any], Trace]:
