@@ -362,6 +362,7 @@ class StepProgram:
         saved: list[Any] = [None] * len(self.instructions)
         entries: list[Any] = (
             [None] * len(self.instructions) if events.hears("replayed") else [])
+        described = _described_by(self) if entries else ()
         buffers: dict[tuple[int, int], Any] = {}
         chained = carry_tensors is not None or previous is not None
         if previous is not None:
@@ -398,7 +399,8 @@ class StepProgram:
                 kept.append(buffer)
             saved[i] = kept
             if entries:
-                entries[i] = _announce(self, i, kept, values, self.carry_in if chained else ())
+                entries[i] = _announce(described[i], kept, values,
+                                       self.carry_in if chained else ())
         return ReplayedStep(values, saved, entries, buffers)
 
     # ------------------------------------------------------------- backward
@@ -567,13 +569,22 @@ class Described:
     leaves: tuple[int, ...]
 
 
-# program -> what each of its instructions would record (made on a profiled step's first use)
-_described: weakref.WeakKeyDictionary[StepProgram, list[Described | None]] = (
+# program -> what each of its instructions would record (made when a profiler first hears
+# one of its steps)
+_described: weakref.WeakKeyDictionary[StepProgram, tuple[Described | None, ...]] = (
     weakref.WeakKeyDictionary())
 
 
-def _describe(program: StepProgram, i: int) -> Described:
-    ins = program.instructions[i]
+def _described_by(program: StepProgram) -> tuple[Described | None, ...]:
+    """What each instruction of `program` would record (None for one that records nothing)."""
+    described = _described.get(program)
+    if described is None:
+        described = _described[program] = tuple(
+            _describe(program, ins) if ins.taped else None for ins in program.instructions)
+    return described
+
+
+def _describe(program: StepProgram, ins: Instruction) -> Described:
     return Described(
         ins.prim.name, ins.origin,
         tuple((s.name, ins.output if s.position < 0 else ins.inputs[s.position],
@@ -599,19 +610,13 @@ class _Announced:
             kept[j] = None
 
 
-def _announce(program: StepProgram, i: int, kept: list[Any], values: list[Any],
+def _announce(described: Described, kept: list[Any], values: list[Any],
               made: tuple[int, ...]) -> _Announced:
-    """For a profiler listening: instruction `i` ran in place of a recorded entry, keeping
+    """For a profiler listening: an instruction ran in place of a recorded entry, keeping
     `kept` (`made`: carry slots the previous step made, graph values rather than leaves). One
     'replayed' event with the instruction's `Described` and this step's buffers and values:
     no entry, saved slots or leaf tensors are made just to be announced."""
-    described = _described.get(program)
-    if described is None:
-        described = _described[program] = [None] * len(program.instructions)
-    item = described[i]
-    if item is None:
-        item = described[i] = _describe(program, i)
-    events.emit("replayed", (item, kept, values, made))
+    events.emit("replayed", (described, kept, values, made))
     return _Announced(kept)
 
 
