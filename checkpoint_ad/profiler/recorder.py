@@ -49,6 +49,10 @@ class _Recorder:
         self.foreign = self.watch.foreign  # tested before every event: frees to take in first
         self.roots: dict[int, int] = {}  # id(array) -> live owned buffers holding it
         self.pending: dict[int, Any] = {}  # id(buffer) -> buffer stored by reference, unclaimed
+        # buffers packed into a new stored form since the latest other event, counted at that
+        # event as if at their 'pack' (a replayed step's are counted among its instructions)
+        self.packed: list[Any] = []
+        self.before_step: Any = ()  # ids of the buffers waiting when a replayed step began
         self.leaf_roots: dict[int, Any] = {}  # id(root array) -> weakref of a caller's leaf's
         self.counter = itertools.count()  # buffer serials (ids are reused; serials not)
         self.by_stored: dict[int, int] = {}  # id(stored form) -> id(buffer), if packed
@@ -82,6 +86,7 @@ class _Recorder:
         self.points = self.gathered.points
         self.handlers: dict[str, Callable[[Any], None]] = {
             "record": self._record,
+            "replaying": self._replaying,
             "replayed": self._replayed,
             "pack": self._pack,
             "apply": self._settled(self._apply),
@@ -97,12 +102,14 @@ class _Recorder:
         }
 
     def _settled(self, handler: Callable[[Any], None]) -> Callable[[Any], None]:
-        """`handler`, first taking in the frees heard from other threads and claiming the
-        buffers stored by reference that no 'record' came for (every kind but 'pack' and
-        'record' ends that wait)."""
+        """`handler`, first taking in the frees heard from other threads, counting the values
+        packed since the latest event, and claiming the buffers stored by reference that no
+        'record' came for (every kind but 'pack' and 'record' ends that wait)."""
         def settled(payload: Any) -> None:
             if self.foreign:
                 self.watch.drain()
+            if self.packed:
+                self._count_packed()
             if self.pending:
                 self._claim_pending()
             handler(payload)
@@ -172,12 +179,25 @@ class _Recorder:
         peaks = self.profile.level_peak_bytes
         peaks[level] = max(peaks.get(level, 0), live)
 
-    def _claim_pending(self) -> None:
-        """Buffers stored by reference that no entry claimed: owned (a loop's snapshots, a
-        checkpointed region's inputs)."""
+    def _count_packed(self) -> None:
+        """Count the buffers packed since the latest other event, in pack order: what each
+        'pack' would have counted at once (the points are the same; only their clock reads
+        come later, when the event that follows arrives)."""
+        packed, self.packed = self.packed, []
+        tracked = self.tracked
+        for buffer in packed:
+            self._count(buffer, tracked[id(buffer)], owned=True)
+            self._point()
+
+    def _claim_pending(self, keys: Any = None) -> None:
+        """Buffers stored by reference that no entry claimed (all, or those of `keys` still
+        waiting): owned (a loop's snapshots, a checkpointed region's inputs)."""
         unrecorded = self.profile.unrecorded_bytes
-        claimed = list(self.pending.items())
-        self.pending.clear()  # in place: `_record` holds it
+        if keys is None:
+            claimed = list(self.pending.items())
+            self.pending.clear()  # in place: `_record` holds it
+        else:
+            claimed = [(key, self.pending.pop(key)) for key in keys if key in self.pending]
         for key, buffer in claimed:
             tracked = self.tracked[key]
             self._count(buffer, tracked, owned=True)
@@ -199,6 +219,8 @@ class _Recorder:
         """One tape entry: count it, and classify and list each value it saved."""
         if self.foreign:
             self.watch.drain()
+        if self.packed:
+            self._count_packed()
         profile = self.profile
         profile.primitives += 1
         phase = self.phase
@@ -221,29 +243,66 @@ class _Recorder:
         else:
             self.points.extend((perf_counter(), self.live, phase))
 
-    def _replayed(self, payload: tuple[Any, list[Any], list[Any], tuple[int, ...]]) -> None:
-        """One instruction of a replayed loop step, counted as `_record` counts the entry that
-        recording the step would have made (`step_program.Described` says what it would hold,
-        the same for every step; the event brings the buffers and values of this one)."""
-        described, kept, values, made = payload
+    def _replaying(self, _: Any) -> None:
+        """A replayed step begins: the values packed before it are counted now, so that those
+        packed until its 'replayed' event are its own. (Buffers stored by reference wait on:
+        the step's first instruction may claim them, as its first 'record' would.)"""
         if self.foreign:
             self.watch.drain()
-        profile = self.profile
-        profile.primitives += 1
-        phase = self.phase
-        if phase == "forward":
-            for slot in described.leaves:
-                if slot not in made:  # a carry the previous step made is no leaf
-                    self._learn_leaf(values[slot])
-        elif phase == "recompute":
-            profile.recomputed_primitives += 1
-        op, frame, saved = described.op, described.origin, self._saved
-        for (role, slot, unedged), buffer in zip(described.saved, kept):
-            saved(op, role, frame, phase, buffer, unedged and slot not in made)
-        if self.pending:
-            self._claim_pending()
-        else:
-            self.points.extend((perf_counter(), self.live, phase))
+        if self.packed:
+            self._count_packed()
+        self.before_step = list(self.pending) if self.pending else ()
+
+    def _replayed(self, payload: tuple[Any, list[Any], list[Any], tuple[int, ...]]) -> None:
+        """A replayed loop step, counted as `_record` would count the entries that recording
+        it would have made, instruction by instruction, in their order (`DescribedStep`, in
+        step_program.py, says what each would hold, the same for every step; the event brings
+        this step's saved buffers and values, and `made`: the carry slots the previous step
+        made, graph values rather than leaves). The values it packed are counted in order
+        with them: each instruction's before its record, as their 'pack' events were."""
+        step, saved, values, made = payload
+        if self.foreign:
+            self.watch.drain()
+        profile, phase, points = self.profile, self.phase, self.points
+        recomputing = phase == "recompute"
+        packed, self.packed = self.packed, []
+        n_packed, at = len(packed), 0
+        before, self.before_step = self.before_step, ()
+        if step.applied:  # its primitives that record nothing ('apply' when recorded)
+            profile.primitives += step.applied
+            if recomputing:
+                profile.recomputed_primitives += step.applied
+        saved_value = self._saved
+        for described, kept in zip(step.instructions, saved):
+            if described is None:
+                continue
+            profile.primitives += 1
+            if phase == "forward":
+                for slot in described.leaves:
+                    if slot not in made:  # a carry the previous step made is no leaf
+                        self._learn_leaf(values[slot])
+            elif recomputing:
+                profile.recomputed_primitives += 1
+            if at < n_packed:
+                for buffer in kept:
+                    if at < n_packed and packed[at] is buffer:
+                        self._count(buffer, self.tracked[id(buffer)], owned=True)
+                        points.extend((perf_counter(), self.live, phase))
+                        at += 1
+            op, frame = described.op, described.origin
+            for (role, slot, unedged), buffer in zip(described.saved, kept):
+                saved_value(op, role, frame, phase, buffer, unedged and slot not in made)
+            # the step's own buffers stored by reference wait for their instructions; those
+            # from before it that its first one did not claim are claimed now, as its first
+            # 'record' would have
+            if before and any(key in self.pending for key in before):
+                self._claim_pending(before)
+            else:
+                points.extend((perf_counter(), self.live, phase))
+            before = ()
+        if at < n_packed:  # packed by none of its instructions (not expected): as at an event
+            self.packed = packed[at:] + self.packed
+            self._count_packed()
 
     def _saved(self, op: str, role: str, frame: Any, phase: str, buffer: Any,
                unedged: bool) -> None:
@@ -323,12 +382,13 @@ class _Recorder:
             return
         tracked.stored_id = id(buffer.packed)
         self.by_stored[tracked.stored_id] = key
-        self._count(buffer, tracked, owned=True)
-        self._point()
+        self.packed.append(buffer)  # counted at the next other event (`_count_packed`)
 
     def _free(self, tracked: Tracked) -> None:
         """A tracked buffer died (`Watch` calls this, in this thread)."""
-        if self.pending:  # as `_settled` does (a buffer dying unclaimed was owned)
+        if self.packed:  # as `_settled` does
+            self._count_packed()
+        if self.pending:  # (a buffer dying unclaimed was owned)
             self._claim_pending()
         if tracked.stored_id is not None:
             self.by_stored.pop(tracked.stored_id, None)
@@ -442,6 +502,8 @@ class _Recorder:
 
     def stop(self) -> None:
         self.watch.drain()  # frees heard from other threads
+        if self.packed:
+            self._count_packed()
         if self.pending:
             self._claim_pending()
         synchronize(self.device)

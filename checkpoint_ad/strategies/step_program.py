@@ -362,7 +362,7 @@ class StepProgram:
         saved: list[Any] = [None] * len(self.instructions)
         entries: list[Any] = (
             [None] * len(self.instructions) if events.hears("replayed") else [])
-        described = _described_by(self) if entries else ()
+        described = _step_begins(self) if entries else None
         buffers: dict[tuple[int, int], Any] = {}
         chained = carry_tensors is not None or previous is not None
         if previous is not None:
@@ -376,8 +376,6 @@ class StepProgram:
             if prim is None or type(prim) is Draw:
                 continue
             if not ins.taped:
-                if entries:
-                    events.emit("apply", prim)
                 continue
             kept = []
             for s in ins.saved:
@@ -399,8 +397,9 @@ class StepProgram:
                 kept.append(buffer)
             saved[i] = kept
             if entries:
-                entries[i] = _announce(described[i], kept, values,
-                                       self.carry_in if chained else ())
+                entries[i] = _Announced(kept)
+        if entries:
+            events.emit("replayed", (described, saved, values, self.carry_in if chained else ()))
         return ReplayedStep(values, saved, entries, buffers)
 
     # ------------------------------------------------------------- backward
@@ -569,18 +568,36 @@ class Described:
     leaves: tuple[int, ...]
 
 
-# program -> what each of its instructions would record (made when a profiler first hears
-# one of its steps)
-_described: weakref.WeakKeyDictionary[StepProgram, tuple[Described | None, ...]] = (
-    weakref.WeakKeyDictionary())
+@dataclass(frozen=True, slots=True)
+class DescribedStep:
+    """A profiler's view of a replayed step, the same for every step: per instruction, what
+    its entry would record (None where it records none), and how many primitives it runs
+    without recording (each an 'apply' when recorded)."""
+
+    instructions: tuple[Described | None, ...]
+    applied: int
 
 
-def _described_by(program: StepProgram) -> tuple[Described | None, ...]:
-    """What each instruction of `program` would record (None for one that records nothing)."""
+# program -> its description (made when a profiler first hears one of its steps)
+_described: weakref.WeakKeyDictionary[StepProgram, DescribedStep] = weakref.WeakKeyDictionary()
+
+
+def _step_begins(program: StepProgram) -> DescribedStep:
+    """A profiler listens: say a replayed step begins (the values it packs until its
+    'replayed' event are its own) and give the program's description.
+
+    Replayed steps are announced one event per step, not per instruction: the event carries
+    the description and the step's saved buffers and values, and the profiler lists from them
+    what recording the step would have listed, in the same order; no entry, saved slot or
+    leaf tensor is made just to be announced."""
     described = _described.get(program)
     if described is None:
-        described = _described[program] = tuple(
-            _describe(program, ins) if ins.taped else None for ins in program.instructions)
+        described = _described[program] = DescribedStep(
+            tuple(_describe(program, ins) if ins.taped else None
+                  for ins in program.instructions),
+            sum(1 for ins in program.instructions
+                if not ins.taped and ins.prim is not None and type(ins.prim) is not Draw))
+    events.emit("replaying", None)
     return described
 
 
@@ -608,16 +625,6 @@ class _Announced:
         kept = self.kept
         for j in range(len(kept)):
             kept[j] = None
-
-
-def _announce(described: Described, kept: list[Any], values: list[Any],
-              made: tuple[int, ...]) -> _Announced:
-    """For a profiler listening: an instruction ran in place of a recorded entry, keeping
-    `kept` (`made`: carry slots the previous step made, graph values rather than leaves). One
-    'replayed' event with the instruction's `Described` and this step's buffers and values:
-    no entry, saved slots or leaf tensors are made just to be announced."""
-    events.emit("replayed", (described, kept, values, made))
-    return _Announced(kept)
 
 
 def traced_call(loop: Any, t: int, carry: list[Any], x: Any) -> tuple[list[Any], list[Any], Trace]:
