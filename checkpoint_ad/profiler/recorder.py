@@ -19,6 +19,8 @@ from functools import partial
 from time import perf_counter
 from typing import Any
 
+import numpy as np
+
 from .. import events
 from ..tensor_base import TensorBase
 from .gathered import Gathered, judge_buffers
@@ -130,11 +132,15 @@ class _Recorder:
         if rss is not None and (self.profile.rss_peak_bytes or 0) < rss:
             self.profile.rss_peak_bytes = rss
 
-    def _count(self, buffer: Any, tracked: Tracked, owned: bool) -> None:
-        """Start counting a live buffer as owned (tape memory) or aliased (the caller's). A
-        buffer stored by reference holding the very array a live owned buffer holds (a loop's
-        restored snapshot, saved again by the step re-run from it) adds no bytes."""
-        size, root_id = buffer.stored_nbytes, None
+    def _count(self, buffer: Any, tracked: Tracked, owned: bool, size: int | None = None,
+               ) -> None:
+        """Start counting a live buffer as owned (tape memory) or aliased (the caller's),
+        `size` its stored bytes if known. A buffer stored by reference holding the very array a
+        live owned buffer holds (a loop's restored snapshot, saved again by the step re-run
+        from it) adds no bytes."""
+        root_id = None
+        if size is None:
+            size = buffer.stored_nbytes
         if buffer.source is None:
             if owned:
                 root_id = id(buffer.packed)
@@ -208,6 +214,9 @@ class _Recorder:
         """Remember the array of a leaf that requires grad and takes part in the forward
         computation: a parameter or input the caller holds. (Leaves a loop or a checkpointed
         region makes while re-running steps for the backward sweep are its own, not these.)"""
+        known = self.leaf_roots.get(id(array))
+        if known is not None and known() is array:  # the common case: a parameter seen before
+            return
         root = _root(array)
         known = self.leaf_roots.get(id(root))
         if known is None or known() is not root:  # new, or its id reused
@@ -318,7 +327,8 @@ class _Recorder:
             owned = not ((known is not None and known() is root) or (
                 unedged and root is not array))
             # its shape and size are made anew at each read: share one of each per value
-            shape, size = array.shape, buffer.stored_nbytes
+            shape = array.shape
+            size = array.nbytes if type(array) is np.ndarray else buffer.stored_nbytes
             shape = shared.setdefault(shape, shape)
             logical = stored = shared.setdefault(size, size)
         else:  # packed: the stored form is a new array
@@ -327,9 +337,8 @@ class _Recorder:
         tracked = self.tracked.get(key)
         if tracked is None:  # saved before profiling began: known from now on
             tracked = self.watch.track(buffer, key, next(self.counter))
-        elif key in self.pending:
-            del self.pending[key]
-            self._count(buffer, tracked, owned)
+        elif self.pending.pop(key, None) is not None:
+            self._count(buffer, tracked, owned, stored)
         elif tracked.counted:  # one buffer, one classification...
             if tracked.owned and not owned:  # ...but claimed as owned before its entry
                 self.live -= tracked.size

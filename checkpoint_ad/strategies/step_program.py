@@ -622,9 +622,8 @@ class _Announced:
         self.kept = kept
 
     def release(self) -> None:
-        kept = self.kept
-        for j in range(len(kept)):
-            kept[j] = None
+        self.kept.reverse()  # a list clears last item first: reversed, it frees in slot order
+        self.kept.clear()
 
 
 def traced_call(loop: Any, t: int, carry: list[Any], x: Any) -> tuple[list[Any], list[Any], Trace]:
