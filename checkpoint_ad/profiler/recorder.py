@@ -277,21 +277,20 @@ class _Recorder:
         packed, self.packed = self.packed, []
         n_packed, at = len(packed), 0
         before, self.before_step = self.before_step, ()
-        if step.applied:  # its primitives that record nothing ('apply' when recorded)
-            profile.primitives += step.applied
-            if recomputing:
-                profile.recomputed_primitives += step.applied
-        saved_value = self._saved
+        profile.primitives += step.primitives
+        if recomputing:
+            profile.recomputed_primitives += step.primitives
+        saved_value, leaf_roots = self._saved, self.leaf_roots
         for described, kept in zip(step.instructions, saved):
             if described is None:
                 continue
-            profile.primitives += 1
             if phase == "forward":
                 for slot in described.leaves:
                     if slot not in made:  # a carry the previous step made is no leaf
-                        self._learn_leaf(values[slot])
-            elif recomputing:
-                profile.recomputed_primitives += 1
+                        array = values[slot]
+                        known = leaf_roots.get(id(array))
+                        if known is None or known() is not array:  # else: known already
+                            self._learn_leaf(array)
             if at < n_packed:
                 for buffer in kept:
                     if at < n_packed and packed[at] is buffer:

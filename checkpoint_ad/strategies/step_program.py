@@ -572,10 +572,10 @@ class Described:
 class DescribedStep:
     """A profiler's view of a replayed step, the same for every step: per instruction, what
     its entry would record (None where it records none), and how many primitives it runs
-    without recording (each an 'apply' when recorded)."""
+    (recorded or not: each a 'record' or an 'apply' when recorded)."""
 
     instructions: tuple[Described | None, ...]
-    applied: int
+    primitives: int
 
 
 # program -> its description (made when a profiler first hears one of its steps)
@@ -596,7 +596,7 @@ def _step_begins(program: StepProgram) -> DescribedStep:
             tuple(_describe(program, ins) if ins.taped else None
                   for ins in program.instructions),
             sum(1 for ins in program.instructions
-                if not ins.taped and ins.prim is not None and type(ins.prim) is not Draw))
+                if ins.prim is not None and type(ins.prim) is not Draw))
     events.emit("replaying", None)
     return described
 
