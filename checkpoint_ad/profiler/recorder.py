@@ -234,9 +234,13 @@ class _Recorder:
         profile.primitives += 1
         phase = self.phase
         if phase == "forward":
-            for edge in entry.edges:  # its leaves: learn them
+            leaf_roots = self.leaf_roots
+            for edge in entry.edges:  # its leaves: learn them (most are known already)
                 if edge is not None and isinstance(edge[0], TensorBase):
-                    self._learn_leaf(edge[0]._data)
+                    array = edge[0]._data
+                    known = leaf_roots.get(id(array))
+                    if known is None or known() is not array:
+                        self._learn_leaf(array)
         elif phase == "recompute":
             profile.recomputed_primitives += 1
         slots = entry.slots
@@ -326,13 +330,18 @@ class _Recorder:
             owned = not ((known is not None and known() is root) or (
                 unedged and root is not array))
             # its shape and size are made anew at each read: share one of each per value
-            shape = array.shape
+            shape, dtype = array.shape, array.dtype
             size = array.nbytes if type(array) is np.ndarray else buffer.stored_nbytes
             shape = shared.setdefault(shape, shape)
             logical = stored = shared.setdefault(size, size)
+            strategy = shared.get(type(buffer))  # such a buffer's packer is its class's
+            if strategy is None:
+                strategy = shared[type(buffer)] = type(buffer.packer).__name__
         else:  # packed: the stored form is a new array
             owned, root = True, None
-            shape, logical, stored = buffer.shape, buffer.logical_nbytes, buffer.stored_nbytes
+            shape, dtype = buffer.shape, buffer.dtype
+            logical, stored = buffer.logical_nbytes, buffer.stored_nbytes
+            strategy = type(buffer.packer).__name__
         tracked = self.tracked.get(key)
         if tracked is None:  # saved before profiling began: known from now on
             tracked = self.watch.track(buffer, key, next(self.counter))
@@ -347,8 +356,8 @@ class _Recorder:
         if owned and root is not None and root is not array:
             self._note_view(buffer, tracked.serial, root)
         self.raw_records.extend((
-            op, role, shape, buffer.dtype, logical, stored, frame, tracked.serial, phase, owned,
-            tracked.level or "device", type(buffer.packer).__name__,
+            op, role, shape, dtype, logical, stored, frame, tracked.serial, phase, owned,
+            tracked.level or "device", strategy,
         ))
 
     def _note_view(self, buffer: Any, serial: int, root: Any) -> None:
