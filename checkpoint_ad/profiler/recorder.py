@@ -55,7 +55,8 @@ class _Recorder:
         # event as if at their 'pack' (a replayed step's are counted among its instructions)
         self.packed: list[Any] = []
         self.before_step: Any = ()  # ids of the buffers waiting when a replayed step began
-        self.leaf_roots: dict[int, Any] = {}  # id(root array) -> weakref of a caller's leaf's
+        # id(array) -> weakref: the arrays of the caller's leaves, and views of them seen
+        self.leaf_roots: dict[int, Any] = {}
         self.counter = itertools.count()  # buffer serials (ids are reused; serials not)
         self.by_stored: dict[int, int] = {}  # id(stored form) -> id(buffer), if packed
         self.level_live: dict[str, int] = {}  # owned stored bytes off the device, per level
@@ -222,6 +223,8 @@ class _Recorder:
         if known is None or known() is not root:  # new, or its id reused
             self.leaf_roots[id(root)] = weakref.ref(root)
             self.profile.leaf_bytes += int(getattr(root, "nbytes", 0))
+        if root is not array:  # a view of one (a transposed weight): known by id next time
+            self.leaf_roots[id(array)] = weakref.ref(array)
 
     # ------------------------------------------------------------- events
     def _record(self, entry: Any) -> None:
