@@ -66,7 +66,11 @@ def emit(kind: str, payload: Any) -> None:
     whose array a rematerializing pool dropped), 'rematerialize' (one primitive re-run to bring
     an evicted value back: the stored form held again, or None), 'io_write' / 'io_read'
     (bytes handed to or read back from a storage level), 'io_stall' (seconds spent waiting),
-    'step' (a loop evaluated one step, recorded or replayed: its count so far).
+    'step' (a loop evaluated one step, recorded or replayed: its count so far), 'replaying' /
+    'replayed' (a loop step replayed from its step program begins / ended, sent only while
+    'replayed' is heard: the step's `DescribedStep`, its saved values per instruction, its
+    values and the carry slots the previous step made; what recording the step would have
+    sent as 'record' and 'apply' events, one event per step).
     """
     route = _routes.get(kind)
     if route is None:

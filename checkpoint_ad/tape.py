@@ -7,8 +7,9 @@ strategy pick a form (store inputs vs store outputs), pack the needed values, or
 without touching a rule.
 
 An `Entry` (`entry.py`) is one recorded application: its inputs' graph edges, its saved slots,
-its attributes and the user code line that ran it (`origins.py`, when someone asked). Entries are numbered in execution order, so the backward
-sweep visits them by descending number: no recursive graph search is needed.
+its attributes and the user code line that ran it (`origins.py`, when someone asked). Entries
+are numbered in execution order, so the backward sweep visits them by descending number: no
+recursive graph search is needed.
 """
 
 from __future__ import annotations

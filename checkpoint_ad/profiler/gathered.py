@@ -2,9 +2,11 @@
 
 Building a `SavedRecord` (a frozen dataclass) per saved value and three timeline appends per
 event (even the subtraction that turns a clock reading into seconds since the start) cost more
-than the bookkeeping itself; a profiled run appends plain tuples instead, and the profile's
-`records` and `timeline_*` fields are filled from them the first time they are read
-(`records._Filled`), during the block or after it.
+than the bookkeeping itself; a profiled run extends two flat lists instead (`RECORD_FIELDS`
+items per saved value, `POINT_FIELDS` per timeline point: no tuple per item that the cyclic
+collector would visit while the program runs), and the profile's `records` and `timeline_*`
+fields are filled from them the first time they are read (`records._Filled`), during the block
+or after it.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ from typing import Any
 from ..origins import origin_text
 from .records import SavedRecord
 
-# (op, role, shape, dtype, logical bytes, stored bytes, origin frame, serial, phase, owned,
-#  storage level, strategy class name)
-RawRecord = tuple[str, str, tuple[int, ...], Any, int, int, tuple[Any, int], int, str, bool,
-                  str, str]
+# one saved value, as `Gathered.records` holds it: (op, role, shape, dtype, logical bytes,
+# stored bytes, origin frame, serial, phase, owned, storage level, strategy class name)
+RECORD_FIELDS = 12
+# one timeline point, as `Gathered.points` holds it: (perf_counter() then, live bytes, phase)
+POINT_FIELDS = 3
 
 
 class Gathered:
@@ -29,9 +32,9 @@ class Gathered:
     __slots__ = ("ended", "judge", "points", "records", "started")
 
     def __init__(self) -> None:
-        self.records: list[RawRecord] = []
-        # (perf_counter() then, live bytes, phase): seconds counted from `started` when read
-        self.points: list[tuple[float, int, str]] = []
+        self.records: list[Any] = []  # RECORD_FIELDS items per saved value
+        # POINT_FIELDS items per point: seconds counted from `started` when read
+        self.points: list[Any] = []
         self.started = 0.0
         self.ended = False
         self.judge: Callable[[Any], None] | None = None  # set when the recording ends
@@ -39,20 +42,20 @@ class Gathered:
     def __call__(self, profile: Any) -> None:
         fields = profile.__dict__
         if self.records:
+            raw = iter(self.records)
             fields["_records"].extend([
                 SavedRecord(op, role, shape, _dtype_name(dtype), logical, stored,
                             _origin(frame), serial, phase, owned=owned, level=level,
                             strategy=strategy)
                 for op, role, shape, dtype, logical, stored, frame, serial, phase, owned,
-                level, strategy in self.records
+                level, strategy in zip(*(raw,) * RECORD_FIELDS)
             ])
             self.records.clear()
         if self.points:
-            clock, live, phases = zip(*self.points)
-            started = self.started
-            fields["_timeline_seconds"].extend([t - started for t in clock])
-            fields["_timeline_bytes"].extend(live)
-            fields["_timeline_phase"].extend(phases)
+            points, started = self.points, self.started
+            fields["_timeline_seconds"].extend([t - started for t in points[0::POINT_FIELDS]])
+            fields["_timeline_bytes"].extend(points[1::POINT_FIELDS])
+            fields["_timeline_phase"].extend(points[2::POINT_FIELDS])
             self.points.clear()
         if self.ended:
             fields.pop("_fill", None)
@@ -81,7 +84,7 @@ def _origin(frame: tuple[Any, int]) -> str:
     return text
 
 
-def judge_buffers(originals: dict[int, tuple[Any, bool]], released: set[int],
+def judge_buffers(originals: dict[int, Any], packed: set[int], released: set[int],
                   at_peak: list[tuple[int, int]], profile: Any) -> None:
     """Fill what `explain` reads once the recording has ended, when first asked (not while
     the program runs: it collects garbage first, so that only arrays someone still holds count
@@ -91,18 +94,18 @@ def judge_buffers(originals: dict[int, tuple[Any, bool]], released: set[int],
     fields = profile.__dict__
     fields["_peak_buffers"].update((str(serial), size) for serial, size in at_peak)
     named: dict[int, int] = {}  # id(array the caller holds) -> the serial naming it
-    for serial, (ref, packed) in originals.items():
+    for serial, ref in originals.items():
         array = ref()
         if array is None or id(array) in named:
             continue
-        if packed:
+        if serial in packed:
             fields["_originals_kept"].append(serial)
         elif serial in released:
             fields["_kept_by_caller"].append(serial)
         else:  # the tape still holds it: not known to be the caller's
             continue
         named[id(array)] = serial
-    for serial, (ref, _) in originals.items():  # its other buffers: named once
+    for serial, ref in originals.items():  # its other buffers: named once
         array = ref()
         if array is not None and named.get(id(array), serial) != serial:
             fields["_also_kept"].append(serial)

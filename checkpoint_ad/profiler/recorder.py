@@ -19,6 +19,8 @@ from functools import partial
 from time import perf_counter
 from typing import Any
 
+import numpy as np
+
 from .. import events
 from ..tensor_base import TensorBase
 from .gathered import Gathered, judge_buffers
@@ -49,7 +51,12 @@ class _Recorder:
         self.foreign = self.watch.foreign  # tested before every event: frees to take in first
         self.roots: dict[int, int] = {}  # id(array) -> live owned buffers holding it
         self.pending: dict[int, Any] = {}  # id(buffer) -> buffer stored by reference, unclaimed
-        self.leaf_roots: dict[int, Any] = {}  # id(root array) -> weakref of a caller's leaf's
+        # buffers packed into a new stored form since the latest other event, counted at that
+        # event as if at their 'pack' (a replayed step's are counted among its instructions)
+        self.packed: list[Any] = []
+        self.before_step: Any = ()  # ids of the buffers waiting when a replayed step began
+        # id(array) -> weakref: the arrays of the caller's leaves, and views of them seen
+        self.leaf_roots: dict[int, Any] = {}
         self.counter = itertools.count()  # buffer serials (ids are reused; serials not)
         self.by_stored: dict[int, int] = {}  # id(stored form) -> id(buffer), if packed
         self.level_live: dict[str, int] = {}  # owned stored bytes off the device, per level
@@ -61,21 +68,29 @@ class _Recorder:
         self.phase = "forward"
         self.backward_started = 0.0
         self.recompute_started = 0.0
-        # what `explain` needs: serial -> (weakref of the original array, stored packed?)
-        self.originals: dict[int, tuple[Any, bool]] = {}
+        # what `explain` needs: serial -> weakref of the original array, and which of those
+        # serials were stored packed (a set beside the table: no pair per buffer)
+        self.originals: dict[int, Any] = {}
+        self.packed_originals: set[int] = set()
         self.released: set[int] = set()  # serials of owned buffers the tape let go of
         self.view_roots: set[int] = set()  # id(base array) of saved views, counted once
-        # owned buffers freed since the latest new peak that were alive at it: with the live
-        # ones born before it (`Tracked.born`), what the tape owned at its peak, in memory
-        # bounded by what is alive; and buffers born owned but found the caller's later
-        self.freed_since_peak: list[tuple[int, int]] = []
+        # owned buffers freed since the latest new peak that were alive at it (serial, bytes,
+        # serial, bytes, ...: flat, no pair per free): with the live ones born before it
+        # (`Tracked.born_at`), what the tape owned at its peak, in memory bounded by what is
+        # alive; and buffers born owned but found the caller's later
+        self.freed_since_peak: list[int] = []
         self.freed_reclassified: list[tuple[int, int, int]] = []  # (born at, serial, bytes)
         self.peak_at = 0  # timeline index of the latest new peak
+        # one object per distinct shape and byte count that records name (a kept value's are
+        # new objects at every read, which a long profile would hold by the thousand)
+        self.shared: dict[Any, Any] = {}
         self.gathered = Gathered()
         self.raw_records = self.gathered.records
         self.points = self.gathered.points
         self.handlers: dict[str, Callable[[Any], None]] = {
             "record": self._record,
+            "replaying": self._replaying,
+            "replayed": self._replayed,
             "pack": self._pack,
             "apply": self._settled(self._apply),
             "backward_begin": self._settled(self._backward_begin),
@@ -90,12 +105,14 @@ class _Recorder:
         }
 
     def _settled(self, handler: Callable[[Any], None]) -> Callable[[Any], None]:
-        """`handler`, first taking in the frees heard from other threads and claiming the
-        buffers stored by reference that no 'record' came for (every kind but 'pack' and
-        'record' ends that wait)."""
+        """`handler`, first taking in the frees heard from other threads, counting the values
+        packed since the latest event, and claiming the buffers stored by reference that no
+        'record' came for (every kind but 'pack' and 'record' ends that wait)."""
         def settled(payload: Any) -> None:
             if self.foreign:
                 self.watch.drain()
+            if self.packed:
+                self._count_packed()
             if self.pending:
                 self._claim_pending()
             handler(payload)
@@ -109,18 +126,22 @@ class _Recorder:
             self.phase = "backward" if self.backward_depth else "forward"
 
     def _point(self) -> None:
-        self.points.append((perf_counter(), self.live, self.phase))
+        self.points.extend((perf_counter(), self.live, self.phase))
 
     def _sample_rss(self) -> None:
         rss = rss_bytes()
         if rss is not None and (self.profile.rss_peak_bytes or 0) < rss:
             self.profile.rss_peak_bytes = rss
 
-    def _count(self, buffer: Any, tracked: Tracked, owned: bool) -> None:
-        """Start counting a live buffer as owned (tape memory) or aliased (the caller's). A
-        buffer stored by reference holding the very array a live owned buffer holds (a loop's
-        restored snapshot, saved again by the step re-run from it) adds no bytes."""
-        size, root_id = buffer.stored_nbytes, None
+    def _count(self, buffer: Any, tracked: Tracked, owned: bool, size: int | None = None,
+               ) -> None:
+        """Start counting a live buffer as owned (tape memory) or aliased (the caller's),
+        `size` its stored bytes if known. A buffer stored by reference holding the very array a
+        live owned buffer holds (a loop's restored snapshot, saved again by the step re-run
+        from it) adds no bytes."""
+        root_id = None
+        if size is None:
+            size = buffer.stored_nbytes
         if buffer.source is None:
             if owned:
                 root_id = id(buffer.packed)
@@ -137,7 +158,7 @@ class _Recorder:
                 size = 0
         tracked.counted, tracked.owned, tracked.size, tracked.root_id = True, owned, size, root_id
         if owned:
-            tracked.born = (len(self.points), size)
+            tracked.born_at, tracked.born_size = len(self.points), size
             self.live += size
             if self.live > self.peak:
                 self._new_peak()
@@ -165,90 +186,182 @@ class _Recorder:
         peaks = self.profile.level_peak_bytes
         peaks[level] = max(peaks.get(level, 0), live)
 
-    def _claim_pending(self) -> None:
-        """Buffers stored by reference that no entry claimed: owned (a loop's snapshots, a
-        checkpointed region's inputs)."""
+    def _count_packed(self) -> None:
+        """Count the buffers packed since the latest other event, in pack order: what each
+        'pack' would have counted at once (the points are the same; only their clock reads
+        come later, when the event that follows arrives)."""
+        packed, self.packed = self.packed, []
+        tracked = self.tracked
+        for buffer in packed:
+            self._count(buffer, tracked[id(buffer)], owned=True)
+            self._point()
+
+    def _claim_pending(self, keys: Any = None) -> None:
+        """Buffers stored by reference that no entry claimed (all, or those of `keys` still
+        waiting): owned (a loop's snapshots, a checkpointed region's inputs)."""
         unrecorded = self.profile.unrecorded_bytes
-        claimed = list(self.pending.items())
-        self.pending.clear()  # in place: `_record` holds it
+        if keys is None:
+            claimed = list(self.pending.items())
+            self.pending.clear()  # in place: `_record` holds it
+        else:
+            claimed = [(key, self.pending.pop(key)) for key in keys if key in self.pending]
         for key, buffer in claimed:
             tracked = self.tracked[key]
             self._count(buffer, tracked, owned=True)
             unrecorded[str(tracked.serial)] = tracked.size
         self._point()
 
-    def _learn_leaves(self, edges: Any) -> None:
-        """Remember the arrays of leaves that require grad and take part in the forward
-        computation: parameters and inputs the caller holds. (Leaves a loop or a checkpointed
+    def _learn_leaf(self, array: Any) -> None:
+        """Remember the array of a leaf that requires grad and takes part in the forward
+        computation: a parameter or input the caller holds. (Leaves a loop or a checkpointed
         region makes while re-running steps for the backward sweep are its own, not these.)"""
-        leaf_roots = self.leaf_roots
-        for edge in edges:
-            if edge is not None and isinstance(edge[0], TensorBase):
-                root = _root(edge[0]._data)
-                known = leaf_roots.get(id(root))
-                if known is None or known() is not root:  # new, or its id reused
-                    leaf_roots[id(root)] = weakref.ref(root)
-                    self.profile.leaf_bytes += int(getattr(root, "nbytes", 0))
+        known = self.leaf_roots.get(id(array))
+        if known is not None and known() is array:  # the common case: a parameter seen before
+            return
+        root = _root(array)
+        known = self.leaf_roots.get(id(root))
+        if known is None or known() is not root:  # new, or its id reused
+            self.leaf_roots[id(root)] = weakref.ref(root)
+            self.profile.leaf_bytes += int(getattr(root, "nbytes", 0))
+        if root is not array:  # a view of one (a transposed weight): known by id next time
+            self.leaf_roots[id(array)] = weakref.ref(array)
 
     # ------------------------------------------------------------- events
     def _record(self, entry: Any) -> None:
-        """One tape entry: count it, and classify and list each value it saved.
-
-        The most frequent event, so the common paths (a value kept as is, claimed by the
-        entry that saved it) are written out here rather than through helpers."""
+        """One tape entry: count it, and classify and list each value it saved."""
         if self.foreign:
             self.watch.drain()
+        if self.packed:
+            self._count_packed()
         profile = self.profile
         profile.primitives += 1
         phase = self.phase
         if phase == "forward":
-            for edge in entry.edges:  # a leaf among them: learn it (`_learn_leaves`)
+            leaf_roots = self.leaf_roots
+            for edge in entry.edges:  # its leaves: learn them (most are known already)
                 if edge is not None and isinstance(edge[0], TensorBase):
-                    self._learn_leaves(entry.edges)
-                    break
+                    array = edge[0]._data
+                    known = leaf_roots.get(id(array))
+                    if known is None or known() is not array:
+                        self._learn_leaf(array)
         elif phase == "recompute":
             profile.recomputed_primitives += 1
         slots = entry.slots
         if slots:
-            op, frame = entry.op.name, entry.origin_frame
-            pending, tracked_by_id = self.pending, self.tracked
-            leaf_roots, append = self.leaf_roots, self.raw_records.append
+            op, frame, saved = entry.op.name, entry.origin_frame, self._saved
             for slot in slots:
                 buffer = slot.buffer
-                if buffer is None:
-                    continue
-                key = id(buffer)
-                if buffer.source is None:  # stored as is: the caller's memory, or the tape's?
-                    array = buffer.packed
-                    root = array if getattr(array, "base", None) is None else _root(array)
-                    known = leaf_roots.get(id(root))
-                    owned = not ((known is not None and known() is root) or (
-                        slot.edge is None and slot.counter is not None and root is not array))
-                else:  # packed: the stored form is a new array
-                    owned, root = True, None
-                tracked = tracked_by_id.get(key)
-                if tracked is None:  # saved before profiling began: known from now on
-                    tracked = self.watch.track(buffer, key, next(self.counter))
-                elif key in pending:
-                    del pending[key]
-                    self._count(buffer, tracked, owned)
-                elif tracked.counted:  # one buffer, one classification...
-                    if tracked.owned and not owned:  # ...but claimed as owned before its entry
-                        self.live -= tracked.size
-                        tracked.owned = False
-                        self._add(False, tracked.size)
-                    owned = tracked.owned
-                if owned and root is not None and root is not buffer.packed:
-                    self._note_view(buffer, tracked.serial, root)
-                append((
-                    op, slot.name, buffer.shape, buffer.dtype, buffer.logical_nbytes,
-                    buffer.stored_nbytes, frame, tracked.serial, phase, owned,
-                    tracked.level or "device", type(buffer.packer).__name__,
-                ))
+                if buffer is not None:
+                    saved(op, slot.name, frame, phase, buffer,
+                          slot.edge is None and slot.counter is not None)
         if self.pending:  # saved by reference but held by no slot of this entry
             self._claim_pending()
         else:
-            self.points.append((perf_counter(), self.live, phase))
+            self.points.extend((perf_counter(), self.live, phase))
+
+    def _replaying(self, _: Any) -> None:
+        """A replayed step begins: the values packed before it are counted now, so that those
+        packed until its 'replayed' event are its own. (Buffers stored by reference wait on:
+        the step's first instruction may claim them, as its first 'record' would.)"""
+        if self.foreign:
+            self.watch.drain()
+        if self.packed:
+            self._count_packed()
+        self.before_step = list(self.pending) if self.pending else ()
+
+    def _replayed(self, payload: tuple[Any, list[Any], list[Any], tuple[int, ...]]) -> None:
+        """A replayed loop step, counted as `_record` would count the entries that recording
+        it would have made, instruction by instruction, in their order (`DescribedStep`, in
+        step_program.py, says what each would hold, the same for every step; the event brings
+        this step's saved buffers and values, and `made`: the carry slots the previous step
+        made, graph values rather than leaves). The values it packed are counted in order
+        with them: each instruction's before its record, as their 'pack' events were."""
+        step, saved, values, made = payload
+        if self.foreign:
+            self.watch.drain()
+        profile, phase, points = self.profile, self.phase, self.points
+        recomputing = phase == "recompute"
+        packed, self.packed = self.packed, []
+        n_packed, at = len(packed), 0
+        before, self.before_step = self.before_step, ()
+        profile.primitives += step.primitives
+        if recomputing:
+            profile.recomputed_primitives += step.primitives
+        saved_value, leaf_roots = self._saved, self.leaf_roots
+        for described, kept in zip(step.instructions, saved):
+            if described is None:
+                continue
+            if phase == "forward":
+                for slot in described.leaves:
+                    if slot not in made:  # a carry the previous step made is no leaf
+                        array = values[slot]
+                        known = leaf_roots.get(id(array))
+                        if known is None or known() is not array:  # else: known already
+                            self._learn_leaf(array)
+            if at < n_packed:
+                for buffer in kept:
+                    if at < n_packed and packed[at] is buffer:
+                        self._count(buffer, self.tracked[id(buffer)], owned=True)
+                        points.extend((perf_counter(), self.live, phase))
+                        at += 1
+            op, frame = described.op, described.origin
+            for (role, slot, unedged), buffer in zip(described.saved, kept):
+                saved_value(op, role, frame, phase, buffer, unedged and slot not in made)
+            # the step's own buffers stored by reference wait for their instructions; those
+            # from before it that its first one did not claim are claimed now, as its first
+            # 'record' would have
+            if before and any(key in self.pending for key in before):
+                self._claim_pending(before)
+            else:
+                points.extend((perf_counter(), self.live, phase))
+            before = ()
+        if at < n_packed:  # packed by none of its instructions (not expected): as at an event
+            self.packed = packed[at:] + self.packed
+            self._count_packed()
+
+    def _saved(self, op: str, role: str, frame: Any, phase: str, buffer: Any,
+               unedged: bool) -> None:
+        """One value an entry saved: classify its buffer (owned, or the caller's memory saved
+        by reference), count it if new, and list its record. `unedged`: its tensor is outside
+        the graph (no gradient), so a view of another array there is a slice of the caller's
+        data (an input's row)."""
+        key, shared = id(buffer), self.shared
+        if buffer.source is None:  # stored as is: the caller's memory, or the tape's?
+            array = buffer.packed
+            root = array if getattr(array, "base", None) is None else _root(array)
+            known = self.leaf_roots.get(id(root))
+            owned = not ((known is not None and known() is root) or (
+                unedged and root is not array))
+            # its shape and size are made anew at each read: share one of each per value
+            shape, dtype = array.shape, array.dtype
+            size = array.nbytes if type(array) is np.ndarray else buffer.stored_nbytes
+            shape = shared.setdefault(shape, shape)
+            logical = stored = shared.setdefault(size, size)
+            strategy = shared.get(type(buffer))  # such a buffer's packer is its class's
+            if strategy is None:
+                strategy = shared[type(buffer)] = type(buffer.packer).__name__
+        else:  # packed: the stored form is a new array
+            owned, root = True, None
+            shape, dtype = buffer.shape, buffer.dtype
+            logical, stored = buffer.logical_nbytes, buffer.stored_nbytes
+            strategy = type(buffer.packer).__name__
+        tracked = self.tracked.get(key)
+        if tracked is None:  # saved before profiling began: known from now on
+            tracked = self.watch.track(buffer, key, next(self.counter))
+        elif self.pending.pop(key, None) is not None:
+            self._count(buffer, tracked, owned, stored)
+        elif tracked.counted:  # one buffer, one classification...
+            if tracked.owned and not owned:  # ...but claimed as owned before its entry
+                self.live -= tracked.size
+                tracked.owned = False
+                self._add(False, tracked.size)
+            owned = tracked.owned
+        if owned and root is not None and root is not array:
+            self._note_view(buffer, tracked.serial, root)
+        self.raw_records.extend((
+            op, role, shape, dtype, logical, stored, frame, tracked.serial, phase, owned,
+            tracked.level or "device", strategy,
+        ))
 
     def _note_view(self, buffer: Any, serial: int, root: Any) -> None:
         """A saved view keeps its whole base (`root`) alive: note the bytes beyond the view's
@@ -276,11 +389,12 @@ class _Recorder:
             pass
         elif source is None or source() is buffer.packed:  # stored as is
             try:  # noqa: SIM105 (not contextlib.suppress: a context manager per value)
-                self.originals[serial] = (weakref.ref(buffer.packed), False)
+                self.originals[serial] = weakref.ref(buffer.packed)
             except TypeError:  # no weak references: not judged
                 pass
         else:
-            self.originals[serial] = (source, True)
+            self.originals[serial] = source
+            self.packed_originals.add(serial)
         if self.sampling:
             self.probe.sample()
         if source is None:  # stored by reference: its record says whose memory it is
@@ -288,12 +402,13 @@ class _Recorder:
             return
         tracked.stored_id = id(buffer.packed)
         self.by_stored[tracked.stored_id] = key
-        self._count(buffer, tracked, owned=True)
-        self._point()
+        self.packed.append(buffer)  # counted at the next other event (`_count_packed`)
 
     def _free(self, tracked: Tracked) -> None:
         """A tracked buffer died (`Watch` calls this, in this thread)."""
-        if self.pending:  # as `_settled` does (a buffer dying unclaimed was owned)
+        if self.packed:  # as `_settled` does
+            self._count_packed()
+        if self.pending:  # (a buffer dying unclaimed was owned)
             self._claim_pending()
         if tracked.stored_id is not None:
             self.by_stored.pop(tracked.stored_id, None)
@@ -307,14 +422,14 @@ class _Recorder:
             serial = tracked.serial
             if serial in self.originals:
                 self.released.add(serial)
-            born = tracked.born
-            if born is not None and born[0] <= self.peak_at:
-                self.freed_since_peak.append((serial, born[1]))
+            born_at = tracked.born_at
+            if born_at is not None and born_at <= self.peak_at:
+                self.freed_since_peak.extend((serial, tracked.born_size))
         else:
             self.live_aliased -= size
-            if tracked.born is not None:  # owned when counted: listed at the peak as such
-                self.freed_reclassified.append((tracked.born[0], tracked.serial,
-                                                tracked.born[1]))
+            if tracked.born_at is not None:  # owned when counted: listed at the peak as such
+                self.freed_reclassified.append((tracked.born_at, tracked.serial,
+                                                tracked.born_size))
         root_id = tracked.root_id
         if root_id is not None:
             roots = self.roots
@@ -324,7 +439,7 @@ class _Recorder:
                 roots[root_id] -= 1
         if self.sampling:
             self.probe.sample()
-        self.points.append((perf_counter(), self.live, self.phase))
+        self.points.extend((perf_counter(), self.live, self.phase))
 
     def _tracked_stored(self, stored: Any) -> Tracked | None:
         """The counted buffer whose stored form is `stored`, if any."""
@@ -407,6 +522,8 @@ class _Recorder:
 
     def stop(self) -> None:
         self.watch.drain()  # frees heard from other threads
+        if self.packed:
+            self._count_packed()
         if self.pending:
             self._claim_pending()
         synchronize(self.device)
@@ -416,13 +533,15 @@ class _Recorder:
         self.profile.device_peak_bytes = self.probe.stop()
         self._sample_rss()
         self.profile.level_peak_bytes["device"] = self.profile.peak_tape_bytes
-        at_peak = self.freed_since_peak + [
-            (t.serial, t.born[1]) for t in self.tracked.values()
-            if t.born is not None and t.born[0] <= self.peak_at] + [
+        freed = self.freed_since_peak
+        at_peak = list(zip(freed[0::2], freed[1::2])) + [
+            (t.serial, t.born_size) for t in self.tracked.values()
+            if t.born_at is not None and t.born_at <= self.peak_at] + [
             (serial, size) for born, serial, size in self.freed_reclassified
             if born <= self.peak_at]
         self.watch.close()
-        self.gathered.judge = partial(judge_buffers, self.originals, self.released, at_peak)
+        self.gathered.judge = partial(judge_buffers, self.originals, self.packed_originals,
+                                      self.released, at_peak)
         self.gathered.ended = True
 
 

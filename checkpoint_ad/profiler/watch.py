@@ -24,12 +24,13 @@ class Tracked(weakref.ref):
 
     `counted`: its bytes are in the live totals, as `owned` (the tape's) or aliased (the
     caller's memory), `size` bytes of them (0 while evicted, which keeps the rest in
-    `evicted`); `root_id`: id of the array it holds by reference, if owned; `born`: (timeline
-    index, bytes) when first counted as owned; `level`/`level_size`: where it lives if off the
+    `evicted`); `root_id`: id of the array it holds by reference, if owned; `born_at`/`born_size`:
+    timeline index and bytes when first counted as owned (two fields, not a pair: one object
+    fewer per buffer for the collector to visit); `level`/`level_size`: where it lives if off the
     device; `stored_id`: id of its stored form, if packed (events name the stored form)."""
 
-    __slots__ = ("born", "counted", "evicted", "key", "level", "level_size", "owned",
-                 "root_id", "serial", "size", "stored_id")
+    __slots__ = ("born_at", "born_size", "counted", "evicted", "key", "level", "level_size",
+                 "owned", "root_id", "serial", "size", "stored_id")
 
     key: int
     serial: int
@@ -37,7 +38,8 @@ class Tracked(weakref.ref):
     owned: bool
     size: int
     root_id: int | None
-    born: tuple[int, int] | None
+    born_at: int | None
+    born_size: int
     level: str | None
     level_size: int
     stored_id: int | None
@@ -61,7 +63,7 @@ class Watch:
     def track(self, buffer: Any, key: int, serial: int) -> Tracked:
         """Start tracking a live buffer (`key` is its id), not counted yet."""
         ref = Tracked(buffer, self._callback)
-        ref.key, ref.serial, ref.counted, ref.born = key, serial, False, None
+        ref.key, ref.serial, ref.counted, ref.born_at = key, serial, False, None
         ref.level, ref.stored_id, ref.evicted = None, None, None
         self.tracked[key] = ref
         return ref

@@ -19,6 +19,7 @@ drawn per call) is caught there, as it would be frozen by a replay.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,13 +35,11 @@ from ..saved import (
     SavedBuffer,
     SavedSlot,
     Strategy,
-    VersionCounter,
     buffer_for,
     current_packer,
     pack_value,
 )
-from ..tape import Entry, Primitive, edge_of, next_sequence
-from ..tensor_base import make_tensor
+from ..tape import Primitive, edge_of, next_sequence
 from .compiled_step import (
     CARRY,
     EXTERNAL,
@@ -398,13 +397,14 @@ class StepProgram:
         output: saved with the primitive's packer, not as a leaf, sharing its buffers;
         `carry_tensors` says the same of a carry made by a step recorded on the tape (these
         are its tensors, whose buffers the step shares)."""
-        if self.tape_as_is is not None and not events.hears("record"):
+        if self.tape_as_is is not None and not events.hears("replayed"):
             return self._tape_as_is(carry, x)
         values = self._start(carry, x)
         xp = _namespace_of(values)
         saved: list[Any] = [None] * len(self.instructions)
         entries: list[Any] = (
-            [None] * len(self.instructions) if events.hears("record") else [])
+            [None] * len(self.instructions) if events.hears("replayed") else [])
+        described = _step_begins(self) if entries else None
         buffers: dict[tuple[int, int], Any] = {}
         chained = carry_tensors is not None or previous is not None
         if previous is not None:
@@ -419,8 +419,6 @@ class StepProgram:
             if prim is None or type(prim) is Draw:
                 continue
             if not ins.taped:
-                if entries:
-                    events.emit("apply", prim)
                 continue
             kept = []
             for s in ins.saved:
@@ -442,13 +440,9 @@ class StepProgram:
                 kept.append(buffer)
             saved[i] = kept
             if entries:
-                made = self.carry_in if chained else ()
-                edges = tuple(
-                    (make_tensor(values[slot]), 0)
-                    if needed and self.leaf[slot] and slot not in made else None
-                    for slot, needed in zip(ins.inputs, ins.mask)
-                )
-                entries[i] = _announce(ins, kept, made, edges)
+                entries[i] = _Announced(kept)
+        if entries:
+            events.emit("replayed", (described, saved, values, self.carry_in if chained else ()))
         return ReplayedStep(values, saved, entries, buffers)
 
     def _tape_as_is(self, carry: list[Any], x: list[Any]) -> ReplayedStep:
@@ -627,23 +621,75 @@ def _namespace_of(values: list[Any]) -> Any:
     return np
 
 
-def _announce(
-    ins: Instruction, kept: list[Any], made: tuple[int, ...], edges: tuple[Any, ...]
-) -> Entry:
-    """For a profiler listening: the entry a recorded step would have made, with its saved
-    slots and leaf inputs (`made`: carry slots the previous step made, graph values rather
-    than leaves), announced as recorded (never differentiated: the replay does that)."""
-    entry = Entry(ins.prim, edges, ins.attrs, ins.origin)
-    entry.form = ins.form
-    entry.slots = tuple(
-        SavedSlot(s.name, buffer, VersionCounter() if s.counted or slot in made else None,
-                  0 if s.leaf_edge or slot in made else None)
-        for s, buffer, slot in zip(
-            ins.saved, kept,
-            (ins.output if s.position < 0 else ins.inputs[s.position] for s in ins.saved))
+@dataclass(frozen=True, slots=True)
+class Described:
+    """What a profiler counts of the entry that recording one instruction would make, the same
+    for every replayed step: its op's name and origin, per saved value (role, slot, whether
+    its recorded slot has a version counter but no graph edge), and the input slots that
+    would be its leaf edges."""
+
+    op: str
+    origin: tuple[Any, int]
+    saved: tuple[tuple[str, int, bool], ...]
+    leaves: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class DescribedStep:
+    """A profiler's view of a replayed step, the same for every step: per instruction, what
+    its entry would record (None where it records none), and how many primitives it runs
+    (recorded or not: each a 'record' or an 'apply' when recorded)."""
+
+    instructions: tuple[Described | None, ...]
+    primitives: int
+
+
+# program -> its description (made when a profiler first hears one of its steps)
+_described: weakref.WeakKeyDictionary[StepProgram, DescribedStep] = weakref.WeakKeyDictionary()
+
+
+def _step_begins(program: StepProgram) -> DescribedStep:
+    """A profiler listens: say a replayed step begins (the values it packs until its
+    'replayed' event are its own) and give the program's description.
+
+    Replayed steps are announced one event per step, not per instruction: the event carries
+    the description and the step's saved buffers and values, and the profiler lists from them
+    what recording the step would have listed, in the same order; no entry, saved slot or
+    leaf tensor is made just to be announced."""
+    described = _described.get(program)
+    if described is None:
+        described = _described[program] = DescribedStep(
+            tuple(_describe(program, ins) if ins.taped else None
+                  for ins in program.instructions),
+            sum(1 for ins in program.instructions
+                if ins.prim is not None and type(ins.prim) is not Draw))
+    events.emit("replaying", None)
+    return described
+
+
+def _describe(program: StepProgram, ins: Instruction) -> Described:
+    return Described(
+        ins.prim.name, ins.origin,
+        tuple((s.name, ins.output if s.position < 0 else ins.inputs[s.position],
+               s.counted and not s.leaf_edge) for s in ins.saved),
+        tuple(slot for slot, needed in zip(ins.inputs, ins.mask)
+              if needed and program.leaf[slot]),
     )
-    events.emit("record", entry)
-    return entry
+
+
+class _Announced:
+    """What a replayed step keeps of an announced instruction: its saved values, released one
+    by one in slot order as a recorded entry's are, so a profiler sees them freed in the same
+    order (dropping the list at once would free them last first)."""
+
+    __slots__ = ("kept",)
+
+    def __init__(self, kept: list[Any]) -> None:
+        self.kept = kept
+
+    def release(self) -> None:
+        self.kept.reverse()  # a list clears last item first: reversed, it frees in slot order
+        self.kept.clear()
 
 
 def traced_call(loop: Any, t: int, carry: list[Any], x: Any) -> tuple[list[Any], list[Any], Trace]:
