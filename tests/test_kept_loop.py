@@ -216,8 +216,11 @@ def test_a_replayed_loop_holds_no_full_precision_copy_of_what_it_compresses(stra
         return kept
 
     full_precision = 32 * 64 * 128 * 4  # every hidden state as float32
+    one_carry = 64 * 128 * 4
     replayed, recorded = held(True), held(False)
-    assert replayed <= recorded * 1.05
+    # the loop entry keeps its carry-in (for a create_graph re-run): for a replayed keep-all
+    # that is the carry recorded step 1 made, which a recorded loop drops once it is packed
+    assert replayed <= recorded * 1.05 + one_carry
     assert replayed < 0.6 * full_precision
 
 
