@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import events
+from .forms import Form
 from .grad_mode import _state, origin_blocks
 from .origins import NO_ORIGIN, _user_frame, origin_text
 from .saved import SavedBuffer, SavedSlot, VersionCounter
-
-if TYPE_CHECKING:
-    from .tape import Form
 
 _sequence = itertools.count()
 

@@ -34,6 +34,8 @@ from .entry import (
     input_edge,
 )
 from .errors import DeviceError, InplaceError, ShapeError
+from .forms import VJP, Form
+from .forms import vjp as vjp  # re-exported: the op tables and custom primitives use it
 from .grad_mode import _state, origin_blocks
 from .origins import _MAX_ORIGINS, _user_frame
 from .saved import (
@@ -48,19 +50,6 @@ from .saved import (
 from .tensor_base import TensorBase, as_tensor_like, make_tensor
 
 
-@dataclass(frozen=True)
-class VJP:
-    """One argument's backward rule and the saved values (by name) it reads."""
-
-    needs: tuple[str, ...]
-    rule: Callable[..., Any]
-
-
-def vjp(needs: str, rule: Callable[..., Any]) -> VJP:
-    """Shorthand for the op tables: ``vjp("a b", lambda g, a, b: ...)``."""
-    return VJP(tuple(needs.split()), rule)
-
-
 def define(
     name: str,
     forward: Callable[..., Any],
@@ -73,27 +62,6 @@ def define(
     return Primitive(
         name, forward, tuple(args.split()), tuple(Form(dict(f)) for f in forms), **options
     )
-
-
-@dataclass(frozen=True, eq=False)  # compared and hashed by identity: forms live in the tables
-class Form:
-    """A complete backward for a primitive: one rule per differentiable argument."""
-
-    rules: dict[str, VJP]
-
-    @property
-    def needs(self) -> frozenset[str]:
-        return frozenset(n for r in self.rules.values() for n in r.needs)
-
-    @property
-    def kind(self) -> str:
-        """'none', 'inputs', 'output' or 'both': what this form saves."""
-        needs = self.needs
-        if not needs:
-            return "none"
-        if "out" not in needs:
-            return "inputs"
-        return "output" if needs == {"out"} else "both"
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,0 +1,42 @@
+"""A primitive's forms: the backward rules of each differentiable argument, with the saved values
+(by name) each rule reads. What a form needs is what the saving strategy must keep."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class VJP:
+    """One argument's backward rule and the saved values (by name) it reads."""
+
+    needs: tuple[str, ...]
+    rule: Callable[..., Any]
+
+
+def vjp(needs: str, rule: Callable[..., Any]) -> VJP:
+    """Shorthand for the op tables: ``vjp("a b", lambda g, a, b: ...)``."""
+    return VJP(tuple(needs.split()), rule)
+
+
+@dataclass(frozen=True, eq=False)  # compared and hashed by identity: forms live in the tables
+class Form:
+    """A complete backward for a primitive: one rule per differentiable argument."""
+
+    rules: dict[str, VJP]
+
+    @property
+    def needs(self) -> frozenset[str]:
+        return frozenset(n for r in self.rules.values() for n in r.needs)
+
+    @property
+    def kind(self) -> str:
+        """'none', 'inputs', 'output' or 'both': what this form saves."""
+        needs = self.needs
+        if not needs:
+            return "none"
+        if "out" not in needs:
+            return "inputs"
+        return "output" if needs == {"out"} else "both"
