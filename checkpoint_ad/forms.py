@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,8 +28,9 @@ class Form:
 
     rules: dict[str, VJP]
 
-    @property
+    @functools.cached_property
     def needs(self) -> frozenset[str]:
+        """The saved values (by name) the form's rules read: none means it saves nothing."""
         return frozenset(n for r in self.rules.values() for n in r.needs)
 
     @property

@@ -244,9 +244,13 @@ def _append(
     return results
 
 
-def _primitive_entry(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> Entry:
+def _primitive_entry(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any],
+                     saves: frozenset[str]) -> Entry:
     """A primitive's entry, its inputs' nodes taken from the tensors as `compact_edges`
-    stores them: the recording hot path, which makes no edge tuples."""
+    stores them: the recording hot path, which makes no edge tuples. Its user line is found
+    when asked for every entry (`record_origins`, anomaly mode), and for a listener (the
+    profiler) only when its form `saves` values: the lines a profile shows are its saved
+    values', and the stack walk is most of what profiling costs per entry."""
     entry = object.__new__(Entry)
     entry.op = prim
     entry.seq = next(_sequence)
@@ -271,7 +275,7 @@ def _primitive_entry(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str,
     entry._version = 0
     entry.in_shapes = ()
     entry._extra = None
-    if events.listeners or (origin_blocks and _state.origins):
+    if (saves and events.listeners) or (origin_blocks and _state.origins):
         entry.origin_frame = _user_frame()
     return entry
 
@@ -330,7 +334,7 @@ def record(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> 
             packer = packer.for_primitive(prim)
             form = prim.forms[0] if type(packer) is KeepAll else packer.choose_form(prim)
         (result,) = _append(
-            _primitive_entry(prim, tensors, attrs or _NO_ATTRS), (out,),
+            _primitive_entry(prim, tensors, attrs or _NO_ATTRS, form.needs), (out,),
             _save_primitive_values, counter, (prim, form, packer, tensors, datas),
         )
         if type(packer) is not KeepAll:

@@ -129,6 +129,20 @@ def test_record_origins_detect_anomaly_and_profiles_keep_the_line():
     assert not cad.grad_mode.origin_blocks  # every block closed
 
 
+def test_a_profile_finds_the_lines_of_the_entries_that_save_values():
+    """A profile lists saved values with their lines; an entry that saves nothing (an add)
+    is not looked up under a profiler alone, and is under record_origins."""
+    x = cad.tensor(np.ones(2), requires_grad=True)
+    with cad.profile() as prof:
+        y = cad.tanh(x) + 1.0
+    assert "test_hot_path.py:" in y.grad_fn.edges[0][0].origin  # tanh saves its output
+    assert y.grad_fn.origin == "<unknown>"  # the add saves nothing
+    assert all("test_hot_path.py:" in r.origin for r in prof.records)
+    with cad.profile(), cad.record_origins():
+        z = cad.tanh(x) + 1.0
+    assert "test_hot_path.py:" in z.grad_fn.origin
+
+
 def test_record_origins_in_one_thread_leaves_another_without_lines():
     seen, ready, done = [], threading.Event(), threading.Event()
 
