@@ -72,7 +72,7 @@ def budgets(params: dict, threads: int) -> dict[str, Any]:
     import checkpoint_ad as cad
     from checkpoint_ad.models import build
     from checkpoint_ad.strategies import Budget
-    from checkpoint_ad.strategies.budget import format_bytes
+    from checkpoint_ad.strategies.budget import forget_dry_runs, format_bytes
 
     rows = []
     for model_name, sizes in params["models"].items():
@@ -89,6 +89,10 @@ def budgets(params: dict, threads: int) -> dict[str, Any]:
         for limit in limits:
             budget = Budget(limit)
             run = _runner(model, budget, cad.strategies.KeepAll())
+            # each budget plans from a dry run of its own, just before its runs are timed: the
+            # prediction and the measurement then see the machine in the same state (budgets
+            # share one dry run by default, which would date every prediction to the first)
+            forget_dry_runs()
             run()  # plans (the dry run); the runs below reuse it
             chosen = budget.last.chosen
             peak, before_loop = _peak(model, budget, cad.strategies.KeepAll())
