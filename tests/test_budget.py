@@ -273,3 +273,24 @@ def test_a_remembered_dry_run_keeps_no_model_alive():
     del model
     gc.collect()
     assert gone() is None
+
+
+def test_a_step_that_cannot_be_weakly_referenced_is_measured_by_each_call():
+    class Step:
+        __slots__ = ("calls", "w")  # no __weakref__: the shared dry runs cannot name it
+
+        def __init__(self):
+            self.calls = 0
+            self.w = cad.tensor(0.5, requires_grad=True)
+
+        def __call__(self, h, x):
+            self.calls += 1
+            h = cad.tanh(h * self.w + x)
+            return h, h
+
+    step = Step()
+    xs, init = cad.tensor(np.ones((6, 4))), cad.zeros(4, dtype="float64")
+    cad.estimate(step, init, xs)
+    first = step.calls
+    cad.estimate(step, init, xs)
+    assert first > 0 and step.calls > first  # measured again (cached, it would stay put)

@@ -339,43 +339,38 @@ def dry_run(loop: StepLoop, carry_leaves: list[Any], lossy: bool,
     differ only by the limit, not by the machine's noise between two dry runs. The step is
     held by weak reference: a remembered dry run keeps no model alive."""
     forms, snapshots = _forms(lossy, max_rel_error)
-    key = _shared_key(loop, carry_leaves, (tuple(forms), tuple(snapshots), disk))
+    refs = _step_refs(loop.step)
+    key = _cache_key(loop, carry_leaves) if refs is not None else None
+    if key is not None:  # the step named by the ids of what identifies it, not held
+        key = (tuple(id(r()) for r in refs), *key[1:], tuple(forms), tuple(snapshots), disk)
     held = _DRY_RUNS.get(key) if key is not None else None
     if held is not None and all(ref() is not None for ref in held[0]):
         _DRY_RUNS.move_to_end(key)
         return held[1]
     cost = with_overhead(measure(loop, carry_leaves, forms, snapshots, disk=disk))
     if key is not None:
-        _DRY_RUNS[key] = (_step_refs(loop.step), cost)
+        _DRY_RUNS[key] = (refs, cost)
         while len(_DRY_RUNS) > DRY_RUNS_KEPT:
             _DRY_RUNS.popitem(last=False)
     return cost
 
 
 def forget_dry_runs() -> None:
-    """Drop every remembered dry run: the next budget or `estimate` measures again (after
-    the machine's load changed, say)."""
+    """Drop every remembered dry run: the next budget or `estimate` that prices a loop
+    measures again (after the machine's load changed, say). A budget that already planned
+    the same loop keeps the table it made."""
     _DRY_RUNS.clear()
 
 
-def _step_refs(step: Any) -> tuple[Any, ...]:
+def _step_refs(step: Any) -> tuple[Any, ...] | None:
     """Weak references to what identifies a step: its function, and the object a bound
-    method belongs to (a model's `step`)."""
+    method belongs to (a model's `step`); None when they cannot be weakly referenced (such a
+    step is measured by each budget on its own)."""
     parts = (step.__self__, step.__func__) if inspect.ismethod(step) else (step,)
-    return tuple(weakref.ref(p) for p in parts)
-
-
-def _shared_key(loop: StepLoop, carry_leaves: list[Any], forms: Any) -> Any:
-    """`_cache_key` with the step named by the ids of what identifies it (None when those
-    cannot be weakly referenced: such a step is measured by each budget on its own)."""
-    key = _cache_key(loop, carry_leaves)
-    if key is None:
-        return None
     try:
-        refs = _step_refs(loop.step)
+        return tuple(weakref.ref(p) for p in parts)
     except TypeError:
         return None
-    return (tuple(id(r()) for r in refs), *key[1:], forms)
 
 
 def _budget_error(budget: Budget, result: Estimate) -> BudgetError:
