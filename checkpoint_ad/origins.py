@@ -41,9 +41,10 @@ def origin_text(frame: tuple[Any, int]) -> str:
 def _user_frame() -> tuple[Any, int]:
     """(code, line) of the nearest caller outside this package; formatted only when asked.
 
-    Every entry asks, so the walk looks each frame's code up by id, and the pair is shared by
-    every entry recorded on the same line (a loop's entries hold no pair of their own)."""
-    frame = sys._getframe(3)  # past Entry.__init__ and add_entry: entries come from there
+    Many entries ask (every one under `record_origins`, each that saves a value under a
+    profiler), so the walk looks each frame's code up by id, and the pair is shared by every
+    entry recorded on the same line (a loop's entries hold no pair of their own)."""
+    frame = sys._getframe(3)  # past the entry's maker and its caller in tape.py
     kinds = _code_kinds
     while frame is not None:
         code = frame.f_code
