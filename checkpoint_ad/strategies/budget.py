@@ -117,8 +117,8 @@ class PlanRow:
 @dataclass(frozen=True)
 class Estimate:
     """The predicted peak, time and error of every candidate plan for one loop, fastest first,
-    and the plan a budget runs (`chosen`: the fastest that fits, the leanest of those within
-    `TIE` of it; None if none does)."""
+    and the plan a budget runs (`chosen`: the fastest that fits, the leanest of those
+    predicted equally fast; None if none does)."""
 
     n_steps: int
     limit_bytes: int | None
@@ -154,9 +154,6 @@ class Estimate:
         return self.table()
 
 
-TIE = 0.03  # predicted times closer than this are a tie (the dry run times a few steps)
-
-
 def plan_table(
     cost: StepCost,
     limit_bytes: int | None,
@@ -178,9 +175,9 @@ def plan_table(
                                 c.backward_seconds, c.evaluations, c.error_bound, fits))
     rows.sort(key=lambda r: (r.seconds, r.peak_tape_bytes))
     fitting = [r for r in rows if r.fits]
-    # plans within TIE of the fastest are as fast as step timings can tell: the leanest wins
-    chosen = min((r for r in fitting if r.seconds <= fitting[0].seconds * (1 + TIE)),
-                 key=lambda r: r.peak_tape_bytes) if fitting else None
+    # the fastest that fits (the sort put the leanest first among equal times): a budget is
+    # memory the caller can spare, so trading predicted time for unasked-for savings loses
+    chosen = fitting[0] if fitting else None
     return Estimate(cost.n_steps, limit_bytes, tuple(rows), chosen, fixed, cost)
 
 
