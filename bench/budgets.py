@@ -1,19 +1,24 @@
 """Workload 6, memory budgets: how well `Budget` predicts, and whether its plans are fast.
 
 For each model, budgets from keep-all's predicted peak down to the smallest plan's (spaced
-geometrically): the loop runs under ``Budget(limit)``, planned in a warm-up run (so the timed
-runs time the plan, not the dry run), and its measured peak tape (the profiler's, less what the
-model's own code saved before the loop, reported apart) and median time are compared with what
-the budget predicted for the plan it chose, and with the fastest shipped preset whose measured
-peak fits the same budget.
+geometrically). Each budget is run `repeats` times over: a new ``Budget(limit)`` plans from its
+own dry run, its plan is timed at once, then the two fastest shipped presets whose measured
+peak fits the budget. Reported: the plan's measured peak tape (the profiler's, less what the
+model's own code saved before the loop, reported apart) over its predicted peak; the median
+over repeats of measured time over that repeat's prediction; and the median of its time over
+the faster rival's in the same repeat. Ratios of runs a moment apart: this machine's speed
+drifts by tens of percent over a minute, which a median over a minute would measure instead.
 """
 
 from __future__ import annotations
 
+import statistics
+from collections import Counter
 from typing import Any
 
 from .measure import time_median
 
+RIVALS = 2  # presets timed beside each budget: the fastest two that fit, by their own timing
 PRESETS = ("keep-all", "store-inputs", "store-outputs", "sqrt-segments", "recompute",
            "revolve-4", "revolve-8", "revolve-16", "revolve-32")
 
@@ -54,6 +59,32 @@ def _peak(model: Any, strategy: Any, storage: Any) -> tuple[int, int]:
     return prof.peak_tape_bytes - before, before
 
 
+def _device_peak(model: Any, strategy: Any, storage: Any) -> int:
+    """Peak bytes tracemalloc traced from the loop's start to the end of the gradient, above
+    what was allocated when the loop started: every array and Python object the run made,
+    the tape's and the engine's own alike, which the budget's device peak predicts."""
+    import gc
+    import tracemalloc
+
+    base = 0
+
+    def at_loop() -> None:
+        nonlocal base
+        gc.collect()
+        base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+
+    tracing = tracemalloc.is_tracing()
+    if not tracing:
+        tracemalloc.start()
+    try:
+        _runner(model, strategy, storage, at_loop)()
+        return tracemalloc.get_traced_memory()[1] - base
+    finally:
+        if not tracing:
+            tracemalloc.stop()
+
+
 def _presets(model: Any, repeats: int) -> list[tuple[str, int, float]]:
     """(name, measured peak tape, median seconds) of every shipped preset in `PRESETS`."""
     from checkpoint_ad.presets import load_preset
@@ -67,12 +98,75 @@ def _presets(model: Any, repeats: int) -> list[tuple[str, int, float]]:
     return out
 
 
+def _budget_row(model_name: str, model: Any, limit: int, rivals: list[str], repeats: int,
+                fixed_bytes: dict[str, int]) -> dict[str, Any]:
+    """One budget, `repeats` times over: a new `Budget(limit)` plans from a dry run of its own,
+    its plan is timed at once, then each rival preset, so every ratio compares runs a moment
+    apart (this machine's speed drifts by tens of percent over seconds: a prediction dated
+    to one moment and a median taken over a minute measure the drift, not the model)."""
+    import checkpoint_ad as cad
+    from checkpoint_ad.presets import load_preset
+    from checkpoint_ad.strategies import Budget
+    from checkpoint_ad.strategies.budget import forget_dry_runs, format_bytes
+
+    rival_runs = []
+    for name in rivals:
+        preset = load_preset(name)
+        rival_runs.append(_runner(model, preset.loop_strategy(model.n_steps),
+                                  preset.storage_strategy))
+    times, over_predicted, over_best, plans = [], [], [], Counter()
+    first = None
+    for _ in range(repeats):
+        forget_dry_runs()
+        budget = Budget(limit)
+        run = _runner(model, budget, cad.strategies.KeepAll())
+        run()  # plans (the dry run); the timed run below reuses the plan
+        chosen = budget.last.chosen
+        if first is None:
+            first = chosen
+            peak, before_loop = _peak(model, budget, cad.strategies.KeepAll())
+            device = _device_peak(model, budget, cad.strategies.KeepAll())
+        seconds = _once(run)
+        rival_seconds = [_once(r) for r in rival_runs]
+        times.append(seconds)
+        over_predicted.append(seconds / max(chosen.seconds, 1e-12))
+        if rival_seconds:
+            over_best.append(seconds / min(rival_seconds))
+        plans[chosen.name] += 1
+    plan = plans.most_common(1)[0][0]
+    return {
+        "name": f"{model_name} {format_bytes(limit)}",
+        "seconds": statistics.median(times),
+        "spread": [min(times), max(times)],
+        "repeats": repeats,
+        "extras": {
+            "model": model_name, "limit_bytes": limit, "plan": plan,
+            "plans": dict(plans),
+            "peak_tape_bytes": peak, "predicted_peak_bytes": first.peak_tape_bytes,
+            "saved_before_loop_bytes": before_loop,
+            "device_peak_bytes": device, "predicted_device_peak_bytes": first.device_peak_bytes,
+            "device_over_predicted": device / max(first.device_peak_bytes, 1),
+            "predicted_seconds": first.seconds,
+            "peak_over_predicted": peak / max(first.peak_tape_bytes, 1),
+            "time_over_predicted": statistics.median(over_predicted),
+            "time_over_predicted_range": [min(over_predicted), max(over_predicted)],
+            "best_preset": rivals[0] if rivals else None,
+            "rivals": rivals,
+            "over_best_preset": statistics.median(over_best) if over_best else None,
+            "fixed_bytes": fixed_bytes,
+        },
+    }
+
+
+def _once(run: Any) -> float:
+    """Seconds of one call of `run`."""
+    return time_median(run, 1, warmup=0).median
+
+
 def budgets(params: dict, threads: int) -> dict[str, Any]:
     """One row per (model, budget)."""
     import checkpoint_ad as cad
     from checkpoint_ad.models import build
-    from checkpoint_ad.strategies import Budget
-    from checkpoint_ad.strategies.budget import forget_dry_runs, format_bytes
 
     rows = []
     for model_name, sizes in params["models"].items():
@@ -87,33 +181,8 @@ def budgets(params: dict, threads: int) -> dict[str, Any]:
                         reverse=True)
         presets = _presets(model, params["repeats"])
         for limit in limits:
-            budget = Budget(limit)
-            run = _runner(model, budget, cad.strategies.KeepAll())
-            # each budget plans from a dry run of its own, just before its runs are timed: the
-            # prediction and the measurement then see the machine in the same state (budgets
-            # share one dry run by default, which would date every prediction to the first)
-            forget_dry_runs()
-            run()  # plans (the dry run); the runs below reuse it
-            chosen = budget.last.chosen
-            peak, before_loop = _peak(model, budget, cad.strategies.KeepAll())
-            timing = time_median(run, params["repeats"], warmup=0)
-            fitting = [(name, seconds) for name, p, seconds in presets if p <= limit]
-            best = min(fitting, key=lambda item: item[1]) if fitting else None
-            rows.append({
-                "name": f"{model_name} {format_bytes(limit)}",
-                "seconds": timing.median,
-                "spread": [timing.low, timing.high],
-                "repeats": timing.repeats,
-                "extras": {
-                    "model": model_name, "limit_bytes": limit, "plan": chosen.name,
-                    "peak_tape_bytes": peak, "predicted_peak_bytes": chosen.peak_tape_bytes,
-                    "saved_before_loop_bytes": before_loop,
-                    "predicted_seconds": chosen.seconds,
-                    "peak_over_predicted": peak / max(chosen.peak_tape_bytes, 1),
-                    "time_over_predicted": timing.median / max(chosen.seconds, 1e-12),
-                    "best_preset": best[0] if best else None,
-                    "over_best_preset": timing.median / best[1] if best else None,
-                    "fixed_bytes": dict(table.fixed_bytes),
-                },
-            })
+            fitting = sorted((seconds, name) for name, p, seconds in presets if p <= limit)
+            rivals = [name for _, name in fitting[:RIVALS]]
+            rows.append(_budget_row(model_name, model, limit, rivals, params["repeats"],
+                                    dict(table.fixed_bytes)))
     return {"rows": rows}

@@ -128,6 +128,7 @@ def _budgets(rows: Sequence[Row]) -> list[Target]:
 
     peak, peak_at = worst("peak_over_predicted")
     time, time_at = worst("time_over_predicted")
+    devices = [r for r in ours if r.extras.get("device_over_predicted") is not None]
     over = [r for r in ours if r.extras.get("over_best_preset") is not None]
     targets = [
         Target("Budget: measured / predicted peak tape within 10% (worst)", abs(peak - 1.0),
@@ -135,6 +136,15 @@ def _budgets(rows: Sequence[Row]) -> list[Target]:
         Target("Budget: measured / predicted time within 10% (worst)", abs(time - 1.0),
                0.10, "<=", f"{time:.3f} at {time_at}"),
     ]
+    if devices:
+        device = max(devices, key=lambda r: r.extras["device_over_predicted"])
+        targets.append(Target(
+            "Budget: tracemalloc peak / predicted device peak within 10% (worst)",
+            abs(device.extras["device_over_predicted"] - 1.0), 0.10, "<=",
+            f"{device.extras['device_over_predicted']:.3f} at {device.name}: measured "
+            f"{device.extras['device_peak_bytes']} B, predicted "
+            f"{device.extras['predicted_device_peak_bytes']} B (everything traced from the "
+            "loop's start: arrays and the engine's Python objects)"))
     if over:
         slowest = max(over, key=lambda r: r.extras["over_best_preset"])
         targets.append(Target(

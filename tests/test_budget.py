@@ -101,8 +101,40 @@ def test_the_estimate_lists_every_plan_fastest_first_and_marks_the_choice():
     text = table.table()
     over = next(r for r in table.rows if not r.fits)
     assert f" * {table.chosen.name} " in text and f" x {over.name} " in text
-    assert all(r.device_peak_bytes == r.peak_tape_bytes + sum(table.fixed_bytes.values())
+    assert all(r.device_peak_bytes
+               == r.peak_tape_bytes + sum(table.fixed_bytes.values()) + r.object_bytes
                for r in table.rows)
+
+
+def test_the_device_peak_counts_the_objects_every_kept_step_holds():
+    """A replayed keep-all loop holds the engine's objects for every step until its backward:
+    the dry run traces them per step, and tracemalloc sees at least that much beyond the
+    tape's arrays when the loop really runs."""
+    import gc
+    import tracemalloc
+
+    model = models.build("rnn", **SIZES["rnn"])
+    table = cad.estimate(model.step, model.init_carry(), model.inputs())
+    keep = next(r for r in table.rows if r.name == "keep-all")
+    lean = next(r for r in table.rows if r.name == "binomial s=1")
+    assert keep.object_bytes > lean.object_bytes > 0  # measured, and more steps hold more
+    base = 0
+
+    def at_loop(step, init, xs):
+        nonlocal base
+        gc.collect()
+        base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        return scan(step, init, xs)
+
+    tracemalloc.start()
+    try:
+        loss = model.run(at_loop)
+        held = tracemalloc.get_traced_memory()[0] - base  # the forward's, before backward
+        cad.grad(loss, model.params)
+    finally:
+        tracemalloc.stop()
+    assert held >= keep.peak_tape_bytes + keep.object_bytes
 
 
 def test_lossy_plans_are_admitted_by_their_error_bound():

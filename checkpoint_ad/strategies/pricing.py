@@ -26,6 +26,7 @@ dozen, each timed phase repeating up to `TIMING_SECONDS`).
 from __future__ import annotations
 
 import time
+import tracemalloc
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -71,6 +72,11 @@ class FormCost:
     """One step's forward with a tape, replayed from the step program (None: not traced)."""
     replayed_backward_seconds: float | None = None
     """One replayed step's backward (None: not traced)."""
+    step_object_bytes: int = 0
+    """Memory a replayed taped step holds until its backward beyond the arrays it saves (the
+    engine's Python objects: its lists of saved values, its output row), traced by
+    tracemalloc in the dry run (0: not traced). Not tape bytes; a plan's device peak counts it
+    once per step taped at its peak."""
 
 
 @dataclass(frozen=True)
@@ -165,8 +171,10 @@ def measure(
                 run, taped, backward, held = _replayed(program, loop, carry_leaves, engine_state)
                 dry_run_bytes = max(dry_run_bytes, held)
                 replayed_untaped = run if replayed_untaped is None else min(replayed_untaped, run)
-                priced[name] = replace(priced[name], replayed_taped_seconds=taped,
-                                       replayed_backward_seconds=backward)
+                priced[name] = replace(
+                    priced[name], replayed_taped_seconds=taped, replayed_backward_seconds=backward,
+                    step_object_bytes=_step_object_bytes(program, loop, carry_leaves,
+                                                         engine_state))
     finally:
         np.random.set_state(numpy_state)
         loop.evaluations = evaluations
@@ -220,16 +228,7 @@ def _replayed(
             run = min(run, time.perf_counter() - start)
         with random.replaying(engine_state):
             start = time.perf_counter()
-            segment, outputs, arrays, previous = [], [], initial, None
-            for t in range(steps):
-                step = program.tape(arrays, xs[t], previous)
-                arrays = step.output(program.carry_out)
-                outputs.append(step.output(program.y_out))
-                step.drop_values(program.carry_out)
-                segment.append((t, step))
-                if previous is not None:
-                    previous.buffers = {}
-                previous = step
+            segment, outputs, arrays = _taped_segment(program, initial, xs)
             taped = min(taped, time.perf_counter() - start)
         held = max(held, _replay_held(segment))
         roots = _replay_roots(program, arrays, outputs)
@@ -250,18 +249,76 @@ def _replayed(
     return run / steps, taped / steps, backward / steps, held
 
 
-def _replay_held(segment: list[tuple[int, Any]]) -> int:
+def _taped_segment(
+    program: StepProgram, initial: list[Any], xs: list[list[Any]], after_step: Any = None,
+) -> tuple[list[tuple[int, Any]], list[list[Any]], list[Any]]:
+    """The steps of `xs` replayed with a tape as the executor tapes a segment (chained, each
+    step's carry values dropped once the next holds them): (segment, outputs, last carry);
+    `after_step(segment)` is called after each step."""
+    segment, outputs, arrays, previous = [], [], initial, None
+    for t in range(len(xs)):
+        step = program.tape(arrays, xs[t], previous)
+        arrays = step.output(program.carry_out)
+        outputs.append(step.output(program.y_out))
+        step.drop_values(program.carry_out)
+        segment.append((t, step))
+        if previous is not None:
+            previous.buffers = {}
+        previous = step
+        if after_step is not None:
+            after_step(segment)
+    return segment, outputs, arrays
+
+
+def _step_object_bytes(
+    program: StepProgram, loop: StepLoop, carry_leaves: list[Any], engine_state: Any
+) -> int:
+    """Bytes the second of two taped replayed steps keeps beyond the arrays it saves, as
+    tracemalloc traces them (started for the call if it was not running): the engine's own
+    objects per taped step, which a plan holding many taped steps (keep-all, a long periodic
+    segment) holds as many times. The second step is the one measured: the first pays for
+    one-time caches, and a chained step is what the rest of a segment is."""
+    steps = _steps(loop)
+    if steps < 2:
+        return 0
+    initial = [None if c is None else c._data for c in carry_leaves]
+    xs = [[None if x is None else _row(x._data, t) for x in loop.xs_leaves] for t in range(steps)]
+    traced, held = [], []
+
+    def after_step(segment: list[tuple[int, Any]]) -> None:
+        traced.append(tracemalloc.get_traced_memory()[0])
+        held.append(_replay_held(segment, allocated_only=True))
+
+    tracing = tracemalloc.is_tracing()
+    if not tracing:
+        tracemalloc.start()
+    try:
+        with random.replaying(engine_state):
+            _taped_segment(program, initial, xs, after_step)
+    finally:
+        if not tracing:
+            tracemalloc.stop()
+    # the marks themselves (two ints in two lists) are traced between the readings; they are
+    # a few dozen bytes, well under a step's objects
+    return max(0, (traced[1] - traced[0]) - (held[1] - held[0]))
+
+
+def _replay_held(segment: list[tuple[int, Any]], allocated_only: bool = False) -> int:
     """Every byte the replayed steps keep for their backward, each buffer counted once, as a
-    profiler counts them."""
+    profiler counts them; with `allocated_only`, views (of the input data, of another
+    value) left out: they hold no memory of their own."""
     seen: set[int] = set()
     total = 0
     for _, step in segment:
         for kept in step.saved:
             for value in kept or ():
-                if id(value) not in seen:
-                    seen.add(id(value))
-                    total += (value.stored_nbytes if isinstance(value, SavedBuffer)
-                              else array_nbytes(value))
+                if id(value) in seen:
+                    continue
+                seen.add(id(value))
+                if isinstance(value, SavedBuffer):
+                    total += value.stored_nbytes
+                elif not (allocated_only and getattr(value, "base", None) is not None):
+                    total += array_nbytes(value)
     return total
 
 
