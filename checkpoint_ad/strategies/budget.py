@@ -96,7 +96,7 @@ class PlanRow:
     """The saved-value strategy of every step's values."""
     peak_tape_bytes: int
     device_peak_bytes: int
-    """`peak_tape_bytes` plus the estimate's fixed bytes and `object_bytes`."""
+    """`peak_tape_bytes` plus the estimate's fixed bytes and `engine_bytes`."""
     forward_seconds: float
     backward_seconds: float
     evaluations: int
@@ -104,9 +104,11 @@ class PlanRow:
     """Lossy plans: the most a stored value moves, relative to its group's range; None for
     lossless plans, whose gradients equal keeping everything bit for bit."""
     fits: bool
-    object_bytes: int = 0
-    """The engine's own objects (lists, output rows) the steps taped at the peak hold beyond
-    their arrays, as the dry run traced them (0 when the loop records its steps)."""
+    engine_bytes: int = 0
+    """Memory of the engine's own at the peak beyond the tape's arrays, as the dry run
+    traced it: the objects (lists, output rows) the steps taped at the peak hold, and one
+    step's backward temporaries (0 when the loop records its steps, or ran under the
+    caller's own tracemalloc)."""
 
     @property
     def seconds(self) -> float:
@@ -174,9 +176,9 @@ def plan_table(
                 continue
             fits = limit_bytes is None or c.peak_tape_bytes <= limit_bytes
             rows.append(PlanRow(c.name, c.loop, c.storage, c.peak_tape_bytes,
-                                c.peak_tape_bytes + extra + c.object_bytes, c.forward_seconds,
+                                c.peak_tape_bytes + extra + c.engine_bytes, c.forward_seconds,
                                 c.backward_seconds, c.evaluations, c.error_bound, fits,
-                                c.object_bytes))
+                                c.engine_bytes))
     rows.sort(key=lambda r: (r.seconds, r.peak_tape_bytes))
     fitting = [r for r in rows if r.fits]
     # the fastest that fits (the sort put the leanest first among equal times): a budget is

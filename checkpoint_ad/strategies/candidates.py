@@ -75,9 +75,9 @@ class Candidate:
     """Step evaluations, taped and re-run."""
     error_bound: float | None
     """Lossy plans: the most a stored value moves, relative to its group's range."""
-    object_bytes: int = 0
-    """The engine's own objects the taped steps hold at the peak, beyond their arrays (in
-    the device peak, not the tape's)."""
+    engine_bytes: int = 0
+    """Memory of the engine's own at the peak beyond the tape's arrays: the objects its taped
+    steps hold and one step's backward temporaries (in the device peak, not the tape's)."""
 
     @property
     def seconds(self) -> float:
@@ -100,10 +100,12 @@ def _tape(form: FormCost, steps: int, stored: int = 0) -> int:
     return form.first_bytes + carry + (steps - 1) * form.step_bytes
 
 
-def _objects(cost: StepCost, form: FormCost, taped_steps: int) -> int:
-    """Bytes of the engine's objects `taped_steps` replayed taped steps hold (0 when the loop
-    records its steps: not measured)."""
-    return taped_steps * form.step_object_bytes if cost.replays else 0
+def _engine(cost: StepCost, form: FormCost, taped_steps: int) -> int:
+    """Bytes of the engine's objects `taped_steps` replayed taped steps hold, and one step's
+    backward temporaries (0 when the loop records its steps: not traced)."""
+    if not cost.replays:
+        return 0
+    return taped_steps * form.step_object_bytes + form.backward_working_bytes
 
 
 def _speeds(cost: StepCost, form: FormCost) -> tuple[float, float, float]:
@@ -136,7 +138,7 @@ def keep_every_step(cost: StepCost) -> Iterator[Candidate]:
             backward_seconds=recorded * form.backward_seconds + (n - recorded) * backward,
             evaluations=n,
             error_bound=relative_error_bound(STEP_FORMS[name]),
-            object_bytes=_objects(cost, form, n - recorded),
+            engine_bytes=_engine(cost, form, n - recorded),
         )
 
 
@@ -172,7 +174,7 @@ def periodic(cost: StepCost) -> Iterator[Candidate]:
             backward_seconds=backward + segments * cost.reverse_overhead_seconds,
             evaluations=n + advanced,
             error_bound=None,
-            object_bytes=_objects(cost, form, k),
+            engine_bytes=_engine(cost, form, k),
         )
 
 
@@ -229,7 +231,7 @@ def binomial(cost: StepCost) -> Iterator[Candidate]:
                                   + n * cost.reverse_overhead_seconds),
                 evaluations=n + advanced,
                 error_bound=relative_error_bound(storage),
-                object_bytes=_objects(cost, form, 1),
+                engine_bytes=_engine(cost, form, 1),
             )
 
 
@@ -280,7 +282,7 @@ def binomial_disk(cost: StepCost) -> Iterator[Candidate]:
             * cost.disk.pack_seconds + plan.disk_reads * cost.disk.unpack_seconds,
             evaluations=n + plan.advanced_steps,
             error_bound=None,
-            object_bytes=_objects(cost, form, 1),
+            engine_bytes=_engine(cost, form, 1),
         )
 
 

@@ -77,6 +77,10 @@ class FormCost:
     engine's Python objects: its lists of saved values, its output row), traced by
     tracemalloc in the dry run (0: not traced). Not tape bytes; a plan's device peak counts it
     once per step taped at its peak."""
+    backward_working_bytes: int = 0
+    """The most a replayed step's backward allocates for a while beyond the gradients it
+    hands out (its rules' temporaries), traced in the dry run (0: not traced). Reached once,
+    in the device peak."""
 
 
 @dataclass(frozen=True)
@@ -171,10 +175,10 @@ def measure(
                 run, taped, backward, held = _replayed(program, loop, carry_leaves, engine_state)
                 dry_run_bytes = max(dry_run_bytes, held)
                 replayed_untaped = run if replayed_untaped is None else min(replayed_untaped, run)
+                objects, working = _traced_step_bytes(program, loop, carry_leaves, engine_state)
                 priced[name] = replace(
                     priced[name], replayed_taped_seconds=taped, replayed_backward_seconds=backward,
-                    step_object_bytes=_step_object_bytes(program, loop, carry_leaves,
-                                                         engine_state))
+                    step_object_bytes=objects, backward_working_bytes=working)
     finally:
         np.random.set_state(numpy_state)
         loop.evaluations = evaluations
@@ -232,21 +236,27 @@ def _replayed(
             taped = min(taped, time.perf_counter() - start)
         held = max(held, _replay_held(segment))
         roots = _replay_roots(program, arrays, outputs)
-        keys: dict[tuple[Any, ...], int] = {}
-        for k in range(len(program.carry_in)):
-            if program.requires_grad[k]:
-                keys[("carry", k)] = len(keys)
-        for t in range(steps):
-            for k, x in enumerate(loop.xs_leaves):
-                if x is not None and x.requires_grad:
-                    keys[("x", t, k)] = len(keys)
-        for slot in program.external_keys:
-            keys[("ext", slot)] = len(keys)
+        keys = _pull_back_keys(program, loop, steps)
         start = time.perf_counter()
         if roots:
             program.pull_back(segment, roots, Capture({}, initial=[None] * len(keys)), keys)
         backward = min(backward, time.perf_counter() - start)
     return run / steps, taped / steps, backward / steps, held
+
+
+def _pull_back_keys(program: StepProgram, loop: StepLoop, steps: int) -> dict[Any, int]:
+    """Positions of the gradients a pull-back of `steps` replayed steps hands out."""
+    keys: dict[Any, int] = {}
+    for k in range(len(program.carry_in)):
+        if program.requires_grad[k]:
+            keys[("carry", k)] = len(keys)
+    for t in range(steps):
+        for k, x in enumerate(loop.xs_leaves):
+            if x is not None and x.requires_grad:
+                keys[("x", t, k)] = len(keys)
+    for slot in program.external_keys:
+        keys[("ext", slot)] = len(keys)
+    return keys
 
 
 def _taped_segment(
@@ -270,37 +280,47 @@ def _taped_segment(
     return segment, outputs, arrays
 
 
-def _step_object_bytes(
+def _traced_step_bytes(
     program: StepProgram, loop: StepLoop, carry_leaves: list[Any], engine_state: Any
-) -> int:
-    """Bytes the second of two taped replayed steps keeps beyond the arrays it saves, as
-    tracemalloc traces them (started for the call if it was not running): the engine's own
-    objects per taped step, which a plan holding many taped steps (keep-all, a long periodic
-    segment) holds as many times. The second step is the one measured: the first pays for
-    one-time caches, and a chained step is what the rest of a segment is."""
+) -> tuple[int, int]:
+    """(objects, working): bytes the second of two taped replayed steps keeps beyond the
+    arrays it saves, and the most the pull-back of both allocates for a while beyond the
+    gradients it hands out, as tracemalloc traces them. The objects are the engine's own per
+    taped step, which a plan holding many taped steps holds as many times; the working bytes
+    are a step's backward temporaries, reached once. The second step is the one measured:
+    the first pays for one-time caches, and a chained step is what the rest of a segment is.
+    Traced only when tracemalloc is off (it is started for the call): resetting its peak
+    would spoil a caller's own measurement, so under a caller's tracing both are 0."""
     steps = _steps(loop)
-    if steps < 2:
-        return 0
+    if steps < 2 or tracemalloc.is_tracing():
+        return 0, 0
     initial = [None if c is None else c._data for c in carry_leaves]
     xs = [[None if x is None else _row(x._data, t) for x in loop.xs_leaves] for t in range(steps)]
+    keys = _pull_back_keys(program, loop, steps)
     traced, held = [], []
 
     def after_step(segment: list[tuple[int, Any]]) -> None:
         traced.append(tracemalloc.get_traced_memory()[0])
         held.append(_replay_held(segment, allocated_only=True))
 
-    tracing = tracemalloc.is_tracing()
-    if not tracing:
-        tracemalloc.start()
+    tracemalloc.start()
     try:
         with random.replaying(engine_state):
-            _taped_segment(program, initial, xs, after_step)
+            segment, outputs, arrays = _taped_segment(program, initial, xs, after_step)
+            roots = _replay_roots(program, arrays, outputs)
+            sink = Capture({}, initial=[None] * len(keys))
+            before = tracemalloc.get_traced_memory()[0]
+            tracemalloc.reset_peak()
+            if roots:
+                program.pull_back(segment, roots, sink, keys)
+            peak = tracemalloc.get_traced_memory()[1]
     finally:
-        if not tracing:
-            tracemalloc.stop()
-    # the marks themselves (two ints in two lists) are traced between the readings; they are
-    # a few dozen bytes, well under a step's objects
-    return max(0, (traced[1] - traced[0]) - (held[1] - held[0]))
+        tracemalloc.stop()
+    handed_out = sum(array_nbytes(g) for g in sink.values if g is not None)
+    # the marks themselves (two ints in two lists) are traced between the readings: a few
+    # dozen bytes, well under a step's objects
+    objects = max(0, (traced[1] - traced[0]) - (held[1] - held[0]))
+    return objects, max(0, peak - before - handed_out)
 
 
 def _replay_held(segment: list[tuple[int, Any]], allocated_only: bool = False) -> int:
