@@ -16,12 +16,14 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
+from threading import get_ident
 from time import perf_counter
 from typing import Any
 
 import numpy as np
 
 from .. import events
+from ..entry import Entry
 from ..tensor_base import TensorBase
 from .gathered import Gathered, judge_buffers
 from .memory import MemoryProbe, probe_for, rss_bytes, synchronize
@@ -48,6 +50,7 @@ class _Recorder:
         # loop's) is taken in at this thread's next event, so no lock guards every handler
         self.watch = Watch(self._free)
         self.tracked = self.watch.tracked  # id(buffer) -> Tracked
+        self.thread = self.watch.thread
         self.foreign = self.watch.foreign  # tested before every event: frees to take in first
         self.roots: dict[int, int] = {}  # id(array) -> live owned buffers holding it
         self.pending: dict[int, Any] = {}  # id(buffer) -> buffer stored by reference, unclaimed
@@ -238,9 +241,9 @@ class _Recorder:
         phase = self.phase
         if phase == "forward":
             leaf_roots = self.leaf_roots
-            for edge in entry.edges:  # its leaves: learn them (most are known already)
-                if edge is not None and isinstance(edge[0], TensorBase):
-                    array = edge[0]._data
+            for node in entry.nodes:  # its leaves: learn them (most are known already)
+                if node is not None and type(node) is not Entry and isinstance(node, TensorBase):
+                    array = node._data
                     known = leaf_roots.get(id(array))
                     if known is None or known() is not array:
                         self._learn_leaf(array)
@@ -404,8 +407,17 @@ class _Recorder:
         self.by_stored[tracked.stored_id] = key
         self.packed.append(buffer)  # counted at the next other event (`_count_packed`)
 
-    def _free(self, tracked: Tracked) -> None:
-        """A tracked buffer died (`Watch` calls this, in this thread)."""
+    def _free(self, tracked: Tracked, drained: bool = False) -> None:
+        """A tracked buffer died: its weak reference's callback (`drained`: the death was
+        heard in another thread, and is counted now, in this one; see `Watch`)."""
+        if not drained:  # the protocol `Watch` describes, inline: one call per death
+            if self.tracked.pop(tracked.key, None) is None:  # closed meanwhile
+                return
+            if get_ident() != self.thread:
+                self.foreign.append(tracked)
+                return
+            if self.foreign:  # those died first
+                self.watch.drain()
         if self.packed:  # as `_settled` does
             self._count_packed()
         if self.pending:  # (a buffer dying unclaimed was owned)
