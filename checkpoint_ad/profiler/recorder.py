@@ -327,28 +327,70 @@ class _Recorder:
         """One value an entry saved: classify its buffer (owned, or the caller's memory saved
         by reference), count it if new, and list its record. `unedged`: its tensor is outside
         the graph (no gradient), so a view of another array there is a slice of the caller's
-        data (an input's row)."""
-        key, shared = id(buffer), self.shared
+        data (an input's row).
+
+        A buffer saved again (a parameter, by every step) lists the fields its first record
+        found (`Tracked.fields`: a buffer's shape, sizes and strategy do not change), and one
+        counted as the caller's stays the caller's: nothing is classified again."""
+        key = id(buffer)
+        tracked = self.tracked.get(key)
+        if tracked is not None and tracked.counted and not tracked.owned:
+            fields = tracked.fields
+            if fields is not None:
+                self.raw_records.extend((
+                    op, role, fields[0], fields[1], fields[2], fields[3], frame,
+                    tracked.serial, phase, False, tracked.level or "device", fields[4]))
+                return
+        shared = self.shared
         if buffer.source is None:  # stored as is: the caller's memory, or the tape's?
             array = buffer.packed
             root = array if getattr(array, "base", None) is None else _root(array)
             known = self.leaf_roots.get(id(root))
             owned = not ((known is not None and known() is root) or (
                 unedged and root is not array))
-            # its shape and size are made anew at each read: share one of each per value
-            shape, dtype = array.shape, array.dtype
-            size = array.nbytes if type(array) is np.ndarray else buffer.stored_nbytes
-            shape = shared.setdefault(shape, shape)
-            logical = stored = shared.setdefault(size, size)
-            strategy = shared.get(type(buffer))  # such a buffer's packer is its class's
-            if strategy is None:
-                strategy = shared[type(buffer)] = type(buffer.packer).__name__
+            if tracked is not None and tracked.fields is not None:
+                shape, dtype, logical, stored, strategy = tracked.fields
+            else:
+                # its shape and size are made anew at each read: share one of each per value
+                shape, dtype = array.shape, array.dtype
+                size = array.nbytes if type(array) is np.ndarray else buffer.stored_nbytes
+                shape = shared.setdefault(shape, shape)
+                logical = stored = shared.setdefault(size, size)
+                strategy = shared.get(type(buffer))  # such a buffer's packer is its class's
+                if strategy is None:
+                    strategy = shared[type(buffer)] = type(buffer.packer).__name__
+            if tracked is not None and self.pending.pop(key, None) is not None:
+                # `_count` of a buffer stored by reference, inline (most saved values)
+                root_id = None
+                size = stored
+                if owned:
+                    root_id = id(array)
+                    roots = self.roots
+                    held = roots.get(root_id, 0)
+                    if held:
+                        size = 0
+                    roots[root_id] = held + 1
+                tracked.counted, tracked.owned, tracked.size, tracked.root_id = (
+                    True, owned, size, root_id)
+                tracked.fields = (shape, dtype, logical, stored, strategy)
+                if owned:
+                    tracked.born_at, tracked.born_size = len(self.points), size
+                    self.live += size
+                    if self.live > self.peak:
+                        self._new_peak()
+                    if root is not array:
+                        self._note_view(buffer, tracked.serial, root)
+                else:
+                    self._add(False, size)
+                self.raw_records.extend((
+                    op, role, shape, dtype, logical, stored, frame, tracked.serial, phase,
+                    owned, "device", strategy))
+                return
         else:  # packed: the stored form is a new array
             owned, root = True, None
             shape, dtype = buffer.shape, buffer.dtype
             logical, stored = buffer.logical_nbytes, buffer.stored_nbytes
             strategy = type(buffer.packer).__name__
-        tracked = self.tracked.get(key)
         if tracked is None:  # saved before profiling began: known from now on
             tracked = self.watch.track(buffer, key, next(self.counter))
         elif self.pending.pop(key, None) is not None:
@@ -359,6 +401,8 @@ class _Recorder:
                 tracked.owned = False
                 self._add(False, tracked.size)
             owned = tracked.owned
+        if tracked.counted:
+            tracked.fields = (shape, dtype, logical, stored, strategy)
         if owned and root is not None and root is not array:
             self._note_view(buffer, tracked.serial, root)
         self.raw_records.extend((
@@ -386,9 +430,13 @@ class _Recorder:
             self.watch.drain()
         key = id(buffer)
         serial = next(self.counter)
-        tracked = self.watch.track(buffer, key, serial)
+        # `Watch.track`, inline (one call fewer per saved value)
+        tracked = Tracked(buffer, self._free)
+        tracked.key, tracked.serial, tracked.counted, tracked.born_at = key, serial, False, None
+        tracked.level, tracked.stored_id, tracked.evicted, tracked.fields = None, None, None, None
+        self.tracked[key] = tracked
         source = buffer.source
-        if self.backward_depth or self.recompute_depth:  # re-run values: the tape's own
+        if self.phase != "forward":  # re-run values: the tape's own
             pass
         elif source is None or source() is buffer.packed:  # stored as is
             try:  # noqa: SIM105 (not contextlib.suppress: a context manager per value)

@@ -27,10 +27,12 @@ class Tracked(weakref.ref):
     `evicted`); `root_id`: id of the array it holds by reference, if owned; `born_at`/`born_size`:
     timeline index and bytes when first counted as owned (two fields, not a pair: one object
     fewer per buffer for the collector to visit); `level`/`level_size`: where it lives if off the
-    device; `stored_id`: id of its stored form, if packed (events name the stored form)."""
+    device; `stored_id`: id of its stored form, if packed (events name the stored form);
+    `fields`: (shape, dtype, logical bytes, stored bytes, strategy) its records list, once
+    counted."""
 
-    __slots__ = ("born_at", "born_size", "counted", "evicted", "key", "level", "level_size",
-                 "owned", "root_id", "serial", "size", "stored_id")
+    __slots__ = ("born_at", "born_size", "counted", "evicted", "fields", "key", "level",
+                 "level_size", "owned", "root_id", "serial", "size", "stored_id")
 
     key: int
     serial: int
@@ -44,6 +46,7 @@ class Tracked(weakref.ref):
     level_size: int
     stored_id: int | None
     evicted: int | None
+    fields: tuple[Any, ...] | None
 
 
 class Watch:
@@ -66,7 +69,7 @@ class Watch:
         """Start tracking a live buffer (`key` is its id), not counted yet."""
         ref = Tracked(buffer, self._callback)
         ref.key, ref.serial, ref.counted, ref.born_at = key, serial, False, None
-        ref.level, ref.stored_id, ref.evicted = None, None, None
+        ref.level, ref.stored_id, ref.evicted, ref.fields = None, None, None, None
         self.tracked[key] = ref
         return ref
 
