@@ -401,7 +401,7 @@ class _Recorder:
                 tracked.owned = False
                 self._add(False, tracked.size)
             owned = tracked.owned
-        if tracked.counted:
+        if tracked.counted and root is not None:  # stored by reference: see above
             tracked.fields = (shape, dtype, logical, stored, strategy)
         if owned and root is not None and root is not array:
             self._note_view(buffer, tracked.serial, root)

@@ -28,8 +28,8 @@ class Tracked(weakref.ref):
     timeline index and bytes when first counted as owned (two fields, not a pair: one object
     fewer per buffer for the collector to visit); `level`/`level_size`: where it lives if off the
     device; `stored_id`: id of its stored form, if packed (events name the stored form);
-    `fields`: (shape, dtype, logical bytes, stored bytes, strategy) its records list, once
-    counted."""
+    `fields`: (shape, dtype, logical bytes, stored bytes, strategy) that the records of a
+    buffer stored by reference list, once counted (read again for each entry saving it)."""
 
     __slots__ = ("born_at", "born_size", "counted", "evicted", "fields", "key", "level",
                  "level_size", "owned", "root_id", "serial", "size", "stored_id")
