@@ -6,7 +6,8 @@ saved value read back, an entry released) test ``kind in wanted`` instead, and s
 call while only other kinds are heard. A listener hears the events of the thread that subscribed
 it only: a profile taken in one thread does not count another thread's work. Subscriptions are
 kept as a table from kind to its handlers, rebuilt at each (rare) subscribe, so an event costs
-one lookup, and an event nobody asked for costs nothing more.
+one lookup (and, heard by one handler, no loop), and an event nobody asked for costs nothing
+more.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ wanted: frozenset[str] | _EveryKind = frozenset()
 # what `emit` reads, rebuilt from `listeners` at each subscribe:
 # kind -> ((subscribing thread, handler(payload)), ...)
 _routes: dict[str, tuple[tuple[int, Handler], ...]] = {}
+# the kinds of `_routes` with one handler (while one profile listens: every kind it hears),
+# each as its (thread, handler) pair: no loop per event
+_sole: dict[str, tuple[int, Handler]] = {}
 _hear_every_kind = False  # some listener hears every kind
 _lock = threading.Lock()
 
@@ -72,6 +76,11 @@ def emit(kind: str, payload: Any) -> None:
     values and the carry slots the previous step made; what recording the step would have
     sent as 'record' and 'apply' events, one event per step).
     """
+    sole = _sole.get(kind)
+    if sole is not None:
+        if sole[0] == get_ident():
+            sole[1](payload)
+        return
     route = _routes.get(kind)
     if route is None:
         if not _hear_every_kind:
@@ -126,8 +135,9 @@ def _rebuild() -> None:
                 routes[kind].append((s.thread, partial(s.every, kind)))  # type: ignore[arg-type]
             elif kind in s.handlers:
                 routes[kind].append((s.thread, s.handlers[kind]))
-    global _routes, _hear_every_kind, wanted
+    global _routes, _sole, _hear_every_kind, wanted
     _routes = {kind: tuple(route) for kind, route in routes.items()}
+    _sole = {kind: route[0] for kind, route in _routes.items() if len(route) == 1}
     _hear_every_kind = any(s.every is not None for s in listeners)
     wanted = _EveryKind() if _hear_every_kind else frozenset(_routes)
 

@@ -15,7 +15,10 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 # object alive so that its id stays its own while listed.
 _code_kinds: dict[int, bool] = {}
 _codes_seen: list[Any] = []
-# (id(code), line) -> (code, line): one shared pair per user code line
+# (id(code), offset of its calling instruction) -> (code, line): a call site seen before costs
+# one lookup, not a line-table scan (`f_lineno`); one shared pair per user code line
+_call_sites: dict[tuple[int, int], tuple[Any, int]] = {}
+# (id(code), line) -> (code, line): the shared pair, found once per call site
 _origins: dict[tuple[int, int], tuple[Any, int]] = {}
 _MAX_ORIGINS = 100_000
 NO_ORIGIN: tuple[Any, int] = (None, 0)  # the origin of an entry recorded where no one asked
@@ -38,12 +41,24 @@ def origin_text(frame: tuple[Any, int]) -> str:
     return f"{code.co_filename}:{line}" if code is not None else "<unknown>"
 
 
+def _line_pair(code: Any, line: int) -> tuple[Any, int]:
+    """The one (code, line) pair of a user code line, shared by all its call sites."""
+    if len(_origins) > _MAX_ORIGINS or len(_call_sites) > _MAX_ORIGINS:
+        _origins.clear()
+        _call_sites.clear()
+    pair = _origins.get((id(code), line))
+    if pair is None:
+        pair = _origins[(id(code), line)] = (code, line)
+    return pair
+
+
 def _user_frame() -> tuple[Any, int]:
     """(code, line) of the nearest caller outside this package; formatted only when asked.
 
     Many entries ask (every one under `record_origins`, each that saves a value under a
-    profiler), so the walk looks each frame's code up by id, and the pair is shared by every
-    entry recorded on the same line (a loop's entries hold no pair of their own)."""
+    profiler), so the walk looks each frame's code up by id, the user frame's line up by its
+    call site (`f_lasti`: `f_lineno` scans the code's line table), and the pair is shared by
+    every entry recorded on the same line (a loop's entries hold no pair of their own)."""
     frame = sys._getframe(3)  # past the entry's maker and its caller in tape.py
     kinds = _code_kinds
     while frame is not None:
@@ -52,12 +67,10 @@ def _user_frame() -> tuple[Any, int]:
         if internal is None:
             internal = _is_internal(code)
         if not internal:
-            line = frame.f_lineno
-            pair = _origins.get((id(code), line))
+            site = (id(code), frame.f_lasti)
+            pair = _call_sites.get(site)
             if pair is None:
-                if len(_origins) > _MAX_ORIGINS:
-                    _origins.clear()
-                pair = _origins[(id(code), line)] = (code, line)
+                pair = _call_sites[site] = _line_pair(code, frame.f_lineno)
             return pair
         frame = frame.f_back
     return NO_ORIGIN

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import checkpoint_ad as cad
+from checkpoint_ad import events
 from checkpoint_ad.nn import functional as F
 
 
@@ -143,3 +144,34 @@ def test_a_buffer_freed_in_another_thread_is_freed_in_its_makers_profile():
         t.join()
     assert prof.peak_tape_bytes == 8000
     assert prof.timeline_bytes[-1] == 0
+
+
+def test_a_kind_heard_once_or_twice_reaches_exactly_its_own_threads_handlers():
+    """One handler of a kind is called without the per-handler loop; the thread filter and a
+    second handler of the same kind behave the same either way."""
+    heard: list[tuple[str, int]] = []
+    started, done = threading.Event(), threading.Event()
+
+    def other_thread():
+        stop = events.subscribe_handlers({"step": lambda n: heard.append(("other", n))})
+        started.set()
+        done.wait(10)
+        stop()
+
+    worker = threading.Thread(target=other_thread)
+    worker.start()
+    started.wait(10)
+    try:
+        events.emit("step", 1)  # heard only by the other thread's handler: not here
+        stop_a = events.subscribe_handlers({"step": lambda n: heard.append(("a", n))})
+        events.emit("step", 2)
+        stop_b = events.subscribe_handlers({"step": lambda n: heard.append(("b", n))})
+        events.emit("step", 3)
+        stop_a()
+        events.emit("step", 4)
+        stop_b()
+        events.emit("step", 5)
+    finally:
+        done.set()
+        worker.join()
+    assert heard == [("a", 2), ("a", 3), ("b", 3), ("b", 4)]

@@ -16,12 +16,14 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
+from threading import get_ident
 from time import perf_counter
 from typing import Any
 
 import numpy as np
 
 from .. import events
+from ..entry import Entry
 from ..tensor_base import TensorBase
 from .gathered import Gathered, judge_buffers
 from .memory import MemoryProbe, probe_for, rss_bytes, synchronize
@@ -46,8 +48,10 @@ class _Recorder:
         # the live buffers it knows, watched for their death: one that dies in another thread
         # (the collector runs in whichever thread allocates; in a Dask worker, its event
         # loop's) is taken in at this thread's next event, so no lock guards every handler
-        self.watch = Watch(self._free)
+        self.on_death = self._free  # bound once: every tracked buffer's callback
+        self.watch = Watch(self.on_death)
         self.tracked = self.watch.tracked  # id(buffer) -> Tracked
+        self.thread = self.watch.thread
         self.foreign = self.watch.foreign  # tested before every event: frees to take in first
         self.roots: dict[int, int] = {}  # id(array) -> live owned buffers holding it
         self.pending: dict[int, Any] = {}  # id(buffer) -> buffer stored by reference, unclaimed
@@ -238,9 +242,9 @@ class _Recorder:
         phase = self.phase
         if phase == "forward":
             leaf_roots = self.leaf_roots
-            for edge in entry.edges:  # its leaves: learn them (most are known already)
-                if edge is not None and isinstance(edge[0], TensorBase):
-                    array = edge[0]._data
+            for node in entry.nodes:  # its leaves: learn them (most are known already)
+                if node is not None and type(node) is not Entry and isinstance(node, TensorBase):
+                    array = node._data
                     known = leaf_roots.get(id(array))
                     if known is None or known() is not array:
                         self._learn_leaf(array)
@@ -324,28 +328,70 @@ class _Recorder:
         """One value an entry saved: classify its buffer (owned, or the caller's memory saved
         by reference), count it if new, and list its record. `unedged`: its tensor is outside
         the graph (no gradient), so a view of another array there is a slice of the caller's
-        data (an input's row)."""
-        key, shared = id(buffer), self.shared
+        data (an input's row).
+
+        A buffer saved again (a parameter, by every step) lists the fields its first record
+        found (`Tracked.fields`: a buffer's shape, sizes and strategy do not change), and one
+        counted as the caller's stays the caller's: nothing is classified again."""
+        key = id(buffer)
+        tracked = self.tracked.get(key)
+        if tracked is not None and tracked.counted and not tracked.owned:
+            fields = tracked.fields
+            if fields is not None:
+                self.raw_records.extend((
+                    op, role, fields[0], fields[1], fields[2], fields[3], frame,
+                    tracked.serial, phase, False, tracked.level or "device", fields[4]))
+                return
+        shared = self.shared
         if buffer.source is None:  # stored as is: the caller's memory, or the tape's?
             array = buffer.packed
             root = array if getattr(array, "base", None) is None else _root(array)
             known = self.leaf_roots.get(id(root))
             owned = not ((known is not None and known() is root) or (
                 unedged and root is not array))
-            # its shape and size are made anew at each read: share one of each per value
-            shape, dtype = array.shape, array.dtype
-            size = array.nbytes if type(array) is np.ndarray else buffer.stored_nbytes
-            shape = shared.setdefault(shape, shape)
-            logical = stored = shared.setdefault(size, size)
-            strategy = shared.get(type(buffer))  # such a buffer's packer is its class's
-            if strategy is None:
-                strategy = shared[type(buffer)] = type(buffer.packer).__name__
+            if tracked is not None and tracked.fields is not None:
+                shape, dtype, logical, stored, strategy = tracked.fields
+            else:
+                # its shape and size are made anew at each read: share one of each per value
+                shape, dtype = array.shape, array.dtype
+                size = array.nbytes if type(array) is np.ndarray else buffer.stored_nbytes
+                shape = shared.setdefault(shape, shape)
+                logical = stored = shared.setdefault(size, size)
+                strategy = shared.get(type(buffer))  # such a buffer's packer is its class's
+                if strategy is None:
+                    strategy = shared[type(buffer)] = type(buffer.packer).__name__
+            if tracked is not None and self.pending.pop(key, None) is not None:
+                # `_count` of a buffer stored by reference, inline (most saved values)
+                root_id = None
+                size = stored
+                if owned:
+                    root_id = id(array)
+                    roots = self.roots
+                    held = roots.get(root_id, 0)
+                    if held:
+                        size = 0
+                    roots[root_id] = held + 1
+                tracked.counted, tracked.owned, tracked.size, tracked.root_id = (
+                    True, owned, size, root_id)
+                tracked.fields = (shape, dtype, logical, stored, strategy)
+                if owned:
+                    tracked.born_at, tracked.born_size = len(self.points), size
+                    self.live += size
+                    if self.live > self.peak:
+                        self._new_peak()
+                    if root is not array:
+                        self._note_view(buffer, tracked.serial, root)
+                else:
+                    self._add(False, size)
+                self.raw_records.extend((
+                    op, role, shape, dtype, logical, stored, frame, tracked.serial, phase,
+                    owned, "device", strategy))
+                return
         else:  # packed: the stored form is a new array
             owned, root = True, None
             shape, dtype = buffer.shape, buffer.dtype
             logical, stored = buffer.logical_nbytes, buffer.stored_nbytes
             strategy = type(buffer.packer).__name__
-        tracked = self.tracked.get(key)
         if tracked is None:  # saved before profiling began: known from now on
             tracked = self.watch.track(buffer, key, next(self.counter))
         elif self.pending.pop(key, None) is not None:
@@ -356,6 +402,8 @@ class _Recorder:
                 tracked.owned = False
                 self._add(False, tracked.size)
             owned = tracked.owned
+        if tracked.counted and root is not None:  # stored by reference: see above
+            tracked.fields = (shape, dtype, logical, stored, strategy)
         if owned and root is not None and root is not array:
             self._note_view(buffer, tracked.serial, root)
         self.raw_records.extend((
@@ -383,9 +431,13 @@ class _Recorder:
             self.watch.drain()
         key = id(buffer)
         serial = next(self.counter)
-        tracked = self.watch.track(buffer, key, serial)
+        # `Watch.track`, inline (one call fewer per saved value)
+        tracked = Tracked(buffer, self.on_death)
+        tracked.key, tracked.serial, tracked.counted, tracked.born_at = key, serial, False, None
+        tracked.level, tracked.stored_id, tracked.evicted, tracked.fields = None, None, None, None
+        self.tracked[key] = tracked
         source = buffer.source
-        if self.backward_depth or self.recompute_depth:  # re-run values: the tape's own
+        if self.phase != "forward":  # re-run values: the tape's own
             pass
         elif source is None or source() is buffer.packed:  # stored as is
             try:  # noqa: SIM105 (not contextlib.suppress: a context manager per value)
@@ -404,8 +456,17 @@ class _Recorder:
         self.by_stored[tracked.stored_id] = key
         self.packed.append(buffer)  # counted at the next other event (`_count_packed`)
 
-    def _free(self, tracked: Tracked) -> None:
-        """A tracked buffer died (`Watch` calls this, in this thread)."""
+    def _free(self, tracked: Tracked, drained: bool = False) -> None:
+        """A tracked buffer died: its weak reference's callback (`drained`: the death was
+        heard in another thread, and is counted now, in this one; see `Watch`)."""
+        if not drained:  # the protocol `Watch` describes, inline: one call per death
+            if self.tracked.pop(tracked.key, None) is None:  # closed meanwhile
+                return
+            if get_ident() != self.thread:
+                self.foreign.append(tracked)
+                return
+            if self.foreign:  # those died first
+                self.watch.drain()
         if self.packed:  # as `_settled` does
             self._count_packed()
         if self.pending:  # (a buffer dying unclaimed was owned)

@@ -27,10 +27,12 @@ class Tracked(weakref.ref):
     `evicted`); `root_id`: id of the array it holds by reference, if owned; `born_at`/`born_size`:
     timeline index and bytes when first counted as owned (two fields, not a pair: one object
     fewer per buffer for the collector to visit); `level`/`level_size`: where it lives if off the
-    device; `stored_id`: id of its stored form, if packed (events name the stored form)."""
+    device; `stored_id`: id of its stored form, if packed (events name the stored form);
+    `fields`: (shape, dtype, logical bytes, stored bytes, strategy) that the records of a
+    buffer stored by reference list, once counted (read again for each entry saving it)."""
 
-    __slots__ = ("born_at", "born_size", "counted", "evicted", "key", "level", "level_size",
-                 "owned", "root_id", "serial", "size", "stored_id")
+    __slots__ = ("born_at", "born_size", "counted", "evicted", "fields", "key", "level",
+                 "level_size", "owned", "root_id", "serial", "size", "stored_id")
 
     key: int
     serial: int
@@ -44,46 +46,39 @@ class Tracked(weakref.ref):
     level_size: int
     stored_id: int | None
     evicted: int | None
+    fields: tuple[Any, ...] | None
 
 
 class Watch:
-    """The tracked buffers of one recorder, by id: calls `on_free(tracked)` when one dies (at
-    once in the maker's thread; at the maker's next `drain()` when it died in another
-    thread); nothing once `close()`d."""
+    """The tracked buffers of one recorder, by id. `on_free(tracked, drained=False)` is each
+    reference's own callback (one call per death: the recorder's). Called as a buffer dies,
+    it pops `tracked` from `tracked` (gone: closed meanwhile, nothing to do); in another
+    thread than `thread` it appends it to `foreign` and returns, for the maker thread's next
+    `drain()` to call ``on_free(tracked, True)``; else it drains the earlier foreign deaths
+    first, then counts its own. Nothing is reported once `close()`d."""
 
     __slots__ = ("_callback", "_on_free", "foreign", "thread", "tracked")
 
-    def __init__(self, on_free: Callable[[Tracked], None]) -> None:
+    def __init__(self, on_free: Callable[[Tracked, bool], None]) -> None:
         self.thread = threading.get_ident()
-        self._on_free = on_free
+        self._on_free = self._callback = on_free  # bound once, not per buffer
         self.tracked: dict[int, Tracked] = {}  # id(buffer) -> its reference, while alive
         self.foreign: deque[Tracked] = deque()  # buffers that died in another thread
-        self._callback = self._died  # bound once, not per buffer
 
     def track(self, buffer: Any, key: int, serial: int) -> Tracked:
         """Start tracking a live buffer (`key` is its id), not counted yet."""
         ref = Tracked(buffer, self._callback)
         ref.key, ref.serial, ref.counted, ref.born_at = key, serial, False, None
-        ref.level, ref.stored_id, ref.evicted = None, None, None
+        ref.level, ref.stored_id, ref.evicted, ref.fields = None, None, None, None
         self.tracked[key] = ref
         return ref
-
-    def _died(self, ref: Tracked) -> None:
-        if self.tracked.pop(ref.key, None) is None:  # closed meanwhile
-            return
-        if threading.get_ident() != self.thread:
-            self.foreign.append(ref)
-            return
-        if self.foreign:  # those died first
-            self.drain()
-        self._on_free(ref)
 
     def drain(self) -> None:
         """Report the buffers that died in other threads since the last drain (in the maker's
         thread only)."""
         foreign = self.foreign
         while foreign:
-            self._on_free(foreign.popleft())
+            self._on_free(foreign.popleft(), True)
 
     def close(self) -> None:
         """Stop watching: the references die, and with them their callbacks."""
