@@ -48,8 +48,7 @@ class _Recorder:
         # the live buffers it knows, watched for their death: one that dies in another thread
         # (the collector runs in whichever thread allocates; in a Dask worker, its event
         # loop's) is taken in at this thread's next event, so no lock guards every handler
-        self.on_death = self._free  # bound once: every tracked buffer's callback
-        self.watch = Watch(self.on_death)
+        self.watch = Watch(self._free)
         self.tracked = self.watch.tracked  # id(buffer) -> Tracked
         self.thread = self.watch.thread
         self.foreign = self.watch.foreign  # tested before every event: frees to take in first
@@ -432,7 +431,7 @@ class _Recorder:
         key = id(buffer)
         serial = next(self.counter)
         # `Watch.track`, inline (one call fewer per saved value)
-        tracked = Tracked(buffer, self.on_death)
+        tracked = Tracked(buffer, self._free)
         tracked.key, tracked.serial, tracked.counted, tracked.born_at = key, serial, False, None
         tracked.level, tracked.stored_id, tracked.evicted, tracked.fields = None, None, None, None
         self.tracked[key] = tracked
