@@ -7,13 +7,16 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from . import events
 from .forms import Form
 from .grad_mode import _state, origin_blocks
 from .origins import NO_ORIGIN, _user_frame, origin_text
-from .saved import SavedBuffer, SavedSlot, VersionCounter
+from .saved import KeptBuffer, SavedBuffer, SavedSlot, VersionCounter
 
 _sequence = itertools.count()
+_NDARRAY = np.ndarray  # an inline saved value kept as is (see `Entry`)
 
 
 class _NothingFreed(tuple):
@@ -107,10 +110,10 @@ class Entry:
 
     A long tape is mostly entries, so one entry is one object: its inputs as nodes (`_in`,
     `_in2`, see `compact_edges`; read them as `edges`), a primitive's single saved value
-    inline (`_saved` its buffer, `_key` its (name, argument position or -1), `_counter` and
-    `_version` what catches an in-place change; read them as `slots`), and the rarely set
-    fields in one `EntryExtra`. `_saved` otherwise holds the tuple of slots; None once
-    released."""
+    inline (`_saved` its buffer, or under `KeepAll` the numpy array itself: it is its own
+    stored form; `_key` its (name, argument position or -1), `_counter` and `_version` what
+    catches an in-place change; read them as `slots`), and the rarely set fields in one
+    `EntryExtra`. `_saved` otherwise holds the tuple of slots; None once released."""
 
     __slots__ = (
         "__weakref__",  # the rematerializing strategy (dtr.py) keys what it knows by entry
@@ -200,9 +203,10 @@ class Entry:
         """The saved slots; None once released (`NOTHING_FREED` if there were none). A
         value kept inline is handed out as a new `SavedSlot` over the same buffer."""
         saved = self._saved
-        if isinstance(saved, SavedBuffer):
+        if type(saved) is _NDARRAY or isinstance(saved, SavedBuffer):
             name, position = self._key  # type: ignore[misc]
-            slot = SavedSlot(name, saved, None, self._inline_edge(position))
+            buffer = saved if type(saved) is not _NDARRAY else KeptBuffer(saved)
+            slot = SavedSlot(name, buffer, None, self._inline_edge(position))
             slot.counter, slot.version = self._counter, self._version
             return (slot,)
         return saved
@@ -285,7 +289,7 @@ class Entry:
     def release(self) -> None:
         """Drop the saved values; the entry stays so a second sweep can say it was freed."""
         saved = self._saved
-        if isinstance(saved, SavedBuffer):
+        if type(saved) is _NDARRAY or isinstance(saved, SavedBuffer):
             self._saved = self._counter = None  # None: had saved values, now freed
         elif saved:
             for slot in saved:

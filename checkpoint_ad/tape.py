@@ -39,10 +39,12 @@ from .forms import vjp as vjp  # re-exported: the op tables and custom primitive
 from .grad_mode import _state, origin_blocks
 from .origins import _MAX_ORIGINS, _user_frame
 from .saved import (
+    KEEP,
     KeepAll,
     SavedBuffer,
     SavedSlot,
     Strategy,
+    _pushed,
     buffer_for,
     current_packer,
     freed_error,
@@ -84,6 +86,23 @@ class Primitive:
     variadic: bool = False
     differentiable: bool = True
     doc: str = field(default="", repr=False)
+
+    def __post_init__(self) -> None:
+        # What the recording and sweep fast paths read, worked out once per primitive: per
+        # form, each argument's rule by position; for a primitive recorded under `KeepAll`
+        # (its first form), the values to save per requires-grad mask (bit i: argument i).
+        by_position = {f: tuple(f.rules.get(name) for name in self.args) for f in self.forms}
+        object.__setattr__(self, "_rules_by_position", by_position)
+        keep = None
+        if self.forms and self.differentiable and not (self.variadic or self.view) and (
+            len(self.args) <= 3
+        ):
+            keep = tuple(
+                _needed_values(self, self.forms[0],
+                               tuple(bool(m >> i & 1) for i in range(len(self.args))))
+                for m in range(1 << len(self.args))
+            )
+        object.__setattr__(self, "_keep_needs", keep)
 
     def __repr__(self) -> str:
         return f"Primitive({self.name!r})"
@@ -154,9 +173,25 @@ class _Tapes(threading.local):
 _tapes = _Tapes()
 
 
+# one item per GradientTape recording in any thread: while it is empty (the common case)
+# `record` asks no thread-local question about tapes
+tape_blocks: list[Any] = []
+
+
 def active_tapes() -> list[Any]:
     """The `GradientTape`s recording in the calling thread (innermost last)."""
     return _tapes.items
+
+
+def start_tape(tape: Any) -> None:
+    """Record every new entry of the calling thread into `tape` too, until `stop_tape`."""
+    _tapes.items.append(tape)
+    tape_blocks.append(tape)
+
+
+def stop_tape(tape: Any) -> None:
+    _tapes.items.remove(tape)
+    tape_blocks.pop()  # any item: only their number matters
 
 
 def edge_of(tensor: Any) -> Any:
@@ -283,14 +318,124 @@ def _primitive_entry(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str,
 def record(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> Any:
     """Run `prim` on tensors and, when gradients are needed, append an entry to the tape.
 
-    This runs once per operation of every user's loop, so it reads each attribute once and
-    leaves the generic helpers (views, strategies, explicit tapes, listeners) to the cases
-    that need them.
+    This runs once per operation of every user's loop: the common case (numpy arrays, no
+    views, gradients on, values kept as they are, nobody listening) takes `_record_kept`,
+    which makes only the result, its entry and its version counter; everything else takes
+    `_record_any`.
     """
     for t in tensors:
         if not isinstance(t, TensorBase):
             tensors = _with_operands(tensors)
             break
+    keep = prim._keep_needs  # type: ignore[attr-defined]
+    if keep is not None and not (_pushed or events.listeners or origin_blocks or tape_blocks):
+        result = _record_kept(prim, tensors, attrs, keep)
+        if result is not None:
+            return result
+    return _record_any(prim, tensors, attrs)
+
+
+_NDARRAY = np.ndarray
+
+
+def _record_kept(
+    prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any],
+    keep: tuple[tuple[tuple[str, int], ...], ...],
+) -> Any:
+    """`record` for one or two numpy tensors that are not views, at least one requiring
+    grad, with gradients on and nothing tracing (else None, before anything ran): the
+    general path's result and entry, written out. A single saved value is kept in the entry
+    as the array itself (`KeepAll` needs no buffer: the array is the stored form)."""
+    if len(tensors) == 1:
+        a = tensors[0]
+        b = None
+        if a._base is not None or not a._requires_grad or a._index or (
+            type(a._data) is not _NDARRAY
+        ):
+            return None
+        mask = 1
+    elif len(tensors) == 2:
+        a, b = tensors
+        if a._base is not None or b._base is not None or a._index or b._index or (
+            type(a._data) is not _NDARRAY or type(b._data) is not _NDARRAY
+        ):
+            return None
+        mask = a._requires_grad + 2 * b._requires_grad
+        if not mask:
+            return None
+    else:
+        return None
+    state = _state
+    if not state.grad_enabled or state.tracer is not None:
+        return None
+    try:
+        if b is None:
+            out = prim.forward(np, a._data, **attrs) if attrs else prim.forward(np, a._data)
+        else:
+            out = prim.forward(np, a._data, b._data, **attrs) if attrs else prim.forward(
+                np, a._data, b._data)
+    except (ValueError, TypeError, IndexError) as exc:
+        raise _forward_error(prim, tensors, attrs, exc) from exc
+    if type(out) is not _NDARRAY and isinstance(out, np.generic):  # numpy's 0-d results
+        out = np.asarray(out)
+    entry = object.__new__(Entry)
+    entry.op = prim
+    entry.seq = next(_sequence)
+    node = a._entry
+    if node is None and a._requires_grad:
+        node = a if a._leaf_target is None else a._leaf_target
+    entry._in = node
+    if b is None:
+        entry._in2 = _ONE_INPUT_ONLY
+        entry.in_shapes = ()
+    else:
+        node = b._entry
+        if node is None and b._requires_grad:
+            node = b if b._leaf_target is None else b._leaf_target
+        entry._in2 = node
+        if prim.broadcasts:
+            shapes = (a._data.shape, b._data.shape)
+            entry.in_shapes = _shapes_cache.get(shapes) or _shared_shapes(shapes)
+        else:
+            entry.in_shapes = ()
+    entry.attrs = attrs or _NO_ATTRS
+    entry.form = prim.forms[0]
+    entry._extra = None
+    meta = _out_metas.get((out.shape, out.dtype))
+    entry.out_meta = meta if meta is not None else _shared_meta((out.shape, out.dtype))
+    result = make_tensor(out, entry)
+    needed = keep[mask]
+    if len(needed) == 1:
+        key = entry._key = needed[0]
+        position = key[1]
+        saved = result if position < 0 else tensors[position]
+        if saved._inference:
+            _buffer(saved, key[0], KEEP, entry)  # raises the general path's error
+        entry._saved = saved._data
+        counter = entry._counter = saved._version
+        entry._version = counter.value
+    else:
+        entry._key = entry._counter = None
+        entry._version = 0
+        entry._saved = () if not needed else tuple([
+            save_tensor(result, name, KEEP, entry, 0) if position < 0
+            else save_tensor(tensors[position], name, KEEP, entry,
+                             _edge_at(tensors[position], position))
+            for name, position in needed
+        ])
+    return result
+
+
+def _forward_error(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any],
+                   exc: Exception) -> ShapeError:
+    return ShapeError(
+        f"{prim.name!r} cannot run on inputs {_describe_inputs(tensors)} "
+        f"with {attrs or 'no attributes'}: {exc}"
+    )
+
+
+def _record_any(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> Any:
+    """`record` for every case: views, strategies, explicit tapes, listeners, tracers."""
     first = tensors[0]._data
     kind = type(first)
     requires_grad = False
@@ -314,10 +459,7 @@ def record(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> 
         else:
             out = prim.forward(xp, *datas, **attrs)
     except (ValueError, TypeError, IndexError) as exc:
-        raise ShapeError(
-            f"{prim.name!r} cannot run on inputs {_describe_inputs(tensors)} "
-            f"with {attrs or 'no attributes'}: {exc}"
-        ) from exc
+        raise _forward_error(prim, tensors, attrs, exc) from exc
     if type(out) is not kind and isinstance(out, np.generic):  # numpy's 0-d results
         out = np.asarray(out)
     view = prim.view
@@ -562,7 +704,13 @@ def unpack_saved(entry: Entry, create_graph: bool) -> dict[str, Any]:
     slots = entry._saved
     if slots is None:
         raise freed_error(entry.describe())
-    if isinstance(slots, SavedBuffer):  # one value, kept in the entry
+    if type(slots) is _NDARRAY:  # one value kept as is in the entry
+        if "unpack" not in events.wanted and not create_graph and (
+            entry._counter.value == entry._version  # type: ignore[union-attr]
+        ):
+            return {entry._key[0]: slots}  # type: ignore[index]
+        slots = entry.slots
+    elif isinstance(slots, SavedBuffer):  # one value, kept in the entry
         if (
             slots.source is None and "unpack" not in events.wanted and not create_graph
             and entry._counter.value == entry._version  # type: ignore[union-attr]

@@ -548,7 +548,9 @@ def _protect_saved(result: TensorBase, counter: VersionCounter, mark: int) -> No
         if entry.seq <= mark or id(entry) in seen:
             continue
         seen.add(id(entry))
-        for slot in entry.slots or ():
+        slots = entry.slots or ()
+        changed = False
+        for slot in slots:
             buffer = slot.buffer
             if slot.counter is not counter or buffer is None:
                 continue
@@ -557,6 +559,9 @@ def _protect_saved(result: TensorBase, counter: VersionCounter, mark: int) -> No
                 copied = namespace(array).asarray(array, copy=True)
                 slot.buffer = pack_value(copied, buffer.packer)
             slot.counter = None
+            changed = True
+        if changed:
+            entry.slots = slots  # an inline value's slot is made on reading: store it
         stack.extend(e[0] for e in entry.edges if e is not None and type(e[0]) is Entry)
 
 
