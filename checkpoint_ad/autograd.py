@@ -23,11 +23,14 @@ import numpy as np
 
 from . import events
 from .backend import namespace
+from .entry import _ONE_INPUT_ONLY, _SEE_FIRST
 from .errors import AnomalyError, BackwardError, DeviceError, ShapeError
 from .grad_mode import _state, enable_grad, no_grad
 from .ops import astype
 from .tape import Entry, Primitive, edge_of
 from .tensor_base import TensorBase, as_tensor_like, make_tensor
+
+_ONE_ZERO, _TWO_ZEROS = (0,), (0, 0)
 
 
 def _target_meta(node: Any, index: int) -> tuple[tuple[int, ...], Any]:
@@ -349,7 +352,8 @@ def backpropagate(
             while heap:
                 entry = heapq.heappop(heap)[2]
                 grads = pending.pop(entry)
-                hooks = entry.hooks
+                extra = entry._extra  # hooks, retained outputs: None on most entries
+                hooks = None if extra is None else extra.hooks
                 if hooks is not None and hooks.outputs:
                     grads = _run_entry_hooks(entry, grads, create_graph)
                 if capture is not None:
@@ -360,14 +364,14 @@ def backpropagate(
                             capture.values[position] = grad if previous is None else previous + grad
                     if entry not in capture.needed:
                         continue
-                elif entry.retained:
-                    for index, ref in entry.retained.items():
+                elif extra is not None and extra.retained:
+                    for index, ref in extra.retained.items():
                         t = ref()
                         if t is not None and grads[index] is not None:
                             _accumulate_into(t, grads[index], create_graph)
                 op = entry.op
                 running = None
-                adds_onto = getattr(op, "adds_onto", None)
+                adds_onto = None if type(op) is Primitive else getattr(op, "adds_onto", None)
                 if adds_onto is not None and not anomaly and (
                     hooks is None or not hooks.post
                 ):
@@ -392,7 +396,14 @@ def backpropagate(
                             else:  # the op's result includes the sum it was handed
                                 place[0][place[1]] = grad
                     continue
-                for node, index, grad in zip(entry.nodes, entry.indices, results):
+                second = entry._in2  # `entry.nodes` and `entry.indices`, written out
+                if second is _ONE_INPUT_ONLY:
+                    nodes, indices = (entry._in,), _ONE_ZERO
+                elif second is _SEE_FIRST:
+                    nodes, indices = entry.nodes, entry.indices
+                else:
+                    nodes, indices = (entry._in, second), _TWO_ZEROS
+                for node, index, grad in zip(nodes, indices, results):
                     if node is None or grad is None:
                         continue
                     if type(node) is not Entry or capture is not None:

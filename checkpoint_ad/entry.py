@@ -291,7 +291,10 @@ class Entry:
         saved = self._saved
         if type(saved) is _NDARRAY or isinstance(saved, SavedBuffer):
             self._saved = self._counter = None  # None: had saved values, now freed
-        elif saved:
+            if "release" in events.wanted:
+                events.emit("release", self)
+            return
+        if saved:
             for slot in saved:
                 slot.release()
             self._saved = None

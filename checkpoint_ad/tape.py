@@ -24,6 +24,7 @@ import numpy as np
 from . import events
 from .backend import broadcast_axes, namespace
 from .entry import (
+    _NDARRAY,
     _NO_ATTRS,
     _ONE_INPUT_ONLY,
     _SEE_FIRST,
@@ -129,35 +130,48 @@ class Primitive:
     ) -> list[Any]:
         """Apply the recorded form's rules to the output gradient (one per argument)."""
         g = grads[0]
-        nodes = entry.nodes
+        second = entry._in2
+        if second is _ONE_INPUT_ONLY:
+            nodes: tuple[Any, ...] = (entry._in,)
+        elif second is _SEE_FIRST:
+            nodes = entry.nodes
+        else:
+            nodes = (entry._in, second)
         if g is None:
             return [None] * len(nodes)
-        values = unpack_saved(entry, create_graph)
-        form = entry.form
+        saved = entry._saved
+        if type(saved) is _NDARRAY and not create_graph and "unpack" not in events.wanted and (
+            entry._counter.value == entry._version  # type: ignore[union-attr]
+        ):
+            values = None  # the one saved value, `saved`, is every rule's need: read as is
+        elif type(saved) is tuple and not saved:
+            values = None  # nothing saved: no rule reads a value
+        else:
+            values = unpack_saved(entry, create_graph)
         attrs = entry.attrs
         if self.variadic:
-            rule = form.rules["xs"]
+            rule = entry.form.rules["xs"]  # type: ignore[union-attr]
             args = (tuple(values[f"x{i}"] for i in range(len(nodes))),) if rule.needs else ()
             return [
                 rule.rule(g, i, *args, **attrs) if node is not None else None
                 for i, node in enumerate(nodes)
             ]
         results = []
-        rules = form.rules
         broadcasts = self.broadcasts
-        for i, (name, node) in enumerate(zip(self.args, nodes)):
-            rule = rules.get(name) if node is not None else None
-            if rule is None:
+        for i, rule in enumerate(self._rules_by_position[entry.form]):  # type: ignore[attr-defined]
+            if rule is None or nodes[i] is None:
                 results.append(None)
                 continue
             needs = rule.needs
             if not needs:
-                grad = rule.rule(g, **attrs)
+                grad = rule.rule(g, **attrs) if attrs else rule.rule(g)
+            elif values is None:
+                grad = rule.rule(g, saved, **attrs) if attrs else rule.rule(g, saved)
             elif len(needs) == 1:
                 grad = rule.rule(g, values[needs[0]], **attrs)
             else:
                 grad = rule.rule(g, *[values[n] for n in needs], **attrs)
-            if broadcasts and tuple(grad.shape) != entry.in_shapes[i]:
+            if broadcasts and grad.shape != entry.in_shapes[i]:
                 grad = _sum_to(grad, entry.in_shapes[i])
             results.append(grad)
         return results
@@ -333,9 +347,6 @@ def record(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> 
         if result is not None:
             return result
     return _record_any(prim, tensors, attrs)
-
-
-_NDARRAY = np.ndarray
 
 
 def _record_kept(
