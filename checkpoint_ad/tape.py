@@ -511,6 +511,17 @@ def _leaf_node(t: Any) -> Any:
 def _with_operands(items: tuple[Any, ...]) -> tuple[Any, ...]:
     """`items` with Python scalars and arrays made tensors like the first tensor among them
     (`x * 2` keeps x's float32)."""
+    if len(items) == 2:  # `x * 1.01` and `1.01 * x` on numpy: one shared constant
+        a, b = items
+        if isinstance(a, TensorBase):
+            if type(a._data) is np.ndarray:
+                constant = _constant(b, a._data.dtype)
+                if constant is not None:
+                    return (a, constant)
+        elif isinstance(b, TensorBase) and type(b._data) is np.ndarray:
+            constant = _constant(a, b._data.dtype)
+            if constant is not None:
+                return (constant, b)
     ref = None
     for item in items:
         if isinstance(item, TensorBase):
@@ -539,13 +550,13 @@ def _constant(value: Any, dtype: Any) -> Any:
     that hands it on unchanged cannot let anyone modify it in place.
     """
     kind = type(value)
-    if (kind is not float and kind is not int) or dtype.kind != "f" or not value or (
-        value != value
-    ):
+    if kind is not float and kind is not int:
         return None
     key = (kind, value, dtype)
-    constant = _constants.get(key)
+    constant = _constants.get(key)  # only exact ones are ever stored
     if constant is None:
+        if dtype.kind != "f" or not value or value != value:
+            return None
         if len(_constants) > 1024:  # a loop over many distinct scalars: keep the cache small
             _constants.clear()
         array = np.asarray(value, dtype=dtype)
