@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from . import events
-from .forms import Form
+from .forms import Form, needed_values
 from .grad_mode import _state, origin_blocks
 from .origins import NO_ORIGIN, _user_frame, origin_text
 from .saved import KeptBuffer, SavedBuffer, SavedSlot, VersionCounter
@@ -111,8 +111,8 @@ class Entry:
     A long tape is mostly entries, so one entry is one object: its inputs as nodes (`_in`,
     `_in2`, see `compact_edges`; read them as `edges`), a primitive's single saved value
     inline (`_saved` its buffer, or under `KeepAll` the numpy array itself: it is its own
-    stored form; `_key` its (name, argument position or -1), `_counter` and `_version` what
-    catches an in-place change; read them as `slots`), and the rarely set fields in one
+    stored form; `inline_key` its name and argument, `_counter` and `_version` what catches
+    an in-place change; read them as `slots`), and the rarely set fields in one
     `EntryExtra`. `_saved` otherwise holds the tuple of slots; None once released."""
 
     __slots__ = (
@@ -121,7 +121,6 @@ class Entry:
         "_extra",
         "_in",
         "_in2",
-        "_key",
         "_saved",
         "_version",
         "attrs",
@@ -139,7 +138,6 @@ class Entry:
         self._in, self._in2 = compact_edges(edges)
         self.attrs = attrs
         self._saved: Any = ()
-        self._key: tuple[str, int] | None = None
         self._counter: VersionCounter | None = None
         self._version = 0
         self.form: Form | None = None
@@ -204,7 +202,7 @@ class Entry:
         value kept inline is handed out as a new `SavedSlot` over the same buffer."""
         saved = self._saved
         if type(saved) is _NDARRAY or isinstance(saved, SavedBuffer):
-            name, position = self._key  # type: ignore[misc]
+            name, position = self.inline_key()
             buffer = saved if type(saved) is not _NDARRAY else KeptBuffer(saved)
             slot = SavedSlot(name, buffer, None, self._inline_edge(position))
             slot.counter, slot.version = self._counter, self._version
@@ -214,7 +212,13 @@ class Entry:
     @slots.setter
     def slots(self, slots: tuple[SavedSlot, ...] | None) -> None:
         self._saved = slots
-        self._key = self._counter = None
+        self._counter = None
+
+    def inline_key(self) -> tuple[str, int]:
+        """(name, argument position or -1 for the output) of the value a primitive's entry
+        keeps inline: the one value its form needs for the inputs that need a gradient."""
+        mask = tuple([node is not None for node in self.nodes])
+        return needed_values(self.form, self.op.args, mask)[0]  # type: ignore[arg-type]
 
     def _inline_edge(self, position: int) -> Any:
         """The `SavedSlot.edge` of the inline saved value: see `save_tensor`."""

@@ -35,7 +35,7 @@ from .entry import (
     input_edge,
 )
 from .errors import DeviceError, InplaceError, ShapeError
-from .forms import VJP, Form
+from .forms import VJP, Form, needed_values
 from .forms import vjp as vjp  # re-exported: the op tables and custom primitives use it
 from .grad_mode import _state, origin_blocks
 from .origins import _MAX_ORIGINS, _user_frame
@@ -99,8 +99,8 @@ class Primitive:
             len(self.args) <= 3
         ):
             keep = tuple(
-                _needed_values(self, self.forms[0],
-                               tuple(bool(m >> i & 1) for i in range(len(self.args))))
+                needed_values(self.forms[0], self.args,
+                              tuple(bool(m >> i & 1) for i in range(len(self.args))))
                 for m in range(1 << len(self.args))
             )
         object.__setattr__(self, "_keep_needs", keep)
@@ -320,7 +320,7 @@ def _primitive_entry(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str,
         entry._in, entry._in2 = compact_edges([edge_of(t) for t in tensors])
     entry.attrs = attrs
     entry._saved = ()
-    entry._key = entry._counter = None
+    entry._counter = None
     entry._version = 0
     entry.in_shapes = ()
     entry._extra = None
@@ -417,16 +417,15 @@ def _record_kept(
     result = make_tensor(out, entry)
     needed = keep[mask]
     if len(needed) == 1:
-        key = entry._key = needed[0]
-        position = key[1]
+        name, position = needed[0]
         saved = result if position < 0 else tensors[position]
         if saved._inference:
-            _buffer(saved, key[0], KEEP, entry)  # raises the general path's error
+            _buffer(saved, name, KEEP, entry)  # raises the general path's error
         entry._saved = saved._data
         counter = entry._counter = saved._version
         entry._version = counter.value
     else:
-        entry._key = entry._counter = None
+        entry._counter = None
         entry._version = 0
         entry._saved = () if not needed else tuple([
             save_tensor(result, name, KEEP, entry, 0) if position < 0
@@ -562,6 +561,7 @@ def _constant(value: Any, dtype: Any) -> Any:
         array = np.asarray(value, dtype=dtype)
         array.flags.writeable = False
         constant = _constants[key] = make_tensor(array)
+        constant._inference = False  # shared: one made under inference_mode serves all code
     return constant
 
 
@@ -598,7 +598,6 @@ def refresh_view(view: Any) -> Any:
 
 
 
-_needs_cache: dict[tuple[Form, tuple[bool, ...]], tuple[tuple[str, int], ...]] = {}
 _shapes_cache: dict[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]] = {}
 
 
@@ -627,15 +626,12 @@ def _save_primitive_values(
         mask: tuple[bool, ...] = _ONE_INPUT  # recorded, so its one input requires grad
     else:
         mask = tuple([t._requires_grad for t in tensors])
-    needed = _needs_cache.get((form, mask))
-    if needed is None:
-        needed = _needs_cache[(form, mask)] = _needed_values(prim, form, mask)
+    needed = needed_values(form, prim.args, mask)
     if len(needed) == 1:
         key = needed[0]
         position = key[1]
         tensor = results[0] if position < 0 else tensors[position]
         entry._saved = _buffer(tensor, key[0], packer, entry)
-        entry._key = key
         counter = entry._counter = tensor._version
         entry._version = counter.value
         return None
@@ -663,19 +659,6 @@ def _shared_shapes(shapes: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...]
     if len(_shapes_cache) > _MAX_ORIGINS:
         _shapes_cache.clear()
     return _shapes_cache.setdefault(shapes, tuple(tuple(s) for s in shapes))
-
-
-def _needed_values(
-    prim: Primitive, form: Form, mask: tuple[bool, ...]
-) -> tuple[tuple[str, int], ...]:
-    """(name, argument position or -1 for the output) of every value `form` needs when the
-    arguments flagged in `mask` require grad; sorted, so slots come in a stable order."""
-    names: set[str] = set()
-    for name, requires_grad in zip(prim.args, mask):
-        rule = form.rules.get(name)
-        if requires_grad and rule is not None:
-            names.update(rule.needs)
-    return tuple((n, -1 if n == "out" else prim.args.index(n)) for n in sorted(names))
 
 
 def save_tensor(tensor: Any, name: str, packer: Strategy, entry: Entry, edge: Any) -> SavedSlot:
@@ -730,14 +713,14 @@ def unpack_saved(entry: Entry, create_graph: bool) -> dict[str, Any]:
         if "unpack" not in events.wanted and not create_graph and (
             entry._counter.value == entry._version  # type: ignore[union-attr]
         ):
-            return {entry._key[0]: slots}  # type: ignore[index]
+            return {entry.inline_key()[0]: slots}
         slots = entry.slots
     elif isinstance(slots, SavedBuffer):  # one value, kept in the entry
         if (
             slots.source is None and "unpack" not in events.wanted and not create_graph
             and entry._counter.value == entry._version  # type: ignore[union-attr]
         ):
-            return {entry._key[0]: slots.packed}  # type: ignore[index]
+            return {entry.inline_key()[0]: slots.packed}
         slots = entry.slots
     values = {}
     for slot in slots:
