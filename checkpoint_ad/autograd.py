@@ -419,14 +419,15 @@ def backpropagate(
                         deliver(node, index, _conform(grad, node, index, entry))
                         continue
                     # an entry's output, no capture: `deliver` inlined, the sweep's hot path
-                    shape, dtype = node.out_meta[index]
+                    out_meta = node._meta[0]  # `node.out_meta`
+                    shape, dtype = out_meta[index]
                     if type(grad) is not np.ndarray or grad.shape != shape or (
                         grad.dtype is not dtype
                     ):
                         grad = _conform(grad, node, index, entry)
                     grads = pending.get(node)
                     if grads is None:
-                        grads = pending[node] = [None] * len(node.out_meta)
+                        grads = pending[node] = [None] * len(out_meta)
                         heappush(heap, (-node.seq, id(node), node))
                     previous = grads[index]
                     grads[index] = grad if previous is None else previous + grad

@@ -28,11 +28,13 @@ from .entry import (
     _NO_ATTRS,
     _ONE_INPUT_ONLY,
     _SEE_FIRST,
+    NO_META,
     Entry,
     InputEdge,
     _sequence,
     compact_edges,
     input_edge,
+    shared_meta,
 )
 from .errors import DeviceError, InplaceError, ShapeError
 from .forms import VJP, Form, needed_values
@@ -149,8 +151,9 @@ class Primitive:
         else:
             values = unpack_saved(entry, create_graph)
         attrs = entry.attrs
+        _, in_shapes, form = entry._meta
         if self.variadic:
-            rule = entry.form.rules["xs"]  # type: ignore[union-attr]
+            rule = form.rules["xs"]
             args = (tuple(values[f"x{i}"] for i in range(len(nodes))),) if rule.needs else ()
             return [
                 rule.rule(g, i, *args, **attrs) if node is not None else None
@@ -158,7 +161,7 @@ class Primitive:
             ]
         results = []
         broadcasts = self.broadcasts
-        for i, rule in enumerate(self._rules_by_position[entry.form]):  # type: ignore[attr-defined]
+        for i, rule in enumerate(self._rules_by_position[form]):  # type: ignore[attr-defined]
             if rule is None or nodes[i] is None:
                 results.append(None)
                 continue
@@ -171,8 +174,8 @@ class Primitive:
                 grad = rule.rule(g, values[needs[0]], **attrs)
             else:
                 grad = rule.rule(g, *[values[n] for n in needs], **attrs)
-            if broadcasts and grad.shape != entry.in_shapes[i]:
-                grad = _sum_to(grad, entry.in_shapes[i])
+            if broadcasts and grad.shape != in_shapes[i]:
+                grad = _sum_to(grad, in_shapes[i])
             results.append(grad)
         return results
 
@@ -322,7 +325,7 @@ def _primitive_entry(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str,
     entry._saved = ()
     entry._counter = None
     entry._version = 0
-    entry.in_shapes = ()
+    entry._meta = NO_META
     entry._extra = None
     if (saves and events.listeners) or (origin_blocks and _state.origins):
         entry.origin_frame = _user_frame()
@@ -398,22 +401,20 @@ def _record_kept(
     entry._in = node
     if b is None:
         entry._in2 = _ONE_INPUT_ONLY
-        entry.in_shapes = ()
+        key: tuple[Any, ...] = (prim, out.shape, out.dtype)
     else:
         node = b._entry
         if node is None and b._requires_grad:
             node = b if b._leaf_target is None else b._leaf_target
         entry._in2 = node
         if prim.broadcasts:
-            shapes = (a._data.shape, b._data.shape)
-            entry.in_shapes = _shapes_cache.get(shapes) or _shared_shapes(shapes)
+            key = (prim, out.shape, out.dtype, a._data.shape, b._data.shape)
         else:
-            entry.in_shapes = ()
+            key = (prim, out.shape, out.dtype)
+    meta = _kept_metas.get(key)
+    entry._meta = meta if meta is not None else _kept_meta(key)
     entry.attrs = attrs or _NO_ATTRS
-    entry.form = prim.forms[0]
     entry._extra = None
-    meta = _out_metas.get((out.shape, out.dtype))
-    entry.out_meta = meta if meta is not None else _shared_meta((out.shape, out.dtype))
     result = make_tensor(out, entry)
     needed = keep[mask]
     if len(needed) == 1:
@@ -434,6 +435,20 @@ def _record_kept(
             for name, position in needed
         ])
     return result
+
+
+_kept_metas: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+
+
+def _kept_meta(key: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The `Entry._meta` of `_record_kept`'s entries with this (primitive, output shape and
+    dtype[, input shapes]) `key`."""
+    if len(_kept_metas) > _MAX_ORIGINS:
+        _kept_metas.clear()
+    prim, shape, dtype, *shapes = key
+    out_meta = _out_metas.get((shape, dtype)) or _shared_meta((shape, dtype))
+    in_shapes = tuple(tuple(s) for s in shapes)
+    return _kept_metas.setdefault(key, shared_meta(out_meta, in_shapes, prim.forms[0]))
 
 
 def _forward_error(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any],
@@ -612,10 +627,11 @@ def _save_primitive_values(
 ) -> tuple[SavedSlot, ...] | None:
     """The saved slots of a primitive's entry: what `form`'s rules read, for the arguments
     that need a gradient. A single value is kept in the entry itself (None returned)."""
-    entry.form = form
+    in_shapes = entry.in_shapes
     if prim.broadcasts:
         shapes = tuple([d.shape for d in datas])
-        entry.in_shapes = _shapes_cache.get(shapes) or _shared_shapes(shapes)
+        in_shapes = _shapes_cache.get(shapes) or _shared_shapes(shapes)
+    entry._meta = shared_meta(entry.out_meta, in_shapes, form)
     if prim.variadic:
         if not form.rules["xs"].needs:
             return ()
