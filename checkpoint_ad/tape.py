@@ -379,8 +379,7 @@ def _record_kept(
             return None
     else:
         return None
-    state = _state
-    if not state.grad_enabled or state.tracer is not None:
+    if not _state.plain:  # gradients off, inference mode or a tracer
         return None
     try:
         if b is None:

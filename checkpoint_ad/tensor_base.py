@@ -210,7 +210,7 @@ def make_tensor(
         counter.value = 0
     t._version = counter
     t._leaf_target = t._base = t._view = t._saved_ref = t._hooks = t.grad = None
-    t._inference = _state.inference
+    t._inference = _state._inference
     return t
 
 

@@ -181,3 +181,17 @@ def test_results_made_without_grad_have_no_entry():
     assert y.grad_fn is None and not y.requires_grad
     c = cad.tensor(_values(3))
     assert (cad.tanh(c) * 2.0).grad_fn is None
+
+
+def test_modes_that_change_recording_turn_the_fast_path_off_and_back_on():
+    from checkpoint_ad.grad_mode import _state
+
+    x = cad.tensor(_values(3), requires_grad=True)
+    assert _state.plain and type(cad.tanh(x).grad_fn._saved) is np.ndarray
+    with cad.no_grad():
+        assert not _state.plain and cad.tanh(x).grad_fn is None
+    with cad.inference_mode(), cad.enable_grad():  # grad on, yet results are inference tensors
+        assert not _state.plain
+        y = x + x  # saves nothing (tanh would have to save an inference tensor: refused)
+        assert y.grad_fn is not None and y._inference
+    assert _state.plain and not cad.tanh(x)._inference
