@@ -247,8 +247,10 @@ def add_entry(
     counter: Any = None,
     save_args: tuple[Any, ...] = (),
 ) -> list[Any]:
-    """Append one entry to the tape and return its output tensors: the only way entries are
-    made, by primitives, custom functions and loops alike.
+    """Append one entry to the tape and return its output tensors: the way entries are made,
+    by primitives, custom functions and loops alike. (`record`'s fast path, `_record_kept`,
+    writes the same entry out directly, only while nobody listens and no `GradientTape`
+    records: the two things this path adds.)
 
     `op` has ``backward(entry, grads, create_graph, retain_graph)`` (input gradients from
     output gradients; `retain_graph` says whether the entry must answer again) and a ``name``;
