@@ -23,7 +23,7 @@ import numpy as np
 
 from . import events
 from .backend import namespace
-from .entry import _ONE_INPUT_ONLY, _SEE_FIRST
+from .entry import _NDARRAY, _ONE_INPUT_ONLY, _SEE_FIRST
 from .errors import AnomalyError, BackwardError, DeviceError, ShapeError
 from .grad_mode import _state, enable_grad, no_grad
 from .ops import astype
@@ -358,7 +358,10 @@ def backpropagate(
                 if plain and type(op) is Primitive and entry._extra is None:
                     results = op.backward(entry, grads, create_graph, retain_graph)
                     if not retain_graph:
-                        entry.release()
+                        if type(entry._saved) is _NDARRAY and "release" not in events.wanted:
+                            entry._saved = entry._counter = None  # `entry.release()`, written out
+                        else:
+                            entry.release()
                 else:  # hooks, retained outputs, captures, anomaly checks, loops
                     extra = entry._extra  # hooks, retained outputs: None on most entries
                     hooks = None if extra is None else extra.hooks

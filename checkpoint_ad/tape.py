@@ -152,6 +152,17 @@ class Primitive:
             values = unpack_saved(entry, create_graph)
         attrs = entry.attrs
         _, in_shapes, form = entry._meta
+        if second is _ONE_INPUT_ONLY and values is None and not self.variadic:
+            rule = self._rules_by_position[form][0]  # type: ignore[attr-defined]
+            if rule is None or entry._in is None:  # the loop below, for one argument
+                return [None]
+            if rule.needs:
+                grad = rule.rule(g, saved, **attrs) if attrs else rule.rule(g, saved)
+            else:
+                grad = rule.rule(g, **attrs) if attrs else rule.rule(g)
+            if self.broadcasts and grad.shape != in_shapes[0]:
+                grad = _sum_to(grad, in_shapes[0])
+            return [grad]
         if self.variadic:
             rule = form.rules["xs"]
             args = (tuple(values[f"x{i}"] for i in range(len(nodes))),) if rule.needs else ()
