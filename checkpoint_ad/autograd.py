@@ -23,11 +23,14 @@ import numpy as np
 
 from . import events
 from .backend import namespace
+from .entry import _NDARRAY, _ONE_INPUT_ONLY, _SEE_FIRST
 from .errors import AnomalyError, BackwardError, DeviceError, ShapeError
 from .grad_mode import _state, enable_grad, no_grad
 from .ops import astype
 from .tape import Entry, Primitive, edge_of
 from .tensor_base import TensorBase, as_tensor_like, make_tensor
+
+_ONE_ZERO, _TWO_ZEROS = (0,), (0, 0)
 
 
 def _target_meta(node: Any, index: int) -> tuple[tuple[int, ...], Any]:
@@ -276,6 +279,8 @@ def backpropagate(
             [edge for edge, _ in roots], capture.keys, capture.newer_than
         )
     anomaly = _state.anomaly
+    plain = capture is None and not anomaly  # the sweep's common case: see the loop
+    heappop, heappush = heapq.heappop, heapq.heappush
     held: dict[int, list[Any]] = {}  # leaves with hooks: [leaf, summed grad, capture position]
 
     def hold(leaf: TensorBase, grad: Any, position: int | None) -> None:
@@ -347,67 +352,86 @@ def backpropagate(
     try:
         with enable_grad() if create_graph else no_grad():
             while heap:
-                entry = heapq.heappop(heap)[2]
+                entry = heappop(heap)[2]
                 grads = pending.pop(entry)
-                hooks = entry.hooks
-                if hooks is not None and hooks.outputs:
-                    grads = _run_entry_hooks(entry, grads, create_graph)
-                if capture is not None:
-                    for index, grad in enumerate(grads):
-                        position = keys.get((id(entry), index))  # type: ignore[union-attr]
-                        if position is not None and grad is not None:
-                            previous = capture.values[position]
-                            capture.values[position] = grad if previous is None else previous + grad
-                    if entry not in capture.needed:
-                        continue
-                elif entry.retained:
-                    for index, ref in entry.retained.items():
-                        t = ref()
-                        if t is not None and grads[index] is not None:
-                            _accumulate_into(t, grads[index], create_graph)
                 op = entry.op
-                running = None
-                adds_onto = getattr(op, "adds_onto", None)
-                if adds_onto is not None and not anomaly and (
-                    hooks is None or not hooks.post
-                ):
-                    running = _running_sums(entry, adds_onto(entry), sum_at)
-                if running is not None:
-                    results = op.backward(entry, grads, create_graph, retain_graph,
-                                          onto=running[0])
-                else:
+                if plain and type(op) is Primitive and entry._extra is None:
                     results = op.backward(entry, grads, create_graph, retain_graph)
-                if hooks is not None and hooks.post:
-                    results = _run_post_hooks(entry, results, grads, create_graph)
-                if anomaly:
-                    _check_finite(entry, results)
-                if not retain_graph:
-                    entry.release()
-                if running is not None:  # sums that already hold what arrived before
-                    for edge, grad, place in zip(entry.edges, results, running[1]):
-                        if edge is not None and grad is not None:
-                            grad = _conform(grad, edge[0], edge[1], entry)
-                            if place is None:
-                                deliver(edge[0], edge[1], grad)
-                            else:  # the op's result includes the sum it was handed
-                                place[0][place[1]] = grad
-                    continue
-                for node, index, grad in zip(entry.nodes, entry.indices, results):
+                    if not retain_graph:
+                        if type(entry._saved) is _NDARRAY and "release" not in events.wanted:
+                            entry._saved = entry._counter = None  # `entry.release()`, written out
+                        else:
+                            entry.release()
+                else:  # hooks, retained outputs, captures, anomaly checks, loops
+                    extra = entry._extra  # hooks, retained outputs: None on most entries
+                    hooks = None if extra is None else extra.hooks
+                    if hooks is not None and hooks.outputs:
+                        grads = _run_entry_hooks(entry, grads, create_graph)
+                    if capture is not None:
+                        for index, grad in enumerate(grads):
+                            position = keys.get((id(entry), index))  # type: ignore[union-attr]
+                            if position is not None and grad is not None:
+                                previous = capture.values[position]
+                                capture.values[position] = (
+                                    grad if previous is None else previous + grad
+                                )
+                        if entry not in capture.needed:
+                            continue
+                    elif extra is not None and extra.retained:
+                        for index, ref in extra.retained.items():
+                            t = ref()
+                            if t is not None and grads[index] is not None:
+                                _accumulate_into(t, grads[index], create_graph)
+                    running = None
+                    adds_onto = None if type(op) is Primitive else getattr(op, "adds_onto", None)
+                    if adds_onto is not None and not anomaly and (
+                        hooks is None or not hooks.post
+                    ):
+                        running = _running_sums(entry, adds_onto(entry), sum_at)
+                    if running is not None:
+                        results = op.backward(entry, grads, create_graph, retain_graph,
+                                              onto=running[0])
+                    else:
+                        results = op.backward(entry, grads, create_graph, retain_graph)
+                    if hooks is not None and hooks.post:
+                        results = _run_post_hooks(entry, results, grads, create_graph)
+                    if anomaly:
+                        _check_finite(entry, results)
+                    if not retain_graph:
+                        entry.release()
+                    if running is not None:  # sums that already hold what arrived before
+                        for edge, grad, place in zip(entry.edges, results, running[1]):
+                            if edge is not None and grad is not None:
+                                grad = _conform(grad, edge[0], edge[1], entry)
+                                if place is None:
+                                    deliver(edge[0], edge[1], grad)
+                                else:  # the op's result includes the sum it was handed
+                                    place[0][place[1]] = grad
+                        continue
+                second = entry._in2  # `entry.nodes` and `entry.indices`, written out
+                if second is _ONE_INPUT_ONLY:
+                    nodes, indices = (entry._in,), _ONE_ZERO
+                elif second is _SEE_FIRST:
+                    nodes, indices = entry.nodes, entry.indices
+                else:
+                    nodes, indices = (entry._in, second), _TWO_ZEROS
+                for node, index, grad in zip(nodes, indices, results):
                     if node is None or grad is None:
                         continue
                     if type(node) is not Entry or capture is not None:
                         deliver(node, index, _conform(grad, node, index, entry))
                         continue
                     # an entry's output, no capture: `deliver` inlined, the sweep's hot path
-                    shape, dtype = node.out_meta[index]
+                    out_meta = node._meta[0]  # `node.out_meta`
+                    shape, dtype = out_meta[index]
                     if type(grad) is not np.ndarray or grad.shape != shape or (
                         grad.dtype is not dtype
                     ):
                         grad = _conform(grad, node, index, entry)
                     grads = pending.get(node)
                     if grads is None:
-                        grads = pending[node] = [None] * len(node.out_meta)
-                        heapq.heappush(heap, (-node.seq, id(node), node))
+                        grads = pending[node] = [None] * len(out_meta)
+                        heappush(heap, (-node.seq, id(node), node))
                     previous = grads[index]
                     grads[index] = grad if previous is None else previous + grad
             for leaf, grad, position in held.values():

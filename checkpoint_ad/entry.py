@@ -7,13 +7,16 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from . import events
-from .forms import Form
+from .forms import Form, needed_values
 from .grad_mode import _state, origin_blocks
-from .origins import NO_ORIGIN, _user_frame, origin_text
-from .saved import SavedBuffer, SavedSlot, VersionCounter
+from .origins import _MAX_ORIGINS, NO_ORIGIN, _user_frame, origin_text
+from .saved import KeptBuffer, SavedBuffer, SavedSlot, VersionCounter
 
 _sequence = itertools.count()
+_NDARRAY = np.ndarray  # an inline saved value kept as is (see `Entry`)
 
 
 class _NothingFreed(tuple):
@@ -90,6 +93,28 @@ def compact_edges(edges: Sequence[Any]) -> tuple[Any, Any]:
     return tuple(edges), _SEE_FIRST
 
 
+_metas: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+
+
+def shared_meta(
+    out_meta: tuple[tuple[tuple[int, ...], Any], ...],
+    in_shapes: tuple[tuple[int, ...], ...],
+    form: Form | None,
+) -> tuple[Any, ...]:
+    """An entry's (out_meta, in_shapes, form), one tuple shared by every entry with the same:
+    a long tape of same-shaped results holds no metadata of its own (see `Entry._meta`)."""
+    key = (out_meta, in_shapes, form)
+    meta = _metas.get(key)
+    if meta is None:
+        if len(_metas) > _MAX_ORIGINS:
+            _metas.clear()
+        meta = _metas[key] = key
+    return meta
+
+
+NO_META = shared_meta((), (), None)
+
+
 class EntryExtra:
     """What few entries carry: the recording line (when someone asked), retained non-leaf
     outputs and hooks. Kept apart so that an ordinary entry pays one field for all three."""
@@ -106,11 +131,13 @@ class Entry:
     """One operation recorded on the tape.
 
     A long tape is mostly entries, so one entry is one object: its inputs as nodes (`_in`,
-    `_in2`, see `compact_edges`; read them as `edges`), a primitive's single saved value
-    inline (`_saved` its buffer, `_key` its (name, argument position or -1), `_counter` and
-    `_version` what catches an in-place change; read them as `slots`), and the rarely set
-    fields in one `EntryExtra`. `_saved` otherwise holds the tuple of slots; None once
-    released."""
+    `_in2`, see `compact_edges`; read them as `edges`), its output shapes and dtypes, input
+    shapes and form in one shared tuple (`_meta`, see `shared_meta`; read them as
+    `out_meta`, `in_shapes`, `form`), a primitive's single saved value
+    inline (`_saved` its buffer, or under `KeepAll` the numpy array itself: it is its own
+    stored form; `inline_key` its name and argument, `_counter` and `_version` what catches
+    an in-place change; read them as `slots`), and the rarely set fields in one
+    `EntryExtra`. `_saved` otherwise holds the tuple of slots; None once released."""
 
     __slots__ = (
         "__weakref__",  # the rematerializing strategy (dtr.py) keys what it knows by entry
@@ -118,14 +145,11 @@ class Entry:
         "_extra",
         "_in",
         "_in2",
-        "_key",
+        "_meta",
         "_saved",
         "_version",
         "attrs",
-        "form",
-        "in_shapes",
         "op",
-        "out_meta",
         "seq",
     )
 
@@ -136,12 +160,9 @@ class Entry:
         self._in, self._in2 = compact_edges(edges)
         self.attrs = attrs
         self._saved: Any = ()
-        self._key: tuple[str, int] | None = None
         self._counter: VersionCounter | None = None
         self._version = 0
-        self.form: Form | None = None
-        self.in_shapes: tuple[tuple[int, ...], ...] = ()
-        self.out_meta: tuple[tuple[tuple[int, ...], Any], ...] = ()
+        self._meta = NO_META
         self._extra: EntryExtra | None = None
         # the user's line, where someone will read it: the stack walk costs more than a small
         # op (a replayed step's entry knows its line already)
@@ -149,6 +170,38 @@ class Entry:
             self.origin_frame = origin_frame
         elif events.listeners or (origin_blocks and _state.origins):
             self.origin_frame = _user_frame()
+
+    # ------------------------------------------------------------- metadata
+    @property
+    def out_meta(self) -> tuple[tuple[tuple[int, ...], Any], ...]:
+        """Per output: (shape, dtype)."""
+        return self._meta[0]
+
+    @out_meta.setter
+    def out_meta(self, out_meta: tuple[tuple[tuple[int, ...], Any], ...]) -> None:
+        meta = self._meta
+        self._meta = shared_meta(out_meta, meta[1], meta[2])
+
+    @property
+    def in_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """A broadcasting primitive's input shapes (its rules' gradients are summed back to
+        them); () for others."""
+        return self._meta[1]
+
+    @in_shapes.setter
+    def in_shapes(self, in_shapes: tuple[tuple[int, ...], ...]) -> None:
+        meta = self._meta
+        self._meta = shared_meta(meta[0], in_shapes, meta[2])
+
+    @property
+    def form(self) -> Form | None:
+        """The backward form a primitive recorded (None for other ops)."""
+        return self._meta[2]
+
+    @form.setter
+    def form(self, form: Form | None) -> None:
+        meta = self._meta
+        self._meta = shared_meta(meta[0], meta[1], form)
 
     # ------------------------------------------------------------- inputs
     @property
@@ -200,9 +253,10 @@ class Entry:
         """The saved slots; None once released (`NOTHING_FREED` if there were none). A
         value kept inline is handed out as a new `SavedSlot` over the same buffer."""
         saved = self._saved
-        if isinstance(saved, SavedBuffer):
-            name, position = self._key  # type: ignore[misc]
-            slot = SavedSlot(name, saved, None, self._inline_edge(position))
+        if type(saved) is _NDARRAY or isinstance(saved, SavedBuffer):
+            name, position = self.inline_key()
+            buffer = saved if type(saved) is not _NDARRAY else KeptBuffer(saved)
+            slot = SavedSlot(name, buffer, None, self._inline_edge(position))
             slot.counter, slot.version = self._counter, self._version
             return (slot,)
         return saved
@@ -210,7 +264,13 @@ class Entry:
     @slots.setter
     def slots(self, slots: tuple[SavedSlot, ...] | None) -> None:
         self._saved = slots
-        self._key = self._counter = None
+        self._counter = None
+
+    def inline_key(self) -> tuple[str, int]:
+        """(name, argument position or -1 for the output) of the value a primitive's entry
+        keeps inline: the one value its form needs for the inputs that need a gradient."""
+        mask = tuple([node is not None for node in self.nodes])
+        return needed_values(self.form, self.op.args, mask)[0]  # type: ignore[arg-type]
 
     def _inline_edge(self, position: int) -> Any:
         """The `SavedSlot.edge` of the inline saved value: see `save_tensor`."""
@@ -285,9 +345,12 @@ class Entry:
     def release(self) -> None:
         """Drop the saved values; the entry stays so a second sweep can say it was freed."""
         saved = self._saved
-        if isinstance(saved, SavedBuffer):
+        if type(saved) is _NDARRAY or isinstance(saved, SavedBuffer):
             self._saved = self._counter = None  # None: had saved values, now freed
-        elif saved:
+            if "release" in events.wanted:
+                events.emit("release", self)
+            return
+        if saved:
             for slot in saved:
                 slot.release()
             self._saved = None

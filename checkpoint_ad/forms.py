@@ -42,3 +42,26 @@ class Form:
         if "out" not in needs:
             return "inputs"
         return "output" if needs == {"out"} else "both"
+
+
+_needed: dict[tuple[Form, tuple[bool, ...]], tuple[tuple[str, int], ...]] = {}
+
+
+def needed_values(
+    form: Form, args: tuple[str, ...], mask: tuple[bool, ...]
+) -> tuple[tuple[str, int], ...]:
+    """(name, argument position or -1 for the output) of every value `form` (of a primitive
+    with arguments `args`) needs when the arguments flagged in `mask` require grad; sorted,
+    so slots come in a stable order. Worked out once per form and mask."""
+    key = (form, mask)
+    needed = _needed.get(key)
+    if needed is None:
+        names: set[str] = set()
+        for name, requires_grad in zip(args, mask):
+            rule = form.rules.get(name)
+            if requires_grad and rule is not None:
+                names.update(rule.needs)
+        needed = _needed[key] = tuple(
+            (n, -1 if n == "out" else args.index(n)) for n in sorted(names)
+        )
+    return needed

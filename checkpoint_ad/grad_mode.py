@@ -12,11 +12,43 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 class _ModeState(threading.local):
-    grad_enabled: bool = True
-    inference: bool = False
+    """This thread's modes. `plain` says gradients are on, inference mode is off and nothing
+    traces: the recording fast path then asks one thread-local question, not three."""
+
     anomaly: bool = False
     origins: bool = False  # inside record_origins() or detect_anomaly(): entries keep their line
-    tracer: Any = None  # a loop's step tracer while it traces (strategies/step_program.py)
+    plain: bool = True
+    _grad_enabled: bool = True
+    _inference: bool = False
+    _tracer: Any = None
+
+    @property
+    def grad_enabled(self) -> bool:
+        return self._grad_enabled
+
+    @grad_enabled.setter
+    def grad_enabled(self, value: bool) -> None:
+        self._grad_enabled = value
+        self.plain = value and not self._inference and self._tracer is None
+
+    @property
+    def inference(self) -> bool:
+        return self._inference
+
+    @inference.setter
+    def inference(self, value: bool) -> None:
+        self._inference = value
+        self.plain = self._grad_enabled and not value and self._tracer is None
+
+    @property
+    def tracer(self) -> Any:
+        """A loop's step tracer while it traces (strategies/step_program.py)."""
+        return self._tracer
+
+    @tracer.setter
+    def tracer(self, value: Any) -> None:
+        self._tracer = value
+        self.plain = self._grad_enabled and not self._inference and value is None
 
 
 _state = _ModeState()

@@ -7,7 +7,7 @@ from typing import Any
 from .autograd import grad
 from .errors import BackwardError
 from .inspect import TapeView
-from .tape import Entry, active_tapes
+from .tape import Entry, start_tape, stop_tape
 from .tensor import Tensor
 
 
@@ -35,11 +35,11 @@ class GradientTape:
         if self._recording:
             raise BackwardError("this GradientTape is already recording; tapes are not re-entrant")
         self._recording = True
-        active_tapes().append(self)
+        start_tape(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        active_tapes().remove(self)
+        stop_tape(self)
         self._recording = False
 
     def watch(self, tensor: Tensor) -> None:

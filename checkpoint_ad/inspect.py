@@ -47,7 +47,7 @@ def describe_entry(entry: Entry) -> EntryInfo:
             str(slot.buffer.dtype),
             slot.buffer.logical_nbytes,
             slot.buffer.stored_nbytes,
-            id(slot.buffer),
+            slot.buffer.stored_id,
         )
         for slot in entry.slots or ()
         if slot.buffer is not None
@@ -93,7 +93,7 @@ class TapeView:
         for entry in self._entries:
             for slot in entry.slots or ():
                 if slot.buffer is not None:
-                    buffers[id(slot.buffer)] = slot.buffer.stored_nbytes
+                    buffers[slot.buffer.stored_id] = slot.buffer.stored_nbytes
         return sum(buffers.values())
 
     def table(self) -> str:

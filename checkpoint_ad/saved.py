@@ -154,6 +154,12 @@ class SavedBuffer:
     def unpack(self) -> Any:
         raise NotImplementedError
 
+    @property
+    def stored_id(self) -> int:
+        """Equal for two buffers exactly when they hold the same stored bytes (a value saved
+        twice is stored once)."""
+        return id(self)
+
 
 class KeptBuffer(SavedBuffer):
     """An array kept as is (`KeepAll`): everything else about it is the array's own, so the
@@ -186,6 +192,10 @@ class KeptBuffer(SavedBuffer):
 
     def unpack(self) -> Any:
         return self.packed
+
+    @property
+    def stored_id(self) -> int:
+        return id(self.packed)  # the array is the stored form, whichever buffer shows it
 
 
 class PackedBuffer(SavedBuffer):

@@ -24,25 +24,30 @@ import numpy as np
 from . import events
 from .backend import broadcast_axes, namespace
 from .entry import (
+    _NDARRAY,
     _NO_ATTRS,
     _ONE_INPUT_ONLY,
     _SEE_FIRST,
+    NO_META,
     Entry,
     InputEdge,
     _sequence,
     compact_edges,
     input_edge,
+    shared_meta,
 )
 from .errors import DeviceError, InplaceError, ShapeError
-from .forms import VJP, Form
+from .forms import VJP, Form, needed_values
 from .forms import vjp as vjp  # re-exported: the op tables and custom primitives use it
 from .grad_mode import _state, origin_blocks
 from .origins import _MAX_ORIGINS, _user_frame
 from .saved import (
+    KEEP,
     KeepAll,
     SavedBuffer,
     SavedSlot,
     Strategy,
+    _pushed,
     buffer_for,
     current_packer,
     freed_error,
@@ -85,6 +90,23 @@ class Primitive:
     differentiable: bool = True
     doc: str = field(default="", repr=False)
 
+    def __post_init__(self) -> None:
+        # What the recording and sweep fast paths read, worked out once per primitive: per
+        # form, each argument's rule by position; for a primitive recorded under `KeepAll`
+        # (its first form), the values to save per requires-grad mask (bit i: argument i).
+        by_position = {f: tuple(f.rules.get(name) for name in self.args) for f in self.forms}
+        object.__setattr__(self, "_rules_by_position", by_position)
+        keep = None
+        if self.forms and self.differentiable and not (self.variadic or self.view) and (
+            len(self.args) <= 3
+        ):
+            keep = tuple(
+                needed_values(self.forms[0], self.args,
+                              tuple(bool(m >> i & 1) for i in range(len(self.args))))
+                for m in range(1 << len(self.args))
+            )
+        object.__setattr__(self, "_keep_needs", keep)
+
     def __repr__(self) -> str:
         return f"Primitive({self.name!r})"
 
@@ -110,12 +132,37 @@ class Primitive:
     ) -> list[Any]:
         """Apply the recorded form's rules to the output gradient (one per argument)."""
         g = grads[0]
-        nodes = entry.nodes
+        second = entry._in2
+        if second is _ONE_INPUT_ONLY:
+            nodes: tuple[Any, ...] = (entry._in,)
+        elif second is _SEE_FIRST:
+            nodes = entry.nodes
+        else:
+            nodes = (entry._in, second)
         if g is None:
             return [None] * len(nodes)
-        values = unpack_saved(entry, create_graph)
-        form = entry.form
+        saved = entry._saved
+        if type(saved) is _NDARRAY and not create_graph and "unpack" not in events.wanted and (
+            entry._counter.value == entry._version  # type: ignore[union-attr]
+        ):
+            values = None  # the one saved value, `saved`, is every rule's need: read as is
+        elif type(saved) is tuple and not saved:
+            values = None  # nothing saved: no rule reads a value
+        else:
+            values = unpack_saved(entry, create_graph)
         attrs = entry.attrs
+        _, in_shapes, form = entry._meta
+        if second is _ONE_INPUT_ONLY and values is None and not self.variadic:
+            rule = self._rules_by_position[form][0]  # type: ignore[attr-defined]
+            if rule is None or entry._in is None:  # the loop below, for one argument
+                return [None]
+            if rule.needs:
+                grad = rule.rule(g, saved, **attrs) if attrs else rule.rule(g, saved)
+            else:
+                grad = rule.rule(g, **attrs) if attrs else rule.rule(g)
+            if self.broadcasts and grad.shape != in_shapes[0]:
+                grad = _sum_to(grad, in_shapes[0])
+            return [grad]
         if self.variadic:
             rule = form.rules["xs"]
             args = (tuple(values[f"x{i}"] for i in range(len(nodes))),) if rule.needs else ()
@@ -124,22 +171,22 @@ class Primitive:
                 for i, node in enumerate(nodes)
             ]
         results = []
-        rules = form.rules
         broadcasts = self.broadcasts
-        for i, (name, node) in enumerate(zip(self.args, nodes)):
-            rule = rules.get(name) if node is not None else None
-            if rule is None:
+        for i, rule in enumerate(self._rules_by_position[form]):  # type: ignore[attr-defined]
+            if rule is None or nodes[i] is None:
                 results.append(None)
                 continue
             needs = rule.needs
             if not needs:
-                grad = rule.rule(g, **attrs)
+                grad = rule.rule(g, **attrs) if attrs else rule.rule(g)
+            elif values is None:
+                grad = rule.rule(g, saved, **attrs) if attrs else rule.rule(g, saved)
             elif len(needs) == 1:
                 grad = rule.rule(g, values[needs[0]], **attrs)
             else:
                 grad = rule.rule(g, *[values[n] for n in needs], **attrs)
-            if broadcasts and tuple(grad.shape) != entry.in_shapes[i]:
-                grad = _sum_to(grad, entry.in_shapes[i])
+            if broadcasts and grad.shape != in_shapes[i]:
+                grad = _sum_to(grad, in_shapes[i])
             results.append(grad)
         return results
 
@@ -154,9 +201,25 @@ class _Tapes(threading.local):
 _tapes = _Tapes()
 
 
+# one item per GradientTape recording in any thread: while it is empty (the common case)
+# `record` asks no thread-local question about tapes
+tape_blocks: list[Any] = []
+
+
 def active_tapes() -> list[Any]:
     """The `GradientTape`s recording in the calling thread (innermost last)."""
     return _tapes.items
+
+
+def start_tape(tape: Any) -> None:
+    """Record every new entry of the calling thread into `tape` too, until `stop_tape`."""
+    _tapes.items.append(tape)
+    tape_blocks.append(tape)
+
+
+def stop_tape(tape: Any) -> None:
+    _tapes.items.remove(tape)
+    tape_blocks.pop()  # any item: only their number matters
 
 
 def edge_of(tensor: Any) -> Any:
@@ -195,8 +258,10 @@ def add_entry(
     counter: Any = None,
     save_args: tuple[Any, ...] = (),
 ) -> list[Any]:
-    """Append one entry to the tape and return its output tensors: the only way entries are
-    made, by primitives, custom functions and loops alike.
+    """Append one entry to the tape and return its output tensors: the way entries are made,
+    by primitives, custom functions and loops alike. (`record`'s fast path, `_record_kept`,
+    writes the same entry out directly, only while nobody listens and no `GradientTape`
+    records: the two things this path adds.)
 
     `op` has ``backward(entry, grads, create_graph, retain_graph)`` (input gradients from
     output gradients; `retain_graph` says whether the entry must answer again) and a ``name``;
@@ -271,9 +336,9 @@ def _primitive_entry(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str,
         entry._in, entry._in2 = compact_edges([edge_of(t) for t in tensors])
     entry.attrs = attrs
     entry._saved = ()
-    entry._key = entry._counter = None
+    entry._counter = None
     entry._version = 0
-    entry.in_shapes = ()
+    entry._meta = NO_META
     entry._extra = None
     if (saves and events.listeners) or (origin_blocks and _state.origins):
         entry.origin_frame = _user_frame()
@@ -283,14 +348,131 @@ def _primitive_entry(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str,
 def record(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> Any:
     """Run `prim` on tensors and, when gradients are needed, append an entry to the tape.
 
-    This runs once per operation of every user's loop, so it reads each attribute once and
-    leaves the generic helpers (views, strategies, explicit tapes, listeners) to the cases
-    that need them.
+    This runs once per operation of every user's loop: the common case (numpy arrays, no
+    views, gradients on, values kept as they are, nobody listening) takes `_record_kept`,
+    which makes only the result, its entry and its version counter; everything else takes
+    `_record_any`.
     """
     for t in tensors:
         if not isinstance(t, TensorBase):
             tensors = _with_operands(tensors)
             break
+    keep = prim._keep_needs  # type: ignore[attr-defined]
+    if keep is not None and not (_pushed or events.listeners or origin_blocks or tape_blocks):
+        result = _record_kept(prim, tensors, attrs, keep)
+        if result is not None:
+            return result
+    return _record_any(prim, tensors, attrs)
+
+
+def _record_kept(
+    prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any],
+    keep: tuple[tuple[tuple[str, int], ...], ...],
+) -> Any:
+    """`record` for one or two numpy tensors that are not views, at least one requiring
+    grad, with gradients on and nothing tracing (else None, before anything ran): the
+    general path's result and entry, written out. A single saved value is kept in the entry
+    as the array itself (`KeepAll` needs no buffer: the array is the stored form)."""
+    if len(tensors) == 1:
+        a = tensors[0]
+        b = None
+        if a._base is not None or not a._requires_grad or a._index or (
+            type(a._data) is not _NDARRAY
+        ):
+            return None
+        mask = 1
+    elif len(tensors) == 2:
+        a, b = tensors
+        if a._base is not None or b._base is not None or a._index or b._index or (
+            type(a._data) is not _NDARRAY or type(b._data) is not _NDARRAY
+        ):
+            return None
+        mask = a._requires_grad + 2 * b._requires_grad
+        if not mask:
+            return None
+    else:
+        return None
+    if not _state.plain:  # gradients off, inference mode or a tracer
+        return None
+    try:
+        if b is None:
+            out = prim.forward(np, a._data, **attrs) if attrs else prim.forward(np, a._data)
+        else:
+            out = prim.forward(np, a._data, b._data, **attrs) if attrs else prim.forward(
+                np, a._data, b._data)
+    except (ValueError, TypeError, IndexError) as exc:
+        raise _forward_error(prim, tensors, attrs, exc) from exc
+    if type(out) is not _NDARRAY and isinstance(out, np.generic):  # numpy's 0-d results
+        out = np.asarray(out)
+    entry = object.__new__(Entry)
+    entry.op = prim
+    entry.seq = next(_sequence)
+    node = a._entry
+    if node is None and a._requires_grad:
+        node = a if a._leaf_target is None else a._leaf_target
+    entry._in = node
+    if b is None:
+        entry._in2 = _ONE_INPUT_ONLY
+        key: tuple[Any, ...] = (prim, out.shape, out.dtype)
+    else:
+        node = b._entry
+        if node is None and b._requires_grad:
+            node = b if b._leaf_target is None else b._leaf_target
+        entry._in2 = node
+        if prim.broadcasts:
+            key = (prim, out.shape, out.dtype, a._data.shape, b._data.shape)
+        else:
+            key = (prim, out.shape, out.dtype)
+    meta = _kept_metas.get(key)
+    entry._meta = meta if meta is not None else _kept_meta(key)
+    entry.attrs = attrs or _NO_ATTRS
+    entry._extra = None
+    result = make_tensor(out, entry)
+    needed = keep[mask]
+    if len(needed) == 1:
+        name, position = needed[0]
+        saved = result if position < 0 else tensors[position]
+        if saved._inference:
+            _buffer(saved, name, KEEP, entry)  # raises the general path's error
+        entry._saved = saved._data
+        counter = entry._counter = saved._version
+        entry._version = counter.value
+    else:
+        entry._counter = None
+        entry._version = 0
+        entry._saved = () if not needed else tuple([
+            save_tensor(result, name, KEEP, entry, 0) if position < 0
+            else save_tensor(tensors[position], name, KEEP, entry,
+                             _edge_at(tensors[position], position))
+            for name, position in needed
+        ])
+    return result
+
+
+_kept_metas: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+
+
+def _kept_meta(key: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The `Entry._meta` of `_record_kept`'s entries with this (primitive, output shape and
+    dtype[, input shapes]) `key`."""
+    if len(_kept_metas) > _MAX_ORIGINS:
+        _kept_metas.clear()
+    prim, shape, dtype, *shapes = key
+    out_meta = _out_metas.get((shape, dtype)) or _shared_meta((shape, dtype))
+    in_shapes = tuple(tuple(s) for s in shapes)
+    return _kept_metas.setdefault(key, shared_meta(out_meta, in_shapes, prim.forms[0]))
+
+
+def _forward_error(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any],
+                   exc: Exception) -> ShapeError:
+    return ShapeError(
+        f"{prim.name!r} cannot run on inputs {_describe_inputs(tensors)} "
+        f"with {attrs or 'no attributes'}: {exc}"
+    )
+
+
+def _record_any(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> Any:
+    """`record` for every case: views, strategies, explicit tapes, listeners, tracers."""
     first = tensors[0]._data
     kind = type(first)
     requires_grad = False
@@ -314,10 +496,7 @@ def record(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> 
         else:
             out = prim.forward(xp, *datas, **attrs)
     except (ValueError, TypeError, IndexError) as exc:
-        raise ShapeError(
-            f"{prim.name!r} cannot run on inputs {_describe_inputs(tensors)} "
-            f"with {attrs or 'no attributes'}: {exc}"
-        ) from exc
+        raise _forward_error(prim, tensors, attrs, exc) from exc
     if type(out) is not kind and isinstance(out, np.generic):  # numpy's 0-d results
         out = np.asarray(out)
     view = prim.view
@@ -358,6 +537,17 @@ def _leaf_node(t: Any) -> Any:
 def _with_operands(items: tuple[Any, ...]) -> tuple[Any, ...]:
     """`items` with Python scalars and arrays made tensors like the first tensor among them
     (`x * 2` keeps x's float32)."""
+    if len(items) == 2:  # `x * 1.01` and `1.01 * x` on numpy: one shared constant
+        a, b = items
+        if isinstance(a, TensorBase):
+            if type(a._data) is np.ndarray:
+                constant = _constant(b, a._data.dtype)
+                if constant is not None:
+                    return (a, constant)
+        elif isinstance(b, TensorBase) and type(b._data) is np.ndarray:
+            constant = _constant(a, b._data.dtype)
+            if constant is not None:
+                return (constant, b)
     ref = None
     for item in items:
         if isinstance(item, TensorBase):
@@ -386,18 +576,19 @@ def _constant(value: Any, dtype: Any) -> Any:
     that hands it on unchanged cannot let anyone modify it in place.
     """
     kind = type(value)
-    if (kind is not float and kind is not int) or dtype.kind != "f" or not value or (
-        value != value
-    ):
+    if kind is not float and kind is not int:
         return None
     key = (kind, value, dtype)
-    constant = _constants.get(key)
+    constant = _constants.get(key)  # only exact ones are ever stored
     if constant is None:
+        if dtype.kind != "f" or not value or value != value:
+            return None
         if len(_constants) > 1024:  # a loop over many distinct scalars: keep the cache small
             _constants.clear()
         array = np.asarray(value, dtype=dtype)
         array.flags.writeable = False
         constant = _constants[key] = make_tensor(array)
+        constant._inference = False  # shared: one made under inference_mode serves all code
     return constant
 
 
@@ -434,7 +625,6 @@ def refresh_view(view: Any) -> Any:
 
 
 
-_needs_cache: dict[tuple[Form, tuple[bool, ...]], tuple[tuple[str, int], ...]] = {}
 _shapes_cache: dict[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]] = {}
 
 
@@ -449,10 +639,11 @@ def _save_primitive_values(
 ) -> tuple[SavedSlot, ...] | None:
     """The saved slots of a primitive's entry: what `form`'s rules read, for the arguments
     that need a gradient. A single value is kept in the entry itself (None returned)."""
-    entry.form = form
+    in_shapes = entry.in_shapes
     if prim.broadcasts:
         shapes = tuple([d.shape for d in datas])
-        entry.in_shapes = _shapes_cache.get(shapes) or _shared_shapes(shapes)
+        in_shapes = _shapes_cache.get(shapes) or _shared_shapes(shapes)
+    entry._meta = shared_meta(entry.out_meta, in_shapes, form)
     if prim.variadic:
         if not form.rules["xs"].needs:
             return ()
@@ -463,15 +654,12 @@ def _save_primitive_values(
         mask: tuple[bool, ...] = _ONE_INPUT  # recorded, so its one input requires grad
     else:
         mask = tuple([t._requires_grad for t in tensors])
-    needed = _needs_cache.get((form, mask))
-    if needed is None:
-        needed = _needs_cache[(form, mask)] = _needed_values(prim, form, mask)
+    needed = needed_values(form, prim.args, mask)
     if len(needed) == 1:
         key = needed[0]
         position = key[1]
         tensor = results[0] if position < 0 else tensors[position]
         entry._saved = _buffer(tensor, key[0], packer, entry)
-        entry._key = key
         counter = entry._counter = tensor._version
         entry._version = counter.value
         return None
@@ -499,19 +687,6 @@ def _shared_shapes(shapes: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...]
     if len(_shapes_cache) > _MAX_ORIGINS:
         _shapes_cache.clear()
     return _shapes_cache.setdefault(shapes, tuple(tuple(s) for s in shapes))
-
-
-def _needed_values(
-    prim: Primitive, form: Form, mask: tuple[bool, ...]
-) -> tuple[tuple[str, int], ...]:
-    """(name, argument position or -1 for the output) of every value `form` needs when the
-    arguments flagged in `mask` require grad; sorted, so slots come in a stable order."""
-    names: set[str] = set()
-    for name, requires_grad in zip(prim.args, mask):
-        rule = form.rules.get(name)
-        if requires_grad and rule is not None:
-            names.update(rule.needs)
-    return tuple((n, -1 if n == "out" else prim.args.index(n)) for n in sorted(names))
 
 
 def save_tensor(tensor: Any, name: str, packer: Strategy, entry: Entry, edge: Any) -> SavedSlot:
@@ -562,12 +737,18 @@ def unpack_saved(entry: Entry, create_graph: bool) -> dict[str, Any]:
     slots = entry._saved
     if slots is None:
         raise freed_error(entry.describe())
-    if isinstance(slots, SavedBuffer):  # one value, kept in the entry
+    if type(slots) is _NDARRAY:  # one value kept as is in the entry
+        if "unpack" not in events.wanted and not create_graph and (
+            entry._counter.value == entry._version  # type: ignore[union-attr]
+        ):
+            return {entry.inline_key()[0]: slots}
+        slots = entry.slots
+    elif isinstance(slots, SavedBuffer):  # one value, kept in the entry
         if (
             slots.source is None and "unpack" not in events.wanted and not create_graph
             and entry._counter.value == entry._version  # type: ignore[union-attr]
         ):
-            return {entry._key[0]: slots.packed}  # type: ignore[index]
+            return {entry.inline_key()[0]: slots.packed}
         slots = entry.slots
     values = {}
     for slot in slots:

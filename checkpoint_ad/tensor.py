@@ -16,12 +16,13 @@ import numpy as np
 from . import ops
 from .autograd import backward as _backward
 from .backend import is_array, namespace
-from .entry import Entry, RemovableHandle, add_hook
+from .entry import _NO_ATTRS, Entry, RemovableHandle, add_hook
 from .errors import BackwardError, InplaceError, RequiresGradConversionError, ShapeError
 from .grad_mode import _state, no_grad, refuse_trace
+from .ops.elementwise import ADD, DIVIDE, MULTIPLY, NEGATIVE, POWER, SUBTRACT
 from .ops.shape import GETITEM, RESHAPE, TRANSPOSE
 from .saved import VersionCounter, pack_value
-from .tape import next_sequence, refresh_view
+from .tape import next_sequence, record, refresh_view
 from .tensor_base import TensorBase, as_tensor, as_tensor_like, make_tensor, tensor
 
 __all__ = ["Tensor", "as_tensor", "tensor"]
@@ -64,35 +65,37 @@ class Tensor(TensorBase, made_by_engine=True):
         return make_tensor(data, entry, index, counter)
 
     # ----------------------------------------------------------------- operators
+    # The arithmetic operators record their primitive directly: what `ops.add(self, other)`
+    # does, without its two calls (they run once per operation of every user's loop).
     def __add__(self, other: Any) -> Tensor:
-        return ops.add(self, other)
+        return record(ADD, (self, other), _NO_ATTRS)
 
     def __radd__(self, other: Any) -> Tensor:
-        return ops.add(other, self)
+        return record(ADD, (other, self), _NO_ATTRS)
 
     def __sub__(self, other: Any) -> Tensor:
-        return ops.subtract(self, other)
+        return record(SUBTRACT, (self, other), _NO_ATTRS)
 
     def __rsub__(self, other: Any) -> Tensor:
-        return ops.subtract(other, self)
+        return record(SUBTRACT, (other, self), _NO_ATTRS)
 
     def __mul__(self, other: Any) -> Tensor:
-        return ops.multiply(self, other)
+        return record(MULTIPLY, (self, other), _NO_ATTRS)
 
     def __rmul__(self, other: Any) -> Tensor:
-        return ops.multiply(other, self)
+        return record(MULTIPLY, (other, self), _NO_ATTRS)
 
     def __truediv__(self, other: Any) -> Tensor:
-        return ops.divide(self, other)
+        return record(DIVIDE, (self, other), _NO_ATTRS)
 
     def __rtruediv__(self, other: Any) -> Tensor:
-        return ops.divide(other, self)
+        return record(DIVIDE, (other, self), _NO_ATTRS)
 
     def __pow__(self, other: Any) -> Tensor:
-        return ops.power(self, other)
+        return record(POWER, (self, other), _NO_ATTRS)
 
     def __rpow__(self, other: Any) -> Tensor:
-        return ops.power(other, self)
+        return record(POWER, (other, self), _NO_ATTRS)
 
     def __matmul__(self, other: Any) -> Tensor:
         return ops.matmul(self, other)
@@ -101,7 +104,7 @@ class Tensor(TensorBase, made_by_engine=True):
         return ops.matmul(other, self)
 
     def __neg__(self) -> Tensor:
-        return ops.negative(self)
+        return record(NEGATIVE, (self,), _NO_ATTRS)
 
     def __pos__(self) -> Tensor:
         return self
@@ -548,7 +551,9 @@ def _protect_saved(result: TensorBase, counter: VersionCounter, mark: int) -> No
         if entry.seq <= mark or id(entry) in seen:
             continue
         seen.add(id(entry))
-        for slot in entry.slots or ():
+        slots = entry.slots or ()
+        changed = False
+        for slot in slots:
             buffer = slot.buffer
             if slot.counter is not counter or buffer is None:
                 continue
@@ -557,6 +562,9 @@ def _protect_saved(result: TensorBase, counter: VersionCounter, mark: int) -> No
                 copied = namespace(array).asarray(array, copy=True)
                 slot.buffer = pack_value(copied, buffer.packer)
             slot.counter = None
+            changed = True
+        if changed:
+            entry.slots = slots  # an inline value's slot is made on reading: store it
         stack.extend(e[0] for e in entry.edges if e is not None and type(e[0]) is Entry)
 
 

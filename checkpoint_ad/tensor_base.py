@@ -19,6 +19,8 @@ from .errors import BackwardError, DTypeError
 from .grad_mode import _state, refuse_trace
 from .saved import VersionCounter
 
+_new_object = object.__new__
+
 
 class TensorBase:
     """The state of a tensor; see `checkpoint_ad.Tensor` for the user-facing class."""
@@ -197,15 +199,18 @@ def make_tensor(
     version counter they share."""
     if type(data) is not np.ndarray and isinstance(data, np.generic):  # numpy's 0-d results
         data = np.asarray(data)
-    t = object.__new__(TensorBase._made_by_engine)
+    t = _new_object(TensorBase._made_by_engine)
     # `_init`, written out: every recorded op makes a tensor here
     t._data = data
     t._entry = entry
     t._index = index
     t._requires_grad = entry is not None
-    t._version = counter if counter is not None else VersionCounter()
+    if counter is None:
+        counter = _new_object(VersionCounter)  # `VersionCounter()` without its __init__ call
+        counter.value = 0
+    t._version = counter
     t._leaf_target = t._base = t._view = t._saved_ref = t._hooks = t.grad = None
-    t._inference = _state.inference
+    t._inference = _state._inference
     return t
 
 

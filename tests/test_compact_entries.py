@@ -102,12 +102,13 @@ def test_a_primitive_entry_holds_no_edge_tuple_or_slot_of_its_own():
 def test_the_inline_slot_reads_as_one_slot_over_the_saved_buffer():
     x = cad.tensor(np.linspace(0.1, 0.9, 5), requires_grad=True)
     y = cad.tanh(x)  # saves its output
-    z = cad.sin(y)  # saves its input: the same array, one buffer
+    z = cad.sin(y)  # saves its input: the same array, stored once
     (out,) = y.grad_fn.slots
     (inp,) = z.grad_fn.slots
     assert (out.name, out.edge, out.version) == ("out", 0, 0)
     assert inp.name == "x" and type(inp.edge) is InputEdge and inp.edge.position == 0
-    assert out.buffer is inp.buffer is y.grad_fn.slots[0].buffer
+    assert out.buffer.packed is inp.buffer.packed is y.grad_fn.slots[0].buffer.packed
+    assert out.buffer.stored_id == inp.buffer.stored_id  # counted once in tape totals
     assert out.counter is y._version and np.array_equal(out.buffer.packed, y.numpy())
     assert y.grad_fn.saved_nbytes() == y.numpy().nbytes
 

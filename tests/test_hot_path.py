@@ -194,3 +194,11 @@ def test_a_listing_without_lines_says_how_to_get_them():
         y = cad.tanh(x)
     listed = cad.tape_of(y).table()
     assert "test_hot_path.py:" in listed and "record_origins" not in listed
+
+
+def test_a_constant_first_made_under_inference_mode_can_still_be_saved():
+    with cad.inference_mode():
+        cad.tensor(np.ones(2)) * 7.25  # the first use of 7.25 makes its shared constant
+    x = cad.tensor(np.ones(2), requires_grad=True)
+    (x * 7.25).sum().backward()  # multiply saves the constant for x's gradient
+    assert np.array_equal(x.grad.numpy(), np.full(2, 7.25))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import weakref
 
 import numpy as np
 import pytest
@@ -519,12 +520,29 @@ def test_use_packer_rejects_non_packers():
 
 # ----------------------------------------------------------------- no leaks
 def test_nothing_retained_after_an_undifferentiated_forward():
-    gc.collect()
-    before = cad.saved.live_buffer_count()
     x = cad.tensor(np.ones(100), requires_grad=True)
     y = x
     for _ in range(50):
         y = cad.tanh(y) * 1.01
+    saved = [weakref.ref(slot.buffer.packed) for entry in cad.tape_of(y)._entries
+             for slot in entry.slots if slot.name == "out"]  # what each tanh kept
+    assert len(saved) == 50 and all(ref() is not None for ref in saved)
+    gc.disable()
+    try:
+        del y
+        assert all(ref() is None for ref in saved)  # freed by reference counting alone
+    finally:
+        gc.enable()
+
+
+def test_nothing_retained_by_a_packer_after_an_undifferentiated_forward():
+    gc.collect()
+    before = cad.saved.live_buffer_count()
+    x = cad.tensor(np.ones(100), requires_grad=True)
+    with cad.saved_values_hooks(lambda a: a * 1, lambda a: a):
+        y = x
+        for _ in range(50):
+            y = cad.tanh(y) * 1.01
     assert cad.saved.live_buffer_count() > before
     del y
     assert cad.saved.live_buffer_count() == before  # freed by reference counting alone

@@ -511,9 +511,9 @@ def _saved_bytes(
     for entry in entries:
         for slot in entry.slots or ():
             buffer = slot.buffer
-            if buffer is None or id(buffer) in seen:
+            if buffer is None or buffer.stored_id in seen:
                 continue
-            seen.add(id(buffer))
+            seen.add(buffer.stored_id)
             held += buffer.stored_nbytes
             root = id(_root(buffer.packed)) if buffer.source is None else None
             if root in carry_roots:
