@@ -222,12 +222,13 @@ def unreduce(g: Any, source: tuple[int, ...], axis: tuple[int, ...]) -> Any:
         return broadcast_to(reshape(g, kept), source)
     # an array (a plain backward, a replayed step): what the primitives compute, without
     # their dispatch, which costs more than the reshape and broadcast themselves
-    spread = namespace(g).reshape(g, kept)
-    return spread if tuple(spread.shape) == source else broadcast_view(spread, source)
+    spread = g.reshape(kept) if isinstance(g, (np.ndarray, np.generic)) else namespace(
+        g).reshape(g, kept)
+    return spread if spread.shape == source else broadcast_view(spread, source)
 
 
-SUM = define("sum", lambda xp, x, *, axis, keepdims, source: x.sum(
-    axis=axis, keepdims=keepdims) if xp is np else xp.sum(x, axis=axis, keepdims=keepdims), "x", [
+SUM = define("sum", lambda xp, x, *, axis, keepdims, source: np.add.reduce(
+    x, axis, None, None, keepdims) if xp is np else xp.sum(x, axis=axis, keepdims=keepdims), "x", [
     {"x": vjp("", lambda g, *, axis, keepdims, source: unreduce(g, source, axis))},
 ])
 

@@ -448,8 +448,10 @@ class PlannedLoop:
                     found[(id(node), index)] = edge
         return found
 
-    def _guards(self, carry_leaves: list[Any]) -> list[tuple[Any, int, str]]:
-        """(version counter, version, description) of every value the backward re-reads."""
+    def _guards(self, carry_leaves: list[Any]) -> list[tuple[Any, int, str, Any, Any]]:
+        """(version counter, version, description, dtype, shape) of every value the backward
+        re-reads; the description is finished only for an error (a dtype's name costs more
+        than the rest of a short loop's bookkeeping)."""
         guards = []
         named = [(t, f"the initial carry's leaf {k}") for k, t in enumerate(carry_leaves)]
         named += [(x, f"xs leaf {k}") for k, x in enumerate(self.loop.xs_leaves)]
@@ -457,7 +459,7 @@ class PlannedLoop:
                   if type(node) is not Entry]
         for t, what in named:
             if t is not None:
-                guards.append((t._version, t._version.value, f"{what} ({t.dtype}{list(t.shape)})"))
+                guards.append((t._version, t._version.value, what, t.dtype, t.shape))
         return guards
 
     def _pack(
@@ -610,10 +612,11 @@ class PlannedLoop:
             np.random.set_state(outer_numpy_state)
 
     def _check_versions(self, entry: Entry) -> None:
-        for counter, version, what in self.guards:
+        for counter, version, what, dtype, shape in self.guards:
             if counter.value != version:
                 raise SavedValueModifiedError(
-                    f"{entry.describe()} re-reads {what} in its backward, but it was modified "
+                    f"{entry.describe()} re-reads {what} ({dtype}{list(shape)}) in its "
+                    "backward, but it was modified "
                     f"in place since the loop ran (version {version}, now {counter.value}); "
                     "use out-of-place operations on tensors a loop uses, or modify a copy"
                 )
@@ -718,13 +721,14 @@ class PlannedLoop:
             y_out = []
             previous = None
             carry_in = arrays
+            carry_out, ys_out = program.carry_out, program.y_out
             for t in range(start, stop):
                 loop.count()
                 made = self.carry_inputs if self.carry_made and t == 0 else None
                 step = program.tape(arrays, self._x_arrays(t), previous, made)
-                arrays = step.output(program.carry_out)
-                y_out.append((t, step.output(program.y_out)))
-                step.drop_values(program.carry_out)
+                arrays = step.output(carry_out)
+                y_out.append((t, step.output(ys_out)))
+                step.drop_values(carry_out)
                 steps.append((t, step))
                 if previous is not None:
                     previous.buffers = {}  # shared with this step: only the slots hold them now

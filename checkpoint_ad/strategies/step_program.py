@@ -454,7 +454,7 @@ class StepProgram:
         for i, forward, output, as_is in self.tape_as_is:
             values[output] = forward(values, xp)
             if as_is is not None:
-                saved[i] = [values[slot] for slot in as_is]
+                saved[i] = tuple(map(values.__getitem__, as_is))  # no frame per call
         return ReplayedStep(values, saved, [], {}, as_is=True)
 
     # ------------------------------------------------------------- backward
@@ -548,7 +548,7 @@ class StepProgram:
                         if isinstance(grad, np.generic):
                             grad = np.asarray(grad)
                         dtype = dtypes[slot]
-                        if grad.dtype != dtype:
+                        if grad.dtype is not dtype and grad.dtype != dtype:
                             grad = astype(grad, dtype)
                         kind = kinds[slot]
                         if kind == PENDING:  # deliver()'s cases within the step, inline
