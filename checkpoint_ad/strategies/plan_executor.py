@@ -658,9 +658,19 @@ class PlannedLoop:
                 np.random.set_state(forward.current_numpy_state)
             random.rewind(stream, forward.current_engine_state)
         self._read_ahead(snapshots, forward.cursor - 1)
+        program = self.program
+        # a replay that draws nothing, with nobody listening, needs none of the blocks a
+        # re-run enters (no generator to switch, no tape, no recompute events): run bare;
+        # a taped one too when it packs nothing (a storage's pack might draw)
+        bare = program is not None and not program.draws and not events.listeners
+        bare_reverse = bare and program.tape_as_is is not None and self._replayable()
         for index in range(forward.cursor, len(self.plan)):
             action = self.plan[index]
-            if isinstance(action, Snapshot):
+            if bare and type(action) is Advance:
+                for t in range(action.start, action.stop):
+                    loop.count()
+                    arrays, _ = program.run(arrays, self._x_arrays(t))
+            elif isinstance(action, Snapshot):
                 with random.using(stream):
                     snapshots[action.step] = self._pack(arrays)
             elif isinstance(action, DiskSnapshot):
@@ -668,7 +678,6 @@ class PlannedLoop:
                     snapshots[action.step] = self._pack(arrays, self.disk_storage)
             elif isinstance(action, Advance):
                 with events.recomputing(self.name), no_grad(), random.using(stream):
-                    program = self.program
                     for t in range(action.start, action.stop):
                         if program is not None:
                             loop.count()
@@ -684,7 +693,9 @@ class PlannedLoop:
             else:
                 start, stop = _span(action)
                 kept = forward.kept if index == forward.cursor else None
-                if kept is None:
+                if kept is None and bare_reverse:
+                    segment = self._tape_steps(start, stop, arrays)
+                elif kept is None:
                     with events.recomputing(self.name), random.using(stream), use_packer(
                         self.step_packer
                     ):

@@ -328,6 +328,8 @@ class StepProgram:
         # primitive it announces (None: not one), and for a taped one the slots it saves when
         # every value is kept as it is (None where a packer may store it otherwise)
         self.forwards = tuple(compile_forward(ins, Draw) for ins in self.instructions)
+        # whether a replay draws from the engine's generator (the caller must then say which)
+        self.draws = any(type(ins.prim) is Draw for ins in self.instructions)
         announced = tuple(
             None if ins.prim is None or type(ins.prim) is Draw else ins.prim
             for ins in self.instructions)
