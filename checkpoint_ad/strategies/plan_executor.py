@@ -159,6 +159,7 @@ class PlannedLoop:
         self.same: dict[int, int] = {}
         self.externals: dict[tuple[int, int], Any] = {}
         self.discovered = False  # externals (and carry aliases) found
+        self._keys_found: Any = None  # see `_replay_keys`
         self.state: _ForwardState | None = None
         self.consumed = False
         self.tracks_numpy = False  # set when the steps draw from numpy's global random state
@@ -627,6 +628,7 @@ class PlannedLoop:
         loop = self.loop
         forward = self.state
         assert forward is not None
+        self._keys_found = None  # found again per backward: xs may take a gradient now
         if retain_graph:  # work on copies: the forward's state must answer again
             snapshots = dict(forward.snapshots)
         else:
@@ -868,11 +870,11 @@ class PlannedLoop:
     ) -> list[Any]:
         """`_pull_back` for a replayed segment: the same roots, keys and starting sums, in
         the same order, so the gradients are bitwise those of the recorded steps."""
-        loop = self.loop
         program = self.program
         assert program is not None
         start, stop = segment.start, segment.stop
         n_carry = len(program.carry_in)
+        carry_grad, xs_grad, ext_slots = self._replay_keys()
 
         def requires_grad(t: int, slot: int) -> bool:
             while slot < n_carry and t > start:  # a carry the previous step made
@@ -886,26 +888,21 @@ class PlannedLoop:
                 roots.append(((stop - 1, slot), g))
         for k in reversed(range(len(adj_ys))):
             slot, g = program.y_out[k], adj_ys[k]
+            if g is None:
+                continue
             for t in reversed(range(start, stop)):
                 if t == stop - 1 and k in self.same:
                     continue  # in adj_carry: added when the next step was reversed, or the
                     # loop's last row, which reaches the entry through its final carry
-                if g is not None and requires_grad(t, slot):
+                if requires_grad(t, slot):
                     roots.append(((t, slot), g[t]))
-        keys: dict[tuple[Any, ...], int] = {}
-        for k in range(n_carry):
-            if program.requires_grad[k]:
-                keys[("carry", k)] = len(keys)
+        keys: dict[tuple[Any, ...], int] = {("carry", k): i for i, k in enumerate(carry_grad)}
         for t in range(start, stop):
-            for k, x in enumerate(loop.xs_leaves):
-                if x is not None and x.requires_grad:
-                    keys[("x", t, k)] = len(keys)
-        external_position = {}
-        for key in self.externals:
-            external_position[key] = len(keys) + len(external_position)
-        for slot, key in program.external_keys.items():
-            if key in external_position:
-                keys[("ext", slot)] = external_position[key]
+            for k in xs_grad:
+                keys[("x", t, k)] = len(keys)
+        external_position = {key: len(keys) + i for i, key in enumerate(self.externals)}
+        for slot, key in ext_slots:
+            keys[("ext", slot)] = external_position[key]
         initial: list[Any] = [None] * (len(keys) + len(external_position))
         if carry_sums is not None:
             for k, total in enumerate(carry_sums):
@@ -931,15 +928,32 @@ class PlannedLoop:
             owned.pop(id(g), None)  # handed on as a root: a rule may pass it to two inputs
             new_adj.append(g)
         for t in range(start, stop):
-            for k in range(len(loop.xs_leaves)):
-                position = keys.get(("x", t, k))
-                if position is not None and captured[position] is not None:
+            for k in xs_grad:
+                position = keys[("x", t, k)]
+                if captured[position] is not None:
                     adj_xs[k][t] = captured[position]
                     xs_reached[k] = True
         for key, position in external_position.items():
             if captured[position] is not None:
                 adj_ext[key] = captured[position]
         return new_adj
+
+    def _replay_keys(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[int, Any], ...]]:
+        """What every replayed pull-back of a backward keys its sums by, found once: the carry
+        leaves that take a gradient, the xs leaves that do, and (slot, key) of each captured
+        tensor the program reads."""
+        found = self._keys_found
+        if found is None:
+            program = self.program
+            assert program is not None
+            found = self._keys_found = (
+                tuple(k for k in range(len(program.carry_in)) if program.requires_grad[k]),
+                tuple(k for k, x in enumerate(self.loop.xs_leaves)
+                      if x is not None and x.requires_grad),
+                tuple((slot, key) for slot, key in program.external_keys.items()
+                      if key in self.externals),
+            )
+        return found
 
     def _backward_with_graph(
         self, entry: Entry, grads: list[Any], onto: list[Any] | None = None
