@@ -696,7 +696,7 @@ class PlannedLoop:
                 start, stop = _span(action)
                 kept = forward.kept if index == forward.cursor else None
                 if kept is None and bare_reverse:
-                    segment = self._tape_steps(start, stop, arrays)
+                    segment = self._tape_steps(start, stop, arrays, replayable=True)
                 elif kept is None:
                     with events.recomputing(self.name), random.using(stream), use_packer(
                         self.step_packer
@@ -722,12 +722,12 @@ class PlannedLoop:
         return results
 
     def _tape_steps(
-        self, start: int, stop: int, arrays: list[Any]
+        self, start: int, stop: int, arrays: list[Any], replayable: bool | None = None
     ) -> _TapedSegment | _ReplayedSegment:
         """Run steps start..stop-1 from the carry `arrays` with a tape (or replayed, keeping
-        what the tape would keep)."""
+        what the tape would keep; `replayable` says so when the caller knows)."""
         loop = self.loop
-        if self._replayable():
+        if replayable if replayable is not None else self._replayable():
             program = self.program
             assert program is not None
             steps: list[tuple[int, ReplayedStep]] = []
