@@ -154,3 +154,18 @@ def broadcast_axes(source: tuple[int, ...], target: tuple[int, ...]) -> tuple[in
     return tuple(range(lead)) + tuple(
         i + lead for i, d in enumerate(source) if d == 1 and target[i + lead] != 1
     )
+
+
+def broadcast_view(array: Any, shape: tuple[int, ...]) -> Any:
+    """`array` broadcast to `shape` as a read-only view, `array.ndim == len(shape)` (a reduced
+    gradient spread back). Why: numpy's `broadcast_to` is Python around an iterator and costs
+    more than the arithmetic on a small gradient; a view with zero strides made directly is
+    the same array, made in one call. Other libraries (and arrays numpy cannot view that way)
+    use their namespace's `broadcast_to`."""
+    if type(array) is np.ndarray and array.flags.c_contiguous:
+        strides = tuple(0 if have == 1 and want != 1 else stride
+                        for have, want, stride in zip(array.shape, shape, array.strides))
+        view = np.ndarray(shape, array.dtype, array, 0, strides)
+        view.flags.writeable = False
+        return view
+    return namespace(array).broadcast_to(array, shape)

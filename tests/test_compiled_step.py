@@ -93,3 +93,28 @@ def test_array_rules_make_the_views_the_primitives_make():
     row = np.array([1.0, 2.0, 3.0])
     kept = unreduce(row, (3,), ())  # nothing reduced: the array itself, reshaped
     np.testing.assert_array_equal(kept, row)
+
+
+@pytest.mark.parametrize("source, shape", [((1, 1), (3, 4)), ((3, 1), (3, 4)), ((1, 4), (3, 4)),
+                                           ((2, 1, 1), (2, 3, 5)), ((2, 3), (2, 3))])
+def test_a_broadcast_view_is_what_numpy_broadcasts(source, shape):
+    """`broadcast_view` (a spread gradient, made in one call) gives numpy's broadcast: same
+    values, shape and strides, a read-only view of the source; a non-contiguous source takes
+    numpy's own path."""
+    from checkpoint_ad.backend import broadcast_view
+
+    a = np.arange(float(np.prod(source))).reshape(source)
+    view, ref = broadcast_view(a, shape), np.broadcast_to(a, shape)
+    assert view.shape == ref.shape and view.strides == ref.strides
+    np.testing.assert_array_equal(view, ref)
+    assert np.shares_memory(view, a) and not view.flags.writeable
+    strided = np.arange(12.0).reshape(3, 4)[:, :1]
+    np.testing.assert_array_equal(broadcast_view(strided, (3, 4)),
+                                  np.broadcast_to(strided, (3, 4)))
+
+
+def test_a_spread_gradient_is_read_only():
+    """Nothing may add into a gradient that is one value seen many times."""
+    spread = unreduce(np.float32(2.0), (2, 3), (0, 1))
+    with pytest.raises(ValueError):
+        spread += 1

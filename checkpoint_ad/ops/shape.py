@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..backend import broadcast_axes, has_array_index, namespace, scatter_add
+from ..backend import broadcast_axes, broadcast_view, has_array_index, namespace, scatter_add
 from ..errors import ShapeError
 from ..tape import define, vjp
 from ..tensor_base import TensorBase, as_tensor_like
@@ -160,8 +160,10 @@ def matrix_transpose(x: Any) -> Any:
     ndim = _data(x).ndim
     if ndim < 2:
         raise ShapeError(f"matrix_transpose needs at least 2 dimensions, got {ndim}")
-    if not isinstance(x, TensorBase):  # an array, as in a backward rule: the same view, made
-        return namespace(x).matrix_transpose(x)  # without a primitive's dispatch
+    if type(x) is np.ndarray:  # as in a backward rule: the same view, made without a
+        return x.swapaxes(-1, -2)  # primitive's dispatch (or numpy's Python layers)
+    if not isinstance(x, TensorBase):  # another library's array
+        return namespace(x).matrix_transpose(x)
     return TRANSPOSE(x, axes=(*range(ndim - 2), ndim - 1, ndim - 2))
 
 
@@ -220,13 +222,13 @@ def unreduce(g: Any, source: tuple[int, ...], axis: tuple[int, ...]) -> Any:
         return broadcast_to(reshape(g, kept), source)
     # an array (a plain backward, a replayed step): what the primitives compute, without
     # their dispatch, which costs more than the reshape and broadcast themselves
-    xp = namespace(g)
-    spread = xp.reshape(g, kept)
-    return spread if tuple(spread.shape) == source else xp.broadcast_to(spread, source)
+    spread = g.reshape(kept) if isinstance(g, (np.ndarray, np.generic)) else namespace(
+        g).reshape(g, kept)
+    return spread if spread.shape == source else broadcast_view(spread, source)
 
 
-SUM = define("sum", lambda xp, x, *, axis, keepdims, source: xp.sum(
-    x, axis=axis, keepdims=keepdims), "x", [
+SUM = define("sum", lambda xp, x, *, axis, keepdims, source: np.add.reduce(
+    x, axis, None, None, keepdims) if xp is np else xp.sum(x, axis=axis, keepdims=keepdims), "x", [
     {"x": vjp("", lambda g, *, axis, keepdims, source: unreduce(g, source, axis))},
 ])
 

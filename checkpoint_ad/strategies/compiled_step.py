@@ -123,6 +123,7 @@ def sum_back(shape: tuple[int, ...]) -> SumBack:
     the tape makes), the axes found once per gradient shape rather than on every call. The
     caller checks the shapes first: most gradients need no sum."""
     axes_for: dict[tuple[int, ...], tuple[int, ...]] = {}
+    reduce = np.add.reduce  # what `ndarray.sum` calls, without its Python layer
 
     def back(grad: Any) -> Any:
         got = tuple(grad.shape)
@@ -131,6 +132,8 @@ def sum_back(shape: tuple[int, ...]) -> SumBack:
         axes = axes_for.get(got)
         if axes is None:
             axes = axes_for[got] = broadcast_axes(shape, got)
+        if type(grad) is np.ndarray:
+            return reduce(grad, axes, None, None, True).reshape(shape)
         return grad.sum(axis=axes, keepdims=True).reshape(shape)
 
     return back

@@ -159,6 +159,7 @@ class PlannedLoop:
         self.same: dict[int, int] = {}
         self.externals: dict[tuple[int, int], Any] = {}
         self.discovered = False  # externals (and carry aliases) found
+        self._keys_found: Any = None  # see `_replay_keys`
         self.state: _ForwardState | None = None
         self.consumed = False
         self.tracks_numpy = False  # set when the steps draw from numpy's global random state
@@ -448,8 +449,10 @@ class PlannedLoop:
                     found[(id(node), index)] = edge
         return found
 
-    def _guards(self, carry_leaves: list[Any]) -> list[tuple[Any, int, str]]:
-        """(version counter, version, description) of every value the backward re-reads."""
+    def _guards(self, carry_leaves: list[Any]) -> list[tuple[Any, int, str, Any, Any]]:
+        """(version counter, version, description, dtype, shape) of every value the backward
+        re-reads; the description is finished only for an error (a dtype's name costs more
+        than the rest of a short loop's bookkeeping)."""
         guards = []
         named = [(t, f"the initial carry's leaf {k}") for k, t in enumerate(carry_leaves)]
         named += [(x, f"xs leaf {k}") for k, x in enumerate(self.loop.xs_leaves)]
@@ -457,7 +460,7 @@ class PlannedLoop:
                   if type(node) is not Entry]
         for t, what in named:
             if t is not None:
-                guards.append((t._version, t._version.value, f"{what} ({t.dtype}{list(t.shape)})"))
+                guards.append((t._version, t._version.value, what, t.dtype, t.shape))
         return guards
 
     def _pack(
@@ -610,10 +613,11 @@ class PlannedLoop:
             np.random.set_state(outer_numpy_state)
 
     def _check_versions(self, entry: Entry) -> None:
-        for counter, version, what in self.guards:
+        for counter, version, what, dtype, shape in self.guards:
             if counter.value != version:
                 raise SavedValueModifiedError(
-                    f"{entry.describe()} re-reads {what} in its backward, but it was modified "
+                    f"{entry.describe()} re-reads {what} ({dtype}{list(shape)}) in its "
+                    "backward, but it was modified "
                     f"in place since the loop ran (version {version}, now {counter.value}); "
                     "use out-of-place operations on tensors a loop uses, or modify a copy"
                 )
@@ -624,6 +628,7 @@ class PlannedLoop:
         loop = self.loop
         forward = self.state
         assert forward is not None
+        self._keys_found = None  # found again per backward: xs may take a gradient now
         if retain_graph:  # work on copies: the forward's state must answer again
             snapshots = dict(forward.snapshots)
         else:
@@ -655,9 +660,19 @@ class PlannedLoop:
                 np.random.set_state(forward.current_numpy_state)
             random.rewind(stream, forward.current_engine_state)
         self._read_ahead(snapshots, forward.cursor - 1)
+        program = self.program
+        # a replay that draws nothing, with nobody listening, needs none of the blocks a
+        # re-run enters (no generator to switch, no tape, no recompute events): run bare;
+        # a taped one too when it packs nothing (a storage's pack might draw)
+        bare = program is not None and not program.draws and not events.listeners
+        bare_reverse = bare and program.tape_as_is is not None and self._replayable()
         for index in range(forward.cursor, len(self.plan)):
             action = self.plan[index]
-            if isinstance(action, Snapshot):
+            if bare and type(action) is Advance:
+                for t in range(action.start, action.stop):
+                    loop.count()
+                    arrays, _ = program.run(arrays, self._x_arrays(t))
+            elif isinstance(action, Snapshot):
                 with random.using(stream):
                     snapshots[action.step] = self._pack(arrays)
             elif isinstance(action, DiskSnapshot):
@@ -665,7 +680,6 @@ class PlannedLoop:
                     snapshots[action.step] = self._pack(arrays, self.disk_storage)
             elif isinstance(action, Advance):
                 with events.recomputing(self.name), no_grad(), random.using(stream):
-                    program = self.program
                     for t in range(action.start, action.stop):
                         if program is not None:
                             loop.count()
@@ -681,7 +695,9 @@ class PlannedLoop:
             else:
                 start, stop = _span(action)
                 kept = forward.kept if index == forward.cursor else None
-                if kept is None:
+                if kept is None and bare_reverse:
+                    segment = self._tape_steps(start, stop, arrays, replayable=True)
+                elif kept is None:
                     with events.recomputing(self.name), random.using(stream), use_packer(
                         self.step_packer
                     ):
@@ -706,25 +722,26 @@ class PlannedLoop:
         return results
 
     def _tape_steps(
-        self, start: int, stop: int, arrays: list[Any]
+        self, start: int, stop: int, arrays: list[Any], replayable: bool | None = None
     ) -> _TapedSegment | _ReplayedSegment:
         """Run steps start..stop-1 from the carry `arrays` with a tape (or replayed, keeping
-        what the tape would keep)."""
+        what the tape would keep; `replayable` says so when the caller knows)."""
         loop = self.loop
-        if self._replayable():
+        if replayable if replayable is not None else self._replayable():
             program = self.program
             assert program is not None
             steps: list[tuple[int, ReplayedStep]] = []
             y_out = []
             previous = None
             carry_in = arrays
+            carry_out, ys_out = program.carry_out, program.y_out
             for t in range(start, stop):
                 loop.count()
                 made = self.carry_inputs if self.carry_made and t == 0 else None
                 step = program.tape(arrays, self._x_arrays(t), previous, made)
-                arrays = step.output(program.carry_out)
-                y_out.append((t, step.output(program.y_out)))
-                step.drop_values(program.carry_out)
+                arrays = step.output(carry_out)
+                y_out.append((t, step.output(ys_out)))
+                step.drop_values(carry_out)
                 steps.append((t, step))
                 if previous is not None:
                     previous.buffers = {}  # shared with this step: only the slots hold them now
@@ -853,11 +870,11 @@ class PlannedLoop:
     ) -> list[Any]:
         """`_pull_back` for a replayed segment: the same roots, keys and starting sums, in
         the same order, so the gradients are bitwise those of the recorded steps."""
-        loop = self.loop
         program = self.program
         assert program is not None
         start, stop = segment.start, segment.stop
         n_carry = len(program.carry_in)
+        carry_grad, xs_grad, ext_slots = self._replay_keys()
 
         def requires_grad(t: int, slot: int) -> bool:
             while slot < n_carry and t > start:  # a carry the previous step made
@@ -871,26 +888,21 @@ class PlannedLoop:
                 roots.append(((stop - 1, slot), g))
         for k in reversed(range(len(adj_ys))):
             slot, g = program.y_out[k], adj_ys[k]
+            if g is None:
+                continue
             for t in reversed(range(start, stop)):
                 if t == stop - 1 and k in self.same:
                     continue  # in adj_carry: added when the next step was reversed, or the
                     # loop's last row, which reaches the entry through its final carry
-                if g is not None and requires_grad(t, slot):
+                if requires_grad(t, slot):
                     roots.append(((t, slot), g[t]))
-        keys: dict[tuple[Any, ...], int] = {}
-        for k in range(n_carry):
-            if program.requires_grad[k]:
-                keys[("carry", k)] = len(keys)
+        keys: dict[tuple[Any, ...], int] = {("carry", k): i for i, k in enumerate(carry_grad)}
         for t in range(start, stop):
-            for k, x in enumerate(loop.xs_leaves):
-                if x is not None and x.requires_grad:
-                    keys[("x", t, k)] = len(keys)
-        external_position = {}
-        for key in self.externals:
-            external_position[key] = len(keys) + len(external_position)
-        for slot, key in program.external_keys.items():
-            if key in external_position:
-                keys[("ext", slot)] = external_position[key]
+            for k in xs_grad:
+                keys[("x", t, k)] = len(keys)
+        external_position = {key: len(keys) + i for i, key in enumerate(self.externals)}
+        for slot, key in ext_slots:
+            keys[("ext", slot)] = external_position[key]
         initial: list[Any] = [None] * (len(keys) + len(external_position))
         if carry_sums is not None:
             for k, total in enumerate(carry_sums):
@@ -916,15 +928,32 @@ class PlannedLoop:
             owned.pop(id(g), None)  # handed on as a root: a rule may pass it to two inputs
             new_adj.append(g)
         for t in range(start, stop):
-            for k in range(len(loop.xs_leaves)):
-                position = keys.get(("x", t, k))
-                if position is not None and captured[position] is not None:
+            for k in xs_grad:
+                position = keys[("x", t, k)]
+                if captured[position] is not None:
                     adj_xs[k][t] = captured[position]
                     xs_reached[k] = True
         for key, position in external_position.items():
             if captured[position] is not None:
                 adj_ext[key] = captured[position]
         return new_adj
+
+    def _replay_keys(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[int, Any], ...]]:
+        """What every replayed pull-back of a backward keys its sums by, found once: the carry
+        leaves that take a gradient, the xs leaves that do, and (slot, key) of each captured
+        tensor the program reads."""
+        found = self._keys_found
+        if found is None:
+            program = self.program
+            assert program is not None
+            found = self._keys_found = (
+                tuple(k for k in range(len(program.carry_in)) if program.requires_grad[k]),
+                tuple(k for k, x in enumerate(self.loop.xs_leaves)
+                      if x is not None and x.requires_grad),
+                tuple((slot, key) for slot, key in program.external_keys.items()
+                      if key in self.externals),
+            )
+        return found
 
     def _backward_with_graph(
         self, entry: Entry, grads: list[Any], onto: list[Any] | None = None

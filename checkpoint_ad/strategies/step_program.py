@@ -328,6 +328,8 @@ class StepProgram:
         # primitive it announces (None: not one), and for a taped one the slots it saves when
         # every value is kept as it is (None where a packer may store it otherwise)
         self.forwards = tuple(compile_forward(ins, Draw) for ins in self.instructions)
+        # whether a replay draws from the engine's generator (the caller must then say which)
+        self.draws = any(type(ins.prim) is Draw for ins in self.instructions)
         announced = tuple(
             None if ins.prim is None or type(ins.prim) is Draw else ins.prim
             for ins in self.instructions)
@@ -454,7 +456,7 @@ class StepProgram:
         for i, forward, output, as_is in self.tape_as_is:
             values[output] = forward(values, xp)
             if as_is is not None:
-                saved[i] = [values[slot] for slot in as_is]
+                saved[i] = tuple(map(values.__getitem__, as_is))  # no frame per call
         return ReplayedStep(values, saved, [], {}, as_is=True)
 
     # ------------------------------------------------------------- backward
@@ -548,7 +550,7 @@ class StepProgram:
                         if isinstance(grad, np.generic):
                             grad = np.asarray(grad)
                         dtype = dtypes[slot]
-                        if grad.dtype != dtype:
+                        if grad.dtype is not dtype and grad.dtype != dtype:
                             grad = astype(grad, dtype)
                         kind = kinds[slot]
                         if kind == PENDING:  # deliver()'s cases within the step, inline
