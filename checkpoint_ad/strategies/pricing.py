@@ -29,6 +29,7 @@ import time
 import tracemalloc
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
+from statistics import median
 from typing import Any
 
 import numpy as np
@@ -47,10 +48,11 @@ from .offload import Offload
 from .quantized import Quantized
 from .step_program import StepProgram, program_of, traced_call
 
-REPEATS = 3  # dry runs per strategy priced; each phase's time is the least measured
+REPEATS = 3  # dry runs per strategy priced; each phase's time is the median measured
 TIMING_SECONDS = 0.02
 """Each timed phase repeats (at least `REPEATS`, at most `MOST_REPEATS` times) until this long
-is spent: the least of many is a steady figure on a busy machine, and cheap steps cost little."""
+is spent: the median of many is a steady figure of what a step typically costs on the machine
+as it is, and cheap steps cost little."""
 MOST_REPEATS = 30
 
 
@@ -154,19 +156,22 @@ def measure(
     engine_state = random.get_state()
     evaluations = loop.evaluations
     mode, replayed_untaped = "recorded: not traced", None
+    replayed_runs: list[float] = []
     try:
         with events.recomputing("budget dry run"):
-            untaped = min(_untaped(loop, carry_leaves, engine_state, numpy_state)
-                          for _ in _repeating())
+            untaped = median(_untaped(loop, carry_leaves, engine_state, numpy_state)
+                             for _ in _repeating())
             priced: dict[str, FormCost] = {}
             gradient_bytes = output_bytes = dry_run_bytes = 0
             for name, storage in forms.items():
-                for _ in _repeating():  # the fastest of a few: a busy machine only adds time
+                costs = []
+                for _ in _repeating():
                     np.random.set_state(numpy_state)
                     cost, gradient_bytes, output_bytes, held = _taped(
                         loop, carry_leaves, storage, engine_state)
-                    priced[name] = _faster(priced.get(name), cost)
+                    costs.append(cost)
                     dry_run_bytes = max(dry_run_bytes, held)
+                priced[name] = _typical(costs)
             for name, storage in forms.items():
                 np.random.set_state(numpy_state)
                 program, mode = _traced(loop, carry_leaves, storage, engine_state)
@@ -174,11 +179,13 @@ def measure(
                     break
                 run, taped, backward, held = _replayed(program, loop, carry_leaves, engine_state)
                 dry_run_bytes = max(dry_run_bytes, held)
-                replayed_untaped = run if replayed_untaped is None else min(replayed_untaped, run)
+                replayed_runs.append(run)
                 objects, working = _traced_step_bytes(program, loop, carry_leaves, engine_state)
                 priced[name] = replace(
                     priced[name], replayed_taped_seconds=taped, replayed_backward_seconds=backward,
                     step_object_bytes=objects, backward_working_bytes=working)
+        if replayed_runs:
+            replayed_untaped = median(replayed_runs)
     finally:
         np.random.set_state(numpy_state)
         loop.evaluations = evaluations
@@ -216,12 +223,12 @@ def _replayed(
 ) -> tuple[float, float, float, int]:
     """Seconds per step of `program` replayed without a tape, with one (as the executor tapes
     a segment: chained, intermediate values dropped), and that tape's backward, each the
-    least of `_repeating()`; and the bytes the replayed tape
+    median of `_repeating()`; and the bytes the replayed tape
     held."""
     steps = _steps(loop)
     initial = [None if c is None else c._data for c in carry_leaves]
     xs = [[None if x is None else _row(x._data, t) for x in loop.xs_leaves] for t in range(steps)]
-    run = taped = backward = float("inf")
+    runs, tapes, backwards = [], [], []
     held = 0
     for _ in _repeating():
         with random.replaying(engine_state):
@@ -229,19 +236,19 @@ def _replayed(
             arrays = initial
             for t in range(steps):
                 arrays, _ = program.run(arrays, xs[t])
-            run = min(run, time.perf_counter() - start)
+            runs.append(time.perf_counter() - start)
         with random.replaying(engine_state):
             start = time.perf_counter()
             segment, outputs, arrays = _taped_segment(program, initial, xs)
-            taped = min(taped, time.perf_counter() - start)
+            tapes.append(time.perf_counter() - start)
         held = max(held, _replay_held(segment))
         roots = _replay_roots(program, arrays, outputs)
         keys = _pull_back_keys(program, loop, steps)
         start = time.perf_counter()
         if roots:
             program.pull_back(segment, roots, Capture({}, initial=[None] * len(keys)), keys)
-        backward = min(backward, time.perf_counter() - start)
-    return run / steps, taped / steps, backward / steps, held
+        backwards.append(time.perf_counter() - start)
+    return median(runs) / steps, median(tapes) / steps, median(backwards) / steps, held
 
 
 def _pull_back_keys(program: StepProgram, loop: StepLoop, steps: int) -> dict[Any, int]:
@@ -380,12 +387,12 @@ def _repeating() -> Iterator[int]:
         yield repeat
 
 
-def _faster(a: FormCost | None, b: FormCost) -> FormCost:
-    """`b`'s bytes, and the lesser time of each phase."""
-    if a is None:
-        return b
-    return replace(b, taped_seconds=min(a.taped_seconds, b.taped_seconds),
-                   backward_seconds=min(a.backward_seconds, b.backward_seconds))
+def _typical(costs: list[FormCost]) -> FormCost:
+    """The last cost's bytes, and the median time of each phase: the loop that is priced
+    runs as long as a typical step, on a machine as busy as it is (the least of the repeats
+    predicted the best case, which a busy machine's run rarely is)."""
+    return replace(costs[-1], taped_seconds=median(c.taped_seconds for c in costs),
+                   backward_seconds=median(c.backward_seconds for c in costs))
 
 
 def _steps(loop: StepLoop) -> int:
