@@ -29,7 +29,7 @@ class _ModeState(threading.local):
     @grad_enabled.setter
     def grad_enabled(self, value: bool) -> None:
         self._grad_enabled = value
-        self.plain = value and not self._inference and self._tracer is None
+        self._refresh_plain()
 
     @property
     def inference(self) -> bool:
@@ -38,7 +38,7 @@ class _ModeState(threading.local):
     @inference.setter
     def inference(self, value: bool) -> None:
         self._inference = value
-        self.plain = self._grad_enabled and not value and self._tracer is None
+        self._refresh_plain()
 
     @property
     def tracer(self) -> Any:
@@ -48,7 +48,11 @@ class _ModeState(threading.local):
     @tracer.setter
     def tracer(self, value: Any) -> None:
         self._tracer = value
-        self.plain = self._grad_enabled and not self._inference and value is None
+        self._refresh_plain()
+
+    def _refresh_plain(self) -> None:
+        """`plain` from the three modes it sums up, after any of them changed."""
+        self.plain = self._grad_enabled and not self._inference and self._tracer is None
 
 
 _state = _ModeState()
