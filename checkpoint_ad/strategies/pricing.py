@@ -226,8 +226,8 @@ def _replayed(
     median of `_repeating()`; and the bytes the replayed tape
     held."""
     steps = _steps(loop)
-    initial = [None if c is None else c._data for c in carry_leaves]
-    xs = [[None if x is None else _row(x._data, t) for x in loop.xs_leaves] for t in range(steps)]
+    initial, xs = _replay_inputs(loop, carry_leaves, steps)
+    keys = _pull_back_keys(program, loop, steps)
     runs, tapes, backwards = [], [], []
     held = 0
     for _ in _repeating():
@@ -243,12 +243,21 @@ def _replayed(
             tapes.append(time.perf_counter() - start)
         held = max(held, _replay_held(segment))
         roots = _replay_roots(program, arrays, outputs)
-        keys = _pull_back_keys(program, loop, steps)
         start = time.perf_counter()
         if roots:
             program.pull_back(segment, roots, Capture({}, initial=[None] * len(keys)), keys)
         backwards.append(time.perf_counter() - start)
     return median(runs) / steps, median(tapes) / steps, median(backwards) / steps, held
+
+
+def _replay_inputs(
+    loop: StepLoop, carry_leaves: list[Any], steps: int
+) -> tuple[list[Any], list[list[Any]]]:
+    """The arrays a replay of the first `steps` steps runs on: the initial carry's, and each
+    step's rows of the scanned inputs."""
+    initial = [None if c is None else c._data for c in carry_leaves]
+    xs = [[None if x is None else _row(x._data, t) for x in loop.xs_leaves] for t in range(steps)]
+    return initial, xs
 
 
 def _pull_back_keys(program: StepProgram, loop: StepLoop, steps: int) -> dict[Any, int]:
@@ -301,8 +310,7 @@ def _traced_step_bytes(
     steps = _steps(loop)
     if steps < 2 or tracemalloc.is_tracing():
         return 0, 0
-    initial = [None if c is None else c._data for c in carry_leaves]
-    xs = [[None if x is None else _row(x._data, t) for x in loop.xs_leaves] for t in range(steps)]
+    initial, xs = _replay_inputs(loop, carry_leaves, steps)
     keys = _pull_back_keys(program, loop, steps)
     traced, held = [], []
 
