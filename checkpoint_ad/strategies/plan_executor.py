@@ -669,9 +669,7 @@ class PlannedLoop:
         for index in range(forward.cursor, len(self.plan)):
             action = self.plan[index]
             if bare and type(action) is Advance:
-                for t in range(action.start, action.stop):
-                    loop.count()
-                    arrays, _ = program.run(arrays, self._x_arrays(t))
+                arrays = self._advance_replayed(action.start, action.stop, arrays)
             elif isinstance(action, Snapshot):
                 with random.using(stream):
                     snapshots[action.step] = self._pack(arrays)
@@ -680,11 +678,10 @@ class PlannedLoop:
                     snapshots[action.step] = self._pack(arrays, self.disk_storage)
             elif isinstance(action, Advance):
                 with events.recomputing(self.name), no_grad(), random.using(stream):
-                    for t in range(action.start, action.stop):
-                        if program is not None:
-                            loop.count()
-                            arrays, _ = program.run(arrays, self._x_arrays(t))
-                        else:
+                    if program is not None:
+                        arrays = self._advance_replayed(action.start, action.stop, arrays)
+                    else:
+                        for t in range(action.start, action.stop):
                             new, _ = loop.call(t, self._as_tensors(arrays, False), loop.x_at(t))
                             arrays = _arrays(new)
             elif isinstance(action, (Restore, DiskRestore)):
@@ -720,6 +717,16 @@ class PlannedLoop:
         for key in self.externals:
             results.append(adj_ext.get(key))
         return results
+
+    def _advance_replayed(self, start: int, stop: int, arrays: list[Any]) -> list[Any]:
+        """Steps start..stop-1 replayed from the carry `arrays` without a tape: the new
+        carry's arrays (each step counted as an evaluation)."""
+        loop, program = self.loop, self.program
+        assert program is not None
+        for t in range(start, stop):
+            loop.count()
+            arrays, _ = program.run(arrays, self._x_arrays(t))
+        return arrays
 
     def _tape_steps(
         self, start: int, stop: int, arrays: list[Any], replayable: bool | None = None
