@@ -30,6 +30,7 @@ What makes the loop's gradients the same as keeping every step's tape:
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +46,7 @@ from ..ops import concatenate, expand_dims, stack
 from ..pytree import flatten, unflatten
 from ..saved import (
     KEEP,
+    PackedBuffer,
     SavedBuffer,
     SavedSlot,
     current_packer,
@@ -559,10 +561,33 @@ class PlannedLoop:
         # the entry says how the loop ran ("replayed", or "recorded: <why>"), for inspection
         results = add_entry(self, tuple(edges), outputs, {"mode": self.mode},
                             self._snapshot_slots)
+        self._share_packed_carry(results[:n_carry])
         results = self._last_rows_from_carry(results, n_carry)
         carry = unflatten(loop.carry_spec, iter(results[:n_carry]))
         ys = unflatten(loop.y_spec, iter(results[n_carry:])) if loop.y_spec is not None else None
         return carry, ys
+
+    def _share_packed_carry(self, carry: list[Any]) -> None:
+        """The final carry's tensors point at the buffers the last kept replayed step packed
+        their arrays into, as the tensors a recorded last step returns do: an operation after
+        the loop that saves the final carry (a loss on it) then shares that buffer, where it
+        would pack the array again (a quantized carry stored twice, the peak one value high)."""
+        kept = self.state.kept if self.state is not None else None
+        if isinstance(kept, _TapedSegment):  # recorded: its carry tensors know their buffers
+            packed = [t._saved_ref() for t in kept.carry_out
+                      if t is not None and t._saved_ref is not None]
+        elif isinstance(kept, _ReplayedSegment) and kept.steps:
+            packed = [v for saved in kept.steps[-1][1].saved for v in saved or ()]
+        else:
+            return
+        packed = [v for v in packed if isinstance(v, PackedBuffer)]
+        for tensor in carry:
+            if tensor is None:
+                continue
+            for buffer in packed:
+                if buffer.holds(tensor._data):
+                    tensor._saved_ref = weakref.ref(buffer)
+                    break
 
     def _last_rows_from_carry(self, results: list[Any], n_carry: int) -> list[Any]:
         """An output that is the new carry itself (RNNs return h, h) leaves the entry without
