@@ -117,14 +117,17 @@ NO_META = shared_meta((), (), None)
 
 class EntryExtra:
     """What few entries carry: the recording line (when someone asked), retained non-leaf
-    outputs and hooks. Kept apart so that an ordinary entry pays one field for all three."""
+    outputs, hooks, and the rematerializing strategy's recipe for the result (`remat`, see
+    strategies/dtr.py: kept here rather than in a weak-keyed table, so that an entry needs
+    no `__weakref__` field). Kept apart so that an ordinary entry pays one field for all."""
 
-    __slots__ = ("hooks", "origin_frame", "retained")
+    __slots__ = ("hooks", "origin_frame", "remat", "retained")
 
     def __init__(self) -> None:
         self.origin_frame: tuple[Any, int] = NO_ORIGIN
         self.retained: dict[int, Any] | None = None
         self.hooks: EntryHooks | None = None
+        self.remat: Any = None
 
 
 class Entry:
@@ -139,8 +142,7 @@ class Entry:
     an in-place change; read them as `slots`), and the rarely set fields in one
     `EntryExtra`. `_saved` otherwise holds the tuple of slots; None once released."""
 
-    __slots__ = (
-        "__weakref__",  # the rematerializing strategy (dtr.py) keys what it knows by entry
+    __slots__ = (  # no "__weakref__": 8 bytes an entry, and nothing refers to one weakly
         "_counter",
         "_extra",
         "_in",
