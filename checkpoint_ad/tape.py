@@ -30,6 +30,7 @@ from .entry import (
     _SEE_FIRST,
     NO_META,
     Entry,
+    EntryExtra,
     InputEdge,
     _sequence,
     compact_edges,
@@ -150,7 +151,11 @@ class Primitive:
             values = None  # nothing saved: no rule reads a value
         else:
             values = unpack_saved(entry, create_graph)
-        attrs = entry.attrs
+        attrs = entry._extra  # `entry.attrs`, written out
+        if attrs is None:
+            attrs = _NO_ATTRS
+        elif type(attrs) is EntryExtra:
+            attrs = attrs.attrs
         _, in_shapes, form = entry._meta
         if second is _ONE_INPUT_ONLY and values is None and not self.variadic:
             rule = self._rules_by_position[form][0]  # type: ignore[attr-defined]
@@ -334,12 +339,11 @@ def _primitive_entry(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str,
         entry._in2 = b._entry if b._entry is not None else _leaf_node(b)
     else:
         entry._in, entry._in2 = compact_edges([edge_of(t) for t in tensors])
-    entry.attrs = attrs
+    entry._extra = attrs or None  # `entry.attrs = attrs`, written out
     entry._saved = ()
     entry._counter = None
     entry._version = 0
     entry._meta = NO_META
-    entry._extra = None
     if (saves and events.listeners) or (origin_blocks and _state.origins):
         entry.origin_frame = _user_frame()
     return entry
@@ -425,8 +429,7 @@ def _record_kept(
             key = (prim, out.shape, out.dtype)
     meta = _kept_metas.get(key)
     entry._meta = meta if meta is not None else _kept_meta(key)
-    entry.attrs = attrs or _NO_ATTRS
-    entry._extra = None
+    entry._extra = attrs or None  # `entry.attrs = attrs`, written out
     result = make_tensor(out, entry)
     needed = keep[mask]
     if len(needed) == 1:
