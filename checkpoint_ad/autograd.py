@@ -354,7 +354,7 @@ def backpropagate(
             while heap:
                 entry = heappop(heap)[2]
                 grads = pending.pop(entry)
-                op = entry.op
+                op = entry._meta[3]  # `entry.op`
                 if plain and type(op) is Primitive and type(entry._extra) is not EntryExtra:
                     results = op.backward(entry, grads, create_graph, retain_graph)
                     if not retain_graph:

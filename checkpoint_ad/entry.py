@@ -100,19 +100,22 @@ def shared_meta(
     out_meta: tuple[tuple[tuple[int, ...], Any], ...],
     in_shapes: tuple[tuple[int, ...], ...],
     form: Form | None,
+    op: Any = None,
 ) -> tuple[Any, ...]:
-    """An entry's (out_meta, in_shapes, form), one tuple shared by every entry with the same:
-    a long tape of same-shaped results holds no metadata of its own (see `Entry._meta`)."""
-    key = (out_meta, in_shapes, form)
+    """An entry's (out_meta, in_shapes, form, op), one tuple shared by every entry with the
+    same: a long tape of same-shaped results holds no metadata of its own (see `Entry._meta`).
+    Only ops whose class says `shares_meta` (primitives: few, long-lived) are shared; an op
+    made for one entry (a custom function's) gets a tuple of its own, which the table would
+    otherwise keep alive with everything the op holds."""
+    key = (out_meta, in_shapes, form, op)
+    if op is not None and not getattr(type(op), "shares_meta", False):
+        return key
     meta = _metas.get(key)
     if meta is None:
         if len(_metas) > _MAX_ORIGINS:
             _metas.clear()
         meta = _metas[key] = key
     return meta
-
-
-NO_META = shared_meta((), (), None)
 
 
 class EntryExtra:
@@ -138,8 +141,8 @@ class Entry:
 
     A long tape is mostly entries, so one entry is one object: its inputs as nodes (`_in`,
     `_in2`, see `compact_edges`; read them as `edges`), its output shapes and dtypes, input
-    shapes and form in one shared tuple (`_meta`, see `shared_meta`; read them as
-    `out_meta`, `in_shapes`, `form`), a primitive's single saved value
+    shapes, form and op in one shared tuple (`_meta`, see `shared_meta`; read them as
+    `out_meta`, `in_shapes`, `form`, `op`), a primitive's single saved value
     inline (`_saved` its buffer, or under `KeepAll` the numpy array itself: it is its own
     stored form; `inline_key` its name and argument, `_counter` and `_version` what catches
     an in-place change; read them as `slots`), and the rarely set fields in one
@@ -155,19 +158,17 @@ class Entry:
         "_meta",
         "_saved",
         "_version",
-        "op",
         "seq",
     )
 
     def __init__(self, op: Any, edges: Sequence[Any], attrs: dict[str, Any],
                  origin_frame: tuple[Any, int] | None = None) -> None:
-        self.op = op
         self.seq = next(_sequence)
         self._in, self._in2 = compact_edges(edges)
         self._saved: Any = ()
         self._counter: VersionCounter | None = None
         self._version = 0
-        self._meta = NO_META
+        self._meta = shared_meta((), (), None, op)
         self._extra: Any = None
         self.attrs = attrs
         # the user's line, where someone will read it: the stack walk costs more than a small
@@ -186,7 +187,7 @@ class Entry:
     @out_meta.setter
     def out_meta(self, out_meta: tuple[tuple[tuple[int, ...], Any], ...]) -> None:
         meta = self._meta
-        self._meta = shared_meta(out_meta, meta[1], meta[2])
+        self._meta = shared_meta(out_meta, meta[1], meta[2], meta[3])
 
     @property
     def in_shapes(self) -> tuple[tuple[int, ...], ...]:
@@ -197,7 +198,7 @@ class Entry:
     @in_shapes.setter
     def in_shapes(self, in_shapes: tuple[tuple[int, ...], ...]) -> None:
         meta = self._meta
-        self._meta = shared_meta(meta[0], in_shapes, meta[2])
+        self._meta = shared_meta(meta[0], in_shapes, meta[2], meta[3])
 
     @property
     def form(self) -> Form | None:
@@ -207,7 +208,17 @@ class Entry:
     @form.setter
     def form(self, form: Form | None) -> None:
         meta = self._meta
-        self._meta = shared_meta(meta[0], meta[1], form)
+        self._meta = shared_meta(meta[0], meta[1], form, meta[3])
+
+    @property
+    def op(self) -> Any:
+        """What runs this entry's backward: a `Primitive`, a custom function's op, a loop."""
+        return self._meta[3]
+
+    @op.setter
+    def op(self, op: Any) -> None:
+        meta = self._meta
+        self._meta = shared_meta(meta[0], meta[1], meta[2], op)
 
     # ------------------------------------------------------------- inputs
     @property
