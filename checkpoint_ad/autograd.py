@@ -23,7 +23,7 @@ import numpy as np
 
 from . import events
 from .backend import namespace
-from .entry import _NDARRAY, _ONE_INPUT_ONLY, _SEE_FIRST
+from .entry import _NDARRAY, _ONE_INPUT_ONLY, _SEE_FIRST, EntryExtra
 from .errors import AnomalyError, BackwardError, DeviceError, ShapeError
 from .grad_mode import _state, enable_grad, no_grad
 from .ops import astype
@@ -354,8 +354,8 @@ def backpropagate(
             while heap:
                 entry = heappop(heap)[2]
                 grads = pending.pop(entry)
-                op = entry.op
-                if plain and type(op) is Primitive and entry._extra is None:
+                op = entry._meta[3]  # `entry.op`
+                if plain and type(op) is Primitive and type(entry._extra) is not EntryExtra:
                     results = op.backward(entry, grads, create_graph, retain_graph)
                     if not retain_graph:
                         if type(entry._saved) is _NDARRAY and "release" not in events.wanted:
@@ -363,7 +363,9 @@ def backpropagate(
                         else:
                             entry.release()
                 else:  # hooks, retained outputs, captures, anomaly checks, loops
-                    extra = entry._extra  # hooks, retained outputs: None on most entries
+                    extra = entry._extra  # hooks, retained outputs: on few entries
+                    if type(extra) is not EntryExtra:
+                        extra = None  # (None or the attributes' dict: see `Entry.attrs`)
                     hooks = None if extra is None else extra.hooks
                     if hooks is not None and hooks.outputs:
                         grads = _run_entry_hooks(entry, grads, create_graph)

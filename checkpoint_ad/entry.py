@@ -100,10 +100,16 @@ def shared_meta(
     out_meta: tuple[tuple[tuple[int, ...], Any], ...],
     in_shapes: tuple[tuple[int, ...], ...],
     form: Form | None,
+    op: Any = None,
 ) -> tuple[Any, ...]:
-    """An entry's (out_meta, in_shapes, form), one tuple shared by every entry with the same:
-    a long tape of same-shaped results holds no metadata of its own (see `Entry._meta`)."""
-    key = (out_meta, in_shapes, form)
+    """An entry's (out_meta, in_shapes, form, op), one tuple shared by every entry with the
+    same: a long tape of same-shaped results holds no metadata of its own (see `Entry._meta`).
+    Only ops whose class says `shares_meta` (primitives: few, long-lived) are shared; an op
+    made for one entry (a custom function's) gets a tuple of its own, which the table would
+    otherwise keep alive with everything the op holds."""
+    key = (out_meta, in_shapes, form, op)
+    if op is not None and not getattr(type(op), "shares_meta", False):
+        return key
     meta = _metas.get(key)
     if meta is None:
         if len(_metas) > _MAX_ORIGINS:
@@ -112,19 +118,22 @@ def shared_meta(
     return meta
 
 
-NO_META = shared_meta((), (), None)
-
-
 class EntryExtra:
     """What few entries carry: the recording line (when someone asked), retained non-leaf
-    outputs and hooks. Kept apart so that an ordinary entry pays one field for all three."""
+    outputs, hooks, and the rematerializing strategy's recipe for the result (`remat`, see
+    strategies/dtr.py: kept here rather than in a weak-keyed table, so that an entry needs
+    no `__weakref__` field). Kept apart so that an ordinary entry pays one field for all.
+    An entry with attributes and none of these holds its attributes' dict in that field
+    instead (see `Entry.attrs`); one that has both keeps them here."""
 
-    __slots__ = ("hooks", "origin_frame", "retained")
+    __slots__ = ("attrs", "hooks", "origin_frame", "remat", "retained")
 
-    def __init__(self) -> None:
+    def __init__(self, attrs: dict[str, Any] = _NO_ATTRS) -> None:
+        self.attrs = attrs
         self.origin_frame: tuple[Any, int] = NO_ORIGIN
         self.retained: dict[int, Any] | None = None
         self.hooks: EntryHooks | None = None
+        self.remat: Any = None
 
 
 class Entry:
@@ -132,15 +141,16 @@ class Entry:
 
     A long tape is mostly entries, so one entry is one object: its inputs as nodes (`_in`,
     `_in2`, see `compact_edges`; read them as `edges`), its output shapes and dtypes, input
-    shapes and form in one shared tuple (`_meta`, see `shared_meta`; read them as
-    `out_meta`, `in_shapes`, `form`), a primitive's single saved value
+    shapes, form and op in one shared tuple (`_meta`, see `shared_meta`; read them as
+    `out_meta`, `in_shapes`, `form`, `op`), a primitive's single saved value
     inline (`_saved` its buffer, or under `KeepAll` the numpy array itself: it is its own
     stored form; `inline_key` its name and argument, `_counter` and `_version` what catches
     an in-place change; read them as `slots`), and the rarely set fields in one
-    `EntryExtra`. `_saved` otherwise holds the tuple of slots; None once released."""
+    `EntryExtra`, or in its place the attributes' dict (`_extra`: None when there are neither,
+    the usual case; read them as `attrs`, `hooks`, ...). `_saved` otherwise holds the tuple of
+    slots; None once released."""
 
-    __slots__ = (
-        "__weakref__",  # the rematerializing strategy (dtr.py) keys what it knows by entry
+    __slots__ = (  # no "__weakref__": 8 bytes an entry, and nothing refers to one weakly
         "_counter",
         "_extra",
         "_in",
@@ -148,22 +158,19 @@ class Entry:
         "_meta",
         "_saved",
         "_version",
-        "attrs",
-        "op",
         "seq",
     )
 
     def __init__(self, op: Any, edges: Sequence[Any], attrs: dict[str, Any],
                  origin_frame: tuple[Any, int] | None = None) -> None:
-        self.op = op
         self.seq = next(_sequence)
         self._in, self._in2 = compact_edges(edges)
-        self.attrs = attrs
         self._saved: Any = ()
         self._counter: VersionCounter | None = None
         self._version = 0
-        self._meta = NO_META
-        self._extra: EntryExtra | None = None
+        self._meta = shared_meta((), (), None, op)
+        self._extra: Any = None
+        self.attrs = attrs
         # the user's line, where someone will read it: the stack walk costs more than a small
         # op (a replayed step's entry knows its line already)
         if origin_frame is not None:
@@ -180,7 +187,7 @@ class Entry:
     @out_meta.setter
     def out_meta(self, out_meta: tuple[tuple[tuple[int, ...], Any], ...]) -> None:
         meta = self._meta
-        self._meta = shared_meta(out_meta, meta[1], meta[2])
+        self._meta = shared_meta(out_meta, meta[1], meta[2], meta[3])
 
     @property
     def in_shapes(self) -> tuple[tuple[int, ...], ...]:
@@ -191,7 +198,7 @@ class Entry:
     @in_shapes.setter
     def in_shapes(self, in_shapes: tuple[tuple[int, ...], ...]) -> None:
         meta = self._meta
-        self._meta = shared_meta(meta[0], in_shapes, meta[2])
+        self._meta = shared_meta(meta[0], in_shapes, meta[2], meta[3])
 
     @property
     def form(self) -> Form | None:
@@ -201,7 +208,17 @@ class Entry:
     @form.setter
     def form(self, form: Form | None) -> None:
         meta = self._meta
-        self._meta = shared_meta(meta[0], meta[1], form)
+        self._meta = shared_meta(meta[0], meta[1], form, meta[3])
+
+    @property
+    def op(self) -> Any:
+        """What runs this entry's backward: a `Primitive`, a custom function's op, a loop."""
+        return self._meta[3]
+
+    @op.setter
+    def op(self, op: Any) -> None:
+        meta = self._meta
+        self._meta = shared_meta(meta[0], meta[1], meta[2], op)
 
     # ------------------------------------------------------------- inputs
     @property
@@ -279,10 +296,29 @@ class Entry:
         return None if self.nodes[position] is None else input_edge(position)
 
     # ------------------------------------------------------------- rare fields
-    def _extras(self) -> EntryExtra:
+    @property
+    def attrs(self) -> dict[str, Any]:
+        """The op's attributes (keyword arguments), the empty `_NO_ATTRS` for most entries.
+        Kept in `_extra` (see the class): most entries have none, and one that has some
+        rarely has hooks or a line too, so the dict takes the place of an `EntryExtra`."""
         extra = self._extra
         if extra is None:
-            extra = self._extra = EntryExtra()
+            return _NO_ATTRS
+        return extra.attrs if type(extra) is EntryExtra else extra
+
+    @attrs.setter
+    def attrs(self, attrs: dict[str, Any]) -> None:
+        extra = self._extra
+        if type(extra) is EntryExtra:
+            extra.attrs = attrs
+        else:
+            self._extra = attrs or None
+
+    def _extras(self) -> EntryExtra:
+        """The entry's `EntryExtra`, made (holding its attributes) the first time it's asked."""
+        extra = self._extra
+        if type(extra) is not EntryExtra:
+            extra = self._extra = EntryExtra(extra or _NO_ATTRS)
         return extra
 
     @property
@@ -290,18 +326,18 @@ class Entry:
         """(code, line) of the user code that recorded this entry; `NO_ORIGIN` when no one
         asked."""
         extra = self._extra
-        return NO_ORIGIN if extra is None else extra.origin_frame
+        return extra.origin_frame if type(extra) is EntryExtra else NO_ORIGIN
 
     @origin_frame.setter
     def origin_frame(self, frame: tuple[Any, int]) -> None:
-        if frame[0] is not None or self._extra is not None:
+        if frame[0] is not None or type(self._extra) is EntryExtra:
             self._extras().origin_frame = frame
 
     @property
     def retained(self) -> dict[int, Any] | None:
         """Output index -> weak reference to a non-leaf output that called retain_grad()."""
         extra = self._extra
-        return None if extra is None else extra.retained
+        return extra.retained if type(extra) is EntryExtra else None
 
     @retained.setter
     def retained(self, retained: dict[int, Any] | None) -> None:
@@ -310,7 +346,7 @@ class Entry:
     @property
     def hooks(self) -> EntryHooks | None:
         extra = self._extra
-        return None if extra is None else extra.hooks
+        return extra.hooks if type(extra) is EntryExtra else None
 
     @hooks.setter
     def hooks(self, hooks: EntryHooks | None) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -28,8 +28,8 @@ from .entry import (
     _NO_ATTRS,
     _ONE_INPUT_ONLY,
     _SEE_FIRST,
-    NO_META,
     Entry,
+    EntryExtra,
     InputEdge,
     _sequence,
     compact_edges,
@@ -89,6 +89,9 @@ class Primitive:
     variadic: bool = False
     differentiable: bool = True
     doc: str = field(default="", repr=False)
+    # an entry's op sits in its shared `_meta` tuple (see `entry.shared_meta`): primitives are
+    # few and long-lived, so every entry of one primitive and shape shares that tuple
+    shares_meta: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         # What the recording and sweep fast paths read, worked out once per primitive: per
@@ -150,8 +153,12 @@ class Primitive:
             values = None  # nothing saved: no rule reads a value
         else:
             values = unpack_saved(entry, create_graph)
-        attrs = entry.attrs
-        _, in_shapes, form = entry._meta
+        attrs = entry._extra  # `entry.attrs`, written out
+        if attrs is None:
+            attrs = _NO_ATTRS
+        elif type(attrs) is EntryExtra:
+            attrs = attrs.attrs
+        _, in_shapes, form, _ = entry._meta
         if second is _ONE_INPUT_ONLY and values is None and not self.variadic:
             rule = self._rules_by_position[form][0]  # type: ignore[attr-defined]
             if rule is None or entry._in is None:  # the loop below, for one argument
@@ -317,7 +324,6 @@ def _primitive_entry(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str,
     profiler) only when its form `saves` values: the lines a profile shows are its saved
     values', and the stack walk is most of what profiling costs per entry."""
     entry = object.__new__(Entry)
-    entry.op = prim
     entry.seq = next(_sequence)
     if len(tensors) == 1:
         t = tensors[0]
@@ -334,12 +340,11 @@ def _primitive_entry(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str,
         entry._in2 = b._entry if b._entry is not None else _leaf_node(b)
     else:
         entry._in, entry._in2 = compact_edges([edge_of(t) for t in tensors])
-    entry.attrs = attrs
+    entry._extra = attrs or None  # `entry.attrs = attrs`, written out
     entry._saved = ()
     entry._counter = None
     entry._version = 0
-    entry._meta = NO_META
-    entry._extra = None
+    entry._meta = shared_meta((), (), None, prim)  # `entry.op = prim`
     if (saves and events.listeners) or (origin_blocks and _state.origins):
         entry.origin_frame = _user_frame()
     return entry
@@ -405,7 +410,6 @@ def _record_kept(
     if type(out) is not _NDARRAY and isinstance(out, np.generic):  # numpy's 0-d results
         out = np.asarray(out)
     entry = object.__new__(Entry)
-    entry.op = prim
     entry.seq = next(_sequence)
     node = a._entry
     if node is None and a._requires_grad:
@@ -425,8 +429,7 @@ def _record_kept(
             key = (prim, out.shape, out.dtype)
     meta = _kept_metas.get(key)
     entry._meta = meta if meta is not None else _kept_meta(key)
-    entry.attrs = attrs or _NO_ATTRS
-    entry._extra = None
+    entry._extra = attrs or None  # `entry.attrs = attrs`, written out
     result = make_tensor(out, entry)
     needed = keep[mask]
     if len(needed) == 1:
@@ -460,7 +463,7 @@ def _kept_meta(key: tuple[Any, ...]) -> tuple[Any, ...]:
     prim, shape, dtype, *shapes = key
     out_meta = _out_metas.get((shape, dtype)) or _shared_meta((shape, dtype))
     in_shapes = tuple(tuple(s) for s in shapes)
-    return _kept_metas.setdefault(key, shared_meta(out_meta, in_shapes, prim.forms[0]))
+    return _kept_metas.setdefault(key, shared_meta(out_meta, in_shapes, prim.forms[0], prim))
 
 
 def _forward_error(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any],
@@ -643,7 +646,7 @@ def _save_primitive_values(
     if prim.broadcasts:
         shapes = tuple([d.shape for d in datas])
         in_shapes = _shapes_cache.get(shapes) or _shared_shapes(shapes)
-    entry._meta = shared_meta(entry.out_meta, in_shapes, form)
+    entry._meta = shared_meta(entry.out_meta, in_shapes, form, prim)
     if prim.variadic:
         if not form.rules["xs"].needs:
             return ()

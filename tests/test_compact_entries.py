@@ -150,3 +150,45 @@ def test_slots_assigned_to_an_entry_replace_the_inline_value():
     entry = cad.tanh(x).grad_fn
     entry.slots = ()
     assert entry.slots == () and not entry.released
+
+
+def test_an_entrys_attributes_stay_readable_when_hooks_or_a_line_join_them():
+    """Attributes share the entry's field for rare extras (`Entry.attrs`): a hook or a
+    retained output added later moves them into the entry's `EntryExtra`, unchanged."""
+    x = cad.tensor(np.arange(6.0).reshape(2, 3), requires_grad=True)
+    y = cad.sum(x * x, axis=1)
+    entry = y.grad_fn
+    attrs = entry.attrs
+    assert attrs["axis"] == (1,)
+    seen = []
+    entry.register_hook(lambda gi, go: seen.append(len(gi)))
+    y.retain_grad()
+    assert entry.attrs is attrs and entry.hooks is not None and entry.retained
+    cad.sum(y).backward()
+    assert seen == [1] and y.grad.tolist() == [1.0, 1.0]
+    np.testing.assert_array_equal(x.grad.numpy(), 2 * np.arange(6.0).reshape(2, 3))
+    assert (x * 2.0).grad_fn.attrs == {}
+
+
+def test_a_primitives_entries_share_one_metadata_tuple_holding_the_op():
+    """The op sits in the shared `_meta` tuple, not in a field of every entry; an op made for
+    one entry (a custom function's) has a tuple of its own, which no table keeps alive."""
+    x = cad.tensor(np.ones(3), requires_grad=True)
+    a, b = cad.tanh(x), cad.tanh(x * 2.0)
+    assert a.grad_fn._meta is b.grad_fn._meta and a.grad_fn.op is b.grad_fn.op
+    assert a.grad_fn.name == "tanh"
+
+    class Double(cad.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t * 2.0
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2.0
+
+    y, z = Double.apply(x), Double.apply(x)
+    assert y.grad_fn.op is not z.grad_fn.op and y.grad_fn._meta is not z.grad_fn._meta
+    assert y.grad_fn.out_meta == a.grad_fn.out_meta
+    cad.sum(y + z).backward()
+    assert x.grad.tolist() == [4.0, 4.0, 4.0]

@@ -49,6 +49,7 @@ import numpy as np
 from .. import events
 from ..backend import namespace
 from ..backend import nbytes as array_nbytes
+from ..entry import EntryExtra
 from ..errors import BudgetError, RecomputeError, SavedValueModifiedError, StrategyConfigError
 from ..saved import KEEP, Strategy
 
@@ -62,10 +63,11 @@ class _Value:
     (other `_Value`s, or `_Fixed` arrays with no recipe), and where its array is now."""
 
     __slots__ = ("__weakref__", "attrs", "chain", "counter", "dtype", "frontier", "handle",
-                 "inputs", "prim", "ref", "shape", "version")
+                 "inputs", "pool", "prim", "ref", "shape", "version")
 
-    def __init__(self, prim: Any, attrs: dict[str, Any], inputs: tuple[Any, ...],
-                 result: Any, cost: float) -> None:
+    def __init__(self, pool: Rematerializing, prim: Any, attrs: dict[str, Any],
+                 inputs: tuple[Any, ...], result: Any, cost: float) -> None:
+        self.pool = pool  # whose value: the entry keeps it, and other pools must not see it
         self.prim = prim
         self.attrs = attrs
         self.inputs = inputs
@@ -172,7 +174,6 @@ class Rematerializing(Strategy):
         self._clock = 0
         self._held: dict[int, weakref.ref[_Handle]] = {}  # id -> held handle
         self._fresh: list[weakref.ref[_Handle]] = []  # packed since the last record
-        self._values: weakref.WeakKeyDictionary[Any, _Value] = weakref.WeakKeyDictionary()
         # id(array) -> the value it is (checked by identity: ids of dead arrays are reused)
         self._by_array: weakref.WeakValueDictionary[int, _Value] = weakref.WeakValueDictionary()
 
@@ -212,21 +213,28 @@ class Rematerializing(Strategy):
         """Remember how `result` was made, and give the handles packed while recording it
         their recipes."""
         self._clock += 1
-        values = self._values
         sources: list[Any] = []
         for t in inputs:
-            value = values.get(t._entry) if t._entry is not None else None
+            value = self._value_of(t._entry)
             if value is None or value.present() is not t._data:
                 value = _Fixed(t)
             sources.append(value)
-        value = _Value(prim, attrs, tuple(sources), result, _cost(prim, inputs, result))
-        values[result._entry] = value
+        value = _Value(self, prim, attrs, tuple(sources), result, _cost(prim, inputs, result))
+        result._entry._extras().remat = value  # lives as long as the entry, like its values
         self._by_array[id(result._data)] = value
         fresh, self._fresh = self._fresh, []
         for ref in fresh:
             handle = ref()
             if handle is not None and handle.value is None and handle.array is result._data:
                 _attach(handle, value)
+
+    def _value_of(self, entry: Any) -> _Value | None:
+        """How this pool remembers `entry`'s result was made (None: not under this pool)."""
+        extra = entry._extra if entry is not None else None
+        if type(extra) is not EntryExtra:
+            return None
+        value = extra.remat
+        return value if value is not None and value.pool is self else None
 
     # ------------------------------------------------------------- holding and evicting
     def _hold(self, handle: _Handle) -> None:
