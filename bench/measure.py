@@ -141,6 +141,22 @@ def time_median(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> Timing:
     return Timing(statistics.median(times), min(times), max(times), repeats)
 
 
+def paired_ratio(fn: Callable[[], Any], base: Callable[[], Any], repeats: int) -> Timing:
+    """Median, least and most over `repeats` rounds of (time of `fn` / time of `base`), the
+    two run back to back in each round, in alternating order: a ratio of two columns timed in
+    separate workers also measures how the machine's speed drifted between them (tens of
+    percent over a minute on shared cores), which this cancels."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    ratios = []
+    for round_ in range(repeats):
+        seconds = {}
+        for which, call in ((0, fn), (1, base)) if round_ % 2 == 0 else ((1, base), (0, fn)):
+            seconds[which] = time_median(call, 1, warmup=0).median
+        ratios.append(seconds[0] / max(seconds[1], 1e-12))
+    return Timing(statistics.median(ratios), min(ratios), max(ratios), repeats)
+
+
 # ------------------------------------------------------------------------------------ memory
 def _malloc_trim() -> None:
     with contextlib.suppress(OSError, AttributeError):  # AttributeError: not glibc

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from . import rnn_floor
-from .measure import measure, pin_threads, time_median, tracemalloc_peak
+from .measure import measure, paired_ratio, pin_threads, time_median, tracemalloc_peak
 from .peers import require
 
 DTYPE = np.float32
@@ -181,6 +181,13 @@ def engine(params: dict, threads: int) -> dict[str, Any]:
             work.run()
         work.clear()
         result["saved_bytes"] = prof.peak_tape_bytes
+        if params["strategy"] == "keep-all" and params.get("trace", True):
+            floor = _Floor(arrays)
+            floor.run()  # warm, as `measure` warms the engine
+            paired = paired_ratio(work.run, floor.run, params["repeats"])
+            work.clear()
+            extras["paired_over_floor"] = paired.median
+            extras["paired_over_floor_range"] = [paired.low, paired.high]
     result["extras"] = extras
     return result
 

@@ -62,6 +62,16 @@ def _tape(rows: Sequence[Row]) -> list[Target]:
                    "arrays, per tape slot")]
 
 
+def _range(row: Row | None, key: str) -> str:
+    low, high = (row.extras.get(key) or (None, None)) if row is not None else (None, None)
+    return "n/a" if low is None else f"{low:.2f}-{high:.2f}"
+
+
+def _ratio_text(a: float | None, b: float | None) -> str:
+    value = ratio(a, b)
+    return "n/a" if value is None else f"{value:.2f}"
+
+
 def _rnn(rows: Sequence[Row]) -> list[Target]:
     rnn_blocks = [b for (bench, _), b in blocks(rows).items() if bench == "rnn"]
     if not rnn_blocks:
@@ -69,7 +79,13 @@ def _rnn(rows: Sequence[Row]) -> list[Target]:
     block = max(rnn_blocks, key=lambda b: max(r.extras.get("steps", 0) for r in b))
     case = block[0].case
     floor, keep, torch = (_role(block, r) for r in ("floor", "keep-all", "torch"))
+    paired = keep.extras.get("paired_over_floor") if keep is not None else None
     targets = [
+        Target(f"RNN {case}: keep-all time <= 1.10x numpy floor", paired, 1.10, "<=",
+               "median over rounds of keep-all / floor run back to back in one worker "
+               f"(range {_range(keep, 'paired_over_floor_range')}); across workers: "
+               f"{_ratio_text(keep and keep.seconds, floor and floor.seconds)}")
+        if paired is not None else
         Target(f"RNN {case}: keep-all time <= 1.10x numpy floor",
                ratio(keep and keep.seconds, floor and floor.seconds), 1.10, "<=",
                "same threads, medians of the same run"),

@@ -190,3 +190,29 @@ def test_profiler_overhead_rows_and_gradients_at_a_tiny_size():
     assert all(r["extras"]["same_grads"] and r["seconds"] > 0 for r in rows)
     plain = [r for r in rows if r["extras"]["variant"] == "plain"]
     assert all(r["extras"]["overhead"] == 1.0 for r in plain)
+
+
+def test_a_paired_ratio_divides_each_round_by_its_own_baseline(monkeypatch):
+    """Rounds alternate which call runs first, and each ratio is taken within its round: a
+    machine twice as slow in one round changes neither ratio (a clock stands in for time)."""
+    from bench import measure
+
+    clock = {"now": 0.0, "speed": 1.0}
+    order = []
+
+    def work(name, seconds):
+        def call():
+            order.append(name)
+            clock["now"] += seconds * clock["speed"]
+        return call
+
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: clock["now"])
+    collects = iter(range(100))  # one gc.collect() before each call: two per round
+
+    def collect():  # every other round runs on a machine twice as slow
+        clock["speed"] = 2.0 if next(collects) // 2 % 2 else 1.0
+
+    monkeypatch.setattr(measure.gc, "collect", collect)
+    paired = measure.paired_ratio(work("fn", 3.0), work("base", 2.0), repeats=4)
+    assert paired.median == paired.low == paired.high == pytest.approx(1.5)
+    assert order == ["fn", "base", "base", "fn", "fn", "base", "base", "fn"]
