@@ -15,8 +15,10 @@ recursive graph search is needed.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from threading import get_ident
 from typing import Any
 
 import numpy as np
@@ -30,6 +32,7 @@ from .entry import (
     _SEE_FIRST,
     NO_META,
     Entry,
+    EntryExtra,
     InputEdge,
     _sequence,
     compact_edges,
@@ -40,10 +43,11 @@ from .errors import DeviceError, InplaceError, ShapeError
 from .forms import VJP, Form, needed_values
 from .forms import vjp as vjp  # re-exported: the op tables and custom primitives use it
 from .grad_mode import _state, origin_blocks
-from .origins import _MAX_ORIGINS, _user_frame
+from .origins import _MAX_ORIGINS, NO_ORIGIN, _user_frame
 from .saved import (
     KEEP,
     KeepAll,
+    KeptBuffer,
     SavedBuffer,
     SavedSlot,
     Strategy,
@@ -146,6 +150,11 @@ class Primitive:
             entry._counter.value == entry._version  # type: ignore[union-attr]
         ):
             values = None  # the one saved value, `saved`, is every rule's need: read as is
+        elif type(saved) is KeptBuffer and not create_graph and "unpack" not in events.wanted and (
+            entry._counter.value == entry._version  # type: ignore[union-attr]
+        ):
+            saved = saved.packed  # the same, kept in a buffer (a profiler listens): its array
+            values = None
         elif type(saved) is tuple and not saved:
             values = None  # nothing saved: no rule reads a value
         else:
@@ -358,11 +367,56 @@ def record(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> 
             tensors = _with_operands(tensors)
             break
     keep = prim._keep_needs  # type: ignore[attr-defined]
-    if keep is not None and not (_pushed or events.listeners or origin_blocks or tape_blocks):
-        result = _record_kept(prim, tensors, attrs, keep)
-        if result is not None:
-            return result
+    if keep is not None and not (_pushed or origin_blocks or tape_blocks):
+        if not events.listeners:
+            result = _record_kept(prim, tensors, attrs, keep)
+            if result is not None:
+                return result
+        elif events.kept_record is not None:
+            result = _record_heard(prim, tensors, attrs, keep)
+            if result is not None:
+                return result
     return _record_any(prim, tensors, attrs)
+
+
+def _record_heard(
+    prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any],
+    keep: tuple[tuple[tuple[str, int], ...], ...],
+) -> Any:
+    """`_record_kept` under the one listener that takes entries directly (the profiler, see
+    `events.kept_record`; else None, before anything ran): the entry the general path would
+    make (a single saved value in a buffer shared through the tensor, its user line), handed
+    to the listener with that value, rather than announced by 'pack' and 'record' events
+    that the listener would take apart again."""
+    heard = events.kept_record
+    if heard is None or heard[0] != get_ident():
+        return None
+    result = _record_kept(prim, tensors, attrs, keep)
+    if result is None:
+        return None
+    entry = result._entry
+    frame = _user_frame() if prim.forms[0].needs else NO_ORIGIN
+    if frame[0] is not None:  # `Entry.origin_frame`'s setter, on an entry with no extras yet
+        extra = entry._extra = EntryExtra()
+        extra.origin_frame = frame
+    array = entry._saved
+    if type(array) is not _NDARRAY:  # slots (their 'pack' events sent) or nothing saved
+        heard[1](entry, None, False, None, False, frame)
+        return result
+    first = tensors[0]
+    mask = 1 if len(tensors) == 1 else first._requires_grad + 2 * tensors[1]._requires_grad
+    role, position = keep[mask][0]
+    tensor = result if position < 0 else tensors[position]
+    # `buffer_for` without its 'pack' event: the listener counts a fresh buffer itself
+    ref = tensor._saved_ref
+    buffer = ref() if ref is not None else None
+    fresh = buffer is None or buffer.packer is not KEEP or not buffer.holds(array)
+    if fresh:
+        buffer = KeptBuffer(array)
+        tensor._saved_ref = weakref.ref(buffer)
+    entry._saved = buffer
+    heard[1](entry, buffer, fresh, role, position >= 0 and not tensor._requires_grad, frame)
+    return result
 
 
 def _record_kept(
