@@ -410,7 +410,7 @@ def _record_heard(
     # `buffer_for` without its 'pack' event: the listener counts a fresh buffer itself
     ref = tensor._saved_ref
     buffer = ref() if ref is not None else None
-    fresh = buffer is None or buffer.packer is not KEEP or not buffer.holds(array)
+    fresh = type(buffer) is not KeptBuffer or buffer.packed is not array  # (None: not one)
     if fresh:
         buffer = KeptBuffer(array)
         tensor._saved_ref = weakref.ref(buffer)

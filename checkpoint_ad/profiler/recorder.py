@@ -24,7 +24,7 @@ import numpy as np
 
 from .. import events
 from ..entry import Entry
-from ..saved import KeptBuffer
+from ..saved import KeptBuffer, SavedBuffer
 from ..tensor_base import TensorBase
 from .gathered import Gathered, judge_buffers
 from .memory import MemoryProbe, probe_for, rss_bytes, synchronize
@@ -253,7 +253,14 @@ class _Recorder:
                         self._learn_leaf(array)
         elif phase == "recompute":
             profile.recomputed_primitives += 1
-        slots = entry.slots
+        slots = entry._saved
+        if isinstance(slots, SavedBuffer):  # one value kept inline: its slot's facts, unmade
+            role, position = entry.inline_key()
+            self._saved(entry.op.name, role, entry.origin_frame, phase, slots,
+                        position >= 0 and entry.nodes[position] is None)
+            slots = None
+        elif type(slots) is np.ndarray:
+            slots = entry.slots
         if slots:
             op, frame, saved = entry.op.name, entry.origin_frame, self._saved
             for slot in slots:
