@@ -269,8 +269,9 @@ def add_entry(
 ) -> list[Any]:
     """Append one entry to the tape and return its output tensors: the way entries are made,
     by primitives, custom functions and loops alike. (`record`'s fast path, `_record_kept`,
-    writes the same entry out directly, only while nobody listens and no `GradientTape`
-    records: the two things this path adds.)
+    writes the same entry out directly, only while nobody listens (or a profiler alone, which
+    `_record_heard` hands it to) and no `GradientTape` records: the two things this path
+    adds.)
 
     `op` has ``backward(entry, grads, create_graph, retain_graph)`` (input gradients from
     output gradients; `retain_graph` says whether the entry must answer again) and a ``name``;
@@ -359,8 +360,8 @@ def record(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> 
 
     This runs once per operation of every user's loop: the common case (numpy arrays, no
     views, gradients on, values kept as they are, nobody listening) takes `_record_kept`,
-    which makes only the result, its entry and its version counter; everything else takes
-    `_record_any`.
+    which makes only the result, its entry and its version counter; under a profiler alone,
+    `_record_heard` (the same, handed to the profiler); everything else takes `_record_any`.
     """
     for t in tensors:
         if not isinstance(t, TensorBase):

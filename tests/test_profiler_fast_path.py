@@ -116,3 +116,28 @@ def test_a_profiled_tape_frees_its_arrays_when_released_without_the_collector():
     finally:
         gc.enable()
     assert prof.timeline_bytes[-1] == 0 and prof.peak_tape_bytes == 16_000
+
+
+def test_entries_are_handed_over_directly_only_to_a_profiler_listening_alone():
+    assert events.kept_record is None
+    with cad.profile():
+        assert events.kept_record is not None
+        stop = events.subscribe(lambda kind, _: None, kinds=["record"])
+        assert events.kept_record is None  # a second listener hears 'record' events again
+        stop()
+        assert events.kept_record is not None
+        with cad.profile():
+            assert events.kept_record is None  # two profiles: each hears the events
+    assert events.kept_record is None
+
+
+def test_another_threads_entries_are_not_handed_to_this_threads_profile():
+    import threading
+
+    x = cad.tensor(np.linspace(-1, 1, 100), requires_grad=True)
+    with cad.profile() as prof:
+        worker = threading.Thread(target=lambda: cad.tanh(cad.tanh(x)).sum().backward())
+        worker.start()
+        worker.join()
+        cad.tanh(x).sum().backward()
+    assert [r.op for r in prof.records] == ["tanh"] and prof.primitives == 2
