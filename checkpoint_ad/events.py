@@ -56,6 +56,15 @@ _routes: dict[str, tuple[tuple[int, Handler], ...]] = {}
 # each as its (thread, handler) pair: no loop per event
 _sole: dict[str, tuple[int, Handler]] = {}
 _hear_every_kind = False  # some listener hears every kind
+# (thread, handler) of the one subscription, while it is the only one and takes recorded
+# entries directly (its handler for `KEPT`, the profiler's): `record`'s fast path then runs
+# under it and hands it each entry with its saved value, no 'record' event made; else None
+kept_record: tuple[int, Callable[..., None]] | None = None
+# the handler kind that asks for `kept_record`: called as ``handler(entry, buffer, fresh,
+# role, unedged, frame)`` for an entry of `record`'s fast path, which 'pack' and 'record'
+# events would otherwise announce (`buffer` its single saved value's, `fresh` whether it was
+# made now, None for an entry whose saved values are slots, announced by 'pack' already)
+KEPT = "record_kept"
 _lock = threading.Lock()
 
 
@@ -135,11 +144,15 @@ def _rebuild() -> None:
                 routes[kind].append((s.thread, partial(s.every, kind)))  # type: ignore[arg-type]
             elif kind in s.handlers:
                 routes[kind].append((s.thread, s.handlers[kind]))
-    global _routes, _sole, _hear_every_kind, wanted
+    global _routes, _sole, _hear_every_kind, wanted, kept_record
+    routes.pop(KEPT, None)  # not an event: handed to `kept_record` instead
     _routes = {kind: tuple(route) for kind, route in routes.items()}
     _sole = {kind: route[0] for kind, route in _routes.items() if len(route) == 1}
     _hear_every_kind = any(s.every is not None for s in listeners)
     wanted = _EveryKind() if _hear_every_kind else frozenset(_routes)
+    only = listeners[0] if len(listeners) == 1 else None
+    kept_record = (only.thread, only.handlers[KEPT]) if (
+        only is not None and only.handlers is not None and KEPT in only.handlers) else None
 
 
 def _add(subscription: Subscription) -> Callable[[], None]:

@@ -15,8 +15,10 @@ recursive graph search is needed.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from threading import get_ident
 from typing import Any, ClassVar
 
 import numpy as np
@@ -40,10 +42,11 @@ from .errors import DeviceError, InplaceError, ShapeError
 from .forms import VJP, Form, needed_values
 from .forms import vjp as vjp  # re-exported: the op tables and custom primitives use it
 from .grad_mode import _state, origin_blocks
-from .origins import _MAX_ORIGINS, _user_frame
+from .origins import _MAX_ORIGINS, NO_ORIGIN, _user_frame
 from .saved import (
     KEEP,
     KeepAll,
+    KeptBuffer,
     SavedBuffer,
     SavedSlot,
     Strategy,
@@ -149,6 +152,11 @@ class Primitive:
             entry._counter.value == entry._version  # type: ignore[union-attr]
         ):
             values = None  # the one saved value, `saved`, is every rule's need: read as is
+        elif type(saved) is KeptBuffer and not create_graph and "unpack" not in events.wanted and (
+            entry._counter.value == entry._version  # type: ignore[union-attr]
+        ):
+            saved = saved.packed  # the same, kept in a buffer (a profiler listens): its array
+            values = None
         elif type(saved) is tuple and not saved:
             values = None  # nothing saved: no rule reads a value
         else:
@@ -267,8 +275,9 @@ def add_entry(
 ) -> list[Any]:
     """Append one entry to the tape and return its output tensors: the way entries are made,
     by primitives, custom functions and loops alike. (`record`'s fast path, `_record_kept`,
-    writes the same entry out directly, only while nobody listens and no `GradientTape`
-    records: the two things this path adds.)
+    writes the same entry out directly, only while nobody listens (or a profiler alone, which
+    `_record_heard` hands it to) and no `GradientTape` records: the two things this path
+    adds.)
 
     `op` has ``backward(entry, grads, create_graph, retain_graph)`` (input gradients from
     output gradients; `retain_graph` says whether the entry must answer again) and a ``name``;
@@ -355,19 +364,64 @@ def record(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]) -> 
 
     This runs once per operation of every user's loop: the common case (numpy arrays, no
     views, gradients on, values kept as they are, nobody listening) takes `_record_kept`,
-    which makes only the result, its entry and its version counter; everything else takes
-    `_record_any`.
+    which makes only the result, its entry and its version counter; under a profiler alone,
+    `_record_heard` (the same, handed to the profiler); everything else takes `_record_any`.
     """
     for t in tensors:
         if not isinstance(t, TensorBase):
             tensors = _with_operands(tensors)
             break
     keep = prim._keep_needs  # type: ignore[attr-defined]
-    if keep is not None and not (_pushed or events.listeners or origin_blocks or tape_blocks):
-        result = _record_kept(prim, tensors, attrs, keep)
-        if result is not None:
-            return result
+    if keep is not None and not (_pushed or origin_blocks or tape_blocks):
+        if not events.listeners:
+            result = _record_kept(prim, tensors, attrs, keep)
+            if result is not None:
+                return result
+        elif events.kept_record is not None:
+            result = _record_heard(prim, tensors, attrs, keep)
+            if result is not None:
+                return result
     return _record_any(prim, tensors, attrs)
+
+
+def _record_heard(
+    prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any],
+    keep: tuple[tuple[tuple[str, int], ...], ...],
+) -> Any:
+    """`_record_kept` under the one listener that takes entries directly (the profiler, see
+    `events.kept_record`; else None, before anything ran): the entry the general path would
+    make (a single saved value in a buffer shared through the tensor, its user line), handed
+    to the listener with that value, rather than announced by 'pack' and 'record' events
+    that the listener would take apart again."""
+    heard = events.kept_record
+    if heard is None or heard[0] != get_ident():
+        return None
+    result = _record_kept(prim, tensors, attrs, keep)
+    if result is None:
+        return None
+    entry = result._entry
+    frame = _user_frame() if prim.forms[0].needs else NO_ORIGIN
+    if frame[0] is not None:  # `Entry.origin_frame`'s setter, on an entry with no extras yet
+        extra = entry._extra = EntryExtra(entry._extra or _NO_ATTRS)  # it may hold attributes
+        extra.origin_frame = frame
+    array = entry._saved
+    if type(array) is not _NDARRAY:  # slots (their 'pack' events sent) or nothing saved
+        heard[1](entry, None, False, None, False, frame)
+        return result
+    first = tensors[0]
+    mask = 1 if len(tensors) == 1 else first._requires_grad + 2 * tensors[1]._requires_grad
+    role, position = keep[mask][0]
+    tensor = result if position < 0 else tensors[position]
+    # `buffer_for` without its 'pack' event: the listener counts a fresh buffer itself
+    ref = tensor._saved_ref
+    buffer = ref() if ref is not None else None
+    fresh = type(buffer) is not KeptBuffer or buffer.packed is not array  # (None: not one)
+    if fresh:
+        buffer = KeptBuffer(array)
+        tensor._saved_ref = weakref.ref(buffer)
+    entry._saved = buffer
+    heard[1](entry, buffer, fresh, role, position >= 0 and not tensor._requires_grad, frame)
+    return result
 
 
 def _record_kept(

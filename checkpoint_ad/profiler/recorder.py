@@ -24,6 +24,7 @@ import numpy as np
 
 from .. import events
 from ..entry import Entry
+from ..saved import KeptBuffer, SavedBuffer
 from ..tensor_base import TensorBase
 from .gathered import Gathered, judge_buffers
 from .memory import MemoryProbe, probe_for, rss_bytes, synchronize
@@ -87,10 +88,13 @@ class _Recorder:
         # one object per distinct shape and byte count that records name (a kept value's are
         # new objects at every read, which a long profile would hold by the thousand)
         self.shared: dict[Any, Any] = {}
+        # dtype -> shape -> the `Tracked.fields` of a kept buffer of such an array (`_fields`)
+        self.kept_fields: dict[Any, dict[Any, tuple[Any, ...]]] = {}
         self.gathered = Gathered()
         self.raw_records = self.gathered.records
         self.points = self.gathered.points
-        self.handlers: dict[str, Callable[[Any], None]] = {
+        self.handlers: dict[str, Callable[..., None]] = {
+            events.KEPT: self._kept,
             "record": self._record,
             "replaying": self._replaying,
             "replayed": self._replayed,
@@ -249,7 +253,14 @@ class _Recorder:
                         self._learn_leaf(array)
         elif phase == "recompute":
             profile.recomputed_primitives += 1
-        slots = entry.slots
+        slots = entry._saved
+        if isinstance(slots, SavedBuffer):  # one value kept inline: its slot's facts, unmade
+            role, position = entry.inline_key()
+            self._saved(entry.op.name, role, entry.origin_frame, phase, slots,
+                        position >= 0 and entry.nodes[position] is None)
+            slots = None
+        elif type(slots) is np.ndarray:
+            slots = entry.slots
         if slots:
             op, frame, saved = entry.op.name, entry.origin_frame, self._saved
             for slot in slots:
@@ -258,6 +269,137 @@ class _Recorder:
                     saved(op, slot.name, frame, phase, buffer,
                           slot.edge is None and slot.counter is not None)
         if self.pending:  # saved by reference but held by no slot of this entry
+            self._claim_pending()
+        else:
+            self.points.extend((perf_counter(), self.live, phase))
+
+    def _kept(self, entry: Any, buffer: Any, fresh: bool, role: str | None, unedged: bool,
+              frame: Any) -> None:
+        """An entry of `record`'s fast path (`events.kept_record`), with its single saved
+        value's `buffer` (`fresh`: made for it) or None (its slots were announced by 'pack'
+        events, or it saved nothing): what its 'pack' and 'record' events would have done,
+        without the events or the entry's slot objects. A fresh buffer, the usual case, is
+        tracked and counted here at once (`_pack` then `_saved`, inline, less the wait in
+        `pending` that only tells the two events apart)."""
+        if buffer is None:
+            if entry._saved or self.foreign or self.packed or self.pending:
+                self._record(entry)  # slots, counted there
+                return
+            profile = self.profile  # `_record` of an entry that saved nothing
+            profile.primitives += 1
+            phase = self.phase
+            if phase == "forward":
+                self._kept_leaves(entry)
+            elif phase == "recompute":
+                profile.recomputed_primitives += 1
+            self.points.extend((perf_counter(), self.live, phase))
+            return
+        if not fresh or self.foreign or self.packed or self.pending or self.sampling:
+            if fresh:  # the events' order of things
+                self._pack(buffer)
+            self._kept_record(entry, buffer, role, unedged, frame)
+            return
+        profile = self.profile
+        profile.primitives += 1
+        phase = self.phase
+        if phase == "forward":
+            self._kept_leaves(entry)
+        elif phase == "recompute":
+            profile.recomputed_primitives += 1
+        array = buffer.packed
+        key = id(buffer)
+        serial = next(self.counter)
+        tracked = Tracked(buffer, self._free)  # `_pack`'s, inline
+        tracked.key, tracked.serial, tracked.born_at = key, serial, None
+        tracked.level, tracked.stored_id, tracked.evicted = None, None, None
+        self.tracked[key] = tracked
+        if phase == "forward":
+            try:  # noqa: SIM105 (see `_pack`)
+                self.originals[serial] = weakref.ref(array)
+            except TypeError:
+                pass
+        # `_saved`'s, inline, for a buffer stored by reference that its record claims
+        root = array if getattr(array, "base", None) is None else _root(array)
+        known = self.leaf_roots.get(id(root))
+        owned = not ((known is not None and known() is root) or (unedged and root is not array))
+        fields = self._fields(buffer, array)
+        size = fields[3]
+        root_id = None
+        if owned:
+            root_id = id(array)
+            roots = self.roots
+            held = roots.get(root_id, 0)
+            if held:
+                size = 0
+            roots[root_id] = held + 1
+        tracked.counted, tracked.owned, tracked.size, tracked.root_id = True, owned, size, root_id
+        tracked.fields = fields
+        points = self.points
+        if owned:
+            tracked.born_at, tracked.born_size = len(points), size
+            live = self.live = self.live + size
+            if live > self.peak:
+                self._new_peak()
+            if root is not array:
+                self._note_view(buffer, serial, root)
+        else:
+            self._add(False, size)
+        self.raw_records.extend((
+            entry.op.name, role, fields[0], fields[1], fields[2], fields[3], frame, serial,
+            phase, owned, "device", fields[4]))
+        points.extend((perf_counter(), self.live, phase))
+
+    def _fields(self, buffer: Any, array: Any) -> tuple[Any, ...]:
+        """(shape, dtype, logical bytes, stored bytes, strategy) of a buffer stored by
+        reference, its `array`: for a `KeptBuffer`, one tuple per distinct shape and dtype,
+        shared by the buffers' `Tracked.fields` (its shape and size are made anew at each
+        read: a long profile holds one of each per distinct value)."""
+        kept = type(buffer) is KeptBuffer
+        if kept:
+            by_shape = self.kept_fields.get(array.dtype)
+            if by_shape is None:
+                by_shape = self.kept_fields[array.dtype] = {}
+            fields = by_shape.get(array.shape)
+            if fields is not None:
+                return fields
+        shared = self.shared
+        shape = shared.setdefault(array.shape, array.shape)
+        size = array.nbytes if type(array) is np.ndarray else buffer.stored_nbytes
+        size = shared.setdefault(size, size)
+        strategy = shared.get(type(buffer))  # such a buffer's packer is its class's
+        if strategy is None:
+            strategy = shared[type(buffer)] = type(buffer.packer).__name__
+        fields = (shape, array.dtype, size, size, strategy)
+        if kept:
+            by_shape[array.shape] = fields
+        return fields
+
+    def _kept_leaves(self, entry: Any) -> None:
+        """`_record`'s leaves, for an entry of one or two inputs (`Entry._in`, `_in2`)."""
+        leaf_roots = self.leaf_roots
+        for node in (entry._in, entry._in2):
+            if node is not None and type(node) is not Entry and isinstance(node, TensorBase):
+                array = node._data
+                known = leaf_roots.get(id(array))
+                if known is None or known() is not array:
+                    self._learn_leaf(array)
+
+    def _kept_record(self, entry: Any, buffer: Any, role: str | None, unedged: bool,
+                     frame: Any) -> None:
+        """`_record` of an entry with one saved value, its slot's facts given."""
+        if self.foreign:
+            self.watch.drain()
+        if self.packed:
+            self._count_packed()
+        profile = self.profile
+        profile.primitives += 1
+        phase = self.phase
+        if phase == "forward":
+            self._kept_leaves(entry)
+        elif phase == "recompute":
+            profile.recomputed_primitives += 1
+        self._saved(entry.op.name, role, frame, phase, buffer, unedged)  # type: ignore[arg-type]
+        if self.pending:
             self._claim_pending()
         else:
             self.points.extend((perf_counter(), self.live, phase))
@@ -334,14 +476,25 @@ class _Recorder:
         counted as the caller's stays the caller's: nothing is classified again."""
         key = id(buffer)
         tracked = self.tracked.get(key)
-        if tracked is not None and tracked.counted and not tracked.owned:
+        if tracked is not None and tracked.counted and tracked.fields is not None:
             fields = tracked.fields
-            if fields is not None:
+            if not tracked.owned:
                 self.raw_records.extend((
                     op, role, fields[0], fields[1], fields[2], fields[3], frame,
                     tracked.serial, phase, False, tracked.level or "device", fields[4]))
                 return
-        shared = self.shared
+            # owned, stored by reference: listed as such unless this record shows it the
+            # caller's (then classified again below)
+            array = buffer.packed
+            root = array if getattr(array, "base", None) is None else _root(array)
+            known = self.leaf_roots.get(id(root))
+            if not ((known is not None and known() is root) or (unedged and root is not array)):
+                if root is not array:
+                    self._note_view(buffer, tracked.serial, root)
+                self.raw_records.extend((
+                    op, role, fields[0], fields[1], fields[2], fields[3], frame,
+                    tracked.serial, phase, True, tracked.level or "device", fields[4]))
+                return
         if buffer.source is None:  # stored as is: the caller's memory, or the tape's?
             array = buffer.packed
             root = array if getattr(array, "base", None) is None else _root(array)
@@ -351,14 +504,7 @@ class _Recorder:
             if tracked is not None and tracked.fields is not None:
                 shape, dtype, logical, stored, strategy = tracked.fields
             else:
-                # its shape and size are made anew at each read: share one of each per value
-                shape, dtype = array.shape, array.dtype
-                size = array.nbytes if type(array) is np.ndarray else buffer.stored_nbytes
-                shape = shared.setdefault(shape, shape)
-                logical = stored = shared.setdefault(size, size)
-                strategy = shared.get(type(buffer))  # such a buffer's packer is its class's
-                if strategy is None:
-                    strategy = shared[type(buffer)] = type(buffer.packer).__name__
+                shape, dtype, logical, stored, strategy = self._fields(buffer, array)
             if tracked is not None and self.pending.pop(key, None) is not None:
                 # `_count` of a buffer stored by reference, inline (most saved values)
                 root_id = None

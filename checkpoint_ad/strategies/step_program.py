@@ -32,6 +32,7 @@ from ..ops import astype
 from ..pytree import flatten
 from ..saved import (
     KeepAll,
+    KeptBuffer,
     SavedBuffer,
     SavedSlot,
     Strategy,
@@ -585,7 +586,9 @@ class ReplayedStep:
         self.as_is = as_is
 
     def unpack(self, i: int) -> list[Any]:
-        return [v.unpack() if isinstance(v, SavedBuffer) else v for v in self.saved[i]]
+        # a value kept as is, in a buffer (a profiler listens): its array, without a call
+        return [v.packed if type(v) is KeptBuffer else v.unpack() if isinstance(v, SavedBuffer)
+                else v for v in self.saved[i]]
 
     def release(self, i: int) -> None:
         self.saved[i] = None
