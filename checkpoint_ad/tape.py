@@ -428,22 +428,27 @@ def _record_kept(
     prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any],
     keep: tuple[tuple[tuple[str, int], ...], ...],
 ) -> Any:
-    """`record` for one or two numpy tensors that are not views, at least one requiring
-    grad, with gradients on and nothing tracing (else None, before anything ran): the
-    general path's result and entry, written out. A single saved value is kept in the entry
-    as the array itself (`KeepAll` needs no buffer: the array is the stored form)."""
+    """`record` for one or two numpy tensors, at least one requiring grad, with gradients on
+    and nothing tracing (else None, before anything ran): the general path's result and
+    entry, written out. A single saved value is kept in the entry as the array itself
+    (`KeepAll` needs no buffer: the array is the stored form). A view takes it too (an RNN's
+    ``xs[t] @ U``: its saved value shares the base's version counter, as on the general path)
+    unless its base changed in place since it was made: `_record_any` re-derives its
+    history first (`refresh_view`)."""
     if len(tensors) == 1:
         a = tensors[0]
         b = None
-        if a._base is not None or not a._requires_grad or a._index or (
-            type(a._data) is not _NDARRAY
+        if not a._requires_grad or a._index or type(a._data) is not _NDARRAY or (
+            a._base is not None and a._view[1] is not a._base._entry
         ):
             return None
         mask = 1
     elif len(tensors) == 2:
         a, b = tensors
-        if a._base is not None or b._base is not None or a._index or b._index or (
+        if a._index or b._index or (
             type(a._data) is not _NDARRAY or type(b._data) is not _NDARRAY
+        ) or (a._base is not None and a._view[1] is not a._base._entry) or (
+            b._base is not None and b._view[1] is not b._base._entry
         ):
             return None
         mask = a._requires_grad + 2 * b._requires_grad
