@@ -285,13 +285,7 @@ class _Recorder:
             if entry._saved or self.foreign or self.packed or self.pending:
                 self._record(entry)  # slots, counted there
                 return
-            profile = self.profile  # `_record` of an entry that saved nothing
-            profile.primitives += 1
-            phase = self.phase
-            if phase == "forward":
-                self._kept_leaves(entry)
-            elif phase == "recompute":
-                profile.recomputed_primitives += 1
+            phase = self._kept_primitive(entry)  # `_record` of an entry that saved nothing
             self.points.extend((perf_counter(), self.live, phase))
             return
         if not fresh or self.foreign or self.packed or self.pending or self.sampling:
@@ -299,13 +293,7 @@ class _Recorder:
                 self._pack(buffer)
             self._kept_record(entry, buffer, role, unedged, frame)
             return
-        profile = self.profile
-        profile.primitives += 1
-        phase = self.phase
-        if phase == "forward":
-            self._kept_leaves(entry)
-        elif phase == "recompute":
-            profile.recomputed_primitives += 1
+        phase = self._kept_primitive(entry)
         array = buffer.packed
         key = id(buffer)
         serial = next(self.counter)
@@ -319,9 +307,7 @@ class _Recorder:
             except TypeError:
                 pass
         # `_saved`'s, inline, for a buffer stored by reference that its record claims
-        root = array if getattr(array, "base", None) is None else _root(array)
-        known = self.leaf_roots.get(id(root))
-        owned = not ((known is not None and known() is root) or (unedged and root is not array))
+        root, owned = self._claimed(array, unedged)
         fields = self._fields(buffer, array)
         size = fields[3]
         root_id = None
@@ -374,6 +360,25 @@ class _Recorder:
             by_shape[array.shape] = fields
         return fields
 
+    def _kept_primitive(self, entry: Any) -> str:
+        """`_record`'s count of a fast-path entry (and its leaves, in the forward); the phase."""
+        profile = self.profile
+        profile.primitives += 1
+        phase = self.phase
+        if phase == "forward":
+            self._kept_leaves(entry)
+        elif phase == "recompute":
+            profile.recomputed_primitives += 1
+        return phase
+
+    def _claimed(self, array: Any, unedged: bool) -> tuple[Any, bool]:
+        """(root, owned) of a saved value stored by reference: the tape owns it unless its
+        root is a leaf's array, or it is a view of data the record has no edge to."""
+        root = array if getattr(array, "base", None) is None else _root(array)
+        known = self.leaf_roots.get(id(root))
+        return root, not ((known is not None and known() is root) or (
+            unedged and root is not array))
+
     def _kept_leaves(self, entry: Any) -> None:
         """`_record`'s leaves, for an entry of one or two inputs (`Entry._in`, `_in2`)."""
         leaf_roots = self.leaf_roots
@@ -391,13 +396,7 @@ class _Recorder:
             self.watch.drain()
         if self.packed:
             self._count_packed()
-        profile = self.profile
-        profile.primitives += 1
-        phase = self.phase
-        if phase == "forward":
-            self._kept_leaves(entry)
-        elif phase == "recompute":
-            profile.recomputed_primitives += 1
+        phase = self._kept_primitive(entry)
         self._saved(entry.op.name, role, frame, phase, buffer, unedged)  # type: ignore[arg-type]
         if self.pending:
             self._claim_pending()
@@ -486,9 +485,8 @@ class _Recorder:
             # owned, stored by reference: listed as such unless this record shows it the
             # caller's (then classified again below)
             array = buffer.packed
-            root = array if getattr(array, "base", None) is None else _root(array)
-            known = self.leaf_roots.get(id(root))
-            if not ((known is not None and known() is root) or (unedged and root is not array)):
+            root, owned = self._claimed(array, unedged)
+            if owned:
                 if root is not array:
                     self._note_view(buffer, tracked.serial, root)
                 self.raw_records.extend((
@@ -497,10 +495,7 @@ class _Recorder:
                 return
         if buffer.source is None:  # stored as is: the caller's memory, or the tape's?
             array = buffer.packed
-            root = array if getattr(array, "base", None) is None else _root(array)
-            known = self.leaf_roots.get(id(root))
-            owned = not ((known is not None and known() is root) or (
-                unedged and root is not array))
+            root, owned = self._claimed(array, unedged)
             if tracked is not None and tracked.fields is not None:
                 shape, dtype, logical, stored, strategy = tracked.fields
             else:
