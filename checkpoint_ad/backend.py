@@ -149,10 +149,15 @@ def resolve_dtype(xp: ModuleType, dtype: Any) -> Any:
 
 
 def broadcast_axes(source: tuple[int, ...], target: tuple[int, ...]) -> tuple[int, ...]:
-    """The axes of `target` to sum over (keeping dims) to undo broadcasting `source` to it."""
+    """The axes of `target` to sum over (keeping dims) to undo broadcasting `source` to it.
+
+    Tuples on paths run once per op or rule are built from a list, not a generator: a tuple
+    from a generator is sized by a guess and shrunk, and once freed it joins the interpreter's
+    free list for its size instead of returning its memory, so a loop's backward held (and
+    tracemalloc counted) memory that grew with its steps, up to about 100 KiB per size."""
     lead = len(target) - len(source)
     return tuple(range(lead)) + tuple(
-        i + lead for i, d in enumerate(source) if d == 1 and target[i + lead] != 1
+        [i + lead for i, d in enumerate(source) if d == 1 and target[i + lead] != 1]
     )
 
 
@@ -163,9 +168,9 @@ def broadcast_view(array: Any, shape: tuple[int, ...]) -> Any:
     the same array, made in one call. Other libraries (and arrays numpy cannot view that way)
     use their namespace's `broadcast_to`."""
     if type(array) is np.ndarray and array.flags.c_contiguous:
-        strides = tuple(0 if have == 1 and want != 1 else stride
-                        for have, want, stride in zip(array.shape, shape, array.strides))
+        strides = [0 if have == 1 and want != 1 else stride
+                   for have, want, stride in zip(array.shape, shape, array.strides)]
         view = np.ndarray(shape, array.dtype, array, 0, strides)
-        view.flags.writeable = False
+        view.setflags(write=False)
         return view
     return namespace(array).broadcast_to(array, shape)

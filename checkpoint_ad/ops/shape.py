@@ -43,8 +43,8 @@ def _without_new_axes(xp: Any, g: Any, index: Any, ndim: int) -> tuple[Any, Any]
             axis += 1
         elif p is Ellipsis:
             axis += ndim - consumed
-    kept = tuple(d for i, d in enumerate(g.shape) if i not in new_axes)
-    return xp.reshape(g, kept), tuple(p for p in parts if p is not None)
+    kept = tuple([d for i, d in enumerate(g.shape) if i not in new_axes])  # see broadcast_axes
+    return xp.reshape(g, kept), tuple([p for p in parts if p is not None])
 
 
 def _setitem(xp: Any, x: Any, v: Any, *, index: Any, v_shape: Any) -> Any:
@@ -212,7 +212,7 @@ def sum_to(g: Any, shape: Sequence[int]) -> Any:
 # table; the public reductions (`sum`, `mean`, ...) are in reductions.py.
 def kept_shape(source: tuple[int, ...], axis: tuple[int, ...]) -> tuple[int, ...]:
     """`source` with the reduced axes kept as size 1."""
-    return tuple(1 if i in axis else d for i, d in enumerate(source))
+    return tuple([1 if i in axis else d for i, d in enumerate(source)])  # see broadcast_axes
 
 
 def unreduce(g: Any, source: tuple[int, ...], axis: tuple[int, ...]) -> Any:

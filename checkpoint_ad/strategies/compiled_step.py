@@ -147,7 +147,7 @@ def _variadic_rule(fn: Callable[..., Any], i: int, everything: tuple[int, ...] |
                    attrs: dict[str, Any]) -> Rule:
     if everything is None:
         return lambda g, saved: fn(g, i, **attrs)
-    return lambda g, saved: fn(g, i, tuple(saved[k] for k in everything), **attrs)
+    return lambda g, saved: fn(g, i, tuple([saved[k] for k in everything]), **attrs)
 
 
 def delivery_kinds(n_slots: int, carry_in: tuple[int, ...], x_in: tuple[int, ...],

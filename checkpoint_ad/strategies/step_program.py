@@ -20,7 +20,9 @@ drawn per call) is caught there, as it would be frozen by a replay.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -342,7 +344,8 @@ class StepProgram:
         self.tape_as_is = None if any(
             ins.taped and kept is None for ins, kept in zip(self.instructions, kept_as_is)
         ) else tuple(zip(range(len(kept_as_is)), self.forwards,
-                         (ins.output for ins in self.instructions), kept_as_is))
+                         (ins.output for ins in self.instructions),
+                         [None if kept is None else _saved_getter(kept) for kept in kept_as_is]))
         self.backward_rules = tuple(
             (i, self.instructions[i].output, compile_rules(self.instructions[i]))
             for i in self.backward_order)
@@ -454,10 +457,10 @@ class StepProgram:
         values = self._start(carry, x)
         xp = _namespace_of(values)
         saved: list[Any] = [None] * len(self.instructions)
-        for i, forward, output, as_is in self.tape_as_is:
+        for i, forward, output, saved_of in self.tape_as_is:
             values[output] = forward(values, xp)
-            if as_is is not None:
-                saved[i] = tuple(map(values.__getitem__, as_is))  # no frame per call
+            if saved_of is not None:
+                saved[i] = saved_of(values)
         return ReplayedStep(values, saved, [], {}, as_is=True)
 
     # ------------------------------------------------------------- backward
@@ -606,6 +609,17 @@ class ReplayedStep:
         self.values = []
         if self.buffers:
             self.buffers = {k: b for k, b in self.buffers.items() if k[0] in keep}
+
+
+def _saved_getter(slots: tuple[int, ...]) -> Callable[[list[Any]], Sequence[Any]]:
+    """The values at `slots`, as one call without a frame, in a sequence made at its exact
+    size. Why not `tuple(map(...))`: that sizes its tuple by a guess and shrinks it, and the
+    shrunk tuple, once freed, joins the interpreter's free list instead of returning its
+    memory; one per taped step, so the process held (and tracemalloc counted) memory that
+    grew with the loop's steps, up to the free list's bound."""
+    if len(slots) >= 2:
+        return itemgetter(*slots)
+    return itemgetter(slice(slots[0], slots[0] + 1) if slots else slice(0, 0))
 
 
 def _kept_as_is(ins: Instruction) -> tuple[int, ...] | None:
