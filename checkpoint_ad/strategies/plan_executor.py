@@ -59,6 +59,7 @@ from ..tensor import Tensor
 from .kinds import LoopStrategy
 from .loop import StepLoop, columns
 from .offload import Offload
+from .output_rows import OutputRows, join_rows
 from .revolve import (
     _DISK_RESTORE,
     _KIND_MASK,
@@ -159,6 +160,7 @@ class PlannedLoop:
         self.restore_at: np.ndarray | None = None
         self.name = name or f"scan[{type(strategy).__name__.lower()}]"
         self.same: dict[int, int] = {}
+        self.output_rows: OutputRows | None = None  # while the loop's entry is recorded
         self.externals: dict[tuple[int, int], Any] = {}
         self.discovered = False  # externals (and carry aliases) found
         self._keys_found: Any = None  # see `_replay_keys`
@@ -210,14 +212,15 @@ class PlannedLoop:
             # get or set): take the forward part of the plan again, keeping it this time
             end_state = np.random.get_state()
             self.tracks_numpy = True
-            self._run_forward_prefix(discover=False)
+            self._run_forward_prefix(discover=False, rows=OutputRows(loop.n, keep=False))
             np.random.set_state(end_state)
             state = self.state
-        outputs = list(final_arrays) + [
-            None if rows is None else namespace(rows[0]).stack(rows, axis=0)
-            for rows in self._output_rows(per_step)
-        ]
-        return self._record(carry_leaves, outputs, len(final_arrays))
+        outputs = list(final_arrays) + per_step.stacked(self.same)
+        self.output_rows = per_step  # the last rows of outputs that are the carry join on
+        try:
+            return self._record(carry_leaves, outputs, len(final_arrays))
+        finally:
+            self.output_rows = None
 
     def _output_rows(self, per_step: list[list[Any]]) -> list[list[Any] | None]:
         """The rows each of the entry's stacked outputs holds: every step's, except the last
@@ -229,22 +232,22 @@ class PlannedLoop:
             out.append(None if column[0] is None or not rows else rows)
         return out
 
-    def _run_forward_prefix(self, discover: bool) -> list[list[Any]]:
+    def _run_forward_prefix(self, discover: bool, rows: OutputRows | None = None) -> OutputRows:
         """Run the plan up to its first reverse action from the initial carry, taking its
         snapshots, and tape the steps of that reverse action when they end the loop; returns
         every step's outputs (arrays) up to where it stopped. The loop's first run draws from
         the caller's generator, as a plain loop would; a rebuild replays those draws."""
+        per_step = OutputRows(self.loop.n) if rows is None else rows
         if discover:
-            return self._forward_prefix(discover)
+            return self._forward_prefix(discover, per_step)
         np.random.set_state(self.initial_numpy_state)
         with random.replaying(self.initial_engine_state), use_packer(self.step_packer):
-            return self._forward_prefix(discover)
+            return self._forward_prefix(discover, per_step)
 
-    def _forward_prefix(self, discover: bool) -> list[list[Any]]:
+    def _forward_prefix(self, discover: bool, per_step: OutputRows) -> OutputRows:
         loop = self.loop
         state = _ForwardState()
         arrays = list(self.initial)
-        per_step: list[list[Any]] = []
         none_row: list[Any] = []
         actions = self.plan  # decoded action by action: a 10^6-step plan stays compact
         cursor = 0
@@ -280,7 +283,7 @@ class PlannedLoop:
         self.state = state
         return per_step
 
-    def _run_growing_plan(self) -> list[list[Any]]:
+    def _run_growing_plan(self) -> OutputRows:
         """Run a loop of unknown length from the initial carry, each step with a tape, under
         the online planner; leaves the whole plan in `self.plan` and the last step's tape
         kept for its first reverse action; returns every step's outputs (arrays)."""
@@ -289,7 +292,7 @@ class PlannedLoop:
         state = _ForwardState()
         forward_actions = 0
         arrays = list(self.initial)
-        per_step: list[list[Any]] = []
+        per_step = OutputRows(None)  # its length is found as it runs: rows kept, then stacked
         kept: _TapedSegment | None = None
         kept_random = random.get_state()
         none_row: list[Any] = []
@@ -595,9 +598,14 @@ class PlannedLoop:
         hook or `retain_grad` on that carry sees the gradient of the row too, as it would on
         a plain tape, where that row is the same tensor."""
         results = list(results)
+        rows = self.output_rows
         for k, j in self.same.items():
             part, carry = results[n_carry + k], results[j]
             if carry is None:
+                continue
+            whole = None if rows is None or part is None else rows.whole(k)
+            if whole is not None:  # the part is a view of `whole`, which holds that row too
+                results[n_carry + k] = join_rows(part, carry, whole)
                 continue
             row = expand_dims(carry, 0)
             results[n_carry + k] = row if part is None else concatenate([part, row], axis=0)
