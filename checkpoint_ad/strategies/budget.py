@@ -167,7 +167,8 @@ def plan_table(
 ) -> Estimate:
     """Every admitted candidate of `families` priced from `cost`, and the fastest that fits."""
     fixed = {"gradients": cost.gradient_bytes, "outputs": cost.output_bytes,
-             "carry in hand": 2 * cost.carry_bytes}
+             "carry in hand": 2 * cost.carry_bytes, "engine (traced steps, program)":
+             cost.engine_bytes}
     extra = sum(fixed.values())
     rows = []
     for family in families:

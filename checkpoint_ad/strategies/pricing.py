@@ -108,6 +108,11 @@ class StepCost:
     """Gradients the loop's backward hands out: captured tensors, carry and xs that need one."""
     output_bytes: int
     """The stacked per-step outputs (ys) of the whole loop."""
+    engine_bytes: int = 0
+    """The engine's own memory a planned loop of this step holds whatever its plan: the
+    traced first steps and the step program made from them, at their peak while tracing, as
+    tracemalloc traces them in the dry run (0: not traced, or the caller traces). Not tape
+    bytes; a plan's device peak counts it once."""
     dry_run_bytes: int = 0
     """The most saved bytes the dry run held at once (every buffer of its two steps): a
     profiler around the loop's first run sees them, before the loop, once."""
@@ -156,6 +161,7 @@ def measure(
     engine_state = random.get_state()
     evaluations = loop.evaluations
     mode, replayed_untaped = "recorded: not traced", None
+    engine_bytes = 0
     replayed_runs: list[float] = []
     try:
         with events.recomputing("budget dry run"):
@@ -174,7 +180,11 @@ def measure(
                 priced[name] = _typical(costs)
             for name, storage in forms.items():
                 np.random.set_state(numpy_state)
-                program, mode = _traced(loop, carry_leaves, storage, engine_state)
+                if not replayed_runs:  # the first form's trace: its bytes, as a loop's
+                    program, mode, engine_bytes = _traced_bytes(
+                        loop, carry_leaves, storage, engine_state)
+                else:
+                    program, mode = _traced(loop, carry_leaves, storage, engine_state)
                 if program is None:
                     break
                 run, taped, backward, held = _replayed(program, loop, carry_leaves, engine_state)
@@ -198,6 +208,7 @@ def measure(
         snapshots={name: _snapshot_cost(carry, storage) for name, storage in snapshots.items()},
         gradient_bytes=gradient_bytes,
         output_bytes=output_bytes * loop.n,
+        engine_bytes=engine_bytes,
         dry_run_bytes=dry_run_bytes,
         mode=mode,
         replayed_untaped_seconds=replayed_untaped,
@@ -216,6 +227,25 @@ def _traced(
         for t in range(_steps(loop)):
             carry, _, traces[t] = traced_call(loop, t, carry, _x_tensors(loop, t))
     return program_of(traces, loop.n, len(carry_leaves))
+
+
+def _traced_bytes(
+    loop: StepLoop, carry_leaves: list[Any], storage: Strategy, engine_state: Any
+) -> tuple[StepProgram | None, str, int]:
+    """`_traced`, and the most memory tracing took above the level before it (the traced
+    steps' tapes and the program compiled from them): what a planned loop of this step holds
+    at least from its first steps on, beyond its plan's tape. Measured only when tracemalloc
+    is off (it is started for the call), as in `_traced_step_bytes`; else 0."""
+    if tracemalloc.is_tracing():
+        return (*_traced(loop, carry_leaves, storage, engine_state), 0)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        program, mode = _traced(loop, carry_leaves, storage, engine_state)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    return program, mode, max(0, peak - before) if program is not None else 0
 
 
 def _replayed(
