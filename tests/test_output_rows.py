@@ -133,3 +133,24 @@ def test_absent_outputs_and_a_carry_output_of_one_row():
     assert rows.stacked({1: 0}) == [None, None]  # the one row is the carry, joined on later
     assert rows.whole(1).shape == (1, 2)
 
+
+
+def test_a_scan_keeping_every_step_holds_its_outputs_once():
+    # the tape keeps every h (tanh saves its output); the outputs were the rest's rows
+    # stacked, then copied again with steps 0 and 1 joined on: tape + 2x outputs at the
+    # peak, now tape + 1x
+    n = 64
+    w = cad.tensor(0.5, requires_grad=True)
+    xs = cad.tensor(np.random.default_rng(3).standard_normal((n, 128, 64)))
+
+    def step(h, x):
+        h = cad.tanh(h * w + x)
+        return h, h
+
+    peak, carry, ys = _forward_peak(step, cad.zeros((128, 64), dtype="float64"), xs, None)
+    assert ys.grad_fn is not None and ys.grad_fn.name == "concatenate"
+    assert peak < 2.5 * ys.numpy().nbytes
+    (g,) = cad.grad(cad.sum(ys * ys), [w])
+    (reference,) = cad.grad(cad.sum(cad.scan(step, cad.zeros((128, 64), dtype="float64"), xs,
+                                              trace=False)[1] ** 2), [w])
+    assert np.array_equal(g.numpy(), reference.numpy())

@@ -9,9 +9,10 @@ the profile and the gradients are those of recording every step, bit for bit; th
 per operation is gone. When the trace is refused, the loop goes on recording every step, and
 the result is exactly the recorded loop: nothing was done differently for steps 0 and 1.
 
-The outputs of the three parts (steps 0 and 1, the replayed rest) are put together by two
-primitives that copy rows (`stack`, `concatenate`): their backward splits the gradient rows
-again, adding nothing, and they run after the steps, where a recorded loop stacks its outputs.
+The outputs of the three parts (steps 0 and 1, the replayed rest) are put together by one
+entry whose backward splits the gradient rows again, adding nothing: the executor writes the
+rest's rows after those of steps 0 and 1 into one array per output, so the join copies nothing
+(`output_rows.join_rows`; rows that change shape or dtype are stacked and concatenated).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ..pytree import flatten, unflatten
 from ..tensor import Tensor
 from .loop import StepLoop, stack_outputs
 from .loop_strategies import Periodic
+from .output_rows import join_rows
 from .plan_executor import PlannedLoop
 from .step_program import program_of, traced_call
 
@@ -73,14 +75,20 @@ def keep_every_step(loop: StepLoop, carry_leaves: list[Any]) -> tuple[Any, Any]:
         return unflatten(loop.carry_spec, iter(carry)), unflatten(loop.y_spec, iter(ys_leaves))
     rest_loop = StepLoop(loop.step, loop.carry_spec, rest or [], loop.xs_spec,
                          loop.n - TRACED_STEPS, y_spec=loop.y_spec)
+    lead = [[None if y is None else y._data for y in ys] for ys in per_step]
     executor = PlannedLoop(rest_loop, Periodic(rest_loop.n), program=program,
-                           name="scan[keep-all]")
+                           name="scan[keep-all]", lead_rows=lead)
     carry_out, ys_rest = executor.run(list(carry))
     loop.evaluations += rest_loop.evaluations
+    whole, executor.full_outputs = executor.full_outputs, None  # the entry keeps no outputs
     from_rest = [None] * len(per_step[0]) if ys_rest is None else flatten(ys_rest)[0]
+    if whole is None:  # rows kept (unlike rows): joined by copying
+        whole = [None] * len(from_rest)
     ys_leaves = [
-        None if y0 is None else concatenate([stack([y0, y1], axis=0), r], axis=0)
-        for y0, y1, r in zip(per_step[0], per_step[1], from_rest)
+        None if y0 is None
+        else join_rows([y0, y1, r], full) if full is not None
+        else concatenate([stack([y0, y1], axis=0), r], axis=0)
+        for y0, y1, r, full in zip(per_step[0], per_step[1], from_rest, whole)
     ]
     return carry_out, unflatten(loop.y_spec, iter(ys_leaves))
 

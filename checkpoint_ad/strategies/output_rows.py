@@ -8,14 +8,15 @@ into its place as it arrives holds the outputs once. Loops of unknown length (`u
 outputs whose rows change shape, dtype or array type, keep their rows and stack them.
 
 An output that is the carry itself (RNNs return ``h, h``) leaves the loop's entry without its
-last row, which is joined on after the entry (see `PlannedLoop._last_rows_from_carry`); here
-the entry's part is a view of the array that also holds that row, so `join_rows` records the
-join without copying the output again.
+last row, which is joined on after the entry (see `PlannedLoop._last_rows_from_carry`); and a
+`scan` keeping every step records its first two steps before the loop's entry (`kept_loop`).
+Both join pieces onto the loop's rows; here the pieces are views of (or rows already written
+into) one array that holds every row, so `join_rows` records each join without a copy.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ..backend import namespace
@@ -27,14 +28,35 @@ from .loop import columns
 
 
 class OutputRows:
-    """Each step's outputs (a list of arrays, None for an absent output) in step order."""
+    """Each step's outputs (a list of arrays, None for an absent output) in step order; with
+    `lead`, the rows of steps recorded before the loop first, in arrays that hold both."""
 
-    def __init__(self, n: int | None, keep: bool = True) -> None:
+    def __init__(self, n: int | None, keep: bool = True,
+                 lead: Sequence[list[Any]] = ()) -> None:
         self.n = n
         self.keep = keep  # False: only count (a rebuild of a forward whose rows are had)
         self.count = 0
-        self.arrays: list[Any] | None = None  # one array of n rows per output (None: absent)
+        self.lead = len(lead)
+        self.arrays: list[Any] | None = None  # lead + n rows per output (None: absent)
         self.rows: list[list[Any]] | None = None if n is not None else []  # rows kept instead
+        if lead and n is not None and keep:
+            self._allocate(lead[0])
+            if all(_fits(self.arrays, ys) for ys in lead):
+                for s, ys in enumerate(lead):
+                    self._write(s, ys)
+            else:  # unlike rows: the joins fall back to copying
+                self.lead, self.arrays = 0, None
+
+    def _allocate(self, ys: list[Any]) -> None:
+        total = self.lead + (self.n or 0)
+        self.arrays = [None if y is None else namespace(y).empty((total, *y.shape), dtype=y.dtype)
+                       for y in ys]
+
+    def _write(self, row: int, ys: list[Any]) -> None:
+        assert self.arrays is not None
+        for array, y in zip(self.arrays, ys):
+            if array is not None:
+                array[row] = y
 
     def __len__(self) -> int:
         return self.count
@@ -48,20 +70,18 @@ class OutputRows:
         if self.rows is not None:
             self.rows.append(ys)
             return
+        if self.arrays is None:
+            self._allocate(ys)
         arrays = self.arrays
-        if arrays is None:
-            arrays = self.arrays = [
-                None if y is None else namespace(y).empty((self.n, *y.shape), dtype=y.dtype)
-                for y in ys]
+        assert arrays is not None
         if _fits(arrays, ys):
-            for array, y in zip(arrays, ys):
-                if array is not None:
-                    array[t] = y
+            self._write(self.lead + t, ys)
             return
         # a row unlike the first (shape, dtype or array type): keep rows, as stacking sorts
         # such rows out (or says what is wrong with them)
-        self.rows = [[None if a is None else a[s] for a in arrays] for s in range(t)]
-        self.arrays = None
+        lead = self.lead
+        self.rows = [[None if a is None else a[lead + s] for a in arrays] for s in range(t)]
+        self.arrays, self.lead = None, 0
         self.rows.append(ys)
 
     def extend(self, per_step: Iterable[list[Any]]) -> None:
@@ -80,12 +100,20 @@ class OutputRows:
                            else namespace(rows[0]).stack(rows, axis=0))
             return out
         assert self.arrays is not None and self.count == self.n
-        return [None if a is None else (a if k not in same else a[:-1] if self.n > 1 else None)
+        lead = self.lead
+        return [None if a is None else (a[lead:] if k not in same
+                                        else a[lead:-1] if self.n > 1 else None)
                 for k, a in enumerate(self.arrays)]
 
     def whole(self, k: int) -> Any:
-        """Output `k`'s array of every row, when rows were written in place (else None)."""
-        return None if self.arrays is None else self.arrays[k]
+        """Output `k`'s array of the loop's own rows, when rows were written in place (else
+        None)."""
+        return None if self.arrays is None else self.arrays[k][self.lead:]
+
+    def full(self) -> list[Any] | None:
+        """Per output, the array of every row, the lead rows first (None when rows were not
+        written in place)."""
+        return None if self.arrays is None else list(self.arrays)
 
 
 def _fits(arrays: list[Any], ys: list[Any]) -> bool:
@@ -101,30 +129,39 @@ def _fits(arrays: list[Any], ys: list[Any]) -> bool:
 
 
 class _JoinRows:
-    """The op of an entry that joins a block of rows and one last row into `whole`, an array
-    already holding both (the block is a view of it): the same gradients as concatenating
-    them, without the copy."""
+    """The op of an entry that joins rows and blocks of rows into `whole`, an array already
+    holding each piece's values in its place: the same gradients as stacking and
+    concatenating them, without the copy."""
 
     name = "concatenate"
 
-    def __init__(self, rows: int) -> None:
-        self.rows = rows
+    def __init__(self, spans: list[Any]) -> None:
+        self.spans = spans  # per piece: its row (an int) or its block (a slice) of `whole`
 
     def backward(
         self, entry: Any, grads: list[Any], create_graph: bool, retain_graph: bool = False
     ) -> list[Any]:
         g = grads[0]
         if g is None:
-            return [None, None]
-        return [getitem(g, slice(0, self.rows)), getitem(g, self.rows)]
+            return [None] * len(self.spans)
+        return [getitem(g, span) for span in self.spans]
 
 
-def join_rows(block: Any, row: Any, whole: Any) -> Any:
-    """``concatenate([block, expand_dims(row, 0)])`` as a tensor over `whole`, whose leading
-    rows `block`'s data is a view of and whose last row holds `row`'s values."""
-    rows = block.shape[0]
-    assert whole.shape[0] == rows + 1
-    edges = (edge_of(block), edge_of(row))
-    if edges == (None, None) or not is_grad_enabled():
+def join_rows(pieces: Sequence[Any], whole: Any) -> Any:
+    """The pieces (tensors: a row, of `whole`'s shape less its first axis, or a block of
+    rows) stacked and concatenated in order, as a tensor over `whole`: the caller has put
+    each piece's values in its place there already (written, or the piece is a view)."""
+    spans: list[Any] = []
+    at = 0
+    for piece in pieces:
+        if piece.ndim == whole.ndim:
+            spans.append(slice(at, at + piece.shape[0]))
+            at += piece.shape[0]
+        else:
+            spans.append(at)
+            at += 1
+    assert at == whole.shape[0]
+    edges = [edge_of(p) for p in pieces]
+    if not is_grad_enabled() or all(e is None for e in edges):
         return make_tensor(whole)
-    return add_entry(_JoinRows(rows), edges, [whole])[0]
+    return add_entry(_JoinRows(spans), edges, [whole])[0]

@@ -138,13 +138,17 @@ class PlannedLoop:
         trace: bool = True,
         program: StepProgram | None = None,
         name: str | None = None,
+        lead_rows: Sequence[list[Any]] = (),
     ) -> None:
         """`until` (with at most `limit` steps, None for no limit) makes the loop's length
         known only as it runs: the plan then grows step by step (see the module's doc).
         `program` replays every step from the start: a step program traced from a step
         recorded on the tape just before (`scan` keeping every step), whose output is the
-        initial carry here."""
+        initial carry here. `lead_rows`: the outputs (arrays) of steps recorded before the
+        loop, which its output arrays make room for first (see `full_outputs`)."""
         self.loop = loop
+        self.lead_rows = lead_rows
+        self.full_outputs: list[Any] | None = None  # after run(): lead and own rows per output
         self.strategy = strategy
         self.storage = (strategy.storage or KEEP).for_plan()
         self.disk_storage = _disk_storage(self.storage)
@@ -216,6 +220,7 @@ class PlannedLoop:
             np.random.set_state(end_state)
             state = self.state
         outputs = list(final_arrays) + per_step.stacked(self.same)
+        self.full_outputs = per_step.full()
         self.output_rows = per_step  # the last rows of outputs that are the carry join on
         try:
             return self._record(carry_leaves, outputs, len(final_arrays))
@@ -237,7 +242,8 @@ class PlannedLoop:
         snapshots, and tape the steps of that reverse action when they end the loop; returns
         every step's outputs (arrays) up to where it stopped. The loop's first run draws from
         the caller's generator, as a plain loop would; a rebuild replays those draws."""
-        per_step = OutputRows(self.loop.n) if rows is None else rows
+        per_step = OutputRows(self.loop.n, lead=self.lead_rows) if rows is None else rows
+        self.lead_rows = ()  # written into the outputs: the entry holds no rows of its own
         if discover:
             return self._forward_prefix(discover, per_step)
         np.random.set_state(self.initial_numpy_state)
@@ -605,7 +611,7 @@ class PlannedLoop:
                 continue
             whole = None if rows is None or part is None else rows.whole(k)
             if whole is not None:  # the part is a view of `whole`, which holds that row too
-                results[n_carry + k] = join_rows(part, carry, whole)
+                results[n_carry + k] = join_rows([part, carry], whole)
                 continue
             row = expand_dims(carry, 0)
             results[n_carry + k] = row if part is None else concatenate([part, row], axis=0)
