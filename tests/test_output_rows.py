@@ -147,7 +147,7 @@ def test_a_scan_keeping_every_step_holds_its_outputs_once():
         h = cad.tanh(h * w + x)
         return h, h
 
-    peak, carry, ys = _forward_peak(step, cad.zeros((128, 64), dtype="float64"), xs, None)
+    peak, _, ys = _forward_peak(step, cad.zeros((128, 64), dtype="float64"), xs, None)
     assert ys.grad_fn is not None and ys.grad_fn.name == "concatenate"
     assert peak < 2.5 * ys.numpy().nbytes
     (g,) = cad.grad(cad.sum(ys * ys), [w])
