@@ -879,8 +879,9 @@ class PlannedLoop:
                     g = adj_ys[k][start - 1]
                     initial[position] = g if initial[position] is None else initial[position] + g
         for key in self.externals:
-            initial[keys[key]] = adj_ext.get(key)
+            initial[keys[key]] = adj_ext.pop(key, None)  # the sink's alone: see below
         sink = Capture(keys, initial=initial, owned=owned, newer_than=segment.seq_before)
+        del initial  # the sink holds its own list of the sums
         if roots:
             backpropagate(roots, retain_graph=retain_graph, create_graph=False, capture=sink)
         captured = sink.values
@@ -962,8 +963,12 @@ class PlannedLoop:
                     g = adj_ys[k][start - 1]
                     initial[position] = g if initial[position] is None else initial[position] + g
         for key, position in external_position.items():
-            initial[position] = adj_ext.get(key)
+            # taken out, not copied: a running sum the sink replaces by a new one (the first
+            # time it adds onto a rule's result, which it may not change in place) is then
+            # freed at once, not kept until the pull-back ends (a weight's size at the peak)
+            initial[position] = adj_ext.pop(key, None)
         sink = Capture({}, initial=initial, owned=owned)
+        del initial  # the sink holds its own list of the sums
         if roots:
             program.pull_back(segment.steps, roots, sink, keys, retain=retain_graph)
         captured = sink.values

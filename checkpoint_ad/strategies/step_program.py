@@ -566,6 +566,9 @@ class StepProgram:
                                 add(position, grad)
                         else:
                             deliver(t, slot, grad)
+                        # delivered: let go, so that the next rule's result is not made while
+                        # this one is still held (a weight's gradient each: the peak's size)
+                        grad = previous = None
                     if not as_is and not retain:  # an announced entry is freed after its
                         step.release(i)  # rules ran, as the recorded tape frees it
                 del pending[t]
