@@ -275,7 +275,8 @@ def _replayed(
         roots = _replay_roots(program, arrays, outputs)
         start = time.perf_counter()
         if roots:
-            program.pull_back(segment, roots, Capture({}, initial=[None] * len(keys)), keys)
+            program.pull_back(segment, roots,
+                              Capture({}, initial=[None] * len(keys), owned={}), keys)
         backwards.append(time.perf_counter() - start)
     return median(runs) / steps, median(tapes) / steps, median(backwards) / steps, held
 
@@ -353,7 +354,8 @@ def _traced_step_bytes(
         with random.replaying(engine_state):
             segment, outputs, arrays = _taped_segment(program, initial, xs, after_step)
             roots = _replay_roots(program, arrays, outputs)
-            sink = Capture({}, initial=[None] * len(keys))
+            # sums added into in place, as the plan executor's are (its `owned`)
+            sink = Capture({}, initial=[None] * len(keys), owned={})
             before = tracemalloc.get_traced_memory()[0]
             tracemalloc.reset_peak()
             if roots:
