@@ -4,8 +4,10 @@ Why: a loop that kept each step's output rows until its end, then stacked them, 
 row's array object (about 220 bytes each beyond its data: a 10**6-step loop returning a loss
 per step held over 200 MB of them) and, while stacking, the rows and the stack at once: twice
 the outputs' bytes at the forward's end, where most plans' tapes peak too. Writing each row
-into its place as it arrives holds the outputs once. Loops of unknown length (`until`), and
-outputs whose rows change shape, dtype or array type, keep their rows and stack them.
+into its place as it arrives holds the outputs once. Loops of unknown length (`until`) write
+rows into chunks (doubling, up to a MiB each), joined once the length is known (no row objects; the
+join holds the outputs twice for a moment, as stacking did). Outputs whose rows change shape,
+dtype or array type keep their rows and stack them.
 
 An output that is the carry itself (RNNs return ``h, h``) leaves the loop's entry without its
 last row, which is joined on after the entry (see `PlannedLoop._last_rows_from_carry`); and a
@@ -16,6 +18,7 @@ into) one array that holds every row, so `join_rows` records each join without a
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -38,7 +41,9 @@ class OutputRows:
         self.count = 0
         self.lead = len(lead)
         self.arrays: list[Any] | None = None  # lead + n rows per output (None: absent)
-        self.rows: list[list[Any]] | None = None if n is not None else []  # rows kept instead
+        self.rows: list[list[Any]] | None = None  # rows kept instead (unlike rows)
+        self.chunks: list[list[Any]] = []  # unknown length: per chunk, arrays per output
+        self.filled = 0  # rows written into the last chunk
         if lead and n is not None and keep:
             self._allocate(lead[0])
             if all(_fits(self.arrays, ys) for ys in lead):
@@ -70,6 +75,9 @@ class OutputRows:
         if self.rows is not None:
             self.rows.append(ys)
             return
+        if self.n is None:
+            self._append_growing(ys)
+            return
         if self.arrays is None:
             self._allocate(ys)
         arrays = self.arrays
@@ -84,6 +92,48 @@ class OutputRows:
         self.arrays, self.lead = None, 0
         self.rows.append(ys)
 
+    def _append_growing(self, ys: list[Any]) -> None:
+        chunk = self.chunks[-1] if self.chunks else None
+        if chunk is None or self.filled == _capacity(chunk):
+            rows = self.count - 1  # written so far: chunks double up to about a MiB
+            chunk = [None if y is None else namespace(y).empty((_chunk_rows(y, rows), *y.shape),
+                                                                 dtype=y.dtype) for y in ys]
+            self.chunks.append(chunk)
+            self.filled = 0
+        if not _fits(chunk, ys):
+            self.rows = self._growing_rows()
+            self.chunks, self.filled = [], 0
+            self.rows.append(ys)
+            return
+        for array, y in zip(chunk, ys):
+            if array is not None:
+                array[self.filled] = y
+        self.filled += 1
+
+    def _growing_rows(self) -> list[list[Any]]:
+        rows = []
+        for i, chunk in enumerate(self.chunks):
+            used = self.filled if i == len(self.chunks) - 1 else _capacity(chunk)
+            rows.extend([[None if a is None else a[s] for a in chunk] for s in range(used)])
+        return rows
+
+    def _join_chunks(self) -> None:
+        """Once a loop of unknown length ends: its chunks as one array per output."""
+        self.n = self.count
+        if not self.chunks:
+            self.rows = []
+            return
+        last = len(self.chunks) - 1
+        arrays = []
+        for k, first in enumerate(self.chunks[0]):
+            if first is None:
+                arrays.append(None)
+                continue
+            parts = [chunk[k] if i < last else chunk[k][:self.filled]
+                     for i, chunk in enumerate(self.chunks)]
+            arrays.append(namespace(first).concat(parts, axis=0))
+        self.arrays, self.chunks, self.filled = arrays, [], 0
+
     def extend(self, per_step: Iterable[list[Any]]) -> None:
         for ys in per_step:
             self.append(ys)
@@ -92,6 +142,8 @@ class OutputRows:
         """Per output: its rows as one array (None: absent, or no rows); an output in `same`
         (the carry itself) without its last row. With rows written in place, such an output
         is a view of `whole(k)`, whose last row is the last step's (the final carry)."""
+        if self.n is None and self.rows is None:
+            self._join_chunks()
         if self.rows is not None:
             out: list[Any] = []
             for k, column in enumerate(columns(self.rows)):
@@ -114,6 +166,20 @@ class OutputRows:
         """Per output, the array of every row, the lead rows first (None when rows were not
         written in place)."""
         return None if self.arrays is None else list(self.arrays)
+
+
+CHUNK_BYTES = 1 << 20
+"""The most bytes of one chunk of an output's rows in a loop of unknown length: chunks hold
+as many rows as were written before them (at least 16), up to this (at least 16 rows)."""
+
+
+def _chunk_rows(y: Any, written: int) -> int:
+    return max(16, min(written, CHUNK_BYTES // max(int(y.nbytes), 1)))
+
+
+def _capacity(chunk: list[Any]) -> int:
+    """Rows a chunk holds (a chunk of absent outputs only: no bound, nothing is written)."""
+    return next((a.shape[0] for a in chunk if a is not None), sys.maxsize)
 
 
 def _fits(arrays: list[Any], ys: list[Any]) -> bool:
