@@ -51,7 +51,9 @@ def _unflatten(spec: Any, leaves: Iterator[Any]) -> Any:
     kind, parts = spec
     if kind is dict:
         return {k: _unflatten(s, leaves) for k, s in parts}
-    return kind(_unflatten(s, leaves) for s in parts)
+    # from a list, not a generator: a tuple built from a generator is sized by a guess and
+    # shrunk, and once freed joins the interpreter's free list for good (one per loop step)
+    return kind([_unflatten(s, leaves) for s in parts])
 
 
 def index_tree(xs: Any, i: int) -> Any:
@@ -61,7 +63,7 @@ def index_tree(xs: Any, i: int) -> Any:
     if isinstance(xs, dict):
         return {key: index_tree(value, i) for key, value in xs.items()}
     if isinstance(xs, (tuple, list)):
-        return type(xs)(index_tree(value, i) for value in xs)
+        return type(xs)([index_tree(value, i) for value in xs])  # see `_unflatten`
     return xs[i]
 
 
