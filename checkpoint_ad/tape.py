@@ -180,7 +180,7 @@ class Primitive:
             return [grad]
         if self.variadic:
             rule = form.rules["xs"]
-            args = (tuple(values[f"x{i}"] for i in range(len(nodes))),) if rule.needs else ()
+            args = (tuple([values[f"x{i}"] for i in range(len(nodes))]),) if rule.needs else ()
             return [
                 rule.rule(g, i, *args, **attrs) if node is not None else None
                 for i, node in enumerate(nodes)
@@ -305,9 +305,9 @@ def _append(
         entry.out_meta = meta
         results = [make_tensor(out, entry, 0, counter)]
     else:
-        entry.out_meta = tuple(
+        entry.out_meta = tuple([  # from a list: see `backend.broadcast_axes`
             ((), None) if a is None else (tuple(a.shape), a.dtype) for a in outputs
-        )
+        ])
         results = [
             None if a is None else make_tensor(a, entry, i, counter)
             for i, a in enumerate(outputs)
