@@ -413,15 +413,20 @@ class _Recorder:
             self._count_packed()
         self.before_step = list(self.pending) if self.pending else ()
 
-    def _replayed(self, payload: tuple[Any, list[Any], list[Any], tuple[int, ...]]) -> None:
+    def _replayed(self, payload: tuple[Any, list[Any], list[Any], tuple[int, ...],
+                                      list[Any] | None]) -> None:
         """A replayed loop step, counted as `_record` would count the entries that recording
         it would have made, instruction by instruction, in their order (`DescribedStep`, in
         step_program.py, says what each would hold, the same for every step; the event brings
-        this step's saved buffers and values, and `made`: the carry slots the previous step
-        made, graph values rather than leaves). The values it packed are counted in order
+        this step's saved buffers and values, `made`: the carry slots the previous step
+        made, graph values rather than leaves, and `fresh`: the buffers it made, in order,
+        when their 'pack' events were not sent). The values it packed are counted in order
         with them: each instruction's before its record, as their 'pack' events were."""
-        step, saved, values, made = payload
-        if self.foreign:
+        step, saved, values, made, fresh = payload
+        if fresh:  # what their 'pack' events would have done, in the order they were made
+            for buffer in fresh:
+                self._pack(buffer)
+        elif self.foreign:
             self.watch.drain()
         profile, phase, points = self.profile, self.phase, self.points
         recomputing = phase == "recompute"

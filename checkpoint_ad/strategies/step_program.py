@@ -400,14 +400,18 @@ class StepProgram:
         output: saved with the primitive's packer, not as a leaf, sharing its buffers;
         `carry_tensors` says the same of a carry made by a step recorded on the tape (these
         are its tensors, whose buffers the step shares)."""
-        if self.tape_as_is is not None and not events.hears("replayed"):
+        announce = events.hears("replayed")
+        if self.tape_as_is is not None and not announce:
             return self._tape_as_is(carry, x)
         values = self._start(carry, x)
         xp = _namespace_of(values)
         saved: list[Any] = [None] * len(self.instructions)
-        entries: list[Any] = (
-            [None] * len(self.instructions) if events.hears("replayed") else [])
-        described = _step_begins(self) if entries else None
+        described = _step_begins(self) if announce else None
+        # the buffers it makes, handed to a profiler listening alone in its 'replayed' event
+        # (None: each announced by a 'pack' event), where every value is kept as it is (no
+        # packer's events, such as an offload's writes, to interleave with their 'pack')
+        made = [] if announce and self.tape_as_is is not None and events.taken_directly() \
+            else None
         buffers: dict[tuple[int, int], Any] = {}
         chained = carry_tensors is not None or previous is not None
         if previous is not None:
@@ -427,26 +431,25 @@ class StepProgram:
             for s in ins.saved:
                 slot = ins.output if s.position < 0 else ins.inputs[s.position]
                 packer = s.chained if chained and slot in self.carry_in else s.packer
-                if type(packer) is KeepAll and not entries:
+                if type(packer) is KeepAll and not announce:
                     kept.append(values[slot])
                     continue
                 constant = self.constant_tensors.get(slot)
                 if constant is None and carry_tensors is not None and slot in self.carry_in:
                     constant = carry_tensors[slot]
                 if constant is not None:
-                    kept.append(buffer_for(constant, packer))
+                    kept.append(buffer_for(constant, packer, made))
                     continue
                 key = (slot, id(packer))
                 buffer = buffers.get(key)
                 if buffer is None:
-                    buffer = buffers[key] = pack_value(values[slot], packer)
+                    buffer = buffers[key] = pack_value(values[slot], packer, made)
                 kept.append(buffer)
             saved[i] = kept
-            if entries:
-                entries[i] = _Announced(kept)
-        if entries:
-            events.emit("replayed", (described, saved, values, self.carry_in if chained else ()))
-        return ReplayedStep(values, saved, entries, buffers)
+        if announce:
+            events.emit("replayed", (described, saved, values,
+                                     self.carry_in if chained else (), made))
+        return ReplayedStep(values, saved, announce, buffers)
 
     def _tape_as_is(self, carry: list[Any], x: list[Any]) -> ReplayedStep:
         """`tape` where every saved value is kept as it is (`KeepAll`) and no profiler hears
@@ -458,7 +461,7 @@ class StepProgram:
             values[output] = forward(values, xp)
             if as_is is not None:
                 saved[i] = tuple(map(values.__getitem__, as_is))  # no frame per call
-        return ReplayedStep(values, saved, [], {}, as_is=True)
+        return ReplayedStep(values, saved, False, {}, as_is=True)
 
     # ------------------------------------------------------------- backward
     def pull_back(
@@ -574,13 +577,15 @@ class StepProgram:
 class ReplayedStep:
     """One replayed step's values and what its backward rules read."""
 
-    __slots__ = ("as_is", "buffers", "entries", "saved", "values")
+    __slots__ = ("announced", "as_is", "buffers", "saved", "values")
 
-    def __init__(self, values: list[Any], saved: list[Any], entries: list[Any],
+    def __init__(self, values: list[Any], saved: list[Any], announced: bool,
                  buffers: dict[tuple[int, int], Any], as_is: bool = False) -> None:
         self.values = values
         self.saved = saved
-        self.entries = entries
+        # a profiler heard of its entries: each one's saved values are released one by one in
+        # slot order, as a recorded entry's are, so it sees them freed in the same order
+        self.announced = announced
         self.buffers = buffers  # (slot, id(packer)) -> packed buffer, shared with the next step
         # every saved value is the array itself (no buffer to unpack) and no entry announced
         self.as_is = as_is
@@ -591,10 +596,11 @@ class ReplayedStep:
                 else v for v in self.saved[i]]
 
     def release(self, i: int) -> None:
+        kept = self.saved[i]
         self.saved[i] = None
-        if self.entries and self.entries[i] is not None:
-            self.entries[i].release()
-            self.entries[i] = None
+        if self.announced and kept:  # (a list dropped at once frees its last item first)
+            kept.reverse()
+            kept.clear()
 
     def output(self, slots: tuple[int, ...]) -> list[Any]:
         return [None if s < 0 else self.values[s] for s in slots]
@@ -680,21 +686,6 @@ def _describe(program: StepProgram, ins: Instruction) -> Described:
         tuple(slot for slot, needed in zip(ins.inputs, ins.mask)
               if needed and program.leaf[slot]),
     )
-
-
-class _Announced:
-    """What a replayed step keeps of an announced instruction: its saved values, released one
-    by one in slot order as a recorded entry's are, so a profiler sees them freed in the same
-    order (dropping the list at once would free them last first)."""
-
-    __slots__ = ("kept",)
-
-    def __init__(self, kept: list[Any]) -> None:
-        self.kept = kept
-
-    def release(self) -> None:
-        self.kept.reverse()  # a list clears last item first: reversed, it frees in slot order
-        self.kept.clear()
 
 
 def traced_call(loop: Any, t: int, carry: list[Any], x: Any) -> tuple[list[Any], list[Any], Trace]:
