@@ -346,6 +346,9 @@ class StepProgram:
         self.backward_rules = tuple(
             (i, self.instructions[i].output, compile_rules(self.instructions[i]))
             for i in self.backward_order)
+        # `_tape_kept`'s layouts, made when first needed: first step, chained to a replayed
+        # step, chained to a recorded one
+        self.layouts: list[KeptLayout | None] = [None, None, None]
         self.delivery = delivery_kinds(self.n_slots, self.carry_in, self.x_in, self.constants,
                                        self.requires_grad, self.leaf)
 
@@ -401,24 +404,17 @@ class StepProgram:
         `carry_tensors` says the same of a carry made by a step recorded on the tape (these
         are its tensors, whose buffers the step shares)."""
         announce = events.hears("replayed")
-        if self.tape_as_is is not None and not announce:
-            return self._tape_as_is(carry, x)
+        if self.tape_as_is is not None:
+            if not announce:
+                return self._tape_as_is(carry, x)
+            if events.taken_directly():
+                return self._tape_kept(carry, x, previous, carry_tensors)
         values = self._start(carry, x)
         xp = _namespace_of(values)
         saved: list[Any] = [None] * len(self.instructions)
         described = _step_begins(self) if announce else None
-        # the buffers it makes, handed to a profiler listening alone in its 'replayed' event
-        # (None: each announced by a 'pack' event), where every value is kept as it is (no
-        # packer's events, such as an offload's writes, to interleave with their 'pack')
-        made = [] if announce and self.tape_as_is is not None and events.taken_directly() \
-            else None
-        buffers: dict[tuple[int, int], Any] = {}
         chained = carry_tensors is not None or previous is not None
-        if previous is not None:
-            for k, s in enumerate(self.carry_out):
-                for (slot, pid), buffer in previous.buffers.items():
-                    if slot == s and s >= 0:
-                        buffers[(k, pid)] = buffer
+        buffers = self._carried(previous)
         forwards = self.forwards
         for i, ins in enumerate(self.instructions):
             prim = ins.prim
@@ -438,18 +434,66 @@ class StepProgram:
                 if constant is None and carry_tensors is not None and slot in self.carry_in:
                     constant = carry_tensors[slot]
                 if constant is not None:
-                    kept.append(buffer_for(constant, packer, made))
+                    kept.append(buffer_for(constant, packer))
                     continue
                 key = (slot, id(packer))
                 buffer = buffers.get(key)
                 if buffer is None:
-                    buffer = buffers[key] = pack_value(values[slot], packer, made)
+                    buffer = buffers[key] = pack_value(values[slot], packer)
                 kept.append(buffer)
             saved[i] = kept
         if announce:
             events.emit("replayed", (described, saved, values,
-                                     self.carry_in if chained else (), made))
+                                     self.carry_in if chained else (), None))
         return ReplayedStep(values, saved, announce, buffers)
+
+    def _carried(self, previous: ReplayedStep | None) -> dict[tuple[int, int], Any]:
+        """A step's buffers by (slot, id(packer)) as it begins: those of the new carry that
+        `previous` packed, under its carry slots."""
+        buffers: dict[tuple[int, int], Any] = {}
+        if previous is not None:
+            for k, s in enumerate(self.carry_out):
+                for (slot, pid), buffer in previous.buffers.items():
+                    if slot == s and s >= 0:
+                        buffers[(k, pid)] = buffer
+        return buffers
+
+    def _tape_kept(self, carry: list[Any], x: list[Any], previous: ReplayedStep | None,
+                   carry_tensors: list[Any] | None) -> ReplayedStep:
+        """`tape` where every value is kept as it is and a profiler listens alone: the step
+        runs as `_tape_as_is` (its backward reads the arrays), then makes its buffers in the
+        order `tape` would (`KeptLayout`: each distinct buffer once), held per instruction
+        until its backward rules ran, and hands the new ones to the profiler in its
+        'replayed' event rather than one 'pack' event each. They are `tape`'s buffers, shared
+        as `tape` shares them, so the profile and the order of frees are the same."""
+        described = _step_begins(self)
+        step = self._tape_as_is(carry, x)
+        values = step.values
+        mode = 2 if carry_tensors is not None else 1 if previous is not None else 0
+        layout = self.layouts[mode]
+        if layout is None:
+            layout = self.layouts[mode] = kept_layout(self, mode)
+        tensors = self.constant_tensors if carry_tensors is None else {
+            **self.constant_tensors, **dict(zip(self.carry_in, carry_tensors))}
+        made: list[Any] = []
+        buffers = step.buffers = self._carried(previous)
+        ordered = []
+        for slot, key, packer in layout.sources:
+            if key is None:  # a tensor's array: its buffer, shared with its recorded entries
+                buffer = buffer_for(tensors[slot], packer, made)
+            else:
+                buffer = buffers.get(key)
+                if buffer is None:
+                    buffer = buffers[key] = pack_value(values[slot], packer, made)
+            ordered.append(buffer)
+        get = ordered.__getitem__
+        held: list[Any] = [None] * len(self.instructions)
+        for i, at in layout.held:
+            held[i] = list(map(get, at))
+        step.held = held
+        events.emit("replayed", (described, held, values,
+                                 self.carry_in if mode else (), made))
+        return step
 
     def _tape_as_is(self, carry: list[Any], x: list[Any]) -> ReplayedStep:
         """`tape` where every saved value is kept as it is (`KeepAll`) and no profiler hears
@@ -529,6 +573,8 @@ class StepProgram:
                     continue
                 kept = step.saved
                 as_is = step.as_is
+                held = step.held
+                frees = held is not None or not as_is  # its instructions free saved values
                 for i, output, rules in self.backward_rules:
                     g = grads[output]
                     if g is None:
@@ -566,8 +612,15 @@ class StepProgram:
                                 add(position, grad)
                         else:
                             deliver(t, slot, grad)
-                    if not as_is and not retain:  # an announced entry is freed after its
-                        step.release(i)  # rules ran, as the recorded tape frees it
+                    if frees and not retain:  # an announced entry is freed after its
+                        if held is None:  # rules ran, as the recorded tape frees it
+                            step.release(i)
+                        else:  # `release`'s, for buffers held beside the arrays
+                            buffers = held[i]
+                            if buffers:
+                                held[i] = None
+                                buffers.reverse()
+                                buffers.clear()
                 del pending[t]
         finally:
             if events.listeners:
@@ -577,12 +630,15 @@ class StepProgram:
 class ReplayedStep:
     """One replayed step's values and what its backward rules read."""
 
-    __slots__ = ("announced", "as_is", "buffers", "saved", "values")
+    __slots__ = ("announced", "as_is", "buffers", "held", "saved", "values")
 
     def __init__(self, values: list[Any], saved: list[Any], announced: bool,
                  buffers: dict[tuple[int, int], Any], as_is: bool = False) -> None:
         self.values = values
         self.saved = saved
+        # with `as_is`, the buffers a profiler watches of the arrays in `saved`, per
+        # instruction (`_tape_kept`): freed when its rules ran, as `release` frees (None: none)
+        self.held: list[Any] | None = None
         # a profiler heard of its entries: each one's saved values are released one by one in
         # slot order, as a recorded entry's are, so it sees them freed in the same order
         self.announced = announced
@@ -622,6 +678,44 @@ def _kept_as_is(ins: Instruction) -> tuple[int, ...] | None:
     ):
         return None
     return tuple(ins.output if s.position < 0 else ins.inputs[s.position] for s in ins.saved)
+
+
+@dataclass(frozen=True, slots=True)
+class KeptLayout:
+    """Where a step's buffers come from when every value is kept as it is, the same for every
+    step of one kind (`StepProgram.layouts`): each distinct buffer once, in the order `tape`
+    packs them, as (slot, key, packer) (key None: the buffer of a tensor's array, a constant
+    or a recorded step's carry; else its key in the step's buffers), and per instruction the
+    positions of the buffers it saves in that order."""
+
+    sources: tuple[tuple[int, tuple[int, int] | None, Any], ...]
+    held: tuple[tuple[int, tuple[int, ...]], ...]  # (instruction, positions) where it saves
+
+
+def kept_layout(program: StepProgram, mode: int) -> KeptLayout:
+    """`tape`'s choice of buffer for every saved value, made once: `mode` 0 for a step whose
+    carry comes from arrays, 1 for one chained to a replayed step, 2 to a recorded one."""
+    chained, tensors = mode > 0, set(program.constant_tensors)
+    if mode == 2:
+        tensors |= set(program.carry_in)
+    sources: list[tuple[int, tuple[int, int] | None, Any]] = []
+    position: dict[Any, int] = {}
+    held: list[tuple[int, tuple[int, ...]]] = []
+    for i, ins in enumerate(program.instructions):
+        if ins.prim is None or type(ins.prim) is Draw or not ins.taped or not ins.saved:
+            continue
+        at = []
+        for s in ins.saved:
+            slot = ins.output if s.position < 0 else ins.inputs[s.position]
+            packer = s.chained if chained and slot in program.carry_in else s.packer
+            key = None if slot in tensors else (slot, id(packer))
+            found = ("tensor", slot) if key is None else key
+            if found not in position:
+                position[found] = len(sources)
+                sources.append((slot, key, packer))
+            at.append(position[found])
+        held.append((i, tuple(at)))
+    return KeptLayout(tuple(sources), tuple(held))
 
 
 def _namespace_of(values: list[Any]) -> Any:
