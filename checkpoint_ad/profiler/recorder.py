@@ -423,11 +423,10 @@ class _Recorder:
         when their 'pack' events were not sent). The values it packed are counted in order
         with them: each instruction's before its record, as their 'pack' events were."""
         step, saved, values, made, fresh = payload
-        if fresh:  # what their 'pack' events would have done, in the order they were made
-            for buffer in fresh:
-                self._pack(buffer)
-        elif self.foreign:
+        if self.foreign:
             self.watch.drain()
+        if fresh:
+            self._adopt(fresh)
         profile, phase, points = self.profile, self.phase, self.points
         recomputing = phase == "recompute"
         packed, self.packed = self.packed, []
@@ -466,6 +465,30 @@ class _Recorder:
         if at < n_packed:  # packed by none of its instructions (not expected): as at an event
             self.packed = packed[at:] + self.packed
             self._count_packed()
+
+    def _adopt(self, fresh: list[Any]) -> None:
+        """What the 'pack' events of a replayed step's new buffers would have done, in the
+        order it made them (`_pack`'s, in one loop: they are all kept as they are, stored by
+        reference, so each waits in `pending` for its first record)."""
+        if self.sampling:
+            for buffer in fresh:
+                self._pack(buffer)
+            return
+        tracked_of, counter, pending, free = self.tracked, self.counter, self.pending, self._free
+        originals = self.originals if self.phase == "forward" else None
+        for buffer in fresh:
+            key = id(buffer)
+            serial = next(counter)
+            tracked = tracked_of[key] = Tracked(buffer, free)
+            tracked.key, tracked.serial, tracked.counted, tracked.born_at = key, serial, False, None
+            tracked.level, tracked.stored_id, tracked.evicted, tracked.fields = (
+                None, None, None, None)
+            if originals is not None:
+                try:  # noqa: SIM105 (see `_pack`)
+                    originals[serial] = weakref.ref(buffer.packed)
+                except TypeError:
+                    pass
+            pending[key] = buffer
 
     def _replayed_leaves(self, leaves: tuple[int, ...], values: list[Any],
                          made: tuple[int, ...]) -> None:
@@ -507,7 +530,8 @@ class _Recorder:
     def _count_by_reference(self, tracked: Tracked, array: Any, owned: bool,
                             fields: tuple[Any, ...]) -> None:
         """`_count` of a buffer stored by reference (`array`), at its first record, which
-        found its `fields` and whether it is `owned`."""
+        found its `fields` and whether it is `owned` (inline in `_saved` and `_kept`, whose
+        every saved value would pay for the call)."""
         root_id = None
         size = fields[3]
         if owned:
@@ -566,11 +590,28 @@ class _Recorder:
             else:
                 shape, dtype, logical, stored, strategy = self._fields(buffer, array)
             if tracked is not None and self.pending.pop(key, None) is not None:
-                # its first record (most saved values)
-                self._count_by_reference(tracked, array, owned,
-                                         (shape, dtype, logical, stored, strategy))
-                if owned and root is not array:
-                    self._note_view(buffer, tracked.serial, root)
+                # `_count_by_reference`, inline (most saved values, one call fewer each)
+                root_id = None
+                size = stored
+                if owned:
+                    root_id = id(array)
+                    roots = self.roots
+                    held = roots.get(root_id, 0)
+                    if held:
+                        size = 0
+                    roots[root_id] = held + 1
+                tracked.counted, tracked.owned, tracked.size, tracked.root_id = (
+                    True, owned, size, root_id)
+                tracked.fields = (shape, dtype, logical, stored, strategy)
+                if owned:
+                    tracked.born_at, tracked.born_size = len(self.points), size
+                    self.live += size
+                    if self.live > self.peak:
+                        self._new_peak()
+                    if root is not array:
+                        self._note_view(buffer, tracked.serial, root)
+                else:
+                    self._add(False, size)
                 self.raw_records.extend((
                     op, role, shape, dtype, logical, stored, frame, tracked.serial, phase,
                     owned, "device", strategy))
