@@ -83,9 +83,9 @@ def emit(kind: str, payload: Any) -> None:
     'replayed' (a loop step replayed from its step program begins / ended, sent only while
     'replayed' is heard: the step's `DescribedStep`, its saved values per instruction, its
     values and the carry slots the previous step made; what recording the step would have
-    sent as 'record' and 'apply' events, one event per step; with the buffers the step made,
-    in the order it made them, where their 'pack' events were not sent: see
-    `taken_directly`).
+    sent as 'record' and 'apply' events, one event per step; and the buffers the step made,
+    in the order it made them, when it sent no 'pack' event for them (see `taken_directly`),
+    else None).
     """
     sole = _sole.get(kind)
     if sole is not None:
