@@ -83,7 +83,9 @@ def emit(kind: str, payload: Any) -> None:
     'replayed' (a loop step replayed from its step program begins / ended, sent only while
     'replayed' is heard: the step's `DescribedStep`, its saved values per instruction, its
     values and the carry slots the previous step made; what recording the step would have
-    sent as 'record' and 'apply' events, one event per step).
+    sent as 'record' and 'apply' events, one event per step; and the buffers the step made,
+    in the order it made them, when it sent no 'pack' event for them (see `taken_directly`),
+    else None).
     """
     sole = _sole.get(kind)
     if sole is not None:
@@ -125,6 +127,15 @@ def hears(kind: str) -> bool:
         route = _catch_all(kind)
     thread = threading.get_ident()
     return any(subscriber == thread for subscriber, _ in route)
+
+
+def taken_directly() -> bool:
+    """Whether the calling thread's events go to one listener alone that takes entries
+    directly (`kept_record`, the profiler's): what only that listener reads may then be handed
+    to it in bulk (a replayed step's new saved buffers, in its 'replayed' event) rather than
+    announced one event each."""
+    heard = kept_record
+    return heard is not None and heard[0] == get_ident()
 
 
 def _catch_all(kind: str) -> tuple[tuple[int, Handler], ...]:

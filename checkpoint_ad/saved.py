@@ -234,8 +234,9 @@ class PackedBuffer(SavedBuffer):
         return array
 
 
-def buffer_for(tensor: Any, packer: Any) -> SavedBuffer:
-    """The buffer holding `tensor`'s array under `packer`, packing it on first use.
+def buffer_for(tensor: Any, packer: Any, made: list[Any] | None = None) -> SavedBuffer:
+    """The buffer holding `tensor`'s array under `packer`, packing it on first use
+    (`pack_value`, `made` passed on).
 
     The tensor keeps a weak reference to its latest buffer, so a value saved by several entries
     (a matmul input that is also a tanh output) is packed and stored once, and the buffer dies
@@ -249,15 +250,21 @@ def buffer_for(tensor: Any, packer: Any) -> SavedBuffer:
         buffer = ref()
         if buffer is not None and buffer.packer is packer and buffer.holds(array):
             return buffer
-    buffer = pack_value(array, packer)
+    buffer = pack_value(array, packer, made)
     tensor._saved_ref = weakref.ref(buffer)
     return buffer
 
 
-def pack_value(array: Any, packer: Strategy) -> SavedBuffer:
-    """Store `array` under `packer`: the one place a saved buffer is made (and announced)."""
+def pack_value(array: Any, packer: Strategy, made: list[Any] | None = None) -> SavedBuffer:
+    """Store `array` under `packer`: the one place a saved buffer is made (and announced).
+
+    With `made`, the buffer is appended to it instead of announced: a replayed step heard by a
+    profiler alone hands its new buffers over in bulk, in its 'replayed' event (a 'pack' event
+    per value, and a 'free' watch nobody else asked for, would cost more than the step)."""
     buffer = KeptBuffer(array) if type(packer) is KeepAll else PackedBuffer(array, packer)
-    if events.listeners:
+    if made is not None:
+        made.append(buffer)
+    elif events.listeners:
         events.emit("pack", buffer)
         if "free" in events.wanted and events.hears("free"):
             _watch(buffer)

@@ -127,7 +127,7 @@ def test_a_replayed_step_is_one_event_and_makes_no_entries():
         replayed = steps - 2  # steps 0 and 1 are recorded (traced)
         assert kinds.count("replaying") == kinds.count("replayed") == replayed
         assert len({id(step) for step, *_ in payloads}) == 1  # described once per program
-        step, saved, values, _ = payloads[0]
+        step, saved, values, _, _ = payloads[0]
         assert all(len(d.saved) == len(kept) for d, kept in zip(step.instructions, saved)
                    if d is not None)
         assert not any(isinstance(v, cad.Tensor) for v in values)

@@ -413,16 +413,20 @@ class _Recorder:
             self._count_packed()
         self.before_step = list(self.pending) if self.pending else ()
 
-    def _replayed(self, payload: tuple[Any, list[Any], list[Any], tuple[int, ...]]) -> None:
+    def _replayed(self, payload: tuple[Any, list[Any], list[Any], tuple[int, ...],
+                                      list[Any] | None]) -> None:
         """A replayed loop step, counted as `_record` would count the entries that recording
         it would have made, instruction by instruction, in their order (`DescribedStep`, in
         step_program.py, says what each would hold, the same for every step; the event brings
-        this step's saved buffers and values, and `made`: the carry slots the previous step
-        made, graph values rather than leaves). The values it packed are counted in order
+        this step's saved buffers and values, `made`: the carry slots the previous step
+        made, graph values rather than leaves, and `fresh`: the buffers it made, in order,
+        when their 'pack' events were not sent). The values it packed are counted in order
         with them: each instruction's before its record, as their 'pack' events were."""
-        step, saved, values, made = payload
+        step, saved, values, made, fresh = payload
         if self.foreign:
             self.watch.drain()
+        if fresh:
+            self._adopt(fresh)
         profile, phase, points = self.profile, self.phase, self.points
         recomputing = phase == "recompute"
         packed, self.packed = self.packed, []
@@ -431,37 +435,122 @@ class _Recorder:
         profile.primitives += step.primitives
         if recomputing:
             profile.recomputed_primitives += step.primitives
-        saved_value, leaf_roots = self._saved, self.leaf_roots
+        forward = phase == "forward"
+        # one clock reading for the step's points (read again after a point of its own): a
+        # step's instructions are announced at once, at its end
+        now = perf_counter()
         for described, kept in zip(step.instructions, saved):
             if described is None:
                 continue
-            if phase == "forward":
-                for slot in described.leaves:
-                    if slot not in made:  # a carry the previous step made is no leaf
-                        array = values[slot]
-                        known = leaf_roots.get(id(array))
-                        if known is None or known() is not array:  # else: known already
-                            self._learn_leaf(array)
-            if at < n_packed:
-                for buffer in kept:
-                    if at < n_packed and packed[at] is buffer:
-                        self._count(buffer, self.tracked[id(buffer)], owned=True)
-                        points.extend((perf_counter(), self.live, phase))
-                        at += 1
-            op, frame = described.op, described.origin
-            for (role, slot, unedged), buffer in zip(described.saved, kept):
-                saved_value(op, role, frame, phase, buffer, unedged and slot not in made)
+            if forward and described.leaves:
+                self._replayed_leaves(described.leaves, values, made)
+            if kept:
+                if at < n_packed:
+                    for buffer in kept:
+                        if at < n_packed and packed[at] is buffer:
+                            self._count(buffer, self.tracked[id(buffer)], owned=True)
+                            points.extend((perf_counter(), self.live, phase))
+                            at += 1
+                    now = perf_counter()
+                self._replayed_values(described, kept, phase, made)
             # the step's own buffers stored by reference wait for their instructions; those
             # from before it that its first one did not claim are claimed now, as its first
             # 'record' would have
             if before and any(key in self.pending for key in before):
                 self._claim_pending(before)
+                now = perf_counter()
             else:
-                points.extend((perf_counter(), self.live, phase))
+                points.extend((now, self.live, phase))
             before = ()
         if at < n_packed:  # packed by none of its instructions (not expected): as at an event
             self.packed = packed[at:] + self.packed
             self._count_packed()
+
+    def _adopt(self, fresh: list[Any]) -> None:
+        """What the 'pack' events of a replayed step's new buffers would have done, in the
+        order it made them (`_pack`'s, in one loop: they are all kept as they are, stored by
+        reference, so each waits in `pending` for its first record)."""
+        if self.sampling:
+            for buffer in fresh:
+                self._pack(buffer)
+            return
+        tracked_of, counter, pending, free = self.tracked, self.counter, self.pending, self._free
+        originals = self.originals if self.phase == "forward" else None
+        for buffer in fresh:
+            key = id(buffer)
+            serial = next(counter)
+            tracked = tracked_of[key] = Tracked(buffer, free)
+            tracked.key, tracked.serial, tracked.counted, tracked.born_at = key, serial, False, None
+            tracked.level, tracked.stored_id, tracked.evicted, tracked.fields = (
+                None, None, None, None)
+            if originals is not None:
+                try:  # noqa: SIM105 (see `_pack`)
+                    originals[serial] = weakref.ref(buffer.packed)
+                except TypeError:
+                    pass
+            pending[key] = buffer
+
+    def _replayed_leaves(self, leaves: tuple[int, ...], values: list[Any],
+                         made: tuple[int, ...]) -> None:
+        """`_record`'s leaves, for a replayed instruction's leaf slots."""
+        leaf_roots = self.leaf_roots
+        for slot in leaves:
+            if slot not in made:  # a carry the previous step made is no leaf
+                array = values[slot]
+                known = leaf_roots.get(id(array))
+                if known is None or known() is not array:  # else: known already
+                    self._learn_leaf(array)
+
+    def _replayed_values(self, described: Any, kept: list[Any], phase: str,
+                         made: tuple[int, ...]) -> None:
+        """`_saved` for each value one replayed instruction saved. Most are arrays of the
+        step's own, kept as they are: neither a view nor a leaf's array, so owned whatever
+        their edge (`_claimed`), listed here with the fields their first record found;
+        the others go through `_saved`."""
+        op, frame = described.op, described.origin
+        tracked_of, leaf_roots, records = self.tracked.get, self.leaf_roots, self.raw_records
+        for (role, slot, unedged), buffer in zip(described.saved, kept):
+            tracked = tracked_of(id(buffer))
+            if tracked is not None and type(buffer) is KeptBuffer:
+                array = buffer.packed
+                known = leaf_roots.get(id(array))
+                if getattr(array, "base", None) is None and (
+                        known is None or known() is not array):
+                    if not tracked.counted and self.pending.pop(tracked.key, None) is not None:
+                        # its first record
+                        self._count_by_reference(tracked, array, True, self._fields(buffer, array))
+                    fields = tracked.fields
+                    if tracked.counted and tracked.owned and fields is not None:
+                        records.extend((
+                            op, role, fields[0], fields[1], fields[2], fields[3], frame,
+                            tracked.serial, phase, True, tracked.level or "device", fields[4]))
+                        continue
+            self._saved(op, role, frame, phase, buffer, unedged and slot not in made)
+
+    def _count_by_reference(self, tracked: Tracked, array: Any, owned: bool,
+                            fields: tuple[Any, ...]) -> None:
+        """`_count` of a buffer stored by reference (`array`), at its first record, which
+        found its `fields` and whether it is `owned` (inline in `_saved` and `_kept`, whose
+        every saved value would pay for the call)."""
+        root_id = None
+        size = fields[3]
+        if owned:
+            root_id = id(array)
+            roots = self.roots
+            held = roots.get(root_id, 0)
+            if held:
+                size = 0
+            roots[root_id] = held + 1
+        tracked.counted, tracked.owned, tracked.size, tracked.root_id = (
+            True, owned, size, root_id)
+        tracked.fields = fields
+        if owned:
+            tracked.born_at, tracked.born_size = len(self.points), size
+            self.live += size
+            if self.live > self.peak:
+                self._new_peak()
+        else:
+            self._add(False, size)
 
     def _saved(self, op: str, role: str, frame: Any, phase: str, buffer: Any,
                unedged: bool) -> None:
@@ -501,7 +590,7 @@ class _Recorder:
             else:
                 shape, dtype, logical, stored, strategy = self._fields(buffer, array)
             if tracked is not None and self.pending.pop(key, None) is not None:
-                # `_count` of a buffer stored by reference, inline (most saved values)
+                # `_count_by_reference`, inline (most saved values, one call fewer each)
                 root_id = None
                 size = stored
                 if owned:

@@ -349,6 +349,9 @@ class StepProgram:
         self.backward_rules = tuple(
             (i, self.instructions[i].output, compile_rules(self.instructions[i]))
             for i in self.backward_order)
+        # `_tape_kept`'s layouts, made when first needed: first step, chained to a replayed
+        # step, chained to a recorded one
+        self.layouts: list[KeptLayout | None] = [None, None, None]
         self.delivery = delivery_kinds(self.n_slots, self.carry_in, self.x_in, self.constants,
                                        self.requires_grad, self.leaf)
 
@@ -403,21 +406,18 @@ class StepProgram:
         output: saved with the primitive's packer, not as a leaf, sharing its buffers;
         `carry_tensors` says the same of a carry made by a step recorded on the tape (these
         are its tensors, whose buffers the step shares)."""
-        if self.tape_as_is is not None and not events.hears("replayed"):
-            return self._tape_as_is(carry, x)
+        announce = events.hears("replayed")
+        if self.tape_as_is is not None:
+            if not announce:
+                return self._tape_as_is(carry, x)
+            if events.taken_directly():
+                return self._tape_kept(carry, x, previous, carry_tensors)
         values = self._start(carry, x)
         xp = _namespace_of(values)
         saved: list[Any] = [None] * len(self.instructions)
-        entries: list[Any] = (
-            [None] * len(self.instructions) if events.hears("replayed") else [])
-        described = _step_begins(self) if entries else None
-        buffers: dict[tuple[int, int], Any] = {}
+        described = _step_begins(self) if announce else None
         chained = carry_tensors is not None or previous is not None
-        if previous is not None:
-            for k, s in enumerate(self.carry_out):
-                for (slot, pid), buffer in previous.buffers.items():
-                    if slot == s and s >= 0:
-                        buffers[(k, pid)] = buffer
+        buffers = self._carried(previous)
         forwards = self.forwards
         for i, ins in enumerate(self.instructions):
             prim = ins.prim
@@ -430,7 +430,7 @@ class StepProgram:
             for s in ins.saved:
                 slot = ins.output if s.position < 0 else ins.inputs[s.position]
                 packer = s.chained if chained and slot in self.carry_in else s.packer
-                if type(packer) is KeepAll and not entries:
+                if type(packer) is KeepAll and not announce:
                     kept.append(values[slot])
                     continue
                 constant = self.constant_tensors.get(slot)
@@ -445,11 +445,58 @@ class StepProgram:
                     buffer = buffers[key] = pack_value(values[slot], packer)
                 kept.append(buffer)
             saved[i] = kept
-            if entries:
-                entries[i] = _Announced(kept)
-        if entries:
-            events.emit("replayed", (described, saved, values, self.carry_in if chained else ()))
-        return ReplayedStep(values, saved, entries, buffers)
+        if announce:
+            events.emit("replayed", (described, saved, values,
+                                     self.carry_in if chained else (), None))
+        return ReplayedStep(values, saved, announce, buffers)
+
+    def _carried(self, previous: ReplayedStep | None) -> dict[tuple[int, int], Any]:
+        """A step's buffers by (slot, id(packer)) as it begins: those of the new carry that
+        `previous` packed, under its carry slots."""
+        buffers: dict[tuple[int, int], Any] = {}
+        if previous is not None:
+            for k, s in enumerate(self.carry_out):
+                for (slot, pid), buffer in previous.buffers.items():
+                    if slot == s and s >= 0:
+                        buffers[(k, pid)] = buffer
+        return buffers
+
+    def _tape_kept(self, carry: list[Any], x: list[Any], previous: ReplayedStep | None,
+                   carry_tensors: list[Any] | None) -> ReplayedStep:
+        """`tape` where every value is kept as it is and a profiler listens alone: the step
+        runs as `_tape_as_is` (its backward reads the arrays), then makes its buffers in the
+        order `tape` would (`KeptLayout`: each distinct buffer once), held per instruction
+        until its backward rules ran, and hands the new ones to the profiler in its
+        'replayed' event rather than one 'pack' event each. They are `tape`'s buffers, shared
+        as `tape` shares them, so the profile and the order of frees are the same."""
+        described = _step_begins(self)
+        step = self._tape_as_is(carry, x)
+        values = step.values
+        mode = 2 if carry_tensors is not None else 1 if previous is not None else 0
+        layout = self.layouts[mode]
+        if layout is None:
+            layout = self.layouts[mode] = kept_layout(self, mode)
+        tensors = self.constant_tensors if carry_tensors is None else {
+            **self.constant_tensors, **dict(zip(self.carry_in, carry_tensors))}
+        made: list[Any] = []
+        buffers = step.buffers = self._carried(previous)
+        ordered = []
+        for slot, key, packer in layout.sources:
+            if key is None:  # a tensor's array: its buffer, shared with its recorded entries
+                buffer = buffer_for(tensors[slot], packer, made)
+            else:
+                buffer = buffers.get(key)
+                if buffer is None:
+                    buffer = buffers[key] = pack_value(values[slot], packer, made)
+            ordered.append(buffer)
+        get = ordered.__getitem__
+        held: list[Any] = [None] * len(self.instructions)
+        for i, at in layout.held:
+            held[i] = list(map(get, at))
+        step.held = held
+        events.emit("replayed", (described, held, values,
+                                 self.carry_in if mode else (), made))
+        return step
 
     def _tape_as_is(self, carry: list[Any], x: list[Any]) -> ReplayedStep:
         """`tape` where every saved value is kept as it is (`KeepAll`) and no profiler hears
@@ -461,7 +508,7 @@ class StepProgram:
             values[output] = forward(values, xp)
             if saved_of is not None:
                 saved[i] = saved_of(values)
-        return ReplayedStep(values, saved, [], {}, as_is=True)
+        return ReplayedStep(values, saved, False, {}, as_is=True)
 
     # ------------------------------------------------------------- backward
     def pull_back(
@@ -529,6 +576,8 @@ class StepProgram:
                     continue
                 kept = step.saved
                 as_is = step.as_is
+                held = step.held
+                frees = held is not None or not as_is  # its instructions free saved values
                 for i, output, rules in self.backward_rules:
                     g = grads[output]
                     if g is None:
@@ -569,8 +618,15 @@ class StepProgram:
                         # delivered: let go, so that the next rule's result is not made while
                         # this one is still held (a weight's gradient each: the peak's size)
                         grad = previous = None
-                    if not as_is and not retain:  # an announced entry is freed after its
-                        step.release(i)  # rules ran, as the recorded tape frees it
+                    if frees and not retain:  # an announced entry is freed after its
+                        if held is None:  # rules ran, as the recorded tape frees it
+                            step.release(i)
+                        else:  # `release`'s, for buffers held beside the arrays
+                            buffers = held[i]
+                            if buffers:
+                                held[i] = None
+                                buffers.reverse()
+                                buffers.clear()
                 del pending[t]
         finally:
             if events.listeners:
@@ -580,13 +636,18 @@ class StepProgram:
 class ReplayedStep:
     """One replayed step's values and what its backward rules read."""
 
-    __slots__ = ("as_is", "buffers", "entries", "saved", "values")
+    __slots__ = ("announced", "as_is", "buffers", "held", "saved", "values")
 
-    def __init__(self, values: list[Any], saved: list[Any], entries: list[Any],
+    def __init__(self, values: list[Any], saved: list[Any], announced: bool,
                  buffers: dict[tuple[int, int], Any], as_is: bool = False) -> None:
         self.values = values
         self.saved = saved
-        self.entries = entries
+        # with `as_is`, the buffers a profiler watches of the arrays in `saved`, per
+        # instruction (`_tape_kept`): freed when its rules ran, as `release` frees (None: none)
+        self.held: list[Any] | None = None
+        # a profiler heard of its entries: each one's saved values are released one by one in
+        # slot order, as a recorded entry's are, so it sees them freed in the same order
+        self.announced = announced
         self.buffers = buffers  # (slot, id(packer)) -> packed buffer, shared with the next step
         # every saved value is the array itself (no buffer to unpack) and no entry announced
         self.as_is = as_is
@@ -597,10 +658,11 @@ class ReplayedStep:
                 else v for v in self.saved[i]]
 
     def release(self, i: int) -> None:
+        kept = self.saved[i]
         self.saved[i] = None
-        if self.entries and self.entries[i] is not None:
-            self.entries[i].release()
-            self.entries[i] = None
+        if self.announced and kept:  # (a list dropped at once frees its last item first)
+            kept.reverse()
+            kept.clear()
 
     def output(self, slots: tuple[int, ...]) -> list[Any]:
         return [None if s < 0 else self.values[s] for s in slots]
@@ -633,6 +695,44 @@ def _kept_as_is(ins: Instruction) -> tuple[int, ...] | None:
     ):
         return None
     return tuple(ins.output if s.position < 0 else ins.inputs[s.position] for s in ins.saved)
+
+
+@dataclass(frozen=True, slots=True)
+class KeptLayout:
+    """Where a step's buffers come from when every value is kept as it is, the same for every
+    step of one kind (`StepProgram.layouts`): each distinct buffer once, in the order `tape`
+    packs them, as (slot, key, packer) (key None: the buffer of a tensor's array, a constant
+    or a recorded step's carry; else its key in the step's buffers), and per instruction the
+    positions of the buffers it saves in that order."""
+
+    sources: tuple[tuple[int, tuple[int, int] | None, Any], ...]
+    held: tuple[tuple[int, tuple[int, ...]], ...]  # (instruction, positions) where it saves
+
+
+def kept_layout(program: StepProgram, mode: int) -> KeptLayout:
+    """`tape`'s choice of buffer for every saved value, made once: `mode` 0 for a step whose
+    carry comes from arrays, 1 for one chained to a replayed step, 2 to a recorded one."""
+    chained, tensors = mode > 0, set(program.constant_tensors)
+    if mode == 2:
+        tensors |= set(program.carry_in)
+    sources: list[tuple[int, tuple[int, int] | None, Any]] = []
+    position: dict[Any, int] = {}
+    held: list[tuple[int, tuple[int, ...]]] = []
+    for i, ins in enumerate(program.instructions):
+        if ins.prim is None or type(ins.prim) is Draw or not ins.taped or not ins.saved:
+            continue
+        at = []
+        for s in ins.saved:
+            slot = ins.output if s.position < 0 else ins.inputs[s.position]
+            packer = s.chained if chained and slot in program.carry_in else s.packer
+            key = None if slot in tensors else (slot, id(packer))
+            found = ("tensor", slot) if key is None else key
+            if found not in position:
+                position[found] = len(sources)
+                sources.append((slot, key, packer))
+            at.append(position[found])
+        held.append((i, tuple(at)))
+    return KeptLayout(tuple(sources), tuple(held))
 
 
 def _namespace_of(values: list[Any]) -> Any:
@@ -697,21 +797,6 @@ def _describe(program: StepProgram, ins: Instruction) -> Described:
         tuple(slot for slot, needed in zip(ins.inputs, ins.mask)
               if needed and program.leaf[slot]),
     )
-
-
-class _Announced:
-    """What a replayed step keeps of an announced instruction: its saved values, released one
-    by one in slot order as a recorded entry's are, so a profiler sees them freed in the same
-    order (dropping the list at once would free them last first)."""
-
-    __slots__ = ("kept",)
-
-    def __init__(self, kept: list[Any]) -> None:
-        self.kept = kept
-
-    def release(self) -> None:
-        self.kept.reverse()  # a list clears last item first: reversed, it frees in slot order
-        self.kept.clear()
 
 
 def traced_call(loop: Any, t: int, carry: list[Any], x: Any) -> tuple[list[Any], list[Any], Trace]:
