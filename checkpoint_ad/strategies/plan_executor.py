@@ -164,7 +164,6 @@ class PlannedLoop:
         self.restore_at: np.ndarray | None = None
         self.name = name or f"scan[{type(strategy).__name__.lower()}]"
         self.same: dict[int, int] = {}
-        self.output_rows: OutputRows | None = None  # while the loop's entry is recorded
         self.externals: dict[tuple[int, int], Any] = {}
         self.discovered = False  # externals (and carry aliases) found
         self._keys_found: Any = None  # see `_replay_keys`
@@ -220,12 +219,9 @@ class PlannedLoop:
             np.random.set_state(end_state)
             state = self.state
         outputs = list(final_arrays) + per_step.stacked(self.same)
-        self.full_outputs = per_step.full()
-        self.output_rows = per_step  # the last rows of outputs that are the carry join on
-        try:
-            return self._record(carry_leaves, outputs, len(final_arrays))
-        finally:
-            self.output_rows = None
+        if per_step.lead:  # for the caller's join (the entry keeps no outputs otherwise)
+            self.full_outputs = per_step.full()
+        return self._record(carry_leaves, outputs, len(final_arrays), per_step)
 
     def _output_rows(self, per_step: list[list[Any]]) -> list[list[Any] | None]:
         """The rows each of the entry's stacked outputs holds: every step's, except the last
@@ -298,7 +294,7 @@ class PlannedLoop:
         state = _ForwardState()
         forward_actions = 0
         arrays = list(self.initial)
-        per_step = OutputRows(None)  # its length is found as it runs: rows kept, then stacked
+        per_step = OutputRows(None)  # its length is found as it runs: rows go into chunks
         kept: _TapedSegment | None = None
         kept_random = random.get_state()
         none_row: list[Any] = []
@@ -562,7 +558,8 @@ class PlannedLoop:
             if buffer is not None
         )
 
-    def _record(self, carry_leaves: list[Any], outputs: list[Any], n_carry: int) -> Any:
+    def _record(self, carry_leaves: list[Any], outputs: list[Any], n_carry: int,
+                rows: OutputRows) -> Any:
         loop = self.loop
         inputs = [*carry_leaves, *loop.xs_leaves]
         edges = [None if t is None else edge_of(t) for t in inputs] + list(self.externals.values())
@@ -571,7 +568,7 @@ class PlannedLoop:
         results = add_entry(self, tuple(edges), outputs, {"mode": self.mode},
                             self._snapshot_slots)
         self._share_packed_carry(results[:n_carry])
-        results = self._last_rows_from_carry(results, n_carry)
+        results = self._last_rows_from_carry(results, n_carry, rows)
         carry = unflatten(loop.carry_spec, iter(results[:n_carry]))
         ys = unflatten(loop.y_spec, iter(results[n_carry:])) if loop.y_spec is not None else None
         return carry, ys
@@ -598,18 +595,18 @@ class PlannedLoop:
                     tensor._saved_ref = weakref.ref(buffer)
                     break
 
-    def _last_rows_from_carry(self, results: list[Any], n_carry: int) -> list[Any]:
+    def _last_rows_from_carry(self, results: list[Any], n_carry: int,
+                              rows: OutputRows) -> list[Any]:
         """An output that is the new carry itself (RNNs return h, h) leaves the entry without
         its last row, which is the loop's final carry: joined on here, after the entry, so a
         hook or `retain_grad` on that carry sees the gradient of the row too, as it would on
         a plain tape, where that row is the same tensor."""
         results = list(results)
-        rows = self.output_rows
         for k, j in self.same.items():
             part, carry = results[n_carry + k], results[j]
             if carry is None:
                 continue
-            whole = None if rows is None or part is None else rows.whole(k)
+            whole = None if part is None else rows.whole(k)
             if whole is not None:  # the part is a view of `whole`, which holds that row too
                 results[n_carry + k] = join_rows([part, carry], whole)
                 continue
