@@ -106,19 +106,13 @@ def test_the_estimate_lists_every_plan_fastest_first_and_marks_the_choice():
                for r in table.rows)
 
 
-def test_the_device_peak_counts_the_objects_every_kept_step_holds():
-    """A replayed keep-all loop holds the engine's objects for every step until its backward:
-    the dry run traces them per step, and tracemalloc sees at least that much beyond the
-    tape's arrays when the loop really runs (before its backward's temporaries)."""
+def _traced_from_the_loop(model, strategy, storage) -> tuple[int, int]:
+    """One run of `model` (its loop under `strategy`, saved values under `storage`) and its
+    gradient, traced by tracemalloc from the loop's start: (bytes held when the forward
+    ended, peak bytes of forward and backward), each above the level when the loop began."""
     import gc
     import tracemalloc
 
-    model = models.build("rnn", **SIZES["rnn"])
-    table = cad.estimate(model.step, model.init_carry(), model.inputs())
-    keep = next(r for r in table.rows if r.name == "keep-all")
-    lean = next(r for r in table.rows if r.name == "binomial s=1")
-    assert keep.engine_bytes > lean.engine_bytes > 0  # measured, and more steps hold more
-    working = table.cost.forms["keep"].backward_working_bytes
     base = 0
 
     def at_loop(step, init, xs):
@@ -126,15 +120,30 @@ def test_the_device_peak_counts_the_objects_every_kept_step_holds():
         gc.collect()
         base = tracemalloc.get_traced_memory()[0]
         tracemalloc.reset_peak()
-        return scan(step, init, xs)
+        return scan(step, init, xs, strategy=strategy)
 
     tracemalloc.start()
     try:
-        loss = model.run(at_loop)
-        held = tracemalloc.get_traced_memory()[0] - base  # the forward's, before backward
-        cad.grad(loss, model.params)
+        with use(storage):
+            loss = model.run(at_loop)
+            held = tracemalloc.get_traced_memory()[0] - base
+            cad.grad(loss, model.params)
+        return held, tracemalloc.get_traced_memory()[1] - base
     finally:
         tracemalloc.stop()
+
+
+def test_the_device_peak_counts_the_objects_every_kept_step_holds():
+    """A replayed keep-all loop holds the engine's objects for every step until its backward:
+    the dry run traces them per step, and tracemalloc sees at least that much beyond the
+    tape's arrays when the loop really runs (before its backward's temporaries)."""
+    model = models.build("rnn", **SIZES["rnn"])
+    table = cad.estimate(model.step, model.init_carry(), model.inputs())
+    keep = next(r for r in table.rows if r.name == "keep-all")
+    lean = next(r for r in table.rows if r.name == "binomial s=1")
+    assert keep.engine_bytes > lean.engine_bytes > 0  # measured, and more steps hold more
+    working = table.cost.forms["keep"].backward_working_bytes
+    held, _ = _traced_from_the_loop(model, None, KeepAll())
     assert held >= keep.peak_tape_bytes + keep.engine_bytes - working
 
 
@@ -336,9 +345,6 @@ def test_the_device_peak_of_the_leanest_plan_counts_the_engines_own_memory(name)
     prediction names them ("engine" among its fixed bytes, measured in the dry run), so the
     device peak it predicts is near what a real run reaches (it read 1.6-5x under it
     without)."""
-    import gc
-    import tracemalloc
-
     model = models.build(name, **SIZES[name])
     if name == "heat":  # the step reads the diffusivity run() computes first
         model._kappa = cad.sigmoid(model.theta) * model.config.kappa_max
@@ -346,23 +352,7 @@ def test_the_device_peak_of_the_leanest_plan_counts_the_engines_own_memory(name)
     lean = next(r for r in table.rows if r.name == "binomial s=1")
     engine = table.fixed_bytes["engine (traced steps, program)"]
     assert engine > 0
-    base = 0
-
-    def at_loop(step, init, xs):
-        nonlocal base
-        gc.collect()
-        base = tracemalloc.get_traced_memory()[0]
-        tracemalloc.reset_peak()
-        return scan(step, init, xs, strategy=lean.strategy)
-
-    tracemalloc.start()
-    try:
-        with use(lean.storage):
-            loss = model.run(at_loop)
-            cad.grad(loss, model.params)
-        measured = tracemalloc.get_traced_memory()[1] - base
-    finally:
-        tracemalloc.stop()
+    _, measured = _traced_from_the_loop(model, lean.strategy, lean.storage)
     # not predicted yet: the planned loop's own set-up and pull-back objects, 15-30 KiB here
     unpredicted = 32 * 1024
     predicted = lean.device_peak_bytes
