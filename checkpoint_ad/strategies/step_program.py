@@ -324,6 +324,15 @@ class StepProgram:
             if s not in kept:
                 frees[i].append(s)
         self.frees = tuple(tuple(f) for f in frees)
+        # the same in a forward that saves (`tape`), less what outlives the step there: the
+        # values saved (the backward reads them; a profiler's buffers are made from them
+        # after the step ran) and the leaves (a profiler reads those after it too). A step's
+        # values all held to its end would add every unsaved intermediate to the peak of a
+        # loop that tapes it (a planned backward re-tapes one step at its peak)
+        saved = {ins.output if s.position < 0 else ins.inputs[s.position]
+                 for ins in self.instructions if ins.taped for s in ins.saved}
+        self.tape_frees = tuple(
+            tuple(s for s in f if s not in saved and not trace.facts[s][1]) for f in frees)
         self.backward_order = tuple(
             i for i in reversed(range(len(self.instructions))) if self.instructions[i].taped
         )
@@ -345,7 +354,8 @@ class StepProgram:
             ins.taped and kept is None for ins, kept in zip(self.instructions, kept_as_is)
         ) else tuple(zip(range(len(kept_as_is)), self.forwards,
                          (ins.output for ins in self.instructions),
-                         [None if kept is None else _saved_getter(kept) for kept in kept_as_is]))
+                         [None if kept is None else _saved_getter(kept) for kept in kept_as_is],
+                         self.tape_frees))
         self.backward_rules = tuple(
             (i, self.instructions[i].output, compile_rules(self.instructions[i]))
             for i in self.backward_order)
@@ -418,10 +428,12 @@ class StepProgram:
         described = _step_begins(self) if announce else None
         chained = carry_tensors is not None or previous is not None
         buffers = self._carried(previous)
-        forwards = self.forwards
+        forwards, tape_frees = self.forwards, self.tape_frees
         for i, ins in enumerate(self.instructions):
             prim = ins.prim
             values[ins.output] = forwards[i](values, xp)
+            for s in tape_frees[i]:  # (never a slot this instruction saves: see `tape_frees`)
+                values[s] = None
             if prim is None or type(prim) is Draw:
                 continue
             if not ins.taped:
@@ -504,10 +516,12 @@ class StepProgram:
         values = self._start(carry, x)
         xp = _namespace_of(values)
         saved: list[Any] = [None] * len(self.instructions)
-        for i, forward, output, saved_of in self.tape_as_is:
+        for i, forward, output, saved_of, frees in self.tape_as_is:
             values[output] = forward(values, xp)
             if saved_of is not None:
                 saved[i] = saved_of(values)
+            for s in frees:
+                values[s] = None
         return ReplayedStep(values, saved, False, {}, as_is=True)
 
     # ------------------------------------------------------------- backward
