@@ -80,9 +80,10 @@ READ_AHEAD = 2
 """Restores whose snapshots the executor announces to their storage ahead (`prefetch`)."""
 
 
-@dataclass
+@dataclass(slots=True)
 class _Snapshot:
-    """A stored carry, and the random states (the engine's and numpy's) at that step."""
+    """A stored carry, and the random states (the engine's and numpy's) at that step (one
+    per snapshot, so no instance dictionary)."""
 
     buffers: list[SavedBuffer | None]
     engine_state: random.GeneratorState
@@ -170,6 +171,7 @@ class PlannedLoop:
         self.state: _ForwardState | None = None
         self.consumed = False
         self.tracks_numpy = False  # set when the steps draw from numpy's global random state
+        self.last_engine_state: random.GeneratorState | None = None  # see `_pack`
         # steps 0 and 1 are traced; when they give one program, later steps are replayed
         self.traces: dict[int, Trace] | None = {} if trace else None
         self.program: StepProgram | None = None
@@ -482,6 +484,14 @@ class PlannedLoop:
         storage = self.storage if storage is None else storage
         buffers = [None if a is None else pack_value(a, storage) for a in arrays]
         state = random.get_state() if engine_state is None else engine_state
+        last = self.last_engine_state
+        if last is not None and state is not last and state[0] is last[0] and (
+                state[1] == last[1]):
+            # the steps since drew nothing (most loops draw nothing): one state object for
+            # every such snapshot, not one per snapshot (a few hundred bytes each, about a
+            # tenth of a small carry)
+            state = last
+        self.last_engine_state = state
         return _Snapshot(buffers, state, self._numpy_state())
 
     def _measure_costs(self) -> tuple[float, float]:
@@ -744,7 +754,9 @@ class PlannedLoop:
                     retain_graph=retain_graph and kept is not None,
                     carry_sums=carry_sums if start == 0 else None,
                 )
-                arrays = None
+                # let go of the reversed segment's steps now, not when the next segment is
+                # taped (the name would hold them while it is: two segments at the peak)
+                arrays = segment = kept = None
         if not retain_graph:
             self.state = None
             self.consumed = True
@@ -925,21 +937,40 @@ class PlannedLoop:
                 t, slot = t - 1, program.carry_out[slot]
             return slot >= 0 and program.requires_grad[slot]
 
-        roots: list[tuple[tuple[int, int], Any]] = []
-        for k, g in enumerate(adj_carry):
-            slot = program.carry_out[k]
-            if g is not None and requires_grad(stop - 1, slot):
-                roots.append(((stop - 1, slot), g))
-        for k in reversed(range(len(adj_ys))):
-            slot, g = program.y_out[k], adj_ys[k]
-            if g is None:
-                continue
-            for t in reversed(range(start, stop)):
-                if t == stop - 1 and k in self.same:
-                    continue  # in adj_carry: added when the next step was reversed, or the
-                    # loop's last row, which reaches the entry through its final carry
-                if requires_grad(t, slot):
-                    roots.append(((t, slot), g[t]))
+        def roots_at(t: int) -> list[tuple[int, Any]]:
+            """Step t's roots, (slot, adjoint), in the order of `roots` below."""
+            found = []
+            if t == stop - 1:
+                for k, g in enumerate(adj_carry):
+                    slot = program.carry_out[k]
+                    if g is not None and requires_grad(t, slot):
+                        found.append((slot, g))
+            for k in reversed(range(len(adj_ys))):
+                slot, g = program.y_out[k], adj_ys[k]
+                if g is not None and not (t == stop - 1 and k in self.same) and (
+                        requires_grad(t, slot)):
+                    found.append((slot, g[t]))
+            return found
+
+        # every root at once, in delivery order, where a root may reach another step than
+        # its own; else each step's as the pull-back reaches it (a long segment's roots are
+        # a row view and two tuples a step, all held at the peak)
+        roots: Any = roots_at if program.roots_per_step else []
+        if not program.roots_per_step:
+            for k, g in enumerate(adj_carry):
+                slot = program.carry_out[k]
+                if g is not None and requires_grad(stop - 1, slot):
+                    roots.append(((stop - 1, slot), g))
+            for k in reversed(range(len(adj_ys))):
+                slot, g = program.y_out[k], adj_ys[k]
+                if g is None:
+                    continue
+                for t in reversed(range(start, stop)):
+                    if t == stop - 1 and k in self.same:
+                        continue  # in adj_carry: added when the next step was reversed, or
+                        # the loop's last row, which reaches the entry through its final carry
+                    if requires_grad(t, slot):
+                        roots.append(((t, slot), g[t]))
         keys: dict[tuple[Any, ...], int] = {("carry", k): i for i, k in enumerate(carry_grad)}
         for t in range(start, stop):
             for k in xs_grad:
@@ -966,7 +997,7 @@ class PlannedLoop:
             initial[position] = adj_ext.pop(key, None)
         sink = Capture({}, initial=initial, owned=owned)
         del initial  # the sink holds its own list of the sums
-        if roots:
+        if roots:  # (a function is true: its steps may have no roots, which costs little)
             program.pull_back(segment.steps, roots, sink, keys, retain=retain_graph)
         captured = sink.values
         new_adj = []

@@ -364,6 +364,12 @@ class StepProgram:
         self.layouts: list[KeptLayout | None] = [None, None, None]
         self.delivery = delivery_kinds(self.n_slots, self.carry_in, self.x_in, self.constants,
                                        self.requires_grad, self.leaf)
+        # every output that takes a gradient is made in the step: a root (the gradient of a
+        # step's output) then reaches that step's own sums only, so a pull-back may take
+        # each step's roots as it reaches the step (`pull_back`), not all of them first
+        self.roots_per_step = all(
+            self.delivery[s] == PENDING for s in (*self.carry_out, *self.y_out)
+            if s >= 0 and self.requires_grad[s])
 
     def carry_aliases(self) -> dict[int, int]:
         """Outputs that are a new carry leaf itself (RNNs return h, h): output k -> leaf j."""
@@ -528,7 +534,7 @@ class StepProgram:
     def pull_back(
         self,
         steps: list[tuple[int, ReplayedStep]],
-        roots: list[tuple[tuple[int, int], Any]],
+        roots: list[tuple[tuple[int, int], Any]] | Callable[[int], list[tuple[int, Any]]],
         sink: Any,
         keys: dict[tuple[Any, ...], int],
         retain: bool = False,
@@ -537,12 +543,29 @@ class StepProgram:
         replayed `steps` (first to last), adding what reaches a leaf into `sink` (a `Capture`)
         at ``keys[leaf key]``: ("carry", k) for the first step's carry, ("x", t, k) for step
         t's scanned inputs, ("ext", slot) for a captured tensor. Additions happen in the order
-        a recorded tape would make them, so the sums are bitwise the same."""
+        a recorded tape would make them, so the sums are bitwise the same.
+
+        Where the program's outputs are all made in the step (`roots_per_step`), `roots` may
+        be a function of a step giving its roots as (slot, adjoint), in delivery order: each
+        step's are taken when its sums begin (before anything else reaches them, as when all
+        are delivered first), so a long segment holds one or two steps' sums and roots at a
+        time, not every step's."""
         first = steps[0][0]
         # per step, the gradient summed so far at each slot (made in that step, not yet run
         # back through the instruction that made it)
         pending: dict[int, list[Any]] = {}
         n_slots = self.n_slots
+        roots_at = None if isinstance(roots, list) else roots
+        assert roots_at is None or self.roots_per_step
+
+        def begin(t: int) -> list[Any]:
+            """Step t's sums, begun with its roots (each a slot made in the step)."""
+            grads = pending[t] = [None] * n_slots
+            if roots_at is not None:
+                for slot, grad in roots_at(t):
+                    previous = grads[slot]
+                    grads[slot] = grad if previous is None else previous + grad
+            return grads
         kinds = self.delivery
         carry_out = self.carry_out
         n_carry = len(self.carry_in)
@@ -556,7 +579,7 @@ class StepProgram:
                 if kind == PENDING:
                     grads = pending.get(t)
                     if grads is None:
-                        grads = pending[t] = [None] * n_slots
+                        grads = begin(t)
                     previous = grads[slot]
                     grads[slot] = grad if previous is None else previous + grad
                     return
@@ -578,16 +601,19 @@ class StepProgram:
                     add(position, grad)
                 return
 
-        for (t, slot), grad in roots:
-            deliver(t, slot, grad)
+        if roots_at is None:
+            for (t, slot), grad in roots:  # type: ignore[union-attr]
+                deliver(t, slot, grad)
         if events.listeners:
             events.emit("backward_begin", None)
         dtypes = self.dtype
         try:
             for t, step in reversed(steps):
                 grads = pending.get(t)
-                if grads is None:  # nothing reached this step
-                    continue
+                if grads is None:
+                    if roots_at is None:  # nothing reached this step
+                        continue
+                    grads = begin(t)
                 kept = step.saved
                 as_is = step.as_is
                 held = step.held
