@@ -11,6 +11,7 @@ the sizes (steps, batch, hidden, input, repeats) and, for the engine, the strate
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 import numpy as np
@@ -174,6 +175,11 @@ def engine(params: dict, threads: int) -> dict[str, Any]:
         if work.loop.program is not None:  # replayed: the step-count model uses replay time
             replayed = time_median(work.forward_replayed, params["repeats"])
             extras["replayed_step_seconds"] = replayed.median / steps
+            paired = _paired_over_model(work, _Engine(arrays, None), extras["untaped_steps"],
+                                        steps, params["repeats"])
+            work.clear()
+            extras["paired_over_model"] = statistics.median(paired)
+            extras["paired_over_model_range"] = [min(paired), max(paired)]
         one_step = _Engine(data(params | {"steps": 1}), None)
         extras["one_step_tracemalloc_bytes"] = tracemalloc_peak(one_step)
     else:
@@ -190,6 +196,25 @@ def engine(params: dict, threads: int) -> dict[str, Any]:
             extras["paired_over_floor_range"] = [paired.low, paired.high]
     result["extras"] = extras
     return result
+
+
+def _paired_over_model(work: _Engine, keep: _Engine, untaped: int, steps: int,
+                       repeats: int) -> list[float]:
+    """Per round, the plan's time over its step-count model (keep-all's time + `untaped`
+    replayed steps), the three timed back to back in one worker, in rotating order: the
+    model's parts timed in other workers, a minute apart, would also measure how the
+    machine's speed drifted (tens of percent here), which this cancels."""
+    keep.run()  # warm, as `measure` warmed the plan
+    calls = [work.run, keep.run, work.forward_replayed]
+    ratios = []
+    for round_ in range(max(repeats, 3)):
+        seconds = [0.0, 0.0, 0.0]
+        for k in range(3):
+            which = (round_ + k) % 3
+            seconds[which] = time_median(calls[which], 1, warmup=0).median
+        ratios.append(seconds[0] / (seconds[1] + untaped * seconds[2] / steps))
+    keep.clear()
+    return ratios
 
 
 # ------------------------------------------------------------------------------------ torch

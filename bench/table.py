@@ -104,7 +104,9 @@ def add_model_ratios(rows: Sequence[Row]) -> None:
                 step = x.get("replayed_step_seconds", x["untaped_step_seconds"])
                 predicted = keep.seconds + x["untaped_steps"] * step
                 x["predicted_seconds"] = predicted
-                row.ratios["/model"] = ratio(row.seconds, predicted)
+                # the same model timed in the row's own worker, round by round, where it was
+                row.ratios["/model"] = x.get("paired_over_model") or ratio(row.seconds,
+                                                                           predicted)
             if "snapshots" in x and "one_step_tracemalloc_bytes" in x:
                 x["predicted_bytes"] = (x["snapshots"] * x["carry_bytes"]
                                         + x["one_step_tracemalloc_bytes"])

@@ -104,7 +104,11 @@ def _rnn(rows: Sequence[Row]) -> list[Target]:
             f"RNN {case}: binomial s={s} time within 5% of its step-count model",
             row.ratios.get("/model"), 1.05, "<=",
             f"model = keep-all + {row.extras.get('untaped_steps')} untaped steps x one "
-            "untaped step's measured time"))
+            "untaped step's measured time" + (
+                ", median over rounds of the three timed back to back in one worker (range "
+                f"{row.extras['paired_over_model_range'][0]:.2f}-"
+                f"{row.extras['paired_over_model_range'][1]:.2f})"
+                if "paired_over_model_range" in row.extras else "")))
         targets.append(Target(
             f"RNN {case}: binomial s={s} peak within 10% of s carries + one step",
             row.ratios.get("mem/model"), 1.10, "<=",
