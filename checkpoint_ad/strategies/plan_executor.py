@@ -168,6 +168,7 @@ class PlannedLoop:
         self.externals: dict[tuple[int, int], Any] = {}
         self.discovered = False  # externals (and carry aliases) found
         self._keys_found: Any = None  # see `_replay_keys`
+        self._fixed_keys: Any = None  # see `_segment_keys`
         self.state: _ForwardState | None = None
         self.consumed = False
         self.tracks_numpy = False  # set when the steps draw from numpy's global random state
@@ -675,6 +676,7 @@ class PlannedLoop:
         forward = self.state
         assert forward is not None
         self._keys_found = None  # found again per backward: xs may take a gradient now
+        self._fixed_keys = None  # (`_segment_keys`)
         if retain_graph:  # work on copies: the forward's state must answer again
             snapshots = dict(forward.snapshots)
         else:
@@ -930,7 +932,7 @@ class PlannedLoop:
         assert program is not None
         start, stop = segment.start, segment.stop
         n_carry = len(program.carry_in)
-        carry_grad, xs_grad, ext_slots = self._replay_keys()
+        xs_grad = self._replay_keys()[1]
 
         def requires_grad(t: int, slot: int) -> bool:
             while slot < n_carry and t > start:  # a carry the previous step made
@@ -971,13 +973,7 @@ class PlannedLoop:
                         # the loop's last row, which reaches the entry through its final carry
                     if requires_grad(t, slot):
                         roots.append(((t, slot), g[t]))
-        keys: dict[tuple[Any, ...], int] = {("carry", k): i for i, k in enumerate(carry_grad)}
-        for t in range(start, stop):
-            for k in xs_grad:
-                keys[("x", t, k)] = len(keys)
-        external_position = {key: len(keys) + i for i, key in enumerate(self.externals)}
-        for slot, key in ext_slots:
-            keys[("ext", slot)] = external_position[key]
+        keys, external_position = self._segment_keys(start, stop)
         initial: list[Any] = [None] * (len(keys) + len(external_position))
         if carry_sums is not None:
             for k, total in enumerate(carry_sums):
@@ -1016,6 +1012,27 @@ class PlannedLoop:
             if captured[position] is not None:
                 adj_ext[key] = captured[position]
         return new_adj
+
+    def _segment_keys(
+        self, start: int, stop: int
+    ) -> tuple[dict[tuple[Any, ...], int], dict[tuple[int, int], int]]:
+        """(keys, external positions) of a replayed pull-back of steps start..stop-1: where
+        each sum it hands out goes. Without scanned inputs that take a gradient they are the
+        same for every segment, so made once per backward (a binomial plan pulls back one
+        step at a time: made per step, they cost about a tenth of a small step)."""
+        carry_grad, xs_grad, ext_slots = self._replay_keys()
+        if not xs_grad and self._fixed_keys is not None:
+            return self._fixed_keys
+        keys: dict[tuple[Any, ...], int] = {("carry", k): i for i, k in enumerate(carry_grad)}
+        for t in range(start, stop):
+            for k in xs_grad:
+                keys[("x", t, k)] = len(keys)
+        external_position = {key: len(keys) + i for i, key in enumerate(self.externals)}
+        for slot, key in ext_slots:
+            keys[("ext", slot)] = external_position[key]
+        if not xs_grad:
+            self._fixed_keys = (keys, external_position)
+        return keys, external_position
 
     def _replay_keys(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[int, Any], ...]]:
         """What every replayed pull-back of a backward keys its sums by, found once: the carry

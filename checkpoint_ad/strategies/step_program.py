@@ -367,6 +367,9 @@ class StepProgram:
         # every output that takes a gradient is made in the step: a root (the gradient of a
         # step's output) then reaches that step's own sums only, so a pull-back may take
         # each step's roots as it reaches the step (`pull_back`), not all of them first
+        # (keys, carry positions, external positions) of the latest pull-back: a caller
+        # that hands the same keys again (a binomial plan's one-step pull-backs) reuses them
+        self.positions: tuple[Any, list[Any], dict[int, Any]] | None = None
         self.roots_per_step = all(
             self.delivery[s] == PENDING for s in (*self.carry_out, *self.y_out)
             if s >= 0 and self.requires_grad[s])
@@ -569,8 +572,12 @@ class StepProgram:
         kinds = self.delivery
         carry_out = self.carry_out
         n_carry = len(self.carry_in)
-        carry_position = [keys.get(("carry", k)) for k in range(n_carry)]
-        external_position = {slot: keys.get(("ext", slot)) for slot in self.constants}
+        positions = self.positions
+        if positions is None or positions[0] is not keys:  # the caller's keys, made anew
+            positions = self.positions = (
+                keys, [keys.get(("carry", k)) for k in range(n_carry)],
+                {slot: keys.get(("ext", slot)) for slot in self.constants})
+        carry_position, external_position = positions[1], positions[2]
         add = sink.add
 
         def deliver(t: int, slot: int, grad: Any) -> None:
