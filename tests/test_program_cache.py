@@ -115,12 +115,13 @@ def test_training_a_gru_reuses_its_program_with_the_recorded_gradients(loop, mom
     assert all(modes == [REUSED] * 2 for modes, _ in cached[1:])  # both layers, each its own
 
 
-@pytest.mark.parametrize("loop", [Binomial(2), Periodic(3)], ids=LOOP_IDS[1:])
+@pytest.mark.parametrize("loop", [None, Binomial(2), Periodic(3)], ids=LOOP_IDS)
 def test_training_an_lstm_reuses_its_program_with_the_recorded_gradients(loop):
     cached = _train(nn.LSTM, loop, "cached")
     recorded = _train(nn.LSTM, loop, "recorded")
     for (_, grads), (_, ref) in zip(cached, recorded):
         _equal(grads, ref)
+    assert cached[0][0] == ["replayed"] * 2  # its zero state: h and c, two tensors
     assert all(modes == [REUSED] * 2 for modes, _ in cached[1:])
 
 
