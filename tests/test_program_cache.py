@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import gc
 import weakref
+from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ import checkpoint_ad as cad
 from checkpoint_ad import nn
 from checkpoint_ad.nn import recurrent
 from checkpoint_ad.profiler import profile
-from checkpoint_ad.strategies import Binomial, Periodic, Quantized, program_cache
+from checkpoint_ad.strategies import Binomial, Periodic, Quantized, Strategy, program_cache
 from checkpoint_ad.strategies.program_cache import REUSED
 
 LOOPS = [None, Binomial(3), Periodic(4)]
@@ -181,14 +182,27 @@ def test_a_while_loop_reuses_the_program():
     assert first[1:] == (129.746337890625, 1037.970703125)
 
 
-def test_a_step_calling_a_cell_made_beside_it_on_every_call_reuses_the_program():
-    """As an `nn` layer's forward does: the step and the function it calls are made anew on
-    every call, over the same weights."""
+class _Cell:
+    def __init__(self, w, b):
+        self.w, self.b = w, b
+
+    def forward(self, h, x):
+        return cad.tanh(h @ self.w + self.b + x)
+
+
+@pytest.mark.parametrize("made", ["function", "method"])
+def test_a_step_calling_a_cell_made_beside_it_on_every_call_reuses_the_program(made):
+    """As an `nn` layer's forward does: the step and the function it calls (a nested
+    function, or a bound method looked up again) are made anew on every call, over the same
+    weights."""
     w, b, h0, xs = _params()
+    layer = _Cell(w, b)
 
     def forward(loop):
-        def cell(h, x):
+        def nested(h, x):
             return cad.tanh(h @ w + b + x)
+
+        cell = nested if made == "function" else layer.forward
 
         def step(h, x):
             h = cell(h, x)
@@ -303,6 +317,25 @@ def test_other_shapes_strategies_or_gradient_needs_get_their_own_program(loop):
     modes, grads = _run(step, h0, xs, loop)
     assert modes == ["replayed"]
     _equal(grads, _run(step, h0, xs, loop, trace=False)[1])
+
+
+@dataclass(frozen=True)
+class _Listed(Strategy):
+    """A value strategy that cannot be hashed (a list among its fields)."""
+
+    names: list = field(default_factory=list)
+
+
+@pytest.mark.parametrize("loop", LOOPS, ids=LOOP_IDS)
+def test_a_strategy_that_cannot_be_hashed_is_told_apart_by_identity(loop):
+    w, b, h0, xs = _params()
+    step = _step_over(w, b)
+    listed = _Listed()
+    for strategy, expected in ((listed, "replayed"), (listed, REUSED), (_Listed(), "replayed")):
+        with cad.use(strategy):
+            modes, grads = _run(step, h0, xs, loop)
+            assert modes == [expected]
+            _equal(grads, _run(step, h0, xs, loop, trace=False)[1])
 
 
 def test_trace_false_and_higher_order_gradients_are_as_before():

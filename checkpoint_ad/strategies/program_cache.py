@@ -151,6 +151,7 @@ class Place:
 
     @property
     def expected(self) -> bool:
+        """Whether an earlier call left a program to check step 0 against."""
         return self.entry is not None
 
     def reuse(self, trace: Trace) -> StepProgram | None:
@@ -184,8 +185,7 @@ def find(step: Callable[..., Any], kind: str, carry_leaves: list[Any],
     saved-value strategy in effect; `kind` names how the loop traces its steps (a program
     made from step 1 by `kept_loop` is not one made from step 0 by the plan executor)."""
     owner, identities = _step_identity(step)
-    packer = current_packer()  # (a stateful one by identity: its programs are not kept)
-    key = (kind, identities, packer if _is_value(packer) else id(packer),
+    key = (kind, identities, _packer_key(current_packer()),
            tuple(_meta(t) for t in carry_leaves), tuple(_meta(t, row=True) for t in xs_leaves))
     try:
         table = _tables.get(owner)
@@ -194,6 +194,18 @@ def find(step: Callable[..., Any], kind: str, carry_leaves: list[Any],
     except TypeError:  # neither code nor an object a weak reference can name: not kept
         return Place(None, key)
     return Place(table, key)
+
+
+def _packer_key(packer: Any) -> Any:
+    """A value strategy names itself (an equal one finds its programs); any other, or one
+    that cannot be hashed, its identity (held by no key)."""
+    if _is_value(packer):
+        try:
+            hash(packer)
+        except TypeError:
+            return id(packer)
+        return packer
+    return id(packer)
 
 
 def _meta(t: Any, row: bool = False) -> tuple[Any, ...] | None:
@@ -240,6 +252,8 @@ def _captured_identities(fn: types.FunctionType, depth: int) -> tuple[Any, ...]:
             continue
         if depth and isinstance(value, types.FunctionType):
             ids.append((value.__code__, _captured_identities(value, depth - 1)))
+        elif isinstance(value, types.MethodType):  # made anew by each attribute lookup
+            ids.append((id(value.__self__), value.__func__))
         else:
             ids.append(id(value))
     ids.extend(map(id, fn.__defaults__ or ()))
