@@ -140,6 +140,26 @@ def test_a_second_call_reuses_the_program_and_gives_the_recorded_gradients(loop,
     _equal(second[1], _run(step, h0, xs, loop, trace=False, reverse=reverse)[1])
 
 
+@pytest.mark.parametrize("loop", LOOPS, ids=LOOP_IDS)
+def test_a_reused_program_draws_new_random_numbers_as_recording_does(loop):
+    w, b, h0, xs = _params()
+
+    def step(h, x):
+        h = cad.nn.functional.dropout(cad.tanh(h @ w + b + x), 0.4)
+        return h, h
+
+    def seeded(seed, trace):
+        cad.random.manual_seed(seed)
+        return _run(step, h0, xs, loop, trace=trace)
+
+    assert seeded(1, True)[0] == ["replayed"]
+    for seed in (1, 2):
+        modes, grads = seeded(seed, True)
+        assert modes == [REUSED]
+        _equal(grads, seeded(seed, False)[1])
+    assert not np.array_equal(seeded(1, True)[1][0], seeded(2, True)[1][0])
+
+
 def test_a_loop_of_another_length_reuses_the_program():
     w, b, h0, xs = _params(T=12)
     step = _step_over(w, b)
@@ -338,12 +358,15 @@ def test_a_strategy_that_cannot_be_hashed_is_told_apart_by_identity(loop):
             _equal(grads, _run(step, h0, xs, loop, trace=False)[1])
 
 
-def test_trace_false_and_higher_order_gradients_are_as_before():
+def test_trace_false_no_grad_and_higher_order_gradients_are_as_before():
     w, b, h0, xs = _params()
     step = _step_over(w, b)
     _run(step, h0, xs, None)
     assert _run(step, h0, xs, None, trace=False)[0] == []
     assert _run(step, h0, xs, Binomial(3), trace=False)[0] == ["recorded: trace=False"]
+    with cad.no_grad():
+        carry, _ = cad.scan(step, h0, xs)
+    assert carry.grad_fn is None
 
     def second_order(trace):
         carry, _ = cad.scan(step, h0, xs, trace=trace)

@@ -5,22 +5,24 @@ recording and tracing a second step and compiling anew.
 Why this is exact: a later call still records and traces its step 0, and the program is reused
 only when that trace is the earlier call's step 0 in everything a program depends on (the
 operations and their slots, attributes, outputs and random draws; the forms, saved values and
-strategies each recorded entry chose; input shapes; which slots need gradients; dtypes) and
-runs the same operations as the step 1 the program was checked against, on the
-same tensors from outside: the same objects, or equal values for constants that need no
+strategies each recorded entry chose; input shapes; which slots need gradients; dtypes), runs
+the same operations as the earlier step 1 the program was checked against, and uses the same
+tensors from outside as both: the same objects, or equal values for constants that need no
 gradient, as `same_program` requires of steps 0 and 1. Otherwise the loop runs as a first
 call does (step 1 traced, a program compiled, the entry replaced). The reused program reads
-the tensors this call's step 0 captured (`StepProgram.bound_to`): a parameter an optimizer
-changed, in place or by replacing its array, is read as it is now.
+the tensors this call's step 0 captured (`StepProgram.bound_to`): a parameter changed between
+calls (an optimizer's step) is read as it is now, never from an array the earlier call held.
 
 What the cache holds: no tensor. An entry keeps weak references to the tensors its traces
 captured (and copies of small constants that need no gradient: Python numbers made tensors),
 so a deleted model's parameters are freed and an entry over them stops matching. Entries live
 per step code (held weakly), at most `PER_CODE` per code, the least recently used dropped
-first. A step made anew on every call (an `nn` layer's nested `step`) is found by its code and
-the identities of what its closure holds; a clash of identities costs a comparison, never a
-wrong program. Programs whose values go through a stateful strategy (one that is not a frozen
-value object, e.g. a checkpointed region's stand-in packer) are not kept.
+first; the key adds the saved-value strategy in effect and the carry's and scanned inputs'
+shapes, dtypes, devices and gradient needs (not the number of steps: a program is one step). A
+step made anew on every call (an `nn` layer's nested `step`) is found by its code and the
+identities of what its closure holds; a clash of identities costs a comparison, never a wrong
+program. Programs whose values go through a stateful strategy (one that is not a frozen value
+object, e.g. a checkpointed region's stand-in packer) are not kept.
 """
 
 from __future__ import annotations
