@@ -32,7 +32,7 @@ class EntryInfo:
     saved: tuple[SavedInfo, ...]
     origin: str
     released: bool
-    mode: str = ""  # a planned loop's: "replayed", or "recorded: <why>"
+    mode: str = ""  # a loop's: "replayed" (or "replayed (program reused ...)"), "recorded: <why>"
 
     @property
     def saved_nbytes(self) -> int:

@@ -270,7 +270,10 @@ def _initial_state(hx: Any, kind: str, layers: int, batch: int, hidden: int,
     shape = (layers, hidden) if unbatched else (layers, batch, hidden)
     if hx is None:
         blank = ops.broadcast_to(zeros, (batch, hidden))
-        return [(blank, blank) if kind == "LSTM" else blank for _ in range(layers)]
+        # an LSTM's h and c as two tensors: one tensor given as both carry leaves makes step
+        # 0 a program other than step 1's, and `scan` would record every step
+        return [(blank, ops.broadcast_to(zeros, (batch, hidden))) if kind == "LSTM" else blank
+                for _ in range(layers)]
     parts = hx if kind == "LSTM" else (hx,)
     if kind == "LSTM" and (not isinstance(hx, (tuple, list)) or len(hx) != 2):
         raise ShapeError("LSTM: hx must be a pair (h_0, c_0)")

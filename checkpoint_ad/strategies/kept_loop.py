@@ -1,4 +1,5 @@
-"""A `scan` that keeps every step (no loop strategy), replayed after its first two steps.
+"""A `scan` that keeps every step (no loop strategy), replayed after its first two steps (its
+first step, when it reuses the program an earlier call made: see `program_cache.py`).
 
 Steps 0 and 1 are recorded on the tape as any code is, and traced on the way (see
 `step_program.py`). When they trace to one program, steps 2.. run as one tape entry: a plan
@@ -9,9 +10,9 @@ the profile and the gradients are those of recording every step, bit for bit; th
 per operation is gone. When the trace is refused, the loop goes on recording every step, and
 the result is exactly the recorded loop: nothing was done differently for steps 0 and 1.
 
-The outputs of the three parts (steps 0 and 1, the replayed rest) are put together by one
-entry whose backward splits the gradient rows again, adding nothing: the executor writes the
-rest's rows after those of steps 0 and 1 into one array per output, so the join copies nothing
+The outputs of the parts (steps 0 and 1, the replayed rest) are put together by one entry
+whose backward splits the gradient rows again, adding nothing: the executor writes the rest's
+rows after those of the recorded steps into one array per output, so the join copies nothing
 (`output_rows.join_rows`; rows that change shape or dtype are stacked and concatenated).
 """
 
@@ -28,22 +29,25 @@ from .loop import StepLoop, stack_outputs
 from .loop_strategies import Periodic
 from .output_rows import join_rows
 from .plan_executor import PlannedLoop
+from .program_cache import REUSED, find
 from .step_program import program_of, traced_call
 
 TRACED_STEPS = 2
 
 
 class _SplitHead(Function):
-    """Rows 0 and 1 of a tensor, and the rest as one tensor; the backward puts them back."""
+    """The first `heads` rows of a tensor, and the rest as one tensor; the backward puts them
+    back."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor) -> tuple[Tensor, ...]:
-        return _head_and_rest(x)
+    def forward(ctx: Any, x: Tensor, heads: int) -> tuple[Tensor, ...]:
+        ctx.heads = heads
+        return _head_and_rest(x, heads)
 
     @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> Tensor:
-        return concatenate([stack(list(grads[:TRACED_STEPS]), axis=0), grads[TRACED_STEPS]],
-                           axis=0)
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor, None]:
+        heads = ctx.heads
+        return concatenate([stack(list(grads[:heads]), axis=0), grads[heads]], axis=0), None
 
 
 def replays(loop: StepLoop, trace: bool) -> bool:
@@ -56,28 +60,36 @@ def replays(loop: StepLoop, trace: bool) -> bool:
 def keep_every_step(loop: StepLoop, carry_leaves: list[Any]) -> tuple[Any, Any]:
     """Run `loop` keeping every step; (carry, ys). How it ran is the loop entry's `mode`
     (no entry: recorded)."""
-    heads, rest = _split_xs(loop)
-    traces: dict[int, Any] = {}
-    per_step = []
-    carry = carry_leaves
-    for t in range(TRACED_STEPS):
-        x = None if heads is None else unflatten(loop.xs_spec, iter(heads[t]))
-        carry, ys, traces[t] = traced_call(loop, t, carry, x)
+    place = find(loop.step, "kept", carry_leaves, loop.xs_leaves)
+    # an earlier call left a program: step 0 alone is recorded if it fits (see
+    # `program_cache.py`); else, as on a first call, steps 0 and 1
+    heads, rest = _split_xs(loop.xs_leaves, loop, 1 if place.expected else TRACED_STEPS)
+    carry, ys, first = traced_call(loop, 0, carry_leaves, _row(loop, heads, 0))
+    per_step = [ys]
+    program = place.reuse(first) if place.expected else None
+    mode = REUSED
+    if program is None:
+        if place.expected and heads is not None:  # it did not fit: split row 1 off the
+            more, rest = _split_xs(rest or [], loop, 1)  # rest as well
+            heads += more or []
+        carry, ys, second = traced_call(loop, 1, carry, _row(loop, heads, 1))
         per_step.append(ys)
-    # step 1's trace: its carry is a step's output, as the carry of every step replayed
-    program, _ = program_of(traces, loop.n, len(carry), template=1)
+        # step 1's trace: its carry is a step's output, as the carry of every step replayed
+        program, mode = program_of({0: first, 1: second}, loop.n, len(carry), template=1)
+        place.remember(first, second, program)
+    done = len(per_step)
     if program is None:  # record the rest as the steps so far were
-        rows = _rows(loop, rest)
-        for t in range(TRACED_STEPS, loop.n):
-            carry, ys = loop.call(t, carry, rows[t - TRACED_STEPS])
+        rows = _rows(loop, rest, done)
+        for t in range(done, loop.n):
+            carry, ys = loop.call(t, carry, rows[t - done])
             per_step.append(ys)
         ys_leaves = stack_outputs(per_step)
         return unflatten(loop.carry_spec, iter(carry)), unflatten(loop.y_spec, iter(ys_leaves))
     rest_loop = StepLoop(loop.step, loop.carry_spec, rest or [], loop.xs_spec,
-                         loop.n - TRACED_STEPS, y_spec=loop.y_spec)
+                         loop.n - done, y_spec=loop.y_spec)
     lead = [[None if y is None else y._data for y in ys] for ys in per_step]
     executor = PlannedLoop(rest_loop, Periodic(rest_loop.n), program=program,
-                           name="scan[keep-all]", lead_rows=lead)
+                           name="scan[keep-all]", lead_rows=lead, mode=mode)
     carry_out, ys_rest = executor.run(list(carry))
     loop.evaluations += rest_loop.evaluations
     whole, executor.full_outputs = executor.full_outputs, None  # the entry keeps no outputs
@@ -85,44 +97,51 @@ def keep_every_step(loop: StepLoop, carry_leaves: list[Any]) -> tuple[Any, Any]:
     if whole is None:  # rows kept (unlike rows): joined by copying
         whole = [None] * len(from_rest)
     ys_leaves = [
-        None if y0 is None
-        else join_rows([y0, y1, r], full) if full is not None
-        else concatenate([stack([y0, y1], axis=0), r], axis=0)
-        for y0, y1, r, full in zip(per_step[0], per_step[1], from_rest, whole)
+        None if lead_ys[0] is None
+        else join_rows([*lead_ys, r], full) if full is not None
+        else concatenate([stack(list(lead_ys), axis=0), r], axis=0)
+        for lead_ys, r, full in zip(zip(*per_step), from_rest, whole)
     ]
     return carry_out, unflatten(loop.y_spec, iter(ys_leaves))
 
 
-def _split_xs(loop: StepLoop) -> tuple[list[list[Any]] | None, list[Any] | None]:
-    """Rows 0 and 1 of every xs leaf (per step: a list of leaves), and the rest of each leaf
-    as one tensor; a leaf that needs a gradient is split by one differentiable operation."""
+def _row(loop: StepLoop, heads: list[list[Any]] | None, t: int) -> Any:
+    return None if heads is None else unflatten(loop.xs_spec, iter(heads[t]))
+
+
+def _split_xs(leaves: list[Any], loop: StepLoop, count: int,
+              ) -> tuple[list[list[Any]] | None, list[Any] | None]:
+    """The first `count` rows of every xs leaf (per step: a list of leaves), and the rest of
+    each leaf as one tensor; a leaf that needs a gradient is split by one differentiable
+    operation."""
     if loop.xs_spec is None:
         return None, None
-    heads: list[list[Any]] = [[] for _ in range(TRACED_STEPS)]
+    heads: list[list[Any]] = [[] for _ in range(count)]
     rest: list[Any] = []
-    for x in loop.xs_leaves:
+    for x in leaves:
         if x is None:
-            parts: tuple[Any, ...] = (None,) * (TRACED_STEPS + 1)
+            parts: tuple[Any, ...] = (None,) * (count + 1)
         elif x.requires_grad:
-            parts = _SplitHead.apply(x)
+            parts = _SplitHead.apply(x, count)
         else:
-            parts = _head_and_rest(x)
-        for t in range(TRACED_STEPS):
+            parts = _head_and_rest(x, count)
+        for t in range(count):
             heads[t].append(parts[t])
-        rest.append(parts[TRACED_STEPS])
+        rest.append(parts[count])
     return heads, rest
 
 
-def _head_and_rest(x: Tensor) -> tuple[Tensor, ...]:
-    """Rows 0 and 1 of `x`, and the rest, as tensors without history (views of its array)."""
+def _head_and_rest(x: Tensor, count: int) -> tuple[Tensor, ...]:
+    """The first `count` rows of `x`, and the rest, as tensors without history (views of
+    its array)."""
     data = x._data
-    return (*(Tensor._wrap(data[t]) for t in range(TRACED_STEPS)),
-            Tensor._wrap(data[TRACED_STEPS:]))
+    return (*(Tensor._wrap(data[t]) for t in range(count)), Tensor._wrap(data[count:]))
 
 
-def _rows(loop: StepLoop, rest: list[Any] | None) -> list[Any]:
-    """The scanned inputs of steps 2.. (split off `rest` as a plain loop splits xs)."""
-    n = loop.n - TRACED_STEPS
+def _rows(loop: StepLoop, rest: list[Any] | None, done: int) -> list[Any]:
+    """The scanned inputs of the steps after the first `done` (split off `rest` as a plain
+    loop splits xs)."""
+    n = loop.n - done
     if rest is None:
         return [None] * n
     rest_loop = StepLoop(loop.step, loop.carry_spec, rest, loop.xs_spec, n)

@@ -60,6 +60,7 @@ from .kinds import LoopStrategy
 from .loop import StepLoop, columns
 from .offload import Offload
 from .output_rows import OutputRows, join_rows
+from .program_cache import REUSED, Place, find
 from .revolve import (
     _DISK_RESTORE,
     _KIND_MASK,
@@ -140,13 +141,15 @@ class PlannedLoop:
         program: StepProgram | None = None,
         name: str | None = None,
         lead_rows: Sequence[list[Any]] = (),
+        mode: str = "replayed",
     ) -> None:
         """`until` (with at most `limit` steps, None for no limit) makes the loop's length
         known only as it runs: the plan then grows step by step (see the module's doc).
         `program` replays every step from the start: a step program traced from a step
         recorded on the tape just before (`scan` keeping every step), whose output is the
-        initial carry here. `lead_rows`: the outputs (arrays) of steps recorded before the
-        loop, which its output arrays make room for first (see `full_outputs`)."""
+        initial carry here; `mode` says where it came from. `lead_rows`: the outputs (arrays)
+        of steps recorded before the loop, which its output arrays make room for first (see
+        `full_outputs`)."""
         self.loop = loop
         self.lead_rows = lead_rows
         self.full_outputs: list[Any] | None = None  # after run(): lead and own rows per output
@@ -175,13 +178,14 @@ class PlannedLoop:
         self.last_engine_state: random.GeneratorState | None = None  # see `_pack`
         # steps 0 and 1 are traced; when they give one program, later steps are replayed
         self.traces: dict[int, Trace] | None = {} if trace else None
+        self.place: Place | None = None  # where an earlier call's program may wait (run())
         self.program: StepProgram | None = None
         self.mode = "recorded: trace=False" if not trace else "recorded: not traced yet"
         self.carry_made = program is not None  # the carry is a recorded step's output
         if program is not None:
             self.traces = None
             self.program = program
-            self.mode = "replayed"
+            self.mode = mode
             self.externals = dict(program.external_edges)
             self.same = program.carry_aliases()
             self.discovered = True
@@ -195,6 +199,8 @@ class PlannedLoop:
         self.initial = [None if t is None else t._data for t in carry_leaves]
         self.initial_engine_state = random.get_state()
         self.initial_numpy_state = np.random.get_state()
+        if self.traces is not None and loop.n != 1:
+            self.place = find(loop.step, "planned", carry_leaves, loop.xs_leaves)
         if self.until is None:
             self.plan = self.strategy.plan_for_loop(loop.n, self._measure_costs)
             per_step = self._run_forward_prefix(discover=True)
@@ -349,11 +355,19 @@ class PlannedLoop:
 
     # ------------------------------------------------------------- tracing
     def _call(self, t: int, carry: list[Any], x: Any) -> tuple[list[Any], list[Any]]:
-        """Run step `t` (recorded); steps 0 and 1 are traced on the way."""
+        """Run step `t` (recorded); steps 0 and 1 are traced on the way (step 0 alone when
+        it fits the program an earlier call of this loop made: see `program_cache.py`)."""
         traces = self.traces
         if traces is None or t > 1 or t in traces:
             return self.loop.call(t, carry, x)
         new, ys, traces[t] = traced_call(self.loop, t, carry, x)
+        place = self.place
+        if t == 0 and place is not None and place.expected:
+            program = place.reuse(traces[0])
+            if program is not None:
+                self.traces = None
+                self.program, self.mode = program, REUSED
+                return new, ys
         if len(traces) == 2 or self.loop.n == 1:
             self._decide()
         return new, ys
@@ -364,6 +378,8 @@ class PlannedLoop:
         assert traces is not None
         self.traces = None  # decided: no more tracing, and the traced tensors are let go
         self.program, self.mode = program_of(traces, self.loop.n, len(self.carry_meta))
+        if self.place is not None and len(traces) == 2:
+            self.place.remember(traces[0], traces[1], self.program)
 
     def _x_arrays(self, t: int) -> list[Any]:
         return [None if x is None else _row(x._data, t) for x in self.loop.xs_leaves]

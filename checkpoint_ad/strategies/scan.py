@@ -59,7 +59,10 @@ def scan(
     mode ran and why (``carry.grad_fn.op.mode``, and the loop's line in
     ``cad.tape_of(...).table()``). Keeping every step, steps 0 and 1 stay on the tape as
     recorded entries and the loop's entry (``scan[keep-all]``) holds the rest; a loop of
-    fewer than 3 steps, or one run inside a step being traced, is recorded.
+    fewer than 3 steps, or one run inside a step being traced, is recorded. Calling the same
+    loop again (a training loop) reuses the program the earlier call made when step 0 traces
+    to it exactly, so only step 0 is recorded (mode "replayed (program reused from an
+    earlier call)"; see `program_cache.py`).
     `until(carry)` is asked after each step (without recording) and the loop stops after the
     first step where it is true, or at the end of `xs` (or after `length` steps) if that comes
     first; with neither xs nor length, `until` is required and at least one step runs. `ys`

@@ -14,14 +14,15 @@ cannot repeat: reads a value into Python (`bool`, `item`, `float`, `numpy()`), r
 hook, modifies a tensor in place, uses a custom `Function` or a nested planned loop. Steps 0
 and 1 are both traced and must give the same program with the same constants: a step that
 makes new tensors from outside data on each call (``cad.tensor(np.random.rand(3))``, a mask
-drawn per call) is caught there, as it would be frozen by a replay.
+drawn per call) is caught there, as it would be frozen by a replay. A loop run again may reuse
+the program an earlier call made, once its step 0 is checked against it (`program_cache.py`).
 """
 
 from __future__ import annotations
 
-import weakref
+import copy
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from operator import itemgetter
 from typing import Any
 
@@ -238,23 +239,16 @@ def same_program(a: Trace, b: Trace) -> str | None:
     """Why two traces of consecutive steps are not one program (None when they are)."""
     if a.refused or b.refused:
         return a.refused or b.refused
-    if len(a.instructions) != len(b.instructions) or a.outputs != b.outputs:
-        return "runs different operations on different steps"
-    for x, y in zip(a.instructions, b.instructions):
-        if type(x.prim) is Draw and type(y.prim) is Draw:
-            if not _same(x.prim.key, y.prim.key) or x.output != y.output:
-                return "draws random numbers differently on different steps"
-            continue
-        if x.prim is not y.prim or x.inputs != y.inputs or not _same(x.attrs, y.attrs):
-            name = x.prim.name if x.prim is not None else "detach"
-            return f"runs {name!r} differently on different steps"
+    reason = same_operations(a, b)
+    if reason is not None:
+        return reason
     if a.constants.keys() != b.constants.keys():
         return "uses different tensors from outside on different steps"
     for slot, t in a.constants.items():
         u = b.constants[slot]
         if t is u:
             continue
-        if t._requires_grad or u._requires_grad or t._entry is not None or not _same(
+        if t._requires_grad or u._requires_grad or t._entry is not None or not same_values(
             t._data, u._data
         ):
             return ("makes a tensor from outside data whose values change from step to step "
@@ -262,18 +256,41 @@ def same_program(a: Trace, b: Trace) -> str | None:
     return None
 
 
-def _same(a: Any, b: Any) -> bool:
+def same_operations(a: Any, b: Any) -> str | None:
+    """Why two traces (or what a cache remembers of one) do not run the same operations on
+    the same slots, with the same attributes, outputs and random draws (None when they do)."""
+    if len(a.instructions) != len(b.instructions) or a.outputs != b.outputs:
+        return "runs different operations on different steps"
+    for x, y in zip(a.instructions, b.instructions):
+        if type(x.prim) is Draw and type(y.prim) is Draw:
+            if not same_values(x.prim.key, y.prim.key) or x.output != y.output:
+                return "draws random numbers differently on different steps"
+            continue
+        if x.prim is not y.prim or x.inputs != y.inputs or not same_values(x.attrs, y.attrs):
+            name = x.prim.name if x.prim is not None else "detach"
+            return f"runs {name!r} differently on different steps"
+    return None
+
+
+_PLAIN = frozenset({int, float, bool, str, type(None), type(Ellipsis)})
+
+
+def same_values(a: Any, b: Any) -> bool:
+    """Whether two attributes, keys or arrays are equal (arrays: in shape, dtype and every
+    value)."""
     if a is b:
         return True
+    if type(a) in _PLAIN:  # most attributes: answered without looking for a shape
+        return type(a) is type(b) and a == b
+    if isinstance(a, (tuple, list)):
+        return (type(a) is type(b) and len(a) == len(b)
+                and all(same_values(x, y) for x, y in zip(a, b)))
+    if isinstance(a, dict):
+        return (isinstance(b, dict) and a.keys() == b.keys()
+                and all(same_values(a[k], b[k]) for k in a))
     if hasattr(a, "shape") and hasattr(a, "dtype"):
         return (hasattr(b, "shape") and a.shape == b.shape and a.dtype == b.dtype
                 and bool(namespace(a).all(a == b)))
-    if isinstance(a, (tuple, list)):
-        return (type(a) is type(b) and len(a) == len(b)
-                and all(_same(x, y) for x, y in zip(a, b)))
-    if isinstance(a, dict):
-        return (isinstance(b, dict) and a.keys() == b.keys()
-                and all(_same(a[k], b[k]) for k in a))
     try:
         return bool(a == b) and type(a) is type(b)
     except Exception:
@@ -286,33 +303,16 @@ class StepProgram:
 
     def __init__(self, trace: Trace, n_carry: int) -> None:
         self.n_slots = trace.n_slots
+        self.n_inputs = trace.n_inputs
         self.instructions = tuple(trace.instructions)
         self.carry_in = tuple(range(n_carry))
         self.x_in = tuple(range(n_carry, trace.n_inputs))
         self.carry_out, self.y_out = trace.outputs
-        self.constants = {s: t._data for s, t in trace.constants.items()}
-        # every slot after the inputs (carry, then xs: slots 0, 1, ...) as a step starts:
-        # the constants in place, the rest empty
-        self.after_inputs = tuple(
-            self.constants.get(s) for s in range(trace.n_inputs, trace.n_slots))
-        # the tensors themselves: a value saved from one shares the buffer recorded entries
-        # made of it (one stored copy, counted once), as recording every step would
-        self.constant_tensors = dict(trace.constants)
+        self._bind(trace.constants)
         # graph facts of every slot, as the recorded step had them
         self.requires_grad = [rg for rg, _, _ in trace.facts]
         self.leaf = [leaf for _, leaf, _ in trace.facts]
         self.dtype = [dtype for _, _, dtype in trace.facts]
-        self.external_keys: dict[int, tuple[int, int]] = {}
-        self.external_edges: dict[tuple[int, int], Any] = {}  # key -> graph edge
-        for slot, t in trace.constants.items():
-            edge = edge_of(t)
-            if edge is not None:
-                self.external_keys[slot] = (id(edge[0]), edge[1])
-                self.external_edges[(id(edge[0]), edge[1])] = edge
-        # captured leaves: a hook registered on one, even after the loop ran, makes the
-        # backward record (a recorded pass runs leaf hooks on each segment's sum)
-        self.has_hooks = [t for t in trace.constants.values()
-                          if t._entry is None and t._requires_grad]
         # free each value after its last use in a forward without saving
         last: dict[int, int] = {}
         for i, ins in enumerate(self.instructions):
@@ -360,8 +360,9 @@ class StepProgram:
             (i, self.instructions[i].output, compile_rules(self.instructions[i]))
             for i in self.backward_order)
         # `_tape_kept`'s layouts, made when first needed: first step, chained to a replayed
-        # step, chained to a recorded one
+        # step, chained to a recorded one (shared with the copies `bound_to` makes)
         self.layouts: list[KeptLayout | None] = [None, None, None]
+        self.described: list[DescribedStep | None] = [None]  # `_step_begins`'s, likewise
         self.delivery = delivery_kinds(self.n_slots, self.carry_in, self.x_in, self.constants,
                                        self.requires_grad, self.leaf)
         # every output that takes a gradient is made in the step: a root (the gradient of a
@@ -373,6 +374,50 @@ class StepProgram:
         self.roots_per_step = all(
             self.delivery[s] == PENDING for s in (*self.carry_out, *self.y_out)
             if s >= 0 and self.requires_grad[s])
+
+    def _bind(self, constants: dict[int, Any]) -> None:
+        """Read the tensors the step captured (slot -> tensor): what the program holds of them
+        (their arrays, graph edges and hooks) is read here and nowhere else."""
+        self.constants = {s: t._data for s, t in constants.items()}
+        # every slot after the inputs (carry, then xs: slots 0, 1, ...) as a step starts:
+        # the constants in place, the rest empty
+        self.after_inputs = tuple(
+            self.constants.get(s) for s in range(self.n_inputs, self.n_slots))
+        # the tensors themselves: a value saved from one shares the buffer recorded entries
+        # made of it (one stored copy, counted once), as recording every step would
+        self.constant_tensors = dict(constants)
+        self.external_keys: dict[int, tuple[int, int]] = {}
+        self.external_edges: dict[tuple[int, int], Any] = {}  # key -> graph edge
+        for slot, t in constants.items():
+            edge = edge_of(t)
+            if edge is not None:
+                self.external_keys[slot] = (id(edge[0]), edge[1])
+                self.external_edges[(id(edge[0]), edge[1])] = edge
+        # captured leaves: a hook registered on one, even after the loop ran, makes the
+        # backward record (a recorded pass runs leaf hooks on each segment's sum)
+        self.has_hooks = [t for t in constants.values()
+                          if t._entry is None and t._requires_grad]
+
+    def bound_to(self, trace: Trace) -> StepProgram:
+        """This program reading the tensors another trace of the same step captured (the same
+        slots: see `program_cache.py`): a copy sharing everything compiled, whose constants
+        are those tensors as they are now (a parameter an optimizer replaced is read anew),
+        and whose source lines (what a profiler names) are the ones `trace` recorded from."""
+        program = copy.copy(self)
+        program._bind(trace.constants)
+        if any(ins.origin != new.origin for ins, new in zip(self.instructions,
+                                                            trace.instructions)):
+            program.instructions = tuple(replace(ins, origin=new.origin) for ins, new in zip(
+                self.instructions, trace.instructions))
+            program.described = [None]  # described anew, with these lines
+        return program
+
+    def unbound(self) -> StepProgram:
+        """A copy that holds no captured tensor (nor their arrays or graph edges), to be kept
+        beyond the loop that made it; `bound_to` gives a runnable one back."""
+        program = copy.copy(self)
+        program._bind({})
+        return program
 
     def carry_aliases(self) -> dict[int, int]:
         """Outputs that are a new carry leaf itself (RNNs return h, h): output k -> leaf j."""
@@ -813,10 +858,6 @@ class DescribedStep:
     primitives: int
 
 
-# program -> its description (made when a profiler first hears one of its steps)
-_described: weakref.WeakKeyDictionary[StepProgram, DescribedStep] = weakref.WeakKeyDictionary()
-
-
 def _step_begins(program: StepProgram) -> DescribedStep:
     """A profiler listens: say a replayed step begins (the values it packs until its
     'replayed' event are its own) and give the program's description.
@@ -825,9 +866,9 @@ def _step_begins(program: StepProgram) -> DescribedStep:
     the description and the step's saved buffers and values, and the profiler lists from them
     what recording the step would have listed, in the same order; no entry, saved slot or
     leaf tensor is made just to be announced."""
-    described = _described.get(program)
+    described = program.described[0]  # made when a profiler first hears one of its steps
     if described is None:
-        described = _described[program] = DescribedStep(
+        described = program.described[0] = DescribedStep(
             tuple(_describe(program, ins) if ins.taped else None
                   for ins in program.instructions),
             sum(1 for ins in program.instructions
