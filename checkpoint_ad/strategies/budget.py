@@ -96,7 +96,8 @@ class PlanRow:
     """The saved-value strategy of every step's values."""
     peak_tape_bytes: int
     device_peak_bytes: int
-    """`peak_tape_bytes` plus the estimate's fixed bytes and `engine_bytes`."""
+    """`peak_tape_bytes` plus the estimate's fixed bytes and `engine_bytes`: the peak of the
+    loop's first call (a later call reusing its step program traces one step fewer)."""
     forward_seconds: float
     backward_seconds: float
     evaluations: int
