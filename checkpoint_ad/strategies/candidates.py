@@ -231,8 +231,20 @@ def binomial(cost: StepCost) -> Iterator[Candidate]:
                                   + n * cost.reverse_overhead_seconds),
                 evaluations=n + advanced,
                 error_bound=relative_error_bound(storage),
-                engine_bytes=_engine(cost, form, 1),
+                # the plan (8 bytes an action) and each snapshot's objects, held throughout
+                engine_bytes=(_engine(cost, form, 1) + 8 * binomial_actions(n, s)
+                              + stored * snap.object_bytes),
             )
+
+
+@functools.lru_cache(maxsize=4096)
+def binomial_actions(n: int, s: int) -> int:
+    """Actions in `Binomial(s)`'s plan of n steps (packed, 8 bytes each), counted where the
+    plan is simulated anyway (`backward_snapshots`), else about four a step (an advance, a
+    snapshot, a restore, a reverse)."""
+    if optimal_evaluations(n, s) <= _SIMULATED_UP_TO:
+        return len(Binomial(s).plan(n))
+    return 4 * n
 
 
 @functools.lru_cache(maxsize=4096)

@@ -40,11 +40,12 @@ from ..backend import is_floating, namespace
 from ..backend import nbytes as array_nbytes
 from ..grad_mode import enable_grad, no_grad
 from ..pytree import flatten, unflatten
-from ..saved import SavedBuffer, Strategy, use_packer
+from ..saved import KEEP, SavedBuffer, Strategy, use_packer
 from ..tape import Entry, edge_of, next_sequence
 from ..tensor import Tensor
 from .loop import StepLoop
 from .offload import Offload
+from .plan_executor import snapshot_object_bytes
 from .quantized import Quantized
 from .step_program import StepProgram, program_of, traced_call
 
@@ -92,6 +93,8 @@ class SnapshotCost:
     bytes: int
     pack_seconds: float
     unpack_seconds: float
+    object_bytes: int = 0
+    """The engine's objects per snapshot beyond the stored bytes (in the device peak)."""
 
 
 @dataclass(frozen=True)
@@ -604,8 +607,9 @@ def _edge_nbytes(node: Any, index: int) -> int:
 
 
 def _snapshot_cost(carry: list[Any], storage: Strategy | None) -> SnapshotCost:
+    objects = snapshot_object_bytes(carry, storage if storage is not None else KEEP)
     if storage is None:
-        return SnapshotCost(sum(array_nbytes(a) for a in carry), 0.0, 0.0)
+        return SnapshotCost(sum(array_nbytes(a) for a in carry), 0.0, 0.0, objects)
     start = time.perf_counter()
     packed = [storage.pack(a) for a in carry]
     packed_at = time.perf_counter()
@@ -616,7 +620,7 @@ def _snapshot_cost(carry: list[Any], storage: Strategy | None) -> SnapshotCost:
     for a, p in zip(carry, packed):
         size = storage.stored_nbytes(p)
         stored += array_nbytes(a) if size is None else int(size)
-    return SnapshotCost(stored, packed_at - start, unpacked_at - packed_at)
+    return SnapshotCost(stored, packed_at - start, unpacked_at - packed_at, objects)
 
 
 def _root(array: Any) -> Any:
