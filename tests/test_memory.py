@@ -155,21 +155,24 @@ def test_a_checkpoint_region_holds_only_its_inputs():
     assert region < 64 * 1024  # handles and tape entries only: x is the caller's
 
 
-def _backward_peak(n: int) -> int:
-    """Peak bytes traced during a planned loop's backward, above the level at its start."""
+def _backward_peak(n: int, kept: bool = False, outputs: bool = False) -> int:
+    """Peak bytes traced during a loop's backward (`Binomial(2)`, or a plain `scan` keeping
+    every step when `kept`; `outputs`: the loss sums every step's output, not the last
+    carry), above the level at its start."""
+    strategy = None if kept else cad.strategies.Binomial(2)
     rng = np.random.default_rng(2)
     w = cad.tensor(rng.standard_normal((1, 8)), requires_grad=True)
     xs = cad.tensor(rng.standard_normal((n, 4, 8)))
 
     def step(h, x):
         h = cad.tanh(h * w + x)  # w broadcasts: its gradient is summed back each step
-        return h, None
+        return h, cad.sum(h) if outputs else None
 
     tracemalloc.start()
     try:
         init = cad.zeros((4, 8), dtype="float64")
-        carry, _ = cad.scan(step, init, xs, strategy=cad.strategies.Binomial(2))
-        loss = cad.sum(carry)
+        carry, ys = cad.scan(step, init, xs, strategy=strategy)
+        loss = cad.sum(ys) if outputs else cad.sum(carry)
         gc.collect()  # empties the interpreter's free lists
         base = tracemalloc.get_traced_memory()[0]
         tracemalloc.reset_peak()
@@ -324,34 +327,11 @@ def test_a_snapshot_of_a_small_carry_costs_little_more_than_the_carry():
     assert per_snapshot < 750, f"{per_snapshot:.0f} B a snapshot"
 
 
-def _kept_backward_growth(n: int) -> int:
-    """Peak bytes traced during the backward of a plain `scan` (every step kept, an output
-    per step), above the level as the backward starts."""
-    rng = np.random.default_rng(5)
-    w = cad.tensor(rng.standard_normal(4), requires_grad=True)
-    xs = cad.tensor(rng.standard_normal((n, 4)))
-
-    def step(h, x):
-        h = cad.tanh(h * w + x)
-        return h, cad.sum(h)
-
-    tracemalloc.start()
-    try:
-        _, ys = cad.scan(step, cad.zeros(4, dtype="float64"), xs)
-        loss = cad.sum(ys)
-        gc.collect()
-        base = tracemalloc.get_traced_memory()[0]
-        tracemalloc.reset_peak()
-        cad.grad(loss, [w])
-        return tracemalloc.get_traced_memory()[1] - base
-    finally:
-        tracemalloc.stop()
-
-
 def test_a_kept_loops_backward_holds_no_per_step_roots_or_sums_at_once():
     # the pull-back of a replayed segment took every step's output gradient (a row view in a
     # tuple in a tuple) and began every step's sums (a list of the step's slots) before
-    # running back: about 430 B a step at the backward's peak, all steps at once
-    _kept_backward_growth(100)  # warm: one-time caches
-    short, long = _kept_backward_growth(200), _kept_backward_growth(800)
+    # running back: about 340 B a step at the backward's peak, all steps at once
+    _backward_peak(100, kept=True, outputs=True)  # warm: one-time caches
+    short = _backward_peak(200, kept=True, outputs=True)
+    long = _backward_peak(800, kept=True, outputs=True)
     assert (long - short) / 600 < 100, f"{(long - short) / 600:.0f} B a step"
