@@ -13,35 +13,45 @@ dW = sum_t h_{t-1}^T a_t,  dU = sum_t x_t^T a_t,  db = sum_t sum_batch a_t.
 
 from __future__ import annotations
 
+import sys
+from types import ModuleType
+from typing import Any
+
 import numpy as np
 
 
-def loss_and_grads(
-    W: np.ndarray, U: np.ndarray, b: np.ndarray, xs: np.ndarray, h0: np.ndarray
-) -> tuple[float, list[np.ndarray]]:
+def array_module(array: Any) -> ModuleType:
+    """numpy, or cupy for a cupy array (whose functions take the same ``out=`` buffers)."""
+    if type(array).__module__.startswith("cupy"):
+        return sys.modules["cupy"]
+    return np
+
+
+def loss_and_grads(W: Any, U: Any, b: Any, xs: Any, h0: Any) -> tuple[float, list[Any]]:
     """The loss and [dW, dU, db] for the inputs `xs` (T, batch, input) from state `h0`."""
+    xp = array_module(W)
     steps = xs.shape[0]
-    hs = np.empty((steps + 1, *h0.shape), dtype=h0.dtype)
+    hs = xp.empty((steps + 1, *h0.shape), dtype=h0.dtype)
     hs[0] = h0
-    pre = np.empty_like(h0)
+    pre = xp.empty_like(h0)
     for t in range(steps):
-        np.matmul(hs[t], W, out=pre)
+        xp.matmul(hs[t], W, out=pre)
         pre += xs[t] @ U
         pre += b
-        np.tanh(pre, out=hs[t + 1])
+        xp.tanh(pre, out=hs[t + 1])
     loss = float(hs[1:].sum(dtype=np.float64))
 
-    gW, gU, gb = np.zeros_like(W), np.zeros_like(U), np.zeros_like(b)
-    g = np.ones_like(h0)  # dloss/dh_T
+    gW, gU, gb = xp.zeros_like(W), xp.zeros_like(U), xp.zeros_like(b)
+    g = xp.ones_like(h0)  # dloss/dh_T
     a = pre  # reuse the buffer: a_t = g_t * (1 - h_t^2)
     for t in range(steps, 0, -1):
-        np.multiply(hs[t], hs[t], out=a)
-        np.subtract(1.0, a, out=a)
+        xp.multiply(hs[t], hs[t], out=a)
+        xp.subtract(1.0, a, out=a)
         a *= g
         gW += hs[t - 1].T @ a
         gU += xs[t - 1].T @ a
         gb += a.sum(axis=0)
-        np.matmul(a, W.T, out=g)
+        xp.matmul(a, W.T, out=g)
         g += 1.0
     return loss, [gW, gU, gb]
 

@@ -290,3 +290,33 @@ def test_device_memory_is_measured_when_asked_and_the_profile_says_how():
     assert measured.memory_source == "tracemalloc"
     assert measured.device_peak_bytes >= 4096 * 8
     assert not tracemalloc.is_tracing()
+
+
+# ----------------------------------------------------------------- GPU
+@pytest.mark.gpu
+def test_cuda_device_peak_counts_a_temporary_made_and_freed_inside_one_rule():
+    """cupy's pool is read through a memory hook: a buffer that lives only inside one rule,
+    between two engine events, is in the peak (sampling the pool at events misses it)."""
+    from checkpoint_ad.backend import cupy_or_none
+
+    cupy = cupy_or_none()
+    if cupy is None:
+        pytest.skip("needs cupy and a CUDA device")
+    temporary = 64 * 2**20
+
+    class Spiky(cad.Function):
+        @staticmethod
+        def forward(ctx, x):
+            scratch = cupy.ones(temporary, dtype=cupy.uint8)
+            del scratch
+            return x * 1.0
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    x = cad.tensor(np.ones(256, dtype=np.float32), device="cuda", requires_grad=True)
+    with cad.profile(device="cuda") as prof:
+        cad.sum(Spiky.apply(x)).backward()
+    assert prof.memory_source == "cupy-pool"
+    assert temporary <= prof.device_peak_bytes < temporary + 2**20

@@ -40,7 +40,10 @@ class TracemallocProbe(MemoryProbe):
 
 
 class CupyPoolProbe(MemoryProbe):
-    """Bytes in use in cupy's default memory pool, sampled at engine events."""
+    """Bytes in use in cupy's default memory pool, sampled at engine events.
+
+    The fallback where cupy has no memory hooks: a buffer made and freed between two events
+    (a temporary inside one rule) is missed."""
 
     source = "cupy-pool"
 
@@ -62,6 +65,43 @@ class CupyPoolProbe(MemoryProbe):
         return self._peak - self._base
 
 
+class CupyHookProbe(MemoryProbe):
+    """The exact peak of bytes handed out by cupy's memory pools, from a memory hook.
+
+    cupy calls the hook on every pool allocation and release, so the peak includes the
+    temporaries inside a rule that a sampling probe misses, and the engine's events need not
+    sample anything. The hook sees this thread's allocations only (cupy's hooks are
+    thread-local)."""
+
+    source = "cupy-pool"
+
+    def __init__(self, cupy: Any) -> None:
+        self.cupy = cupy
+        self.used = self.peak = 0
+        probe = self
+
+        class _Hook(cupy.cuda.MemoryHook):
+            name = f"checkpoint-ad-peak-{id(self)}"
+
+            def malloc_postprocess(self, **kwargs: Any) -> None:
+                probe.used += kwargs["mem_size"]
+                if probe.used > probe.peak:
+                    probe.peak = probe.used
+
+            def free_postprocess(self, **kwargs: Any) -> None:
+                probe.used -= kwargs["mem_size"]
+
+        self._hook = _Hook()
+
+    def start(self) -> None:
+        self.used = self.peak = 0
+        self._hook.__enter__()
+
+    def stop(self) -> int:
+        self._hook.__exit__(None, None, None)
+        return self.peak
+
+
 def probe_for(device: str, enabled: bool = True) -> MemoryProbe:
     """How to measure `device`'s memory (a probe that measures nothing when not `enabled`)."""
     if not enabled:
@@ -70,7 +110,11 @@ def probe_for(device: str, enabled: bool = True) -> MemoryProbe:
         from ..backend import cupy_or_none
 
         cupy = cupy_or_none()
-        return CupyPoolProbe(cupy) if cupy is not None else MemoryProbe()
+        if cupy is None:
+            return MemoryProbe()
+        if hasattr(cupy.cuda, "MemoryHook"):
+            return CupyHookProbe(cupy)
+        return CupyPoolProbe(cupy)
     return TracemallocProbe()
 
 
