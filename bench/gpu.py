@@ -252,12 +252,17 @@ COLUMNS = {"cupy": cupy_columns, "torch": torch_columns, "jax": jax_columns}
 
 
 # ------------------------------------------------------------------------------ driver
-def _child(library: str, size: str, device: str, repeats: int) -> list[dict[str, Any]]:
+def _child(library: str, size: str, device: str, repeats: int,
+           timeout: float) -> list[dict[str, Any]]:
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", OMP_NUM_THREADS="1",
                OPENBLAS_NUM_THREADS="1")
     command = [sys.executable, "-m", "bench.gpu", "--child", library, "--sizes", size,
                "--device", device, "--repeats", str(repeats)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return [{"column": f"{library} (timed out)", "library": library,
+                 "error": f"no result within {timeout:.0f} s"}]
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         return [{"column": f"{library} (failed)", "library": library, "error": last}]
@@ -315,6 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--libraries", default=",".join(LIBRARIES))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default="profiles/gpu")
+    parser.add_argument("--timeout", type=float, default=300,
+                        help="seconds for one library at one size before its columns are "
+                             "reported as timed out (default 300)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -323,17 +331,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     report: dict[str, Any] = {"machine": _machine(args.device), "repeats": args.repeats,
                               "sizes": {}}
-    for size in args.sizes.split(","):
-        rows = []
-        for library in args.libraries.split(","):
-            rows += _child(library, size, args.device, args.repeats)
-            print(f"{size} {library}: done", file=sys.stderr, flush=True)
-        report["sizes"][size] = rows
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "bench-gpu" if args.device == "cuda" else "bench-gpu-harness-on-cpu"
-    (out / f"{stem}.json").write_text(json.dumps(report, indent=1))
-    (out / f"{stem}.md").write_text(_markdown(report))
+    for size in args.sizes.split(","):
+        rows = report["sizes"][size] = []
+        for library in args.libraries.split(","):
+            rows += _child(library, size, args.device, args.repeats, args.timeout)
+            print(f"{size} {library}: done", file=sys.stderr, flush=True)
+            # written after every library: a run cut short keeps what it measured
+            (out / f"{stem}.json").write_text(json.dumps(report, indent=1))
+            (out / f"{stem}.md").write_text(_markdown(report))
     print(_markdown(report))
     return 0
 

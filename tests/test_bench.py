@@ -216,3 +216,24 @@ def test_a_paired_ratio_divides_each_round_by_its_own_baseline(monkeypatch):
     paired = measure.paired_ratio(work("fn", 3.0), work("base", 2.0), repeats=4)
     assert paired.median == paired.low == paired.high == pytest.approx(1.5)
     assert order == ["fn", "base", "base", "fn", "fn", "base", "base", "fn"]
+
+
+def test_gpu_benchmark_harness_runs_on_the_cpu_and_lossless_columns_match_the_floor(tmp_path):
+    """`bench.gpu` with numpy arrays: every engine column runs, the lossless ones give the
+    floor's gradients, and a library that does not answer in time is reported, not waited for."""
+    from bench import gpu
+
+    assert gpu.main(["--device", "cpu", "--sizes", "tiny", "--libraries", "cupy",
+                     "--repeats", "1", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "bench-gpu-harness-on-cpu.json").read_text())["sizes"]["tiny"]
+    names = [row["column"] for row in rows]
+    assert names[0].startswith("floor") and len(names) == 1 + len(gpu.ENGINE_PRESETS)
+    for row in rows:
+        assert row["median_s"] > 0 and row["device_peak_bytes"] > 0
+        if "int8" not in row["column"]:
+            assert row["grad_error"] < 1e-6, row
+    assert gpu.main(["--device", "cpu", "--sizes", "tiny", "--libraries", "torch",
+                     "--timeout", "0.01", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "bench-gpu-harness-on-cpu.json").read_text())["sizes"]["tiny"]
+    assert rows == [{"column": "torch (timed out)", "library": "torch",
+                     "error": "no result within 0 s"}]
