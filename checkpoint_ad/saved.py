@@ -198,6 +198,39 @@ class KeptBuffer(SavedBuffer):
         return id(self.packed)  # the array is the stored form, whichever buffer shows it
 
 
+class KeptByStrategy(KeptBuffer):
+    """An array kept as is by a strategy other than `KeepAll` whose storing is the identity
+    (`StoreInputs`, `StoreOutputs`: they choose which values to save, not how): stored by
+    reference like a `KeptBuffer`, so a saved parameter or input row is still known for the
+    caller's memory, with the strategy that chose it as its packer."""
+
+    __slots__ = ("packer",)
+
+    def __init__(self, array: Any, packer: Any) -> None:
+        self.packed = array
+        self.packer = packer
+
+
+_IDENTITY_HOOKS = ("pack", "unpack", "stored_nbytes", "stored_level", "prefetch")
+_stores_as_is: dict[type, bool] = {}
+
+
+def stores_as_is(packer: Any) -> bool:
+    """Whether `packer` stores every array as it is: neither its class nor the instance
+    (a `HookPacker`'s functions) overrides any of `Strategy`'s storing hooks, so the stored
+    form is the array itself, on the device."""
+    kind = type(packer)
+    known = _stores_as_is.get(kind)
+    if known is None:
+        known = _stores_as_is[kind] = isinstance(packer, Strategy) and all(
+            getattr(kind, hook) is getattr(Strategy, hook) for hook in _IDENTITY_HOOKS)
+    if known:
+        own = getattr(packer, "__dict__", None)
+        if own and any(hook in own for hook in _IDENTITY_HOOKS):
+            return False
+    return known
+
+
 class PackedBuffer(SavedBuffer):
     """A packer's stored form of an array, with the array's shape, dtype and sizes (the
     stored form may have none of them) and a weak reference to the array it came from."""
@@ -261,7 +294,12 @@ def pack_value(array: Any, packer: Strategy, made: list[Any] | None = None) -> S
     With `made`, the buffer is appended to it instead of announced: a replayed step heard by a
     profiler alone hands its new buffers over in bulk, in its 'replayed' event (a 'pack' event
     per value, and a 'free' watch nobody else asked for, would cost more than the step)."""
-    buffer = KeptBuffer(array) if type(packer) is KeepAll else PackedBuffer(array, packer)
+    if type(packer) is KeepAll:
+        buffer: SavedBuffer = KeptBuffer(array)
+    elif stores_as_is(packer):
+        buffer = KeptByStrategy(array, packer)
+    else:
+        buffer = PackedBuffer(array, packer)
     if made is not None:
         made.append(buffer)
     elif events.listeners:

@@ -87,8 +87,8 @@ def test_predicted_peak_tape_matches_the_profiler(name):
 
 
 def test_the_estimate_lists_every_plan_fastest_first_and_marks_the_choice():
-    table = _table("rnn", budget="48KiB")
-    assert table.limit_bytes == 48 * 1024
+    table = _table("rnn", budget="32KiB")  # keep-all fits, store-inputs does not
+    assert table.limit_bytes == 32 * 1024
     seconds = [r.seconds for r in table.rows]
     assert seconds == sorted(seconds)
     fitting = [r for r in table.rows if r.fits]

@@ -54,3 +54,37 @@ def test_records_list_every_saved_value_of_the_tape_in_order(storage):
     # multiplies a constant h), w (for h's gradient)
     assert sum(callers) == 2 * xs.shape[0] - 1
     assert prof.timeline_bytes[-1] == 0
+
+
+@pytest.mark.parametrize("trace", [True, False])
+@pytest.mark.parametrize("storage", ["StoreOutputs", "StoreInputs"])
+def test_strategies_that_only_choose_values_count_the_callers_arrays_as_aliases(storage, trace):
+    """StoreOutputs and StoreInputs keep what they save as is: a saved weight or input row is
+    the caller's memory, counted apart from the tape's as under KeepAll (it was once counted
+    as owned, once per step, doubling the RNN's peak tape), and its records name the
+    strategy that chose it."""
+    from checkpoint_ad import strategies
+
+    rng = np.random.default_rng(0)
+    w = cad.tensor(rng.standard_normal((8, 8)), requires_grad=True)
+    u = cad.tensor(rng.standard_normal((4, 8)), requires_grad=True)
+    xs = cad.tensor(rng.standard_normal((5, 3, 4)))
+
+    def step(h, x):
+        h = cad.tanh(h @ w + x @ u)
+        return h, cad.sum(h)
+
+    def profiled(strategy):
+        with cad.profile() as prof:
+            with cad.use(strategy):
+                _, ys = cad.scan(step, cad.zeros((3, 8), dtype="float64"), xs, trace=trace)
+            cad.sum(ys).backward()
+        return prof
+
+    keep, chosen = profiled(KeepAll()), profiled(getattr(strategies, storage)())
+    assert chosen.aliased_bytes == keep.aliased_bytes > 0
+    if storage == "StoreOutputs":  # tanh's output is what KeepAll saves too: the same tape
+        assert chosen.peak_tape_bytes == keep.peak_tape_bytes
+    weights = [r for r in chosen.records if r.shape == (8, 8)]
+    assert weights and not any(r.owned for r in weights)
+    assert {r.strategy for r in chosen.records} == {storage}

@@ -352,9 +352,10 @@ class _Recorder:
         shape = shared.setdefault(array.shape, array.shape)
         size = array.nbytes if type(array) is np.ndarray else buffer.stored_nbytes
         size = shared.setdefault(size, size)
-        strategy = shared.get(type(buffer))  # such a buffer's packer is its class's
+        kind = type(buffer.packer)
+        strategy = shared.get(kind)
         if strategy is None:
-            strategy = shared[type(buffer)] = type(buffer.packer).__name__
+            strategy = shared[kind] = kind.__name__
         fields = (shape, array.dtype, size, size, strategy)
         if kept:
             by_shape[array.shape] = fields
