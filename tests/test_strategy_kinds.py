@@ -56,6 +56,19 @@ def test_a_user_written_loop_strategy_runs_its_plan_and_is_exact():
     np.testing.assert_array_equal(planned, plain)
 
 
+@dataclass(frozen=True)
+class ActionsAsAList(LoopStrategy):
+    """A plan given as a plain list of actions (not a packed `Plan`)."""
+
+    def plan(self, n_steps):
+        return list(revolve.binomial_plan(n_steps, 2))
+
+
+def test_a_loop_strategy_may_give_its_plan_as_a_list_of_actions():
+    plain, planned = _loop_grads(ActionsAsAList())
+    np.testing.assert_array_equal(planned, plain)
+
+
 def test_a_user_written_region_strategy_stores_the_region_inputs_its_way():
     x = cad.tensor(RNG.standard_normal(2048), requires_grad=True)
     w = cad.tensor(0.5, requires_grad=True)

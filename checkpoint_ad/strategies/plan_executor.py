@@ -53,6 +53,7 @@ from ..saved import (
     current_packer,
     freed_error,
     pack_value,
+    stores_as_is,
     use_packer,
 )
 from ..tape import Entry, add_entry, edge_of, next_sequence
@@ -63,18 +64,24 @@ from .offload import Offload
 from .output_rows import OutputRows, join_rows
 from .program_cache import REUSED, Place, find
 from .revolve import (
+    _ADVANCE,
     _DISK_RESTORE,
+    _DISK_SNAPSHOT,
+    _FREE,
+    _KIND_BITS,
     _KIND_MASK,
     _RESTORE,
+    _REVERSE,
+    _REVERSE_SEGMENT,
+    _SECOND_SHIFT,
+    _SNAPSHOT,
+    _STEP_MASK,
     Action,
-    Advance,
-    DiskRestore,
     DiskSnapshot,
     Free,
-    Restore,
     Reverse,
-    ReverseSegment,
     Snapshot,
+    plan_codes,
 )
 from .step_program import ReplayedStep, StepProgram, Trace, program_of, traced_call
 
@@ -184,6 +191,7 @@ class PlannedLoop:
         # the saved-value strategy in effect where the loop runs: its steps keep their values
         # with it, also when the backward re-runs them outside that `use` block
         self.step_packer = current_packer()
+        self.quiet: bool | None = None  # `_draws_nothing`, once there is a program
         self.until = until
         self.limit = limit
         self.planner = strategy.online_planner() if until is not None else None
@@ -285,22 +293,26 @@ class PlannedLoop:
         state = _ForwardState()
         arrays = list(self.initial)
         none_row: list[Any] = []
-        actions = self.plan  # decoded action by action: a 10^6-step plan stays compact
+        actions = self.plan
+        codes = plan_codes(actions)  # read packed: a 10^6-step plan stays compact
         cursor = 0
-        while cursor < len(actions) and not isinstance(actions[cursor], (Reverse, ReverseSegment)):
-            action = actions[cursor]
-            if isinstance(action, Snapshot):
-                state.snapshots[action.step] = self._pack(arrays)
-            elif isinstance(action, DiskSnapshot):
-                state.snapshots[action.step] = self._pack(arrays, self.disk_storage)
-            elif isinstance(action, Advance):
-                for t in range(action.start, action.stop):
+        while cursor < len(codes):
+            code = codes[cursor]
+            kind, step = code & _KIND_MASK, (code >> _KIND_BITS) & _STEP_MASK
+            if kind in (_REVERSE, _REVERSE_SEGMENT):
+                break
+            if kind == _SNAPSHOT:
+                state.snapshots[step] = self._pack(arrays)
+            elif kind == _DISK_SNAPSHOT:
+                state.snapshots[step] = self._pack(arrays, self.disk_storage)
+            elif kind == _ADVANCE:
+                for t in range(step, code >> _SECOND_SHIFT):
                     arrays, ys = self._forward_step(t, arrays, discover)
                     if all(y is None for y in ys):  # one shared row: no 10**6 empty lists
                         ys = none_row = none_row or ys
                     per_step.append(ys)
-            elif isinstance(action, Free):  # online plans drop snapshots in their forward
-                del state.snapshots[action.step]
+            elif kind == _FREE:  # online plans drop snapshots in their forward
+                del state.snapshots[step]
             cursor += 1
         state.cursor = cursor
         start, stop = _span(actions[cursor]) if cursor < len(actions) else (loop.n, loop.n)
@@ -525,8 +537,10 @@ class PlannedLoop:
         ran, else the current one)."""
         storage = self.storage if storage is None else storage
         buffers = [None if a is None else pack_value(a, storage) for a in arrays]
-        state = random.get_state() if engine_state is None else engine_state
         last = self.last_engine_state
+        if engine_state is None and last is not None and self._draws_nothing():
+            return _Snapshot(buffers, last, self._numpy_state())
+        state = random.get_state() if engine_state is None else engine_state
         if last is not None and state is not last and state[0] is last[0] and (
                 state[1] == last[1]):
             # the steps since drew nothing (most loops draw nothing): one state object for
@@ -568,7 +582,7 @@ class PlannedLoop:
         if restore_at is None:
             if not (self.storage.reads_ahead or self.disk_storage.reads_ahead):
                 return
-            kinds = np.frombuffer(self.plan._codes, dtype=np.int64) & _KIND_MASK
+            kinds = np.frombuffer(plan_codes(self.plan), dtype=np.int64) & _KIND_MASK
             restore_at = self.restore_at = np.flatnonzero(
                 (kinds == _RESTORE) | (kinds == _DISK_RESTORE))
             if not self.storage.reads_ahead and not (kinds == _DISK_RESTORE).any():
@@ -597,8 +611,24 @@ class PlannedLoop:
         drew."""
         if snapshot.numpy_state is not None:
             np.random.set_state(snapshot.numpy_state)
-        random.rewind(stream, snapshot.engine_state)
+        if not self._draws_nothing():
+            random.rewind(stream, snapshot.engine_state)
         return [None if b is None else b.unpack() for b in snapshot.buffers]
+
+    def _draws_nothing(self) -> bool:
+        """Whether nothing in this loop draws from the engine's generator: its steps are
+        replayed from a program that draws nothing (a trace sees every draw), and its storages
+        keep arrays as they are. The generator's state is then the same before every step,
+        so a snapshot need not read it (about 6 µs) nor a restore set it back."""
+        quiet = self.quiet
+        if quiet is None:
+            program = self.program
+            if program is None:
+                return False
+            quiet = self.quiet = not program.draws and all(  # a program never changes
+                packer is None or stores_as_is(packer)
+                for packer in (self.storage, self.step_packer))
+        return quiet
 
     def _snapshot_slots(self, entry: Entry, results: list[Any]) -> tuple[SavedSlot, ...]:
         """The snapshots held when the loop's entry is recorded, as its saved values."""
@@ -755,31 +785,35 @@ class PlannedLoop:
         # a taped one too when it packs nothing (a storage's pack might draw)
         bare = program is not None and not program.draws and not events.listeners
         bare_reverse = bare and program.tape_as_is is not None and self._replayable()
-        for index in range(forward.cursor, len(self.plan)):
-            action = self.plan[index]
-            if bare and type(action) is Advance:
-                arrays = self._advance_replayed(action.start, action.stop, arrays)
-            elif isinstance(action, Snapshot):
-                with random.using(stream):
-                    snapshots[action.step] = self._pack(arrays)
-            elif isinstance(action, DiskSnapshot):
-                with random.using(stream):
-                    snapshots[action.step] = self._pack(arrays, self.disk_storage)
-            elif isinstance(action, Advance):
+        codes = plan_codes(self.plan)  # read packed: building each action costs more
+        for index in range(forward.cursor, len(codes)):
+            code = codes[index]
+            kind, step = code & _KIND_MASK, (code >> _KIND_BITS) & _STEP_MASK
+            if kind == _ADVANCE:
+                if bare:
+                    arrays = self._advance_replayed(step, code >> _SECOND_SHIFT, arrays)
+                    continue
                 with events.recomputing(self.name), no_grad(), random.using(stream):
                     if program is not None:
-                        arrays = self._advance_replayed(action.start, action.stop, arrays)
+                        arrays = self._advance_replayed(step, code >> _SECOND_SHIFT, arrays)
                     else:
-                        for t in range(action.start, action.stop):
+                        for t in range(step, code >> _SECOND_SHIFT):
                             new, _ = loop.call(t, self._as_tensors(arrays, False), loop.x_at(t))
                             arrays = _arrays(new)
-            elif isinstance(action, (Restore, DiskRestore)):
-                arrays = self._restore(snapshots[action.step], stream)
+            elif kind == _SNAPSHOT:
+                with random.using(stream):
+                    snapshots[step] = self._pack(arrays)
+            elif kind == _DISK_SNAPSHOT:
+                with random.using(stream):
+                    snapshots[step] = self._pack(arrays, self.disk_storage)
+            elif kind in (_RESTORE, _DISK_RESTORE):
+                arrays = self._restore(snapshots[step], stream)
                 self._read_ahead(snapshots, index)
-            elif isinstance(action, Free):
-                del snapshots[action.step]
+            elif kind == _FREE:
+                del snapshots[step]
             else:
-                start, stop = _span(action)
+                start = step
+                stop = step + 1 if kind == _REVERSE else code >> _SECOND_SHIFT
                 kept = forward.kept if index == forward.cursor else None
                 if kept is None and bare_reverse:
                     segment = self._tape_steps(start, stop, arrays, replayable=True)

@@ -38,6 +38,7 @@ True
 
 from __future__ import annotations
 
+import functools
 import operator
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -187,9 +188,21 @@ def _encode(action: Action) -> int:
     return _KINDS[type(action)] + first * _FIRST + second * _SECOND
 
 
+_SECOND_SHIFT = _KIND_BITS + _STEP_BITS
+
+
+def plan_codes(actions: Sequence[Action]) -> Sequence[int]:
+    """The packed code of each action (kind, first step, second step; see `_decode`): a
+    `Plan`'s own, read in place, or those of any other sequence of actions. An executor that
+    walks a plan reads these: building each action object costs more than a small step's
+    bookkeeping."""
+    codes = getattr(actions, "_codes", None)
+    return codes if codes is not None else array("q", map(_encode, actions))
+
+
 def _decode(code: int) -> Action:
     first = (code >> _KIND_BITS) & _STEP_MASK
-    return _DECODERS[code & _KIND_MASK](first, code >> (_KIND_BITS + _STEP_BITS))
+    return _DECODERS[code & _KIND_MASK](first, code >> _SECOND_SHIFT)
 
 
 # --------------------------------------------------------------------------------------------
@@ -383,6 +396,23 @@ def binomial_plan(n_steps: int, snapshots: int) -> Plan:
      Free(step=0), Reverse(step=0)]
     """
     n, s = _checked_budget(n_steps, snapshots, "binomial_plan")
+    if n <= _CACHED_STEPS:
+        return _cached_binomial_plan(n, s)
+    return _make_binomial_plan(n, s)
+
+
+# A loop called again (every training step) asks for the same plan: planning 256 steps takes
+# about a millisecond, a tenth of a small step's share of the run. Plans are immutable, so the
+# few most recent small ones are kept (at most about 1 MB each); long ones are made anew.
+_CACHED_STEPS = 16_384
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_binomial_plan(n: int, s: int) -> Plan:
+    return _make_binomial_plan(n, s)
+
+
+def _make_binomial_plan(n: int, s: int) -> Plan:
     codes, advanced, max_live = _binomial_codes(n, s)
     return Plan(
         recipe=f"binomial_plan(n_steps={n}, snapshots={s})",
