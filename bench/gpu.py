@@ -30,10 +30,8 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,7 +39,8 @@ from typing import Any
 import numpy as np
 
 from . import rnn_floor
-from .rnn import _grad_error, data, preset_strategies
+from .measure import time_median
+from .rnn import _grad_error, _reference, data, preset_strategies
 
 SIZES = {
     "tiny": {"steps": 16, "batch": 4, "hidden": 8, "input": 8},
@@ -94,21 +93,9 @@ class _Device:
 
 
 def _timed(fn: Callable[[], Any], sync: Callable[[], None], repeats: int) -> dict[str, float]:
-    fn()
-    sync()
-    seconds = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        seconds.append(time.perf_counter() - start)
-    return {"median_s": statistics.median(seconds), "min_s": min(seconds)}
-
-
-def _reference(arrays: dict[str, np.ndarray]) -> list[np.ndarray]:
-    grads = rnn_floor.loss_and_grads(*(arrays[k] for k in ("W", "U", "b", "xs", "h0")))[1]
-    return [g.astype(np.float64) for g in grads]
+    """`measure.time_median` of `fn`, each call ending when the device is done with it."""
+    timing = time_median(lambda: (fn(), sync()), repeats)
+    return {"median_s": timing.median, "min_s": timing.low}
 
 
 def _to_host(array: Any) -> np.ndarray:

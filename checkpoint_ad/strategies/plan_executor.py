@@ -68,20 +68,18 @@ from .revolve import (
     _DISK_RESTORE,
     _DISK_SNAPSHOT,
     _FREE,
-    _KIND_BITS,
     _KIND_MASK,
     _RESTORE,
     _REVERSE,
     _REVERSE_SEGMENT,
-    _SECOND_SHIFT,
     _SNAPSHOT,
-    _STEP_MASK,
     Action,
     DiskSnapshot,
     Free,
     Reverse,
     Snapshot,
     plan_codes,
+    split_code,
 )
 from .step_program import ReplayedStep, StepProgram, Trace, program_of, traced_call
 
@@ -297,8 +295,7 @@ class PlannedLoop:
         codes = plan_codes(actions)  # read packed: a 10^6-step plan stays compact
         cursor = 0
         while cursor < len(codes):
-            code = codes[cursor]
-            kind, step = code & _KIND_MASK, (code >> _KIND_BITS) & _STEP_MASK
+            kind, step, stop = split_code(codes[cursor])
             if kind in (_REVERSE, _REVERSE_SEGMENT):
                 break
             if kind == _SNAPSHOT:
@@ -306,7 +303,7 @@ class PlannedLoop:
             elif kind == _DISK_SNAPSHOT:
                 state.snapshots[step] = self._pack(arrays, self.disk_storage)
             elif kind == _ADVANCE:
-                for t in range(step, code >> _SECOND_SHIFT):
+                for t in range(step, stop):
                     arrays, ys = self._forward_step(t, arrays, discover)
                     if all(y is None for y in ys):  # one shared row: no 10**6 empty lists
                         ys = none_row = none_row or ys
@@ -787,17 +784,16 @@ class PlannedLoop:
         bare_reverse = bare and program.tape_as_is is not None and self._replayable()
         codes = plan_codes(self.plan)  # read packed: building each action costs more
         for index in range(forward.cursor, len(codes)):
-            code = codes[index]
-            kind, step = code & _KIND_MASK, (code >> _KIND_BITS) & _STEP_MASK
+            kind, step, stop = split_code(codes[index])
             if kind == _ADVANCE:
                 if bare:
-                    arrays = self._advance_replayed(step, code >> _SECOND_SHIFT, arrays)
+                    arrays = self._advance_replayed(step, stop, arrays)
                     continue
                 with events.recomputing(self.name), no_grad(), random.using(stream):
                     if program is not None:
-                        arrays = self._advance_replayed(step, code >> _SECOND_SHIFT, arrays)
+                        arrays = self._advance_replayed(step, stop, arrays)
                     else:
-                        for t in range(step, code >> _SECOND_SHIFT):
+                        for t in range(step, stop):
                             new, _ = loop.call(t, self._as_tensors(arrays, False), loop.x_at(t))
                             arrays = _arrays(new)
             elif kind == _SNAPSHOT:
@@ -812,8 +808,8 @@ class PlannedLoop:
             elif kind == _FREE:
                 del snapshots[step]
             else:
-                start = step
-                stop = step + 1 if kind == _REVERSE else code >> _SECOND_SHIFT
+                start = step  # (a one-step action repeats its step in the second field)
+                stop = step + 1 if kind == _REVERSE else stop
                 kept = forward.kept if index == forward.cursor else None
                 if kept is None and bare_reverse:
                     segment = self._tape_steps(start, stop, arrays, replayable=True)

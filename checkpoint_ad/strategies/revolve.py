@@ -200,9 +200,14 @@ def plan_codes(actions: Sequence[Action]) -> Sequence[int]:
     return codes if codes is not None else array("q", map(_encode, actions))
 
 
+def split_code(code: int) -> tuple[int, int, int]:
+    """(kind, first step, second step) of one packed action."""
+    return code & _KIND_MASK, (code >> _KIND_BITS) & _STEP_MASK, code >> _SECOND_SHIFT
+
+
 def _decode(code: int) -> Action:
-    first = (code >> _KIND_BITS) & _STEP_MASK
-    return _DECODERS[code & _KIND_MASK](first, code >> _SECOND_SHIFT)
+    kind, first, second = split_code(code)
+    return _DECODERS[kind](first, second)
 
 
 # --------------------------------------------------------------------------------------------
