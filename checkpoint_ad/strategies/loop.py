@@ -10,6 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from .. import events
 from ..errors import ShapeError
 from ..function import Function
@@ -47,6 +49,10 @@ class StepLoop:
             return None
         parts = [None if x is None else Tensor._wrap(x._data[t]) for x in self.xs_leaves]
         return unflatten(self.xs_spec, iter(parts))
+
+    def x_arrays(self, t: int) -> list[Any]:
+        """Step t's rows of the scanned arrays (a replayed step's inputs), one per xs leaf."""
+        return [None if x is None else row(x._data, t) for x in self.xs_leaves]
 
     def all_x(self) -> list[Any]:
         """Every step's input, split off xs by one differentiable operation per leaf (so the
@@ -103,6 +109,12 @@ class StepLoop:
         if not isinstance(result, tuple) or len(result) != 2:
             raise TypeError(f"scan: step must return (carry, y); step {t} returned {result!r:.80}")
         return result
+
+
+def row(array: Any, t: int) -> Any:
+    """Row t of a scanned array, as an array (numpy gives a scalar for a 1-d array's row)."""
+    value = array[t]
+    return np.asarray(value) if isinstance(value, np.generic) else value
 
 
 def stack_outputs(per_step: list[list[Any]]) -> list[Any]:

@@ -382,7 +382,7 @@ class PlannedLoop:
             return _arrays(segment.carry_out), _arrays(segment.y_out[0][1])
         if self.program is not None:
             loop.count()
-            return self.program.run(arrays, self._x_arrays(t))
+            return self.program.run(arrays, self.loop.x_arrays(t))
         with no_grad():
             new, ys = self._call(t, self._as_tensors(arrays, grad=False), loop.x_at(t))
         return _arrays(new), _arrays(ys)
@@ -414,9 +414,6 @@ class PlannedLoop:
         self.program, self.mode = program_of(traces, self.loop.n, len(self.carry_meta))
         if self.place is not None and len(traces) == 2:
             self.place.remember(traces[0], traces[1], self.program)
-
-    def _x_arrays(self, t: int) -> list[Any]:
-        return [None if x is None else _row(x._data, t) for x in self.loop.xs_leaves]
 
     @property
     def evaluations(self) -> int:
@@ -846,7 +843,7 @@ class PlannedLoop:
         assert program is not None
         for t in range(start, stop):
             loop.count()
-            arrays, _ = program.run(arrays, self._x_arrays(t))
+            arrays, _ = program.run(arrays, loop.x_arrays(t))
         return arrays
 
     def _tape_steps(
@@ -858,24 +855,10 @@ class PlannedLoop:
         if replayable if replayable is not None else self._replayable():
             program = self.program
             assert program is not None
-            steps: list[tuple[int, ReplayedStep]] = []
-            y_out = []
-            previous = None
+            made = self.carry_inputs if self.carry_made and start == 0 else None
             carry_in = arrays
-            carry_out, ys_out = program.carry_out, program.y_out
-            for t in range(start, stop):
-                loop.count()
-                made = self.carry_inputs if self.carry_made and t == 0 else None
-                step = program.tape(arrays, self._x_arrays(t), previous, made)
-                arrays = step.output(carry_out)
-                y_out.append((t, step.output(ys_out)))
-                step.drop_values(carry_out)
-                steps.append((t, step))
-                if previous is not None:
-                    previous.buffers = {}  # shared with this step: only the slots hold them now
-                previous = step
-            if previous is not None:
-                previous.buffers = {}
+            steps, y_out, arrays = program.tape_steps(arrays, loop.x_arrays, start, stop,
+                                                      made, loop.count)
             return _ReplayedSegment(start, stop, steps, carry_in, arrays, y_out)
         carry_in = self._as_tensors(arrays, grad=True)
         carry = carry_in
@@ -1160,12 +1143,6 @@ class PlannedLoop:
             None if edge is None else sink.values[keys[(id(edge[0]), edge[1])]]
             for edge in entry.edges
         ]
-
-
-def _row(array: Any, t: int) -> Any:
-    """Row t of a scanned array, as an array (numpy gives a scalar for a 1-d array's row)."""
-    row = array[t]
-    return np.asarray(row) if isinstance(row, np.generic) else row
 
 
 def _disk_storage(storage: Any) -> Offload:

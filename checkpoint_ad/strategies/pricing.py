@@ -55,6 +55,9 @@ TIMING_SECONDS = 0.02
 is spent: the median of many is a steady figure of what a step typically costs on the machine
 as it is, and cheap steps cost little."""
 MOST_REPEATS = 30
+REPLAYED_STEPS = 8
+"""Steps a replayed phase runs (fewer in a shorter loop): the first two are traced, and a
+plan's segments are seldom shorter than this."""
 
 
 @dataclass(frozen=True)
@@ -254,12 +257,15 @@ def _traced_bytes(
 def _replayed(
     program: StepProgram, loop: StepLoop, carry_leaves: list[Any], engine_state: Any
 ) -> tuple[float, float, float, int]:
-    """Seconds per step of `program` replayed without a tape, with one (as the executor tapes
-    a segment: chained, intermediate values dropped), and that tape's backward, each the
-    median of `_repeating()`; and the bytes the replayed tape
-    held."""
-    steps = _steps(loop)
-    initial, xs = _replay_inputs(loop, carry_leaves, steps)
+    """Seconds per step of `program` replayed without a tape, with one, and that tape's
+    backward, each the median of `_repeating()`; and the bytes the replayed tape held. The
+    steps run as a plan runs them (`StepProgram.tape_steps`, the executor's rows of xs), over
+    the first `REPLAYED_STEPS`: a pull-back's fixed cost, paid once per reverse action
+    (priced apart, see `overhead.py`), is spread over as many steps as a segment would be
+    short, not over two."""
+    steps = min(loop.n, REPLAYED_STEPS)
+    initial = [None if c is None else c._data for c in carry_leaves]
+    x_arrays = loop.x_arrays
     keys = _pull_back_keys(program, loop, steps)
     runs, tapes, backwards = [], [], []
     held = 0
@@ -268,30 +274,20 @@ def _replayed(
             start = time.perf_counter()
             arrays = initial
             for t in range(steps):
-                arrays, _ = program.run(arrays, xs[t])
+                arrays, _ = program.run(arrays, x_arrays(t))
             runs.append(time.perf_counter() - start)
         with random.replaying(engine_state):
             start = time.perf_counter()
-            segment, outputs, arrays = _taped_segment(program, initial, xs)
+            segment, y_out, arrays = program.tape_steps(initial, x_arrays, 0, steps)
             tapes.append(time.perf_counter() - start)
         held = max(held, _replay_held(segment))
-        roots = _replay_roots(program, arrays, outputs)
+        roots = _replay_roots(program, arrays, y_out)
         start = time.perf_counter()
         if roots:
             program.pull_back(segment, roots,
                               Capture({}, initial=[None] * len(keys), owned={}), keys)
         backwards.append(time.perf_counter() - start)
     return median(runs) / steps, median(tapes) / steps, median(backwards) / steps, held
-
-
-def _replay_inputs(
-    loop: StepLoop, carry_leaves: list[Any], steps: int
-) -> tuple[list[Any], list[list[Any]]]:
-    """The arrays a replay of the first `steps` steps runs on: the initial carry's, and each
-    step's rows of the scanned inputs."""
-    initial = [None if c is None else c._data for c in carry_leaves]
-    xs = [[None if x is None else _row(x._data, t) for x in loop.xs_leaves] for t in range(steps)]
-    return initial, xs
 
 
 def _pull_back_keys(program: StepProgram, loop: StepLoop, steps: int) -> dict[Any, int]:
@@ -309,27 +305,6 @@ def _pull_back_keys(program: StepProgram, loop: StepLoop, steps: int) -> dict[An
     return keys
 
 
-def _taped_segment(
-    program: StepProgram, initial: list[Any], xs: list[list[Any]], after_step: Any = None,
-) -> tuple[list[tuple[int, Any]], list[list[Any]], list[Any]]:
-    """The steps of `xs` replayed with a tape as the executor tapes a segment (chained, each
-    step's carry values dropped once the next holds them): (segment, outputs, last carry);
-    `after_step(segment)` is called after each step."""
-    segment, outputs, arrays, previous = [], [], initial, None
-    for t in range(len(xs)):
-        step = program.tape(arrays, xs[t], previous)
-        arrays = step.output(program.carry_out)
-        outputs.append(step.output(program.y_out))
-        step.drop_values(program.carry_out)
-        segment.append((t, step))
-        if previous is not None:
-            previous.buffers = {}
-        previous = step
-        if after_step is not None:
-            after_step(segment)
-    return segment, outputs, arrays
-
-
 def _traced_step_bytes(
     program: StepProgram, loop: StepLoop, carry_leaves: list[Any], engine_state: Any
 ) -> tuple[int, int]:
@@ -344,7 +319,7 @@ def _traced_step_bytes(
     steps = _steps(loop)
     if steps < 2 or tracemalloc.is_tracing():
         return 0, 0
-    initial, xs = _replay_inputs(loop, carry_leaves, steps)
+    initial = [None if c is None else c._data for c in carry_leaves]
     keys = _pull_back_keys(program, loop, steps)
     traced, held = [], []
 
@@ -355,8 +330,9 @@ def _traced_step_bytes(
     tracemalloc.start()
     try:
         with random.replaying(engine_state):
-            segment, outputs, arrays = _taped_segment(program, initial, xs, after_step)
-            roots = _replay_roots(program, arrays, outputs)
+            segment, y_out, arrays = program.tape_steps(initial, loop.x_arrays, 0, steps,
+                                                        after_step=after_step)
+            roots = _replay_roots(program, arrays, y_out)
             # sums added into in place, as the plan executor's are (its `owned`)
             sink = Capture({}, initial=[None] * len(keys), owned={})
             before = tracemalloc.get_traced_memory()[0]
@@ -393,12 +369,12 @@ def _replay_held(segment: list[tuple[int, Any]], allocated_only: bool = False) -
 
 
 def _replay_roots(
-    program: StepProgram, carry: list[Any], outputs: list[list[Any]]
+    program: StepProgram, carry: list[Any], y_out: list[tuple[int, list[Any]]]
 ) -> list[tuple[tuple[int, int], Any]]:
     """Ones pulled back from the last step's carry and every step's outputs."""
-    last = len(outputs) - 1
+    last = y_out[-1][0]
     found = [((last, slot), a) for slot, a in zip(program.carry_out, carry)]
-    found += [((t, slot), a) for t, ys in enumerate(outputs) for slot, a in zip(program.y_out, ys)]
+    found += [((t, slot), a) for t, ys in y_out for slot, a in zip(program.y_out, ys)]
     return [(key, namespace(a).ones_like(a)) for key, a in found
             if a is not None and key[1] >= 0 and program.requires_grad[key[1]]
             and is_floating(a.dtype)]
@@ -412,12 +388,6 @@ def _disk_cost(carry: list[Any]) -> SnapshotCost:
         w, r = level.time_io(a)
         write, read = write + w, read + r
     return SnapshotCost(sum(array_nbytes(a) for a in carry), write, read)
-
-
-def _row(array: Any, t: int) -> Any:
-    """Row t of a scanned array, as an array (numpy gives a scalar for a 1-d array's row)."""
-    row = array[t]
-    return np.asarray(row) if isinstance(row, np.generic) else row
 
 
 def _repeating() -> Iterator[int]:

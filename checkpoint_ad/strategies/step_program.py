@@ -516,6 +516,39 @@ class StepProgram:
                                      self.carry_in if chained else (), None))
         return ReplayedStep(values, saved, announce, buffers)
 
+    def tape_steps(
+        self, arrays: list[Any], x_arrays: Callable[[int], list[Any]], start: int, stop: int,
+        carry_tensors: list[Any] | None = None, count: Callable[[], None] | None = None,
+        after_step: Callable[[list[tuple[int, ReplayedStep]]], None] | None = None,
+    ) -> tuple[list[tuple[int, ReplayedStep]], list[tuple[int, list[Any]]], list[Any]]:
+        """Steps start..stop-1 taped from the carry `arrays`, as a taped segment of a loop
+        holds them: (the steps as (t, step), their outputs as (t, arrays), the last carry's
+        arrays). Each step shares the carry buffers the one before it packed, then lets go of
+        its values but what its backward reads. `x_arrays(t)`: step t's scanned rows;
+        `carry_tensors`: the first step's carry as a recorded step's output tensors (see
+        `tape`); `count()` is called per step and `after_step(steps)` after each. The plan
+        executor tapes its segments here, and a budget's dry run times the same loop."""
+        steps: list[tuple[int, ReplayedStep]] = []
+        y_out: list[tuple[int, list[Any]]] = []
+        previous = None
+        carry_out, ys_out, tape = self.carry_out, self.y_out, self.tape
+        for t in range(start, stop):
+            if count is not None:
+                count()
+            step = tape(arrays, x_arrays(t), previous, carry_tensors if t == start else None)
+            arrays = step.output(carry_out)
+            y_out.append((t, step.output(ys_out)))
+            step.drop_values(carry_out)
+            steps.append((t, step))
+            if previous is not None and previous.buffers:
+                previous.buffers = {}  # shared with this step: only the slots hold them now
+            previous = step
+            if after_step is not None:
+                after_step(steps)
+        if previous is not None and previous.buffers:
+            previous.buffers = {}
+        return steps, y_out, arrays
+
     def _carried(self, previous: ReplayedStep | None) -> dict[tuple[int, int], Any]:
         """A step's buffers by (slot, id(packer)) as it begins: those of the new carry that
         `previous` packed, under its carry slots."""
