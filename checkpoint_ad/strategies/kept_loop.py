@@ -57,6 +57,12 @@ def replays(loop: StepLoop, trace: bool) -> bool:
     return trace and is_grad_enabled() and _state.tracer is None and loop.n > TRACED_STEPS
 
 
+def replays_untaped(loop: StepLoop, trace: bool) -> bool:
+    """Whether a loop run without gradients is worth tracing (see `untaped_loop.py`): as
+    `replays`, with gradients off."""
+    return trace and not is_grad_enabled() and _state.tracer is None and loop.n > TRACED_STEPS
+
+
 def keep_every_step(loop: StepLoop, carry_leaves: list[Any]) -> tuple[Any, Any]:
     """Run `loop` keeping every step; (carry, ys). How it ran is the loop entry's `mode`
     (no entry: recorded)."""

@@ -22,11 +22,12 @@ from ..grad_mode import is_grad_enabled, no_grad
 from ..pytree import flatten, unflatten
 from ..saved import Strategy, use_packer
 from ..tensor_base import make_tensor
-from .kept_loop import keep_every_step, replays
+from .kept_loop import keep_every_step, replays, replays_untaped
 from .kinds import LoopPlanner, LoopStrategy
 from .loop import StepLoop, loop_length, stack_outputs
 from .plan_executor import PlannedLoop, stops
 from .scope import current_loop_strategy
+from .untaped_loop import run_untaped
 
 
 def scan(
@@ -62,7 +63,9 @@ def scan(
     fewer than 3 steps, or one run inside a step being traced, is recorded. Calling the same
     loop again (a training loop) reuses the program the earlier call made when step 0 traces
     to it exactly, so only step 0 is recorded (mode "replayed (program reused from an
-    earlier call)"; see `program_cache.py`).
+    earlier call)"; see `program_cache.py`). Without gradients (`no_grad`, inference mode),
+    steps 2.. are replayed too (outputs bitwise those of running every step; nothing is
+    recorded and no program is kept for later calls: see `untaped_loop.py`).
     `until(carry)` is asked after each step (without recording) and the loop stops after the
     first step where it is true, or at the end of `xs` (or after `length` steps) if that comes
     first; with neither xs nor length, `until` is required and at least one step runs. `ys`
@@ -161,6 +164,8 @@ def _keep_all(
     with `until`, the steps up to the first that stops."""
     if until is None and replays(loop, trace):
         return keep_every_step(loop, carry_leaves)
+    if until is None and replays_untaped(loop, trace):
+        return run_untaped(loop, carry_leaves)
     most = loop.n if until is None else limit  # None: until alone ends the loop
     loop.n = most or 0  # all of xs is split, if there is one
     rows = loop.all_x() if loop.xs_spec is not None else None

@@ -1,0 +1,63 @@
+"""A `scan` run without gradients (under `no_grad` or inference mode), replayed after its
+first two steps.
+
+Why: a loop evaluated for inference (a validation pass, a rollout, the forward of an
+evaluation metric) recorded nothing, yet still paid the engine's Python cost per operation:
+every op made a tensor and went through the general recording path. Steps 0 and 1 are traced
+as a taped loop traces them (`traced_call`); when they trace to one program, steps 2.. run it
+on arrays (`StepProgram.run`) and their outputs are written into one array per output as they
+come (`OutputRows`). The results are bitwise those of running every step: the same array
+calls on the same arrays, in the same order, and randomness drawn through the engine's
+generator is drawn in the same order. A refused trace (the step reads a value, makes tensors
+from outside data, changes shapes, ...) runs the rest step by step, as before.
+
+A program traced here is not kept for later calls (`program_cache`): traced without
+gradients, none of its instructions is taped, and a later call with gradients on would have
+nothing to differentiate through.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..pytree import unflatten
+from ..tensor_base import make_tensor
+from .kept_loop import TRACED_STEPS
+from .loop import StepLoop, stack_outputs
+from .output_rows import OutputRows
+from .step_program import program_of, traced_call
+
+
+def run_untaped(loop: StepLoop, carry_leaves: list[Any]) -> tuple[Any, Any]:
+    """Every step of `loop` (more than `TRACED_STEPS` of them) without a tape; (carry, ys)."""
+    carry = carry_leaves
+    per_step = []
+    traces = {}
+    for t in range(TRACED_STEPS):
+        carry, ys, traces[t] = traced_call(loop, t, carry, loop.x_at(t))
+        per_step.append(ys)
+    program, _ = program_of(traces, loop.n, len(carry), template=1)
+    del traces  # what the steps made, as tensors: let go of it before the rest runs
+    if program is None:
+        for t in range(TRACED_STEPS, loop.n):
+            carry, ys = loop.call(t, carry, loop.x_at(t))
+            per_step.append(ys)
+        return (unflatten(loop.carry_spec, iter(carry)),
+                unflatten(loop.y_spec, iter(stack_outputs(per_step))))
+    lead = [[None if y is None else y._data for y in ys] for ys in per_step]
+    rows = OutputRows(loop.n - TRACED_STEPS, lead=lead)
+    arrays = [None if c is None else c._data for c in carry]
+    for t in range(TRACED_STEPS, loop.n):
+        loop.count()
+        arrays, ys = program.run(arrays, loop.x_arrays(t))
+        rows.append(ys)
+    carry = [None if a is None else make_tensor(a) for a in arrays]
+    full = rows.full()
+    if full is not None and rows.lead == len(lead):
+        ys_leaves = [None if a is None else make_tensor(a) for a in full]
+    else:  # rows unlike each other: stacked as a recorded loop stacks them
+        rest = rows.stacked({})
+        per_step += [[None if a is None else make_tensor(a[i]) for a in rest]
+                     for i in range(loop.n - TRACED_STEPS)]
+        ys_leaves = stack_outputs(per_step)
+    return unflatten(loop.carry_spec, iter(carry)), unflatten(loop.y_spec, iter(ys_leaves))

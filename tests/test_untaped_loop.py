@@ -1,0 +1,133 @@
+"""`scan` without gradients (no_grad, inference mode): steps 2.. replayed from the program
+steps 0 and 1 traced to, with the results of running every step, bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import checkpoint_ad as cad
+from checkpoint_ad import nn
+from checkpoint_ad.models import MODELS, build
+from checkpoint_ad.nn import functional as F
+from checkpoint_ad.pytree import flatten
+
+
+def _leaves(tree):
+    return [None if t is None else t.numpy() for t in flatten(tree)[0]]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_models_replayed_without_grad_match_every_step_run(name, dtype):
+    model = build(name, dtype=dtype)
+    results = {}
+    for trace in (False, True):
+        with cad.no_grad():
+            results[trace] = _leaves(cad.scan(model.step, model.init_carry(), model.inputs(),
+                                              trace=trace))
+    for recorded, replayed in zip(results[False], results[True]):
+        assert (recorded is None) == (replayed is None)
+        if recorded is not None:
+            assert replayed.dtype == recorded.dtype and replayed.shape == recorded.shape
+            np.testing.assert_array_equal(replayed, recorded)
+
+
+def _counting_step(calls, w):
+    def step(h, x):
+        calls.append(1)
+        h = cad.tanh(h @ w + x)
+        return h, h.sum()
+    return step
+
+
+@pytest.mark.parametrize("mode", [cad.no_grad, cad.inference_mode])
+def test_the_step_runs_twice_and_the_rest_is_replayed(mode):
+    rng = np.random.default_rng(0)
+    w = cad.tensor(rng.standard_normal((4, 4)) * 0.5, requires_grad=True)
+    xs = cad.tensor(rng.standard_normal((12, 4)))
+    outs = {}
+    for trace in (False, True):
+        calls = []
+        with mode():
+            h, ys = cad.scan(_counting_step(calls, w), cad.zeros(4, dtype="float64"), xs,
+                             trace=trace)
+        assert not h.requires_grad and not ys.requires_grad
+        outs[trace] = (len(calls), h.numpy(), ys.numpy())
+    assert outs[False][0] == 12 and outs[True][0] == 2
+    np.testing.assert_array_equal(outs[True][1], outs[False][1])
+    np.testing.assert_array_equal(outs[True][2], outs[False][2])
+    assert outs[True][2].shape == (12,)
+
+
+def test_a_step_that_reads_a_value_runs_every_step():
+    w = cad.tensor(0.9, dtype="float64")
+    xs = cad.tensor(np.linspace(-1.0, 1.0, 8))
+    calls = []
+
+    def step(h, x):
+        calls.append(1)
+        scale = 2.0 if float(h) > 0 else 0.5  # Python control flow on a value: not traceable
+        h = cad.tanh(h * w * scale + x)
+        return h, h
+
+    with cad.no_grad():
+        h, ys = cad.scan(step, cad.tensor(0.1, dtype="float64"), xs)
+    expected, hs = 0.1, []
+    for x in np.linspace(-1.0, 1.0, 8):
+        expected = np.tanh(expected * 0.9 * (2.0 if expected > 0 else 0.5) + x)
+        hs.append(expected)
+    assert len(calls) == 8
+    np.testing.assert_allclose(ys.numpy(), hs, rtol=1e-12)
+    np.testing.assert_allclose(h.numpy(), hs[-1], rtol=1e-12)
+
+
+def test_randomness_drawn_through_the_engine_replays_in_order():
+    rng = np.random.default_rng(1)
+    w = cad.tensor(rng.standard_normal((6, 6)) * 0.3)
+    xs = cad.tensor(rng.standard_normal((10, 6)))
+
+    def step(h, x):
+        h = cad.tanh(F.dropout(h @ w, 0.3, training=True) + x + cad.randn(6) * 0.1)
+        return h, h
+
+    outs = []
+    for trace in (False, True):
+        cad.random.manual_seed(7)
+        with cad.no_grad():
+            h, ys = cad.scan(step, cad.zeros(6, dtype="float64"), xs, trace=trace)
+        outs.append((h.numpy(), ys.numpy(), cad.randn(3).numpy()))
+    for recorded, replayed in zip(*outs):
+        np.testing.assert_array_equal(replayed, recorded)
+
+
+def test_gradients_after_an_untaped_call_of_the_same_step():
+    """A program traced without gradients is not reused by a later call with them."""
+    rng = np.random.default_rng(2)
+    w = cad.tensor(rng.standard_normal((5, 5)) * 0.4, requires_grad=True)
+    xs = cad.tensor(rng.standard_normal((9, 5)))
+    step = _counting_step([], w)
+    grads = []
+    for warm_up in (False, True):
+        if warm_up:
+            with cad.no_grad():
+                cad.scan(step, cad.zeros(5, dtype="float64"), xs)
+        h, ys = cad.scan(step, cad.zeros(5, dtype="float64"), xs, trace=not warm_up)
+        (g,) = cad.grad(ys.sum() + h.sum(), [w])
+        grads.append(g.numpy())
+    assert np.abs(grads[0]).sum() > 0
+    np.testing.assert_array_equal(grads[1], grads[0])
+
+
+def test_a_profile_counts_the_replayed_primitives():
+    cell = nn.GRUCell(3, 4)
+    xs = cad.tensor(np.random.default_rng(3).standard_normal((7, 2, 3)).astype(np.float32))
+    counts = []
+    for trace in (False, True):
+        with cad.no_grad(), cad.profile() as prof:
+            # no outputs per step: a recorded loop stacks them by primitives, a replayed one
+            # writes its rows in place
+            cad.scan(lambda h, x: (cell(x, h), None), cad.zeros(2, 4), xs, trace=trace)
+        counts.append((prof.primitives, prof.peak_tape_bytes))
+    assert counts[0][0] > 7 and counts[1] == counts[0]
+    assert counts[0][1] == 0
