@@ -98,6 +98,30 @@ def test_blocks_boundaries_padding_and_exceptions_across_many_blocks():
         assert_within_bound(x, q)
 
 
+@pytest.mark.parametrize("bits", ALLOWED_BITS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_groups_are_coded_alike_in_a_small_array_and_inside_a_large_one(bits, dtype):
+    """Groups are independent: a small array's codes, mins and scales are those of the same
+    groups at the head of an array of many blocks (with a non-finite value further on), and
+    each comes back the same. Small arrays take a shorter path than large ones."""
+    rng = np.random.default_rng(bits)
+    head = rng.standard_normal((4, 64)).astype(dtype) * 3
+    head[1] = 2.5  # a constant group: no step
+    head[2] *= 1e-30 if dtype != np.float16 else 0  # a group too narrow for a normal step
+    large = rng.standard_normal((3000, 64)).astype(dtype)
+    large[:4] = head
+    large[2500, 3] = np.nan
+    small_q, large_q = quantize(head, bits), quantize(large, bits)
+    codes_bytes = head.size * bits // 8
+    np.testing.assert_array_equal(small_q.codes, large_q.codes[:codes_bytes])
+    np.testing.assert_array_equal(small_q.mins, large_q.mins[:4])
+    np.testing.assert_array_equal(small_q.scales, large_q.scales[:4])
+    assert small_q.num_exceptions == 0 and large_q.num_exceptions == 1
+    small_back, large_back = dequantize(small_q), dequantize(large_q)
+    assert small_back.dtype == dtype and small_back.shape == head.shape
+    np.testing.assert_array_equal(small_back, large_back[:4])
+
+
 def test_quantize_leaves_input_untouched_and_accepts_views():
     base = random_array((40, 30), np.float32, seed=7)
     x = base.T  # not C-contiguous

@@ -179,6 +179,10 @@ def quantize(
     _check_bits(bits)
     _check_group_size(group_size)
     _check_quantizable_dtype(xp, x.dtype)
+    if not stochastic and type(x) is np.ndarray:
+        fast = _quantize_small_numpy(x, bits, group_size)
+        if fast is not None:
+            return fast
 
     device = array_api_compat.device(x)
     work = _work_dtype(xp, x.dtype)
@@ -250,6 +254,58 @@ def quantize(
     )
 
 
+def _quantize_small_numpy(x: np.ndarray, bits: int, group_size: int) -> QuantizedArray | None:
+    """`quantize` rounding to nearest, for a numpy array of whole groups that fits one block
+    and holds no value stored exactly (else None: the general path takes it). Why: a saved
+    value of a small step (an RNN's 32 x 128 hidden state) paid ~150 us in the general path,
+    7x a tanh of it, nearly all per-call cost of its ~30 numpy calls on 64-row arrays; this
+    makes the same arrays, bit for bit, in about a third of the calls (`rint` is what `round`
+    runs for 0 decimals; the min and max of a single block need no transposed copy at these
+    sizes)."""
+    size = x.size
+    groups = size // group_size
+    if not size or size % group_size or groups > _rows_per_block(np, groups, group_size):
+        return None
+    work = np.float64 if x.dtype == np.float64 else np.float32
+    info = _finfo(work)
+    grid = x.reshape(groups, group_size).astype(work, copy=False)
+    lo, hi = grid.min(axis=1), grid.max(axis=1)
+    big = info[0]
+    if not (float(lo.min()) >= -big and float(hi.max()) <= big):  # (NaN fails too)
+        return None
+    step = (hi - lo) / (2**bits - 1)
+    normal = step >= info[1]
+    if normal.all():
+        inverse = 1.0 / step
+    else:
+        step = np.where(normal, step, 0.0)
+        inverse = np.where(normal, 1.0 / np.where(normal, step, 1.0), 0.0)
+    t = grid - lo[:, None]
+    t *= inverse[:, None]
+    np.rint(t, out=t)
+    codes = _pack(np, t.astype(np.uint8).reshape(-1), bits)
+    index_dtype = np.int32 if size <= 2**31 - 1 else np.int64
+    return QuantizedArray(
+        codes=codes, mins=lo, scales=step,
+        exception_indices=_empty(np, index_dtype, None), exception_values=_empty(np, x.dtype, None),
+        shape=tuple(x.shape), dtype=x.dtype, bits=int(bits), group_size=int(group_size),
+        stochastic=False,
+    )
+
+
+_finfos: dict[Any, tuple[float, float]] = {}
+
+
+def _finfo(work: Any) -> tuple[float, float]:
+    """(the largest magnitude quantized as such, the smallest normal step) of a working
+    dtype, as `quantize` computes them."""
+    found = _finfos.get(work)
+    if found is None:
+        info = np.finfo(work)
+        found = _finfos[work] = (float(info.max) / 4, float(info.smallest_normal))
+    return found
+
+
 def dequantize(q: QuantizedArray) -> Array:
     """Rebuild an array of the original shape, dtype and namespace from ``q``.
 
@@ -263,10 +319,18 @@ def dequantize(q: QuantizedArray) -> Array:
         raise QuantizationError(
             f"dequantize needs a QuantizedArray from quantize(); got {type(q).__name__}"
         )
+    size, g = q.size, q.group_size
+    if type(q.codes) is np.ndarray and size % g == 0 and not q.num_exceptions and (
+            q.num_groups <= _rows_per_block(np, q.num_groups, g)):
+        # one block of whole groups (`_quantize_small_numpy`'s kind): the general path's
+        # arithmetic, without its output buffer and per-block copy
+        values = _unpack(np, q.codes, q.bits, size).reshape(q.num_groups, g).astype(q.mins.dtype)
+        values *= q.scales[:, None]
+        values += q.mins[:, None]
+        return values.astype(q.dtype, copy=False).reshape(q.shape)
     xp = namespace(q.codes)
     device = array_api_compat.device(q.codes)
     per_byte = 8 // q.bits
-    size, g = q.size, q.group_size
     out = xp.empty((size,), dtype=q.dtype, device=device)
 
     rows_per_block = _rows_per_block(xp, q.num_groups, g)
