@@ -150,7 +150,7 @@ def worth_quantizing(x: Array, group_size: int = 64) -> bool:
     """
     xp = _namespace(x)
     _check_group_size(group_size)
-    if not xp.isdtype(x.dtype, "real floating"):
+    if not _real_floating(xp, x.dtype):
         return False
     size = math.prod(x.shape)
     return size >= group_size and size * _itemsize(xp, x.dtype) >= MIN_WORTH_BYTES
@@ -486,8 +486,21 @@ def _check_group_size(group_size: int) -> None:
         raise QuantizationError(f"group_size must be a positive int; got {group_size!r}")
 
 
+_real_floatings: dict[tuple[Any, Any], bool] = {}
+
+
+def _real_floating(xp: Any, dtype: Any) -> bool:
+    """`xp.isdtype(dtype, "real floating")`, remembered: asked ~3 times per saved value, at
+    ~2.5 us a call on numpy."""
+    key = (xp, dtype)
+    found = _real_floatings.get(key)
+    if found is None:
+        found = _real_floatings[key] = bool(xp.isdtype(dtype, "real floating"))
+    return found
+
+
 def _check_quantizable_dtype(xp: Any, dtype: Any) -> None:
-    if xp.isdtype(dtype, "real floating"):
+    if _real_floating(xp, dtype):
         return
     if xp.isdtype(dtype, "complex floating"):
         raise QuantizationError(
@@ -586,7 +599,7 @@ def _empty(xp: Any, dtype: Any, device: Any) -> Array:
 def _itemsize(xp: Any, dtype: Any) -> int:
     if dtype == xp.bool:
         return 1
-    info = xp.finfo(dtype) if xp.isdtype(dtype, "real floating") else xp.iinfo(dtype)
+    info = xp.finfo(dtype) if _real_floating(xp, dtype) else xp.iinfo(dtype)
     return info.bits // 8
 
 
