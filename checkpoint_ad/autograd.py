@@ -370,7 +370,9 @@ def backpropagate(
                 entry = heappop(heap)[2]
                 grads = pending.pop(entry)
                 op = entry._meta[3]  # `entry.op`
-                if plain and type(op) is Primitive and type(entry._extra) is not EntryExtra:
+                extra = entry._extra
+                if plain and type(op) is Primitive and (type(extra) is not EntryExtra or (
+                        extra.hooks is None and extra.retained is None)):  # (a line's origin)
                     results = op.backward(entry, grads, create_graph, retain_graph)
                     if not retain_graph:
                         if type(entry._saved) is _NDARRAY and "release" not in events.wanted:
@@ -378,8 +380,7 @@ def backpropagate(
                         else:
                             entry.release()
                 else:  # hooks, retained outputs, captures, anomaly checks, loops
-                    extra = entry._extra  # hooks, retained outputs: on few entries
-                    if type(extra) is not EntryExtra:
+                    if type(extra) is not EntryExtra:  # hooks, retained outputs: few entries
                         extra = None  # (None or the attributes' dict: see `Entry.attrs`)
                     hooks = None if extra is None else extra.hooks
                     if hooks is not None and hooks.outputs:
