@@ -5,14 +5,17 @@ geometrically). Each budget is run `repeats` times over: a new ``Budget(limit)``
 own dry run, its plan is timed at once, then the two fastest shipped presets whose measured
 peak fits the budget. Reported: the plan's measured peak tape (the profiler's, less what the
 model's own code saved before the loop, reported apart) over its predicted peak; the median
-over repeats of measured time over that repeat's prediction; and the median of its time over
-the faster rival's in the same repeat. Ratios of runs a moment apart: this machine's speed
-drifts by tens of percent over a minute, which a median over a minute would measure instead.
+over repeats of the loop's measured time (its `scan` call and the gradient, not the model's
+work around the loop, which no plan prices) over that repeat's prediction; and the median of
+the whole run's time over the faster rival's in the same repeat. Ratios of runs a moment
+apart: this machine's speed drifts by tens of percent over a minute, which a median over a
+minute would measure instead.
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 from collections import Counter
 from typing import Any
 
@@ -26,19 +29,29 @@ PRESETS = ("keep-all", "store-inputs", "store-outputs", "sqrt-segments", "recomp
 def _runner(model: Any, strategy: Any, storage: Any,
             at_loop: Any = None) -> Any:
     """One run of `model` (its loop under `strategy`, saved values under `storage`) and its
-    gradient; `at_loop()` is called as the loop starts."""
+    gradient; `at_loop()` is called as the loop starts. The run's `loop_seconds` (a
+    one-item list) holds the last run's seconds in the `scan` call and in the gradient:
+    what a prediction prices, without the model's work around the loop (its loss)."""
     import checkpoint_ad as cad
+
+    loop_seconds = [0.0]
 
     def scan(step: Any, init: Any, xs: Any) -> Any:
         if at_loop is not None:
             at_loop()
-        return cad.scan(step, init, xs, strategy=strategy)
+        began = time.perf_counter()
+        out = cad.scan(step, init, xs, strategy=strategy)
+        loop_seconds[0] = time.perf_counter() - began
+        return out
 
     def run() -> None:
         with cad.use(storage):
             loss = model.run(scan)
+            began = time.perf_counter()
             cad.grad(loss, model.params)
+            loop_seconds[0] += time.perf_counter() - began
 
+    run.loop_seconds = loop_seconds  # type: ignore[attr-defined]
     return run
 
 
@@ -134,9 +147,10 @@ def _budget_row(model_name: str, model: Any, limit: int, rivals: list[str], repe
             device = _device_peak(model, budget, cad.strategies.KeepAll())
             later = _device_peak(model, budget, cad.strategies.KeepAll(), first_call=False)
         seconds = _once(run)
+        loop_seconds = run.loop_seconds[0]  # type: ignore[attr-defined]
         rival_seconds = [_once(r) for r in rival_runs]
         times.append(seconds)
-        over_predicted.append(seconds / max(chosen.seconds, 1e-12))
+        over_predicted.append(loop_seconds / max(chosen.seconds, 1e-12))
         if rival_seconds:
             over_best.append(seconds / min(rival_seconds))
         plans[chosen.name] += 1

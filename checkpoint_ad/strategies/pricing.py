@@ -56,8 +56,7 @@ is spent: the median of many is a steady figure of what a step typically costs o
 as it is, and cheap steps cost little."""
 MOST_REPEATS = 30
 REPLAYED_STEPS = 8
-"""Steps a replayed phase runs (fewer in a shorter loop): the first two are traced, and a
-plan's segments are seldom shorter than this."""
+"""Steps the untaped replay is timed over (fewer in a shorter loop)."""
 
 
 @dataclass(frozen=True)
@@ -259,14 +258,16 @@ def _replayed(
 ) -> tuple[float, float, float, int]:
     """Seconds per step of `program` replayed without a tape, with one, and that tape's
     backward, each the median of `_repeating()`; and the bytes the replayed tape held. The
-    steps run as a plan runs them (`StepProgram.tape_steps`, the executor's rows of xs), over
-    the first `REPLAYED_STEPS`: a pull-back's fixed cost, paid once per reverse action
-    (priced apart, see `overhead.py`), is spread over as many steps as a segment would be
-    short, not over two."""
+    steps run as a plan runs them (the executor's rows of xs; `StepProgram.tape_steps`).
+    Untaped, over the first `REPLAYED_STEPS` (an `Advance` runs many in a row; two in a burst
+    priced them 10-25% high); taped and back, over the first two, as `_taped` records them:
+    a pull-back's fixed cost is paid per segment, and most plans' segments are short
+    (binomial plans reverse one step at a time)."""
     steps = min(loop.n, REPLAYED_STEPS)
+    taped = _steps(loop)
     initial = [None if c is None else c._data for c in carry_leaves]
     x_arrays = loop.x_arrays
-    keys = _pull_back_keys(program, loop, steps)
+    keys = _pull_back_keys(program, loop, taped)
     runs, tapes, backwards = [], [], []
     held = 0
     for _ in _repeating():
@@ -278,7 +279,7 @@ def _replayed(
             runs.append(time.perf_counter() - start)
         with random.replaying(engine_state):
             start = time.perf_counter()
-            segment, y_out, arrays = program.tape_steps(initial, x_arrays, 0, steps)
+            segment, y_out, arrays = program.tape_steps(initial, x_arrays, 0, taped)
             tapes.append(time.perf_counter() - start)
         held = max(held, _replay_held(segment))
         roots = _replay_roots(program, arrays, y_out)
@@ -287,7 +288,7 @@ def _replayed(
             program.pull_back(segment, roots,
                               Capture({}, initial=[None] * len(keys), owned={}), keys)
         backwards.append(time.perf_counter() - start)
-    return median(runs) / steps, median(tapes) / steps, median(backwards) / steps, held
+    return median(runs) / steps, median(tapes) / taped, median(backwards) / taped, held
 
 
 def _pull_back_keys(program: StepProgram, loop: StepLoop, steps: int) -> dict[Any, int]:
