@@ -13,12 +13,13 @@ from typing import Any
 
 from .table import Ratio
 
-BENCHMARKS = ("tape", "rnn", "mlp", "heat", "quantize", "plan", "offload", "budget",
-              "profiler")
+BENCHMARKS = ("tape", "rnn", "inference", "mlp", "heat", "quantize", "plan", "offload",
+              "budget", "profiler")
 
 DESCRIPTIONS = {
     "tape": "tape overhead: a chain of small elementwise ops, forward+backward",
     "rnn": "unrolled RNN h = tanh(h @ W + x_t @ U + b), loss = sum of all hidden states",
+    "inference": "the same RNN without gradients (no_grad): the forward alone, loss checked",
     "mlp": "deep residual MLP (built-in model), depth as time",
     "heat": "heat equation time-stepping (built-in model)",
     "quantize": "quantization throughput, pack = quantize, unpack = dequantize",
@@ -33,6 +34,7 @@ SIZES: dict[str, dict[str, Any]] = {
         "tape": {"size": 16, "ops": 2000, "repeats": 10},
         "rnn": {"steps": (256, 1024), "batch": 64, "hidden": 256, "input": 256, "repeats": 5,
                 "snapshots": (4, 8, 16, 64), "bits": (8, 4, 2)},
+        "inference": {"steps": 256, "batch": 64, "hidden": 256, "input": 256, "repeats": 9},
         "mlp": {"sizes": {"layers": 256, "width": 256, "batch": 64}, "repeats": 5},
         "heat": {"sizes": {"grid": 128, "steps": 2000}, "repeats": 5},
         "quantize": {"megabytes": 64, "repeats": 5},
@@ -51,6 +53,7 @@ SIZES: dict[str, dict[str, Any]] = {
         "tape": {"size": 16, "ops": 2000, "repeats": 3},
         "rnn": {"steps": (64,), "batch": 32, "hidden": 128, "input": 128, "repeats": 3,
                 "snapshots": (4, 8, 16), "bits": (8, 4, 2)},
+        "inference": {"steps": 64, "batch": 32, "hidden": 128, "input": 128, "repeats": 3},
         "mlp": {"sizes": {"layers": 32, "width": 128, "batch": 16}, "repeats": 3},
         "heat": {"sizes": {"grid": 32, "steps": 100}, "repeats": 3},
         "quantize": {"megabytes": 8, "repeats": 3},
@@ -75,6 +78,8 @@ RATIOS: dict[str, tuple[Ratio, ...]] = {
             Ratio("/torch", "torch", "seconds"),
             Ratio("mem/floor", "floor", "tracemalloc_bytes"),
             Ratio("rss/floor", "floor", "rss_bytes")),
+    "inference": (Ratio("/numpy fwd", "floor", "seconds"),
+                  Ratio("/torch", "torch", "seconds")),
     "mlp": (Ratio("/floor", "floor", "seconds"),
             Ratio("mem/floor", "floor", "tracemalloc_bytes"),
             Ratio("rss/floor", "floor", "rss_bytes")),
@@ -90,6 +95,7 @@ EXTRA_COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {
              ("B/saved value", "bytes_per_saved_value")),
     "quantize": (("pack GB/s", "pack_gbps"), ("unpack GB/s", "unpack_gbps"),
                  ("stored/input", "stored_fraction")),
+    "inference": (("loss err", "loss_error"),),
     "plan": (("actions", "actions"), ("evaluations", "evaluations"),
              ("walk s", "walk_seconds")),
     "offload": (("backward s", "backward_seconds"), ("stall s", "stall_seconds"),
@@ -168,6 +174,21 @@ def _rnn(sizes: dict[str, Any]) -> list[Job]:
     return jobs
 
 
+def _inference(sizes: dict[str, Any]) -> list[Job]:
+    params = {k: sizes[k] for k in ("steps", "batch", "hidden", "input", "repeats")}
+    case = f"T={sizes['steps']}"
+    return [
+        Job("inference", case, "numpy forward (floor)", "inference:numpy_forward", params,
+            "floor"),
+        Job("inference", case, "engine scan, no_grad (replayed)", "inference:engine_forward",
+            params),
+        Job("inference", case, "engine scan, no_grad, trace=False", "inference:engine_forward",
+            params | {"trace": False}),
+        Job("inference", case, "torch no_grad", "inference:torch_forward", params, "torch",
+            "torch"),
+    ]
+
+
 def _model(bench: str, model: str, sizes: dict[str, Any]) -> list[Job]:
     params = {"model": model, "sizes": sizes["sizes"], "repeats": sizes["repeats"]}
     n = sizes["sizes"]["layers" if model == "residual_mlp" else "steps"]
@@ -193,6 +214,7 @@ def jobs(quick: bool, only: set[str] | None = None) -> list[Job]:
     makers = {
         "tape": lambda: _tape(sizes["tape"]),
         "rnn": lambda: _rnn(sizes["rnn"]),
+        "inference": lambda: _inference(sizes["inference"]),
         "mlp": lambda: _model("mlp", "residual_mlp", sizes["mlp"]),
         "heat": lambda: _model("heat", "heat", sizes["heat"]),
         "quantize": lambda: [Job("quantize", f"{sizes['quantize']['megabytes']} MiB float32",

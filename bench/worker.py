@@ -22,8 +22,8 @@ from pathlib import Path
 from .measure import blas_info, pin_threads
 from .peers import PeerMissing
 
-TASK_MODULES = ("tape_overhead", "rnn", "models", "quantize_throughput", "planning", "offload",
-                "budgets", "profiler_overhead")
+TASK_MODULES = ("tape_overhead", "rnn", "inference", "models", "quantize_throughput", "planning",
+                "offload", "budgets", "profiler_overhead")
 
 
 def run_task(task: str, params: dict, threads: int) -> dict:

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench import rnn, rnn_floor, runner, suite, tape_overhead
+from bench import inference, rnn, rnn_floor, runner, suite, tape_overhead
 from bench.table import Ratio, Row, add_model_ratios, add_ratios, block_table, markdown_table
 from bench.targets import Target, check
 
@@ -48,7 +48,7 @@ def test_every_benchmark_has_jobs_and_the_quick_suite_is_small():
     quick = suite.jobs(quick=True)
     assert {j.bench for j in quick} == set(suite.BENCHMARKS)
     assert {j.bench for j in suite.jobs(quick=True, only={"rnn"})} == {"rnn"}
-    assert len(quick) < 40
+    assert len(quick) < 45
     assert all(j.params.get("repeats", 3) >= 5 for j in suite.jobs(quick=False))
 
 
@@ -132,6 +132,14 @@ def test_engine_rnn_columns_measure_and_agree_with_the_floor(preset):
     assert result["grad_error"] < (0.05 if preset == "int8" else 1e-5)
     if preset == "revolve-2":
         assert result["extras"]["untaped_steps"] > TINY_RNN["steps"]
+
+
+@pytest.mark.parametrize("trace", [True, False])
+def test_inference_engine_column_matches_the_numpy_forward(trace):
+    engine = inference.engine_forward(TINY_RNN | {"trace": trace}, threads=1)
+    floor = inference.numpy_forward(TINY_RNN, threads=1)
+    assert engine["seconds"] > 0 and floor["extras"]["loss_error"] == 0
+    assert engine["extras"]["trace"] is trace and engine["extras"]["loss_error"] < 1e-5
 
 
 def test_tape_overhead_engine_column_gradient_matches_the_hand_derived_one():
