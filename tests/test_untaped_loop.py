@@ -22,15 +22,16 @@ def _leaves(tree):
 def test_models_replayed_without_grad_match_every_step_run(name, dtype):
     model = build(name, dtype=dtype)
     results = {}
-    for trace in (False, True):
+    for run, trace in (("recorded", False), ("replayed", True), ("program reused", True)):
         with cad.no_grad():
-            results[trace] = _leaves(cad.scan(model.step, model.init_carry(), model.inputs(),
-                                              trace=trace))
-    for recorded, replayed in zip(results[False], results[True]):
-        assert (recorded is None) == (replayed is None)
-        if recorded is not None:
-            assert replayed.dtype == recorded.dtype and replayed.shape == recorded.shape
-            np.testing.assert_array_equal(replayed, recorded)
+            results[run] = _leaves(cad.scan(model.step, model.init_carry(), model.inputs(),
+                                            trace=trace))
+    for run in ("replayed", "program reused"):
+        for recorded, replayed in zip(results["recorded"], results[run]):
+            assert (recorded is None) == (replayed is None)
+            if recorded is not None:
+                assert replayed.dtype == recorded.dtype and replayed.shape == recorded.shape
+                np.testing.assert_array_equal(replayed, recorded)
 
 
 def _counting_step(calls, w):
@@ -49,15 +50,22 @@ def test_the_step_runs_twice_and_the_rest_is_replayed(mode):
     outs = {}
     for trace in (False, True):
         calls = []
+        step = _counting_step(calls, w)
         with mode():
-            h, ys = cad.scan(_counting_step(calls, w), cad.zeros(4, dtype="float64"), xs,
-                             trace=trace)
+            h, ys = cad.scan(step, cad.zeros(4, dtype="float64"), xs, trace=trace)
         assert not h.requires_grad and not ys.requires_grad
         outs[trace] = (len(calls), h.numpy(), ys.numpy())
     assert outs[False][0] == 12 and outs[True][0] == 2
     np.testing.assert_array_equal(outs[True][1], outs[False][1])
     np.testing.assert_array_equal(outs[True][2], outs[False][2])
     assert outs[True][2].shape == (12,)
+    # called again: step 0 runs, and the program the first call made runs the rest
+    calls.clear()
+    with mode():
+        h, ys = cad.scan(step, cad.zeros(4, dtype="float64"), xs)
+    assert len(calls) == 1
+    np.testing.assert_array_equal(h.numpy(), outs[False][1])
+    np.testing.assert_array_equal(ys.numpy(), outs[False][2])
 
 
 def test_a_step_that_reads_a_value_runs_every_step():

@@ -11,9 +11,10 @@ calls on the same arrays, in the same order, and randomness drawn through the en
 generator is drawn in the same order. A refused trace (the step reads a value, makes tensors
 from outside data, changes shapes, ...) runs the rest step by step, as before.
 
-A program traced here is not kept for later calls (`program_cache`): traced without
-gradients, none of its instructions is taped, and a later call with gradients on would have
-nothing to differentiate through.
+A later call of the same loop reuses the program an earlier one made when its step 0
+traces to it exactly (`program_cache.py`), so only step 0 runs op by op. Such programs are
+kept apart from those of loops that take gradients (traced without gradients, none of their
+instructions is taped): a loop run with gradients on never reuses one.
 """
 
 from __future__ import annotations
@@ -22,32 +23,36 @@ from typing import Any
 
 from ..pytree import unflatten
 from ..tensor_base import make_tensor
-from .kept_loop import TRACED_STEPS
 from .loop import StepLoop, stack_outputs
 from .output_rows import OutputRows
+from .program_cache import find
 from .step_program import program_of, traced_call
 
 
 def run_untaped(loop: StepLoop, carry_leaves: list[Any]) -> tuple[Any, Any]:
-    """Every step of `loop` (more than `TRACED_STEPS` of them) without a tape; (carry, ys)."""
-    carry = carry_leaves
-    per_step = []
-    traces = {}
-    for t in range(TRACED_STEPS):
-        carry, ys, traces[t] = traced_call(loop, t, carry, loop.x_at(t))
-        per_step.append(ys)
-    program, _ = program_of(traces, loop.n, len(carry), template=1)
-    del traces  # what the steps made, as tensors: let go of it before the rest runs
+    """Every step of `loop` (more than two) without a tape; (carry, ys)."""
+    place = find(loop.step, "untaped", carry_leaves, loop.xs_leaves)
+    carry, ys, first = traced_call(loop, 0, carry_leaves, loop.x_at(0))
+    per_step = [ys]
+    program = place.reuse(first) if place.expected else None
     if program is None:
-        for t in range(TRACED_STEPS, loop.n):
+        carry, ys, second = traced_call(loop, 1, carry, loop.x_at(1))
+        per_step.append(ys)
+        program, _ = program_of({0: first, 1: second}, loop.n, len(carry), template=1)
+        place.remember(first, second, program)
+        del second
+    del first  # what the steps made, as tensors: let go of it before the rest runs
+    done = len(per_step)
+    if program is None:
+        for t in range(done, loop.n):
             carry, ys = loop.call(t, carry, loop.x_at(t))
             per_step.append(ys)
         return (unflatten(loop.carry_spec, iter(carry)),
                 unflatten(loop.y_spec, iter(stack_outputs(per_step))))
     lead = [[None if y is None else y._data for y in ys] for ys in per_step]
-    rows = OutputRows(loop.n - TRACED_STEPS, lead=lead)
+    rows = OutputRows(loop.n - done, lead=lead)
     arrays = [None if c is None else c._data for c in carry]
-    for t in range(TRACED_STEPS, loop.n):
+    for t in range(done, loop.n):
         loop.count()
         arrays, ys = program.run(arrays, loop.x_arrays(t))
         rows.append(ys)
@@ -58,6 +63,6 @@ def run_untaped(loop: StepLoop, carry_leaves: list[Any]) -> tuple[Any, Any]:
     else:  # rows unlike each other: stacked as a recorded loop stacks them
         rest = rows.stacked({})
         per_step += [[None if a is None else make_tensor(a[i]) for a in rest]
-                     for i in range(loop.n - TRACED_STEPS)]
+                     for i in range(loop.n - done)]
         ys_leaves = stack_outputs(per_step)
     return unflatten(loop.carry_spec, iter(carry)), unflatten(loop.y_spec, iter(ys_leaves))
