@@ -139,3 +139,42 @@ def test_a_profile_counts_the_replayed_primitives():
         counts.append((prof.primitives, prof.peak_tape_bytes))
     assert counts[0][0] > 7 and counts[1] == counts[0]
     assert counts[0][1] == 0
+
+
+@pytest.mark.parametrize("stop_after, length", [(7, None), (2, None), (50, 12), (1, None)])
+def test_a_loop_with_until_replays_and_stops_where_the_recorded_one_does(stop_after, length):
+    rng = np.random.default_rng(4)
+    w = cad.tensor(rng.standard_normal((3, 3)) * 0.5)
+    outs, calls = {}, []
+
+    def step(carry, x):
+        calls.append(1)
+        h, k = carry
+        h = cad.tanh(h @ w + 0.1)
+        return (h, k + 1.0), h.sum()
+
+    for trace in (False, True):
+        calls.clear()
+        with cad.no_grad():
+            (h, k), ys = cad.scan(step, (cad.ones(3, dtype="float64"), cad.tensor(0.0)),
+                                  length=length, until=lambda c: c[1] >= stop_after,
+                                  trace=trace)
+        outs[trace] = (len(calls), h.numpy(), float(k), ys.numpy())
+    ran = min(stop_after, length or stop_after)
+    assert outs[False][0] == ran and outs[True][0] == min(ran, 2)
+    assert outs[True][2] == outs[False][2] == ran and outs[True][3].shape == (ran,)
+    np.testing.assert_array_equal(outs[True][1], outs[False][1])
+    np.testing.assert_array_equal(outs[True][3], outs[False][3])
+
+
+def test_while_loop_without_gradients_replays():
+    x = cad.tensor(1.5)
+    calls = []
+
+    def body(c):
+        calls.append(1)
+        return c * 0.5
+
+    with cad.no_grad():
+        out = cad.while_loop(lambda c: c > 0.01, body, x)
+    assert out.numpy() == 1.5 * 0.5 ** 8 and len(calls) == 2

@@ -57,10 +57,13 @@ def replays(loop: StepLoop, trace: bool) -> bool:
     return trace and is_grad_enabled() and _state.tracer is None and loop.n > TRACED_STEPS
 
 
-def replays_untaped(loop: StepLoop, trace: bool) -> bool:
+def replays_untaped(loop: StepLoop, trace: bool, until: Any = None,
+                    limit: int | None = None) -> bool:
     """Whether a loop run without gradients is worth tracing (see `untaped_loop.py`): as
-    `replays`, with gradients off."""
-    return trace and not is_grad_enabled() and _state.tracer is None and loop.n > TRACED_STEPS
+    `replays`, with gradients off (with `until`, when it may run more than two steps)."""
+    steps = loop.n if until is None else limit
+    return (trace and not is_grad_enabled() and _state.tracer is None
+            and (steps is None or steps > TRACED_STEPS))
 
 
 def keep_every_step(loop: StepLoop, carry_leaves: list[Any]) -> tuple[Any, Any]:

@@ -164,8 +164,8 @@ def _keep_all(
     with `until`, the steps up to the first that stops."""
     if until is None and replays(loop, trace):
         return keep_every_step(loop, carry_leaves)
-    if until is None and replays_untaped(loop, trace):
-        return run_untaped(loop, carry_leaves)
+    if replays_untaped(loop, trace, until, limit):
+        return run_untaped(loop, carry_leaves, until, limit)
     most = loop.n if until is None else limit  # None: until alone ends the loop
     loop.n = most or 0  # all of xs is split, if there is one
     rows = loop.all_x() if loop.xs_spec is not None else None

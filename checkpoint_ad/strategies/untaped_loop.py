@@ -19,50 +19,86 @@ instructions is taped): a loop run with gradients on never reuses one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ..pytree import unflatten
 from ..tensor_base import make_tensor
 from .loop import StepLoop, stack_outputs
 from .output_rows import OutputRows
+from .plan_executor import stops
 from .program_cache import find
 from .step_program import program_of, traced_call
 
 
-def run_untaped(loop: StepLoop, carry_leaves: list[Any]) -> tuple[Any, Any]:
-    """Every step of `loop` (more than two) without a tape; (carry, ys)."""
+def run_untaped(loop: StepLoop, carry_leaves: list[Any],
+                until: Callable[[Any], Any] | None = None,
+                limit: int | None = None) -> tuple[Any, Any]:
+    """Every step of `loop` without a tape; with `until`, up to the first step after which it
+    says stop (at most `limit` steps; None: no bound but `until`). (carry, ys)."""
+    most = loop.n if until is None else limit
     place = find(loop.step, "untaped", carry_leaves, loop.xs_leaves)
     carry, ys, first = traced_call(loop, 0, carry_leaves, loop.x_at(0))
     per_step = [ys]
+    if _ended(loop, until, carry, 1, most):
+        return _recorded_result(loop, carry, per_step)
     program = place.reuse(first) if place.expected else None
     if program is None:
         carry, ys, second = traced_call(loop, 1, carry, loop.x_at(1))
         per_step.append(ys)
-        program, _ = program_of({0: first, 1: second}, loop.n, len(carry), template=1)
+        program, _ = program_of({0: first, 1: second}, max(most or 3, 3), len(carry),
+                                template=1)
         place.remember(first, second, program)
         del second
     del first  # what the steps made, as tensors: let go of it before the rest runs
-    done = len(per_step)
-    if program is None:
-        for t in range(done, loop.n):
+    t = len(per_step)
+    if program is None or _ended(loop, until, carry, t, most):
+        while not _ended(loop, until, carry, t, most):
             carry, ys = loop.call(t, carry, loop.x_at(t))
             per_step.append(ys)
-        return (unflatten(loop.carry_spec, iter(carry)),
-                unflatten(loop.y_spec, iter(stack_outputs(per_step))))
+            t += 1
+        return _recorded_result(loop, carry, per_step)
+    done = t
     lead = [[None if y is None else y._data for y in ys] for ys in per_step]
-    rows = OutputRows(loop.n - done, lead=lead)
+    rows = OutputRows(None if until is not None else loop.n - done,
+                      lead=lead if until is None else ())
     arrays = [None if c is None else c._data for c in carry]
-    for t in range(done, loop.n):
+    while True:
         loop.count()
         arrays, ys = program.run(arrays, loop.x_arrays(t))
         rows.append(ys)
-    carry = [None if a is None else make_tensor(a) for a in arrays]
-    full = rows.full()
+        t += 1
+        if t == most:
+            break
+        if until is not None and stops(until, loop.carry_spec, _tensors(arrays)):
+            break
+    loop.n = t
+    carry = _tensors(arrays)
+    full = rows.full() if until is None else None
     if full is not None and rows.lead == len(lead):
         ys_leaves = [None if a is None else make_tensor(a) for a in full]
-    else:  # rows unlike each other: stacked as a recorded loop stacks them
+    else:  # rows written apart from the first steps', or unlike each other: stacked
         rest = rows.stacked({})
         per_step += [[None if a is None else make_tensor(a[i]) for a in rest]
-                     for i in range(loop.n - done)]
+                     for i in range(t - done)]
         ys_leaves = stack_outputs(per_step)
     return unflatten(loop.carry_spec, iter(carry)), unflatten(loop.y_spec, iter(ys_leaves))
+
+
+def _ended(loop: StepLoop, until: Callable[[Any], Any] | None, carry: list[Any], t: int,
+           most: int | None) -> bool:
+    """Whether the loop ends after its first `t` steps (their carry: `carry`)."""
+    if t == most:
+        return True
+    return until is not None and stops(until, loop.carry_spec, carry)
+
+
+def _recorded_result(loop: StepLoop, carry: list[Any], per_step: list[list[Any]],
+                     ) -> tuple[Any, Any]:
+    loop.n = len(per_step)
+    return (unflatten(loop.carry_spec, iter(carry)),
+            unflatten(loop.y_spec, iter(stack_outputs(per_step))))
+
+
+def _tensors(arrays: list[Any]) -> list[Any]:
+    return [None if a is None else make_tensor(a) for a in arrays]
