@@ -9,7 +9,9 @@ on arrays (`StepProgram.run`) and their outputs are written into one array per o
 come (`OutputRows`). The results are bitwise those of running every step: the same array
 calls on the same arrays, in the same order, and randomness drawn through the engine's
 generator is drawn in the same order. A refused trace (the step reads a value, makes tensors
-from outside data, changes shapes, ...) runs the rest step by step, as before.
+from outside data, changes shapes, ...) runs the rest step by step, as before. A loop with
+`until` (and `while_loop`) asks it after every step, replayed or not, and stops where the
+recorded loop stops; its rows are gathered in chunks, the length being unknown.
 
 A later call of the same loop reuses the program an earlier one made when its step 0
 traces to it exactly (`program_cache.py`), so only step 0 runs op by op. Such programs are
