@@ -98,12 +98,15 @@ def test_blocks_boundaries_padding_and_exceptions_across_many_blocks():
         assert_within_bound(x, q)
 
 
+@pytest.mark.parametrize("stochastic", [False, True])
 @pytest.mark.parametrize("bits", ALLOWED_BITS)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-def test_groups_are_coded_alike_in_a_small_array_and_inside_a_large_one(bits, dtype):
+def test_groups_are_coded_alike_in_a_small_array_and_inside_a_large_one(bits, dtype,
+                                                                          stochastic):
     """Groups are independent: a small array's codes, mins and scales are those of the same
     groups at the head of an array of many blocks (with a non-finite value further on), and
-    each comes back the same. Small arrays take a shorter path than large ones."""
+    each comes back the same; with stochastic rounding and one seed, the head groups draw the
+    same noise. Small arrays take a shorter path than large ones."""
     rng = np.random.default_rng(bits)
     head = rng.standard_normal((4, 64)).astype(dtype) * 3
     head[1] = 2.5  # a constant group: no step
@@ -111,7 +114,8 @@ def test_groups_are_coded_alike_in_a_small_array_and_inside_a_large_one(bits, dt
     large = rng.standard_normal((3000, 64)).astype(dtype)
     large[:4] = head
     large[2500, 3] = np.nan
-    small_q, large_q = quantize(head, bits), quantize(large, bits)
+    small_q = quantize(head, bits, stochastic=stochastic, seed=11)
+    large_q = quantize(large, bits, stochastic=stochastic, seed=11)
     codes_bytes = head.size * bits // 8
     np.testing.assert_array_equal(small_q.codes, large_q.codes[:codes_bytes])
     np.testing.assert_array_equal(small_q.mins, large_q.mins[:4])
