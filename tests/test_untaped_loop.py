@@ -145,7 +145,11 @@ def test_a_profile_counts_the_replayed_primitives():
 def test_a_loop_with_until_replays_and_stops_where_the_recorded_one_does(stop_after, length):
     rng = np.random.default_rng(4)
     w = cad.tensor(rng.standard_normal((3, 3)) * 0.5)
-    outs, calls = {}, []
+    outs, calls, asked = {}, [], []
+
+    def until(carry):
+        asked.append(float(carry[1]))
+        return carry[1] >= stop_after
 
     def step(carry, x):
         calls.append(1)
@@ -153,14 +157,19 @@ def test_a_loop_with_until_replays_and_stops_where_the_recorded_one_does(stop_af
         h = cad.tanh(h @ w + 0.1)
         return (h, k + 1.0), h.sum()
 
-    for trace in (False, True):
+    for trace in (False, True, True):  # recorded, replayed, replayed from a reused program
         calls.clear()
+        asked.clear()
         with cad.no_grad():
             (h, k), ys = cad.scan(step, (cad.ones(3, dtype="float64"), cad.tensor(0.0)),
-                                  length=length, until=lambda c: c[1] >= stop_after,
-                                  trace=trace)
-        outs[trace] = (len(calls), h.numpy(), float(k), ys.numpy())
+                                  length=length, until=until, trace=trace)
+        if trace and True in outs:  # the second replayed call: step 0 alone runs as code
+            assert len(calls) == 1 and list(asked) == outs[False][4]
+            np.testing.assert_array_equal(ys.numpy(), outs[False][3])
+            continue
+        outs[trace] = (len(calls), h.numpy(), float(k), ys.numpy(), list(asked))
     ran = min(stop_after, length or stop_after)
+    assert outs[True][4] == outs[False][4]  # asked once per step, after it, on equal carries
     assert outs[False][0] == ran and outs[True][0] == min(ran, 2)
     assert outs[True][2] == outs[False][2] == ran and outs[True][3].shape == (ran,)
     np.testing.assert_array_equal(outs[True][1], outs[False][1])

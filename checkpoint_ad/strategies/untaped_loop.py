@@ -52,14 +52,17 @@ def run_untaped(loop: StepLoop, carry_leaves: list[Any],
                                 template=1)
         place.remember(first, second, program)
         del second
+        if _ended(loop, until, carry, 2, most):
+            return _recorded_result(loop, carry, per_step)
     del first  # what the steps made, as tensors: let go of it before the rest runs
     t = len(per_step)
-    if program is None or _ended(loop, until, carry, t, most):
-        while not _ended(loop, until, carry, t, most):
+    if program is None:  # `until` asked once per step, as the recorded loop asks it
+        while True:
             carry, ys = loop.call(t, carry, loop.x_at(t))
             per_step.append(ys)
             t += 1
-        return _recorded_result(loop, carry, per_step)
+            if _ended(loop, until, carry, t, most):
+                return _recorded_result(loop, carry, per_step)
     done = t
     lead = [[None if y is None else y._data for y in ys] for ys in per_step]
     rows = OutputRows(None if until is not None else loop.n - done,
@@ -70,9 +73,9 @@ def run_untaped(loop: StepLoop, carry_leaves: list[Any],
         arrays, ys = program.run(arrays, loop.x_arrays(t))
         rows.append(ys)
         t += 1
-        if t == most:
-            break
         if until is not None and stops(until, loop.carry_spec, _tensors(arrays)):
+            break
+        if t == most:
             break
     loop.n = t
     carry = _tensors(arrays)
@@ -89,10 +92,11 @@ def run_untaped(loop: StepLoop, carry_leaves: list[Any],
 
 def _ended(loop: StepLoop, until: Callable[[Any], Any] | None, carry: list[Any], t: int,
            most: int | None) -> bool:
-    """Whether the loop ends after its first `t` steps (their carry: `carry`)."""
-    if t == most:
+    """Whether the loop ends after its first `t` steps (their carry: `carry`); `until` is
+    asked after every step, the last one too, as the recorded loop asks it."""
+    if until is not None and stops(until, loop.carry_spec, carry):
         return True
-    return until is not None and stops(until, loop.carry_spec, carry)
+    return t == most
 
 
 def _recorded_result(loop: StepLoop, carry: list[Any], per_step: list[list[Any]],
