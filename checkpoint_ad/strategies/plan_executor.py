@@ -382,7 +382,7 @@ class PlannedLoop:
             return _arrays(segment.carry_out), _arrays(segment.y_out[0][1])
         if self.program is not None:
             loop.count()
-            return self.program.run(arrays, self.loop.x_arrays(t))
+            return self.program.run(arrays, loop.x_arrays(t))
         with no_grad():
             new, ys = self._call(t, self._as_tensors(arrays, grad=False), loop.x_at(t))
         return _arrays(new), _arrays(ys)

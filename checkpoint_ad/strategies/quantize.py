@@ -268,15 +268,15 @@ def _quantize_small_numpy(x: np.ndarray, bits: int, group_size: int, stochastic:
     groups = size // group_size
     if not size or size % group_size or groups > _rows_per_block(np, groups, group_size):
         return None
-    work = np.float64 if x.dtype == np.float64 else np.float32
-    info = _finfo(work)
+    work = _work_dtype(np, x.dtype)
+    big, tiny = _finfo(work)
+    levels = 2**bits - 1
     grid = x.reshape(groups, group_size).astype(work, copy=False)
     lo, hi = grid.min(axis=1), grid.max(axis=1)
-    big = info[0]
     if not (float(lo.min()) >= -big and float(hi.max()) <= big):  # (NaN fails too)
         return None
-    step = (hi - lo) / (2**bits - 1)
-    normal = step >= info[1]
+    step = (hi - lo) / levels
+    normal = step >= tiny
     if normal.all():
         inverse = 1.0 / step
     else:
@@ -287,7 +287,7 @@ def _quantize_small_numpy(x: np.ndarray, bits: int, group_size: int, stochastic:
     if stochastic:
         t += _uniform_noise(np, _make_rng(np, seed), t.shape, work, None)
         np.floor(t, out=t)
-        np.clip(t, 0.0, float(2**bits - 1), out=t)
+        np.clip(t, 0.0, float(levels), out=t)
     else:
         np.rint(t, out=t)
     codes = _pack(np, t.astype(np.uint8).reshape(-1), bits)
@@ -304,8 +304,8 @@ _finfos: dict[Any, tuple[float, float]] = {}
 
 
 def _finfo(work: Any) -> tuple[float, float]:
-    """(the largest magnitude quantized as such, the smallest normal step) of a working
-    dtype, as `quantize` computes them."""
+    """(the largest magnitude quantized as such, the smallest normal step) of a numpy
+    working dtype, as `quantize` computes them, remembered."""
     found = _finfos.get(work)
     if found is None:
         info = np.finfo(work)

@@ -64,8 +64,9 @@ def scan(
     loop again (a training loop) reuses the program the earlier call made when step 0 traces
     to it exactly, so only step 0 is recorded (mode "replayed (program reused from an
     earlier call)"; see `program_cache.py`). Without gradients (`no_grad`, inference mode),
-    steps 2.. are replayed too (outputs bitwise those of running every step; nothing is
-    recorded and no program is kept for later calls: see `untaped_loop.py`).
+    steps 2.. are replayed too, `until` loops included (outputs bitwise those of running
+    every step; nothing is recorded, and a later call reuses the program only when it too
+    runs without gradients: see `untaped_loop.py`).
     `until(carry)` is asked after each step (without recording) and the loop stops after the
     first step where it is true, or at the end of `xs` (or after `length` steps) if that comes
     first; with neither xs nor length, `until` is required and at least one step runs. `ys`

@@ -81,7 +81,7 @@ def run_untaped(loop: StepLoop, carry_leaves: list[Any],
     carry = _tensors(arrays)
     full = rows.full() if until is None else None
     if full is not None and rows.lead == len(lead):
-        ys_leaves = [None if a is None else make_tensor(a) for a in full]
+        ys_leaves = _tensors(full)
     else:  # rows written apart from the first steps', or unlike each other: stacked
         rest = rows.stacked({})
         per_step += [[None if a is None else make_tensor(a[i]) for a in rest]
