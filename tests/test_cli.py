@@ -40,10 +40,16 @@ def test_profile_and_strategies_commands(tmp_path, capsys):
     assert "revolve-8" in listing and "lossy" in listing and "lossless" in listing
 
 
+def _child_env() -> dict[str, str]:
+    """The parent's environment with this checkout first on the import path (the rest kept:
+    dependencies may be installed on PYTHONPATH rather than in site-packages)."""
+    paths = (str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH"))
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+
+
 def _run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "checkpoint_ad.cli", *args],
-                          capture_output=True, text=True, check=False, cwd=cwd,
-                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+                          capture_output=True, text=True, check=False, cwd=cwd, env=_child_env())
 
 
 @pytest.mark.parametrize(("args", "words"), [
@@ -124,8 +130,7 @@ def test_a_profile_save_cut_short_leaves_the_old_file_whole(tmp_path):
               "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))\n"
               f"sys.exit(main(['profile', '--save', {str(path)!r}, *{TINY!r}]))\n")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            check=False,
-                            env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+                            check=False, env=_child_env())
     assert result.returncode == 2, result.stderr
     assert "cannot write" in result.stderr and "nothing was changed" in result.stderr
     assert path.read_text() == '{"old": true}'

@@ -3,6 +3,7 @@ that makes a figure shows it."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,8 @@ def test_there_are_notebooks():
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs(path, monkeypatch):
     monkeypatch.setenv("MPLBACKEND", "Agg")
-    monkeypatch.setenv("PYTHONPATH", str(path.parents[1]))
+    paths = (str(path.parents[1]), os.environ.get("PYTHONPATH"))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in paths if p))
     book = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(book, timeout=300, kernel_name="python3",
                                      resources={"metadata": {"path": str(path.parent)}})
