@@ -1,7 +1,8 @@
 #!/bin/bash
 # The checks to run on a machine with a CUDA GPU, in order of value, each under a time limit,
-# with what they print kept in OUT (default: gpu-check/): the GPU tests, the GPU benchmark, two
-# GPU sweeps, then the whole suite (failures listed). Run from the repository root:
+# with what they print kept in OUT (default: gpu-check/): the GPU tests, the GPU benchmark, the
+# quantize kernels against the array-API path, two GPU sweeps, then the whole suite (failures
+# listed). Run from the repository root:
 #
 #     bash bench/gpu_check.sh [OUT]
 #
@@ -25,6 +26,8 @@ echo "rc=$?" >> "$OUT/gpu-tests.txt"; tail -3 "$OUT/gpu-tests.txt"; stamp gpu-te
 timeout "${T_BENCH:-300}" python3 -m bench.gpu --out "$OUT" --timeout 120 --repeats 3 \
     > "$OUT/bench.log" 2>&1
 echo "rc=$?" >> "$OUT/bench.log"; stamp bench
+timeout "${T_SWEEP:-120}" python3 -m bench.quantize_gpu --out "$OUT" > "$OUT/quantize-gpu.log" 2>&1
+echo "rc=$?" >> "$OUT/quantize-gpu.log"; stamp quantize-gpu
 timeout "${T_SWEEP:-120}" python3 -m checkpoint_ad.cli sweep --model rnn --device cuda --quiet \
     --out "$OUT/rnn-budgets" --budgets 3MiB,1MiB > "$OUT/sweep-budgets.log" 2>&1
 echo "rc=$?" >> "$OUT/sweep-budgets.log"; stamp sweep-budgets
