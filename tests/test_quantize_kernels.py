@@ -218,6 +218,18 @@ def test_stochastic_same_seed_same_codes_other_seed_other_codes():
     np.testing.assert_array_equal(a.mins, c.mins)  # only the rounding is random
 
 
+@pytest.mark.parametrize("size", [512, 200_003])  # the one-block path and the general one
+def test_unseeded_stochastic_rounding_draws_fresh_unbiased_noise_each_call(size):
+    x = random_array((size,), np.float32, seed=12)
+    draws = [quantize(x, 2, stochastic=True) for _ in range(200)]
+    assert len({d.codes.tobytes() for d in draws}) == len(draws)  # no two calls alike
+    mean = np.mean([dequantize(d) for d in draws], axis=0, dtype=np.float64)
+    step = np.repeat(quantize(x, 2).scales, 64)[:size]
+    # Each draw lies within one step; Hoeffding puts 0.15 steps at ~1e-2 per element at 200
+    # draws, so the mean over elements is the check, at a tenth of a step.
+    assert np.mean(np.abs(mean - x) / np.maximum(step, 1e-30)) < 0.1
+
+
 def test_stochastic_rounding_is_unbiased():
     x = random_array((512,), np.float32, seed=11)
     seeds = 400
