@@ -254,3 +254,47 @@ def test_hooks_and_retain_grad_on_the_final_carry_see_its_whole_gradient(strateg
     for trace in (True, False):
         for got, ref in zip(run(trace), reference, strict=True):
             np.testing.assert_array_equal(got, ref)
+
+
+class _CountingCopy(cad.strategies.Strategy):
+    """A lossless packer (a copy) that counts what the backward sweep unpacks."""
+
+    def __init__(self):
+        self.unpacks = 0
+
+    def for_leaf(self):
+        return cad.strategies.KeepAll()  # as `Quantized`: the caller holds its parameters
+
+    def pack(self, array):
+        return array.copy()
+
+    def unpack(self, stored):
+        self.unpacks += 1
+        return stored
+
+
+@pytest.mark.parametrize("strategy", [None, Periodic(4), Binomial(3)],
+                         ids=["keep", "periodic-4", "binomial-3"])
+def test_a_carry_stored_packed_is_unpacked_once_by_the_two_steps_that_read_it(strategy):
+    """h_t is saved by step t-1's tanh (its output) and step t's matmul (its input), in one
+    buffer: each further step costs one unpack, not two, and the gradients stay keep-all's."""
+    rng = np.random.default_rng(0)
+    W = cad.tensor(rng.standard_normal((8, 8)) / 3, requires_grad=True)
+
+    def run(storage, steps):
+        xs = cad.tensor(np.random.default_rng(steps).standard_normal((steps, 4, 8)))
+
+        def step(h, x):
+            h = cad.tanh(h @ W + x)
+            return h, h
+
+        with cad.use(storage):
+            _, ys = cad.scan(step, cad.zeros(4, 8, dtype="float64"), xs, strategy=strategy)
+            return cad.grad(cad.sum(ys * ys), [W])[0].numpy()
+
+    counts = []
+    for steps in (16, 32):
+        packer = _CountingCopy()
+        np.testing.assert_array_equal(run(packer, steps), run(cad.strategies.KeepAll(), steps))
+        counts.append(packer.unpacks)
+    assert counts[1] - counts[0] == 16
