@@ -1,4 +1,5 @@
-"""Listing a tape: what each entry computed, what it saved, how many bytes, and where."""
+"""Listing a tape: what each entry computed, what it saved, how many bytes, and where; and
+(`loops`, from `loop_log`) which loops ran and how, with or without gradients."""
 
 from __future__ import annotations
 
@@ -6,7 +7,11 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from .loop_log import LoopInfo, loops
 from .tape import Entry
+
+__all__ = ["EntryInfo", "LoopInfo", "SavedInfo", "TapeView", "describe_entry", "loops",
+           "tape_of"]
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,16 @@ def _user_frame() -> tuple[Any, int]:
     profiler), so the walk looks each frame's code up by id, the user frame's line up by its
     call site (`f_lasti`: `f_lineno` scans the code's line table), and the pair is shared by
     every entry recorded on the same line (a loop's entries hold no pair of their own)."""
-    frame = sys._getframe(3)  # past the entry's maker and its caller in tape.py
+    return _first_outside(sys._getframe(3))  # past the entry's maker and its caller
+
+
+def user_frame_from_caller() -> tuple[Any, int]:
+    """(code, line) of the nearest frame outside this package above the caller's."""
+    return _first_outside(sys._getframe(1))
+
+
+def _first_outside(frame: Any) -> tuple[Any, int]:
+    """`frame` or the nearest above it whose code is not this package's, as (code, line)."""
     kinds = _code_kinds
     while frame is not None:
         code = frame.f_code

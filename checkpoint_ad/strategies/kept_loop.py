@@ -87,6 +87,7 @@ def keep_every_step(loop: StepLoop, carry_leaves: list[Any]) -> tuple[Any, Any]:
         program, mode = program_of({0: first, 1: second}, loop.n, len(carry), template=1)
         place.remember(first, second, program)
     done = len(per_step)
+    loop.mode = mode
     if program is None:  # record the rest as the steps so far were
         rows = _rows(loop, rest, done)
         for t in range(done, loop.n):

@@ -42,6 +42,8 @@ class StepLoop:
     n: int
     y_spec: Any = None
     evaluations: int = 0
+    mode: str = ""
+    """How the loop ran, once it has ("replayed", "recorded: <why>"): what `loops()` lists."""
 
     def x_at(self, t: int) -> Any:
         """The scanned input of step t, without history (for re-runs under a plan)."""

@@ -15,14 +15,14 @@ from typing import Any
 
 import numpy as np
 
-from .. import random
+from .. import loop_log, random
 from ..backend import namespace
 from ..errors import StrategyConfigError
-from ..grad_mode import is_grad_enabled, no_grad
+from ..grad_mode import _state, is_grad_enabled, no_grad
 from ..pytree import flatten, unflatten
 from ..saved import Strategy, use_packer
 from ..tensor_base import make_tensor
-from .kept_loop import keep_every_step, replays, replays_untaped
+from .kept_loop import TRACED_STEPS, keep_every_step, replays, replays_untaped
 from .kinds import LoopPlanner, LoopStrategy
 from .loop import StepLoop, loop_length, stack_outputs
 from .plan_executor import PlannedLoop, stops
@@ -66,7 +66,8 @@ def scan(
     earlier call)"; see `program_cache.py`). Without gradients (`no_grad`, inference mode),
     steps 2.. are replayed too, `until` loops included (outputs bitwise those of running
     every step; nothing is recorded, and a later call reuses the program only when it too
-    runs without gradients: see `untaped_loop.py`).
+    runs without gradients: see `untaped_loop.py`). With or without gradients,
+    ``with cad.inspect.loops() as ran:`` lists each loop run inside it and how it ran.
     `until(carry)` is asked after each step (without recording) and the loop stops after the
     first step where it is true, or at the end of `xs` (or after `length` steps) if that comes
     first; with neither xs nor length, `until` is required and at least one step runs. `ys`
@@ -104,7 +105,11 @@ def scan(
     limit = loop_length(xs_leaves, length, open_ended=until is not None)
     loop = StepLoop(step, carry_spec, xs_leaves, xs_spec, limit if until is None else 0)
     if limit == 0:
-        return init, _empty_outputs(loop, carry_leaves)
+        loop.mode = "recorded: a loop of no steps"
+        ys = _empty_outputs(loop, carry_leaves)
+        if loop_log.listening():
+            loop_log.report(loop.mode, 0, is_grad_enabled(), _strategy_name(strategy))
+        return init, ys
     if isinstance(strategy, LoopPlanner) and is_grad_enabled():
         if until is not None:
             raise StrategyConfigError(
@@ -117,18 +122,45 @@ def scan(
             if chosen is None:
                 carry, ys = _keep_all(loop, carry_leaves, until, limit, trace)
             else:
-                carry, ys = PlannedLoop(loop, chosen, trace=trace).run(carry_leaves)
+                carry, ys = _planned(PlannedLoop(loop, chosen, trace=trace), carry_leaves)
     elif isinstance(strategy, LoopStrategy) and is_grad_enabled():
         if until is None:
-            carry, ys = PlannedLoop(loop, strategy, trace=trace).run(carry_leaves)
+            carry, ys = _planned(PlannedLoop(loop, strategy, trace=trace), carry_leaves)
         else:
-            carry, ys = PlannedLoop(loop, strategy, until, limit, trace=trace).run(carry_leaves)
+            carry, ys = _planned(PlannedLoop(loop, strategy, until, limit, trace=trace),
+                                 carry_leaves)
     elif isinstance(strategy, Strategy):
         with use_packer(strategy):
             carry, ys = _keep_all(loop, carry_leaves, until, limit, trace)
     else:  # no strategy, or a loop strategy with nothing to differentiate: no plan needed
         carry, ys = _keep_all(loop, carry_leaves, until, limit, trace)
+    if loop_log.listening():
+        loop_log.report(loop.mode, loop.n, is_grad_enabled(), _strategy_name(strategy))
     return carry, (_flipped(ys) if reverse and ys is not None else ys)
+
+
+def _planned(executor: PlannedLoop, carry_leaves: list[Any]) -> tuple[Any, Any]:
+    """`executor.run`, its mode left on its loop (for `loops()`)."""
+    out = executor.run(carry_leaves)
+    executor.loop.mode = executor.mode
+    return out
+
+
+def _strategy_name(strategy: Any) -> str:
+    return "keep-all" if strategy is None else repr(strategy)
+
+
+def _recorded_because(loop: StepLoop, until: Any, limit: int | None, trace: bool) -> str:
+    """Why `_keep_all` records every step (`replays` and `replays_untaped` said no)."""
+    if not trace:
+        return "recorded: trace=False"
+    if _state.tracer is not None:
+        return "recorded: run inside a step being traced (the outer loop replays it)"
+    if until is not None and is_grad_enabled():
+        return ("recorded: a loop that keeps every step and stops on `until` (a loop "
+                "strategy such as Binomial(s) replays it)")
+    steps = loop.n if until is None else limit
+    return f"recorded: a loop of {steps} steps has none to replay beyond the {TRACED_STEPS} traced"
 
 
 def _flipped(tree: Any) -> Any:
@@ -167,6 +199,7 @@ def _keep_all(
         return keep_every_step(loop, carry_leaves)
     if replays_untaped(loop, trace, until, limit):
         return run_untaped(loop, carry_leaves, until, limit)
+    loop.mode = _recorded_because(loop, until, limit, trace)
     most = loop.n if until is None else limit  # None: until alone ends the loop
     loop.n = most or 0  # all of xs is split, if there is one
     rows = loop.all_x() if loop.xs_spec is not None else None

@@ -29,7 +29,7 @@ from ..tensor_base import make_tensor
 from .loop import StepLoop, stack_outputs
 from .output_rows import OutputRows
 from .plan_executor import stops
-from .program_cache import find
+from .program_cache import REUSED, find
 from .step_program import program_of, traced_call
 
 
@@ -42,17 +42,20 @@ def run_untaped(loop: StepLoop, carry_leaves: list[Any],
     place = find(loop.step, "untaped", carry_leaves, loop.xs_leaves)
     carry, ys, first = traced_call(loop, 0, carry_leaves, loop.x_at(0))
     per_step = [ys]
+    loop.mode = "recorded: `until` stopped it after step 0"
     if _ended(loop, until, carry, 1, most):
         return _recorded_result(loop, carry, per_step)
     program = place.reuse(first) if place.expected else None
+    loop.mode = REUSED
     if program is None:
         carry, ys, second = traced_call(loop, 1, carry, loop.x_at(1))
         per_step.append(ys)
-        program, _ = program_of({0: first, 1: second}, max(most or 3, 3), len(carry),
-                                template=1)
+        program, loop.mode = program_of({0: first, 1: second}, max(most or 3, 3), len(carry),
+                                        template=1)
         place.remember(first, second, program)
         del second
         if _ended(loop, until, carry, 2, most):
+            loop.mode = "recorded: `until` stopped it after step 1"
             return _recorded_result(loop, carry, per_step)
     del first  # what the steps made, as tensors: let go of it before the rest runs
     t = len(per_step)
