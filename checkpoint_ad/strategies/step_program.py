@@ -483,9 +483,6 @@ class StepProgram:
         described = _step_begins(self) if announce else None
         chained = carry_tensors is not None or previous is not None
         buffers = self._carried(previous)
-        # the buffers this step shares with the one before (its carry, packed there): their
-        # arrays, unpacked by this step's backward, are read again by that step's
-        carried = frozenset(map(id, buffers.values())) if buffers else None
         forwards, tape_frees = self.forwards, self.tape_frees
         for i, ins in enumerate(self.instructions):
             prim = ins.prim
@@ -518,10 +515,7 @@ class StepProgram:
         if announce:
             events.emit("replayed", (described, saved, values,
                                      self.carry_in if chained else (), None))
-        step = ReplayedStep(values, saved, announce, buffers)
-        if carried:
-            step.carried = carried
-        return step
+        return ReplayedStep(values, saved, announce, buffers)
 
     def tape_steps(
         self, arrays: list[Any], x_arrays: Callable[[int], list[Any]], start: int, stop: int,
@@ -705,9 +699,12 @@ class StepProgram:
         unpacked_later: dict[int, tuple[Any, Any]] = {}
         unpacked_here: dict[int, tuple[Any, Any]] = {}
         try:
-            for t, step in reversed(steps):
+            for index in range(len(steps) - 1, -1, -1):
+                t, step = steps[index]
                 if unpacked_later or unpacked_here:
                     unpacked_later, unpacked_here = unpacked_here, {}
+                shared = (steps[index - 1][1].packed_ids()
+                          if index and not step.as_is else None)
                 grads = pending.get(t)
                 if grads is None:
                     if roots_at is None:  # nothing reached this step
@@ -723,7 +720,7 @@ class StepProgram:
                         continue
                     grads[output] = None
                     saved = kept[i] if as_is else step.unpack(i, unpacked_later,
-                                                              unpacked_here)
+                                                              unpacked_here, shared)
                     if as_is and not retain:
                         kept[i] = None
                     # each input's gradient delivered as soon as it is made: the rules read
@@ -776,7 +773,7 @@ class StepProgram:
 class ReplayedStep:
     """One replayed step's values and what its backward rules read."""
 
-    __slots__ = ("announced", "as_is", "buffers", "carried", "held", "saved", "values")
+    __slots__ = ("announced", "as_is", "buffers", "held", "saved", "values")
 
     def __init__(self, values: list[Any], saved: list[Any], announced: bool,
                  buffers: dict[tuple[int, int], Any], as_is: bool = False) -> None:
@@ -791,21 +788,25 @@ class ReplayedStep:
         self.buffers = buffers  # (slot, id(packer)) -> packed buffer, shared with the next step
         # every saved value is the array itself (no buffer to unpack) and no entry announced
         self.as_is = as_is
-        # ids of the buffers shared with the step before (`tape`'s carried ones), or None
-        self.carried: frozenset[int] | None = None
+
+    def packed_ids(self) -> set[int]:
+        """Ids of the buffers this step keeps that must be unpacked (not kept as is)."""
+        return {id(v) for kept in self.saved if kept for v in kept
+                if type(v) is not KeptBuffer and isinstance(v, SavedBuffer)}
 
     def unpack(self, i: int, later: dict[int, tuple[Any, Any]] | None = None,
-               here: dict[int, tuple[Any, Any]] | None = None) -> list[Any]:
+               here: dict[int, tuple[Any, Any]] | None = None,
+               shared: set[int] | None = None) -> list[Any]:
         """Instruction i's saved values as arrays. A buffer that the step after this one
         unpacked (`later`), or this one already (`here`), gives that array again; one this
-        step shares with the step before is remembered in `here`. Why: a carry kept packed
-        (quantized, offloaded) is read by two steps' rules, the one that made it and the one
-        that took it in; unpacking it once takes 4.5% off an int8 RNN's instructions."""
+        step shares with the step before (its id in `shared`, that step's `packed_ids`) is
+        remembered in `here`. Why: a carry kept packed (quantized, offloaded) is read by two
+        steps' rules, the one that made it and the one that took it in; unpacking it once
+        takes 4.5% off an int8 RNN's instructions."""
         if later is None or here is None:
             return [v.packed if type(v) is KeptBuffer else v.unpack()
                     if isinstance(v, SavedBuffer) else v for v in self.saved[i]]
         arrays = []
-        carried = self.carried
         for v in self.saved[i]:
             if type(v) is KeptBuffer:  # kept as is, in a buffer: its array, without a call
                 arrays.append(v.packed)
@@ -816,7 +817,7 @@ class ReplayedStep:
                     arrays.append(found[1])
                     continue
                 array = v.unpack()
-                if carried is not None and key in carried:
+                if shared is not None and key in shared:
                     here[key] = (weakref.ref(v), array)
                 arrays.append(array)
             else:
