@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import copy
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from operator import itemgetter
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -542,12 +543,12 @@ class StepProgram:
             step.drop_values(carry_out)
             steps.append((t, step))
             if previous is not None and previous.buffers:
-                previous.buffers = {}  # shared with this step: only the slots hold them now
+                previous.buffers = NO_BUFFERS  # shared with this step: only its slots hold them
             previous = step
             if after_step is not None:
                 after_step(steps)
         if previous is not None and previous.buffers:
-            previous.buffers = {}
+            previous.buffers = NO_BUFFERS
         return steps, y_out, arrays
 
     def _carried(self, previous: ReplayedStep | None) -> dict[tuple[int, int], Any]:
@@ -610,7 +611,7 @@ class StepProgram:
                 saved[i] = saved_of(values)
             for s in frees:
                 values[s] = None
-        return ReplayedStep(values, saved, False, {}, as_is=True)
+        return ReplayedStep(values, saved, False, NO_BUFFERS, as_is=True)
 
     # ------------------------------------------------------------- backward
     def pull_back(
@@ -770,14 +771,19 @@ class StepProgram:
                 events.emit("backward_end", None)
 
 
+NO_BUFFERS: Mapping[tuple[int, int], Any] = MappingProxyType({})
+"""The buffers of a step that shares none with the next: one read-only mapping for all (a
+dict of its own per taped step was 64 bytes of every step of a long loop)."""
+
+
 class ReplayedStep:
     """One replayed step's values and what its backward rules read."""
 
     __slots__ = ("announced", "as_is", "buffers", "held", "saved", "values")
 
     def __init__(self, values: list[Any], saved: list[Any], announced: bool,
-                 buffers: dict[tuple[int, int], Any], as_is: bool = False) -> None:
-        self.values = values
+                 buffers: Mapping[tuple[int, int], Any], as_is: bool = False) -> None:
+        self.values: Sequence[Any] = values
         self.saved = saved
         # with `as_is`, the buffers a profiler watches of the arrays in `saved`, per
         # instruction (`_tape_kept`): freed when its rules ran, as `release` frees (None: none)
@@ -838,9 +844,9 @@ class ReplayedStep:
         """Forget every value (the saved ones stay in `saved`): the step's outputs are in the
         caller's hands, and a full-precision copy kept here would undo a compressing strategy.
         Buffers of the `keep` slots (the new carry) stay, for the next step to share."""
-        self.values = []
+        self.values = ()  # (shared: a taped step holds no empty list of its own)
         if self.buffers:
-            self.buffers = {k: b for k, b in self.buffers.items() if k[0] in keep}
+            self.buffers = {k: b for k, b in self.buffers.items() if k[0] in keep} or NO_BUFFERS
 
 
 def _saved_getter(slots: tuple[int, ...]) -> Callable[[list[Any]], Sequence[Any]]:
