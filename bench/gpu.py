@@ -48,7 +48,7 @@ SIZES = {
     "large": {"steps": 1024, "batch": 512, "hidden": 1024, "input": 1024},
 }
 ENGINE_PRESETS = ("keep-all", "keep-all recorded", "revolve-8", "sqrt-segments", "int8",
-                  "recompute")
+                  "int8-stochastic", "recompute")
 LIBRARIES = ("cupy", "torch", "jax")
 
 
