@@ -43,8 +43,8 @@ def listening() -> bool:
 
 
 def report(mode: str, steps: int, gradients: bool, strategy: str) -> None:
-    """Add one loop to every open `loops()` block of this thread; called by `scan` itself,
-    so that the user's line is the first frame outside this package above it."""
+    """Add one loop to every open `loops()` block of this thread; called from `scan`, so
+    that the user's line is the first frame outside this package above the call."""
     info = LoopInfo(mode, steps, gradients, strategy, origin_text(user_frame_from_caller()))
     for collected in _local.collectors:
         collected.append(info)

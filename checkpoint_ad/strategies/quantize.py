@@ -185,7 +185,7 @@ def quantize(
         if fast is not None:
             return fast
     elif array_api_compat.is_cupy_namespace(xp):
-        fused = _quantize_cupy(x, bits, group_size, stochastic, seed)
+        fused = _quantize_cupy(xp, x, bits, group_size, stochastic, seed)
         if fused is not None:
             return fused
     return _quantize_general(xp, x, bits, group_size, stochastic, seed)
@@ -302,35 +302,35 @@ def _quantize_small_numpy(x: np.ndarray, bits: int, group_size: int, stochastic:
     else:
         np.rint(t, out=t)
     codes = _pack(np, t.astype(np.uint8).reshape(-1), bits)
-    index_dtype = np.int32 if size <= 2**31 - 1 else np.int64
-    return QuantizedArray(
-        codes=codes, mins=lo, scales=step,
-        exception_indices=_empty(np, index_dtype, None), exception_values=_empty(np, x.dtype, None),
-        shape=tuple(x.shape), dtype=x.dtype, bits=int(bits), group_size=int(group_size),
-        stochastic=bool(stochastic),
-    )
+    return _without_exceptions(np, None, x, codes, lo, step, bits, group_size, stochastic)
 
 
-def _quantize_cupy(x: Array, bits: int, group_size: int, stochastic: bool,
+def _quantize_cupy(xp: Any, x: Array, bits: int, group_size: int, stochastic: bool,
                    seed: int | None) -> QuantizedArray | None:
     """`quantize` of a cupy array in one fused kernel (`quantize_cupy`), the same bits as the
     general path; None where that path must take the array (see `quantize_groups`)."""
     from . import quantize_cupy
 
     work = _work_dtype(np, np.dtype(x.dtype))
-    info = np.finfo(work)
+    big, tiny = _finfo(work)
     noise = None
     if stochastic:
         groups = -(-x.size // group_size)
         with x.device:  # the generator and its draws on the array's device
-            noise = _make_rng(namespace(x), seed).random((groups, group_size), dtype=work)
-    found = quantize_cupy.quantize_groups(x, bits, group_size, work, float(info.max) / 4,
-                                          float(info.smallest_normal), noise)
+            noise = _make_rng(xp, seed).random((groups, group_size), dtype=work)
+    found = quantize_cupy.quantize_groups(x, bits, group_size, work, big, tiny, noise)
     if found is None:
         return None
     codes, mins, scales = found
-    index_dtype = np.int32 if x.size <= 2**31 - 1 else np.int64
-    xp, device = namespace(x), array_api_compat.device(x)
+    return _without_exceptions(xp, array_api_compat.device(x), x, codes, mins, scales, bits,
+                               group_size, stochastic)
+
+
+def _without_exceptions(xp: Any, device: Any, x: Array, codes: Array, mins: Array,
+                        scales: Array, bits: int, group_size: int,
+                        stochastic: bool) -> QuantizedArray:
+    """The `QuantizedArray` of `x` from a path that stores no value exactly."""
+    index_dtype = xp.int32 if x.size <= 2**31 - 1 else xp.int64
     return QuantizedArray(
         codes=codes, mins=mins, scales=scales,
         exception_indices=_empty(xp, index_dtype, device),

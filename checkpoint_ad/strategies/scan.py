@@ -107,8 +107,7 @@ def scan(
     if limit == 0:
         loop.mode = "recorded: a loop of no steps"
         ys = _empty_outputs(loop, carry_leaves)
-        if loop_log.listening():
-            loop_log.report(loop.mode, 0, is_grad_enabled(), _strategy_name(strategy))
+        _log(loop, strategy)
         return init, ys
     if isinstance(strategy, LoopPlanner) and is_grad_enabled():
         if until is not None:
@@ -134,9 +133,14 @@ def scan(
             carry, ys = _keep_all(loop, carry_leaves, until, limit, trace)
     else:  # no strategy, or a loop strategy with nothing to differentiate: no plan needed
         carry, ys = _keep_all(loop, carry_leaves, until, limit, trace)
+    _log(loop, strategy)
+    return carry, (_flipped(ys) if reverse and ys is not None else ys)
+
+
+def _log(loop: StepLoop, strategy: Any) -> None:
+    """Tell open `cad.inspect.loops()` blocks how `loop` ran (nothing made when none is)."""
     if loop_log.listening():
         loop_log.report(loop.mode, loop.n, is_grad_enabled(), _strategy_name(strategy))
-    return carry, (_flipped(ys) if reverse and ys is not None else ys)
 
 
 def _planned(executor: PlannedLoop, carry_leaves: list[Any]) -> tuple[Any, Any]:

@@ -704,8 +704,6 @@ class StepProgram:
                 t, step = steps[index]
                 if unpacked_later or unpacked_here:
                     unpacked_later, unpacked_here = unpacked_here, {}
-                shared = (steps[index - 1][1].packed_ids()
-                          if index and not step.as_is else None)
                 grads = pending.get(t)
                 if grads is None:
                     if roots_at is None:  # nothing reached this step
@@ -713,6 +711,7 @@ class StepProgram:
                     grads = begin(t)
                 kept = step.saved
                 as_is = step.as_is
+                shared = steps[index - 1][1].packed_ids() if index and not as_is else None
                 held = step.held
                 frees = held is not None or not as_is  # its instructions free saved values
                 for i, output, rules in self.backward_rules:
@@ -800,18 +799,14 @@ class ReplayedStep:
         return {id(v) for kept in self.saved if kept for v in kept
                 if type(v) is not KeptBuffer and isinstance(v, SavedBuffer)}
 
-    def unpack(self, i: int, later: dict[int, tuple[Any, Any]] | None = None,
-               here: dict[int, tuple[Any, Any]] | None = None,
-               shared: set[int] | None = None) -> list[Any]:
+    def unpack(self, i: int, later: dict[int, tuple[Any, Any]],
+               here: dict[int, tuple[Any, Any]], shared: set[int] | None) -> list[Any]:
         """Instruction i's saved values as arrays. A buffer that the step after this one
         unpacked (`later`), or this one already (`here`), gives that array again; one this
         step shares with the step before (its id in `shared`, that step's `packed_ids`) is
         remembered in `here`. Why: a carry kept packed (quantized, offloaded) is read by two
         steps' rules, the one that made it and the one that took it in; unpacking it once
         takes 4.5% off an int8 RNN's instructions."""
-        if later is None or here is None:
-            return [v.packed if type(v) is KeptBuffer else v.unpack()
-                    if isinstance(v, SavedBuffer) else v for v in self.saved[i]]
         arrays = []
         for v in self.saved[i]:
             if type(v) is KeptBuffer:  # kept as is, in a buffer: its array, without a call

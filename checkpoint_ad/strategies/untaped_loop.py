@@ -42,12 +42,13 @@ def run_untaped(loop: StepLoop, carry_leaves: list[Any],
     place = find(loop.step, "untaped", carry_leaves, loop.xs_leaves)
     carry, ys, first = traced_call(loop, 0, carry_leaves, loop.x_at(0))
     per_step = [ys]
-    loop.mode = "recorded: `until` stopped it after step 0"
     if _ended(loop, until, carry, 1, most):
+        loop.mode = "recorded: `until` stopped it after step 0"
         return _recorded_result(loop, carry, per_step)
     program = place.reuse(first) if place.expected else None
-    loop.mode = REUSED
-    if program is None:
+    if program is not None:
+        loop.mode = REUSED
+    else:
         carry, ys, second = traced_call(loop, 1, carry, loop.x_at(1))
         per_step.append(ys)
         program, loop.mode = program_of({0: first, 1: second}, max(most or 3, 3), len(carry),
