@@ -39,6 +39,7 @@ from ..autograd import Capture, backpropagate
 from ..backend import is_floating, namespace
 from ..backend import nbytes as array_nbytes
 from ..grad_mode import enable_grad, no_grad
+from ..object_bytes import added_bytes
 from ..pytree import flatten, unflatten
 from ..saved import KEEP, SavedBuffer, Strategy, use_packer
 from ..tape import Entry, edge_of, next_sequence
@@ -79,9 +80,9 @@ class FormCost:
     """One replayed step's backward (None: not traced)."""
     step_object_bytes: int = 0
     """Memory a replayed taped step holds until its backward beyond the arrays it saves (the
-    engine's Python objects: its lists of saved values, its output row), traced by
-    tracemalloc in the dry run (0: not traced). Not tape bytes; a plan's device peak counts it
-    once per step taped at its peak."""
+    engine's Python objects: its lists of saved values, its buffers, their array headers),
+    sized by walking the dry run's second step (0: not traced). Not tape bytes; a plan's
+    device peak counts it once per step taped at its peak."""
     backward_working_bytes: int = 0
     """The most a replayed step's backward allocates for a while beyond the gradients it
     hands out (its rules' temporaries), traced in the dry run (0: not traced). Reached once,
@@ -311,28 +312,28 @@ def _traced_step_bytes(
 ) -> tuple[int, int]:
     """(objects, working): bytes the second of two taped replayed steps keeps beyond the
     arrays it saves, and the most the pull-back of both allocates for a while beyond the
-    gradients it hands out, as tracemalloc traces them. The objects are the engine's own per
-    taped step, which a plan holding many taped steps holds as many times; the working bytes
-    are a step's backward temporaries, reached once. The second step is the one measured:
-    the first pays for one-time caches, and a chained step is what the rest of a segment is.
-    Traced only when tracemalloc is off (it is started for the call): resetting its peak
-    would spoil a caller's own measurement, so under a caller's tracing both are 0."""
+    gradients it hands out. The objects are the engine's own per taped step, which a plan
+    holding many taped steps holds as many times: sized by walking the step
+    (`object_bytes.added_bytes`: what the second step holds that the first does not), since
+    tracemalloc misses the small objects the interpreter's free lists hand out, and a long
+    loop drains those lists (it traced 764 of the 1,573 bytes a heat step holds). The working
+    bytes are a step's backward temporaries, reached once, as tracemalloc traces them: only
+    when it is off (it is started for the call; resetting its peak would spoil a caller's own
+    measurement, so under a caller's tracing they are 0)."""
     steps = _steps(loop)
-    if steps < 2 or tracemalloc.is_tracing():
+    if steps < 2:
         return 0, 0
     initial = [None if c is None else c._data for c in carry_leaves]
     keys = _pull_back_keys(program, loop, steps)
-    traced, held = [], []
-
-    def after_step(segment: list[tuple[int, Any]]) -> None:
-        traced.append(tracemalloc.get_traced_memory()[0])
-        held.append(_replay_held(segment, allocated_only=True))
-
-    tracemalloc.start()
+    measuring = not tracemalloc.is_tracing()
+    if measuring:
+        tracemalloc.start()
     try:
         with random.replaying(engine_state):
-            segment, y_out, arrays = program.tape_steps(initial, loop.x_arrays, 0, steps,
-                                                        after_step=after_step)
+            segment, y_out, arrays = program.tape_steps(initial, loop.x_arrays, 0, steps)
+            objects = added_bytes(segment[1], segment[0])
+            if not measuring:
+                return objects, 0
             roots = _replay_roots(program, arrays, y_out)
             # sums added into in place, as the plan executor's are (its `owned`)
             sink = Capture({}, initial=[None] * len(keys), owned={})
@@ -342,18 +343,15 @@ def _traced_step_bytes(
                 program.pull_back(segment, roots, sink, keys)
             peak = tracemalloc.get_traced_memory()[1]
     finally:
-        tracemalloc.stop()
+        if measuring:
+            tracemalloc.stop()
     handed_out = sum(array_nbytes(g) for g in sink.values if g is not None)
-    # the marks themselves (two ints in two lists) are traced between the readings: a few
-    # dozen bytes, well under a step's objects
-    objects = max(0, (traced[1] - traced[0]) - (held[1] - held[0]))
     return objects, max(0, peak - before - handed_out)
 
 
-def _replay_held(segment: list[tuple[int, Any]], allocated_only: bool = False) -> int:
+def _replay_held(segment: list[tuple[int, Any]]) -> int:
     """Every byte the replayed steps keep for their backward, each buffer counted once, as a
-    profiler counts them; with `allocated_only`, views (of the input data, of another
-    value) left out: they hold no memory of their own."""
+    profiler counts them."""
     seen: set[int] = set()
     total = 0
     for _, step in segment:
@@ -364,7 +362,7 @@ def _replay_held(segment: list[tuple[int, Any]], allocated_only: bool = False) -
                 seen.add(id(value))
                 if isinstance(value, SavedBuffer):
                     total += value.stored_nbytes
-                elif not (allocated_only and getattr(value, "base", None) is not None):
+                else:
                     total += array_nbytes(value)
     return total
 
