@@ -5,6 +5,8 @@ measurements); the tests check which measured costs each plan is priced from."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -89,6 +91,27 @@ def test_planned_loops_that_replay_are_priced_at_replayed_costs():
     reruns = cad.strategies.optimal_evaluations(n, s) - n - (n - 1)
     assert row.forward_seconds == pytest.approx(T + U + (n - 3) * u + tau)
     assert row.backward_seconds == pytest.approx(n * beta + (n - 1) * tau + reruns * u)
+
+
+def test_a_plans_forward_pays_the_row_writes_its_backward_re_runs_do_not():
+    """The forward's replayed steps are priced with their outputs written into rows
+    (`replayed_forward_seconds`); the backward's re-runs, which write none, without."""
+    cost = replace(_cost("replayed"), replayed_forward_seconds=0.003)
+    n, u, f, tau, beta = cost.n_steps, 0.001, 0.003, 0.01, 0.1
+    T, U = 10.0, 1.0
+    s = 4
+    row = next(c for c in binomial(cost) if c.name == f"binomial s={s}")
+    reruns = cad.strategies.optimal_evaluations(n, s) - n - (n - 1)
+    assert row.forward_seconds == pytest.approx(T + U + (n - 3) * f + tau)
+    assert row.backward_seconds == pytest.approx(n * beta + (n - 1) * tau + reruns * u)
+
+
+def test_the_dry_run_times_the_forwards_steps_with_their_rows():
+    _, loop = _rnn_loop()
+    cost = cad.estimate(*loop).cost
+    assert cost.replayed_forward_seconds is not None and cost.replayed_forward_seconds > 0
+    _, loop = _item_step()
+    assert cad.estimate(*loop).cost.replayed_forward_seconds is None  # recorded: not traced
 
 
 def test_planned_loops_that_record_are_priced_at_recorded_costs():

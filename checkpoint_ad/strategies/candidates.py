@@ -193,8 +193,9 @@ def _planned_seconds(
         return (advanced * untaped + last * taped + discovery,
                 n * backward + retaped * taped + rerun * untaped)
     if advanced >= 2:  # the program is known before the kept steps are taped
-        forward = (form.taped_seconds + cost.untaped_seconds + (advanced - 2) * untaped
-                   + last * taped)
+        step = cost.replayed_forward_seconds
+        forward = (form.taped_seconds + cost.untaped_seconds
+                   + (advanced - 2) * (untaped if step is None else step) + last * taped)
         kept_backward = last * backward
     else:  # the kept segment starts before step 2: it is recorded
         forward = advanced * form.taped_seconds + last * form.taped_seconds

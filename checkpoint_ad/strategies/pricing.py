@@ -46,6 +46,7 @@ from ..tape import Entry, edge_of, next_sequence
 from ..tensor import Tensor
 from .loop import StepLoop
 from .offload import Offload
+from .output_rows import OutputRows
 from .plan_executor import snapshot_object_bytes
 from .quantized import Quantized
 from .step_program import StepProgram, program_of, traced_call
@@ -126,7 +127,10 @@ class StepCost:
     """How a planned loop runs its steps, as its tape entry will say: "replayed", or
     "recorded: <why>" (the step refused tracing)."""
     replayed_untaped_seconds: float | None = None
-    """One step replayed without a tape (None when the loop records)."""
+    """One step replayed without a tape (None when the loop records): a backward's re-run."""
+    replayed_forward_seconds: float | None = None
+    """One step of a plan's forward replayed without a tape: the replay, the step counted and
+    its outputs written into their rows (None when the loop records)."""
     disk: SnapshotCost | None = None
     """One carry written to disk and read back (None unless measured: ``disk=True``)."""
     snapshot_overhead_seconds: float = 0.0
@@ -166,9 +170,10 @@ def measure(
     numpy_state = np.random.get_state()
     engine_state = random.get_state()
     evaluations = loop.evaluations
-    mode, replayed_untaped = "recorded: not traced", None
+    mode, replayed_untaped, replayed_forward = "recorded: not traced", None, None
     engine_bytes = 0
     replayed_runs: list[float] = []
+    forward_runs: list[float] = []
     try:
         with events.recomputing("budget dry run"):
             untaped = median(_untaped(loop, carry_leaves, engine_state, numpy_state)
@@ -193,15 +198,18 @@ def measure(
                     program, mode = _traced(loop, carry_leaves, storage, engine_state)
                 if program is None:
                     break
-                run, taped, backward, held = _replayed(program, loop, carry_leaves, engine_state)
+                run, forward, taped, backward, held = _replayed(program, loop, carry_leaves,
+                                                                engine_state)
                 dry_run_bytes = max(dry_run_bytes, held)
                 replayed_runs.append(run)
+                forward_runs.append(forward)
                 objects, working = _traced_step_bytes(program, loop, carry_leaves, engine_state)
                 priced[name] = replace(
                     priced[name], replayed_taped_seconds=taped, replayed_backward_seconds=backward,
                     step_object_bytes=objects, backward_working_bytes=working)
         if replayed_runs:
             replayed_untaped = median(replayed_runs)
+            replayed_forward = median(forward_runs)
     finally:
         np.random.set_state(numpy_state)
         loop.evaluations = evaluations
@@ -218,6 +226,7 @@ def measure(
         dry_run_bytes=dry_run_bytes,
         mode=mode,
         replayed_untaped_seconds=replayed_untaped,
+        replayed_forward_seconds=replayed_forward,
         disk=_disk_cost(carry) if disk else None,
     )
 
@@ -256,20 +265,23 @@ def _traced_bytes(
 
 def _replayed(
     program: StepProgram, loop: StepLoop, carry_leaves: list[Any], engine_state: Any
-) -> tuple[float, float, float, int]:
-    """Seconds per step of `program` replayed without a tape, with one, and that tape's
-    backward, each the median of `_repeating()`; and the bytes the replayed tape held. The
-    steps run as a plan runs them (the executor's rows of xs; `StepProgram.tape_steps`).
-    Untaped, over the first `REPLAYED_STEPS` (an `Advance` runs many in a row; two in a burst
-    priced them 10-25% high); taped and back, over the first two, as `_taped` records them:
-    a pull-back's fixed cost is paid per segment, and most plans' segments are short
-    (binomial plans reverse one step at a time)."""
+) -> tuple[float, float, float, float, int]:
+    """Seconds per step of `program` replayed without a tape, the same as a plan's forward
+    runs it, with a tape, and that tape's backward, each the median of `_repeating()`; and
+    the bytes the replayed tape held. The steps run as a plan runs them (the executor's rows
+    of xs; `StepProgram.tape_steps`). Untaped, over the first `REPLAYED_STEPS` (an `Advance`
+    runs many in a row; two in a burst priced them 10-25% high); in the forward, each step
+    also counted and its outputs written into their rows (`OutputRows`), as the executor's
+    forward does and its backward's re-runs do not: priced as the bare replay, a plan's
+    forward read 10-27% over its prediction. Taped and back, over the first two, as `_taped`
+    records them: a pull-back's fixed cost is paid per segment, and most plans' segments
+    are short (binomial plans reverse one step at a time)."""
     steps = min(loop.n, REPLAYED_STEPS)
     taped = _steps(loop)
     initial = [None if c is None else c._data for c in carry_leaves]
     x_arrays = loop.x_arrays
     keys = _pull_back_keys(program, loop, taped)
-    runs, tapes, backwards = [], [], []
+    runs, forwards, tapes, backwards = [], [], [], []
     held = 0
     for _ in _repeating():
         with random.replaying(engine_state):
@@ -278,6 +290,16 @@ def _replayed(
             for t in range(steps):
                 arrays, _ = program.run(arrays, x_arrays(t))
             runs.append(time.perf_counter() - start)
+        with random.replaying(engine_state):
+            rows = OutputRows(steps)
+            start = time.perf_counter()
+            arrays = initial
+            for t in range(steps):
+                loop.count()
+                arrays, ys = program.run(arrays, x_arrays(t))
+                rows.append(ys)
+            forwards.append(time.perf_counter() - start)
+            del rows
         with random.replaying(engine_state):
             start = time.perf_counter()
             segment, y_out, arrays = program.tape_steps(initial, x_arrays, 0, taped)
@@ -289,7 +311,8 @@ def _replayed(
             program.pull_back(segment, roots,
                               Capture({}, initial=[None] * len(keys), owned={}), keys)
         backwards.append(time.perf_counter() - start)
-    return median(runs) / steps, median(tapes) / taped, median(backwards) / taped, held
+    return (median(runs) / steps, median(forwards) / steps, median(tapes) / taped,
+            median(backwards) / taped, held)
 
 
 def _pull_back_keys(program: StepProgram, loop: StepLoop, steps: int) -> dict[Any, int]:
