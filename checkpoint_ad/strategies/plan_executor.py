@@ -97,6 +97,23 @@ class _Snapshot:
     numpy_state: Any  # None unless the loop draws from numpy's global state
 
 
+def replay_forward(program: StepProgram, loop: StepLoop, arrays: list[Any], start: int,
+                   stop: int, rows: OutputRows) -> list[Any]:
+    """Steps start..stop-1 of a plan's forward replayed from the carry `arrays` without a
+    tape, each counted and its outputs written into `rows`: the new carry's arrays. One
+    function for the executor and for a budget's dry run, which times it (`pricing`), so the
+    price of a forward step is what the forward runs."""
+    none_row: list[Any] = []
+    run, x_arrays, count, append = program.run, loop.x_arrays, loop.count, rows.append
+    for t in range(start, stop):
+        count()
+        arrays, ys = run(arrays, x_arrays(t))
+        if all(y is None for y in ys):  # one shared row: no 10**6 empty lists
+            ys = none_row = none_row or ys
+        append(ys)
+    return arrays
+
+
 def snapshot_object_bytes(arrays: list[Any], storage: Any) -> int:
     """Bytes a snapshot of `arrays` holds beyond its stored values, as a loop keeps it (its
     buffers, the snapshot, its place in the loop's table and the loop entry's slot for each
@@ -303,11 +320,16 @@ class PlannedLoop:
             elif kind == _DISK_SNAPSHOT:
                 state.snapshots[step] = self._pack(arrays, self.disk_storage)
             elif kind == _ADVANCE:
-                for t in range(step, stop):
-                    arrays, ys = self._forward_step(t, arrays, discover)
+                t = step
+                while t < stop and (self.program is None or (t == 0 and discover)):
+                    arrays, ys = self._forward_step(t, arrays, discover)  # recorded, traced
                     if all(y is None for y in ys):  # one shared row: no 10**6 empty lists
                         ys = none_row = none_row or ys
                     per_step.append(ys)
+                    t += 1
+                if t < stop:
+                    assert self.program is not None
+                    arrays = replay_forward(self.program, loop, arrays, t, stop, per_step)
             elif kind == _FREE:  # online plans drop snapshots in their forward
                 del state.snapshots[step]
             cursor += 1

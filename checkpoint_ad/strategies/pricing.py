@@ -47,7 +47,7 @@ from ..tensor import Tensor
 from .loop import StepLoop
 from .offload import Offload
 from .output_rows import OutputRows
-from .plan_executor import snapshot_object_bytes
+from .plan_executor import replay_forward, snapshot_object_bytes
 from .quantized import Quantized
 from .step_program import StepProgram, program_of, traced_call
 
@@ -293,11 +293,7 @@ def _replayed(
         with random.replaying(engine_state):
             rows = OutputRows(steps)
             start = time.perf_counter()
-            arrays = initial
-            for t in range(steps):
-                loop.count()
-                arrays, ys = program.run(arrays, x_arrays(t))
-                rows.append(ys)
+            replay_forward(program, loop, initial, 0, steps, rows)
             forwards.append(time.perf_counter() - start)
             del rows
         with random.replaying(engine_state):
