@@ -5,8 +5,6 @@ measurements); the tests check which measured costs each plan is priced from."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import pytest
 
@@ -29,7 +27,8 @@ def _cost(mode: str, n: int = 50, disk: SnapshotCost | None = None) -> StepCost:
     return StepCost(
         n_steps=n, carry_bytes=64, untaped_seconds=1.0, forms={"keep": form},
         snapshots={"keep": SnapshotCost(64, 0.0, 0.0)}, gradient_bytes=0, output_bytes=0,
-        mode=mode, replayed_untaped_seconds=0.001 if mode == "replayed" else None, disk=disk)
+        mode=mode, replayed_untaped_seconds=0.001 if mode == "replayed" else None,
+        replayed_forward_seconds=0.003 if mode == "replayed" else None, disk=disk)
 
 
 def _rnn_loop():
@@ -77,28 +76,17 @@ def test_the_dry_run_predicts_the_mode_the_loop_then_runs_in(make):
 
 # ------------------------------------------------------------------ what each plan costs
 def test_planned_loops_that_replay_are_priced_at_replayed_costs():
+    """Replayed steps of a plan's forward at their forward cost f (outputs written into
+    rows), its backward's re-runs at the bare replay's u, which write none."""
     cost = _cost("replayed")
-    n, u, tau, beta = cost.n_steps, 0.001, 0.01, 0.1
+    n, u, f, tau, beta = cost.n_steps, 0.001, 0.003, 0.01, 0.1
     T, U = 10.0, 1.0  # step 0 taped and step 1 untaped are recorded (and traced)
     rows = {c.name: c for c in periodic(cost)}
     k = 10
     row = rows[f"periodic k={k}"]
     advanced = n - k
-    assert row.forward_seconds == pytest.approx(T + U + (advanced - 2) * u + k * tau)
+    assert row.forward_seconds == pytest.approx(T + U + (advanced - 2) * f + k * tau)
     assert row.backward_seconds == pytest.approx(n * beta + advanced * tau)
-    s = 4
-    row = next(c for c in binomial(cost) if c.name == f"binomial s={s}")
-    reruns = cad.strategies.optimal_evaluations(n, s) - n - (n - 1)
-    assert row.forward_seconds == pytest.approx(T + U + (n - 3) * u + tau)
-    assert row.backward_seconds == pytest.approx(n * beta + (n - 1) * tau + reruns * u)
-
-
-def test_a_plans_forward_pays_the_row_writes_its_backward_re_runs_do_not():
-    """The forward's replayed steps are priced with their outputs written into rows
-    (`replayed_forward_seconds`); the backward's re-runs, which write none, without."""
-    cost = replace(_cost("replayed"), replayed_forward_seconds=0.003)
-    n, u, f, tau, beta = cost.n_steps, 0.001, 0.003, 0.01, 0.1
-    T, U = 10.0, 1.0
     s = 4
     row = next(c for c in binomial(cost) if c.name == f"binomial s={s}")
     reruns = cad.strategies.optimal_evaluations(n, s) - n - (n - 1)
