@@ -270,12 +270,12 @@ def _replayed(
     runs it, with a tape, and that tape's backward, each the median of `_repeating()`; and
     the bytes the replayed tape held. The steps run as a plan runs them (the executor's rows
     of xs; `StepProgram.tape_steps`). Untaped, over the first `REPLAYED_STEPS` (an `Advance`
-    runs many in a row; two in a burst priced them 10-25% high); in the forward, each step
-    also counted and its outputs written into their rows (`OutputRows`), as the executor's
-    forward does and its backward's re-runs do not: priced as the bare replay, a plan's
-    forward read 10-27% over its prediction. Taped and back, over the first two, as `_taped`
-    records them: a pull-back's fixed cost is paid per segment, and most plans' segments
-    are short (binomial plans reverse one step at a time)."""
+    runs many in a row; two in a burst priced them 10-25% high); in the forward, through the
+    executor's own `replay_forward` (each step also counted and its outputs written into
+    their rows), which the backward's re-runs do without: priced as the bare replay, a
+    plan's forward read 1.25-1.33x its prediction (heat, 256 steps). Taped and back, over
+    the first two, as `_taped` records them: a pull-back's fixed cost is paid per segment,
+    and most plans' segments are short (binomial plans reverse one step at a time)."""
     steps = min(loop.n, REPLAYED_STEPS)
     taped = _steps(loop)
     initial = [None if c is None else c._data for c in carry_leaves]
