@@ -106,6 +106,20 @@ def test_targets_are_met_missed_or_not_measured():
     assert by_name["RNN T=16: keep-all peak memory <= 1.10x numpy floor"].status == "not measured"
 
 
+def test_a_recorded_binomial_row_is_named_apart_from_the_replayed_one():
+    extras = {"untaped_steps": 10, "untaped_step_seconds": 0.05, "snapshots": 2,
+              "carry_bytes": 10, "one_step_tracemalloc_bytes": 5, "steps": 16}
+    rows = [*_rows()[4:],
+            Row("rnn", "T=16", "engine binomial s=2", seconds=2.0, extras=dict(extras)),
+            Row("rnn", "T=16", "engine binomial s=2 recorded (trace=False)", seconds=3.0,
+                extras=dict(extras))]
+    add_model_ratios(rows)
+    names = [t.name for t in check(rows) if "binomial" in t.name and "time" in t.name]
+    assert names == ["RNN T=16: binomial s=2 time within 5% of its step-count model",
+                     "RNN T=16: binomial s=2 recorded (trace=False) time within 5% of its "
+                     "step-count model"]
+
+
 def test_a_missing_peer_is_a_skip_note_not_a_failure(monkeypatch):
     monkeypatch.setattr(runner, "missing", lambda peer: "skipped: torch not installed")
     job = suite.Job("rnn", "T=8", "torch eager", "rnn:torch_rnn", {}, "torch", "torch")
