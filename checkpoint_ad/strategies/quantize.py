@@ -71,6 +71,7 @@ import numpy as np
 
 from ..backend import namespace
 from ..errors import QuantizationError
+from . import quantize_cupy
 
 ALLOWED_BITS = (8, 4, 2)
 MIN_WORTH_BYTES = 256  # below one float32 group of 64 the metadata and bookkeeping dominate
@@ -308,9 +309,10 @@ def _quantize_small_numpy(x: np.ndarray, bits: int, group_size: int, stochastic:
 def _quantize_cupy(xp: Any, x: Array, bits: int, group_size: int, stochastic: bool,
                    seed: int | None) -> QuantizedArray | None:
     """`quantize` of a cupy array in one fused kernel (`quantize_cupy`), the same bits as the
-    general path; None where that path must take the array (see `quantize_groups`)."""
-    from . import quantize_cupy
-
+    general path; None where that path must take the array (see `quantize_groups`), its
+    noise not drawn for an array the kernel does not take (`quantize_cupy.takes`)."""
+    if not quantize_cupy.takes(x.size, group_size, bits):
+        return None
     work = _work_dtype(np, np.dtype(x.dtype))
     big, tiny = _finfo(work)
     noise = None
@@ -385,12 +387,9 @@ def dequantize(q: QuantizedArray) -> Array:
 
 def _dequantize_cupy(xp: Any, q: QuantizedArray) -> Array | None:
     """`dequantize` of cupy codes in one fused kernel (`quantize_cupy`), the same bits as the
-    general path; None where that path must take them (a group that does not fill whole
-    bytes, or nothing to do)."""
-    if not q.size or q.group_size % (8 // q.bits):
+    general path; None where that path must take them (`quantize_cupy.takes`)."""
+    if not quantize_cupy.takes(q.size, q.group_size, q.bits):
         return None
-    from . import quantize_cupy
-
     out = quantize_cupy.dequantize_groups(q.codes, q.mins, q.scales, q.size, q.group_size,
                                           q.bits, q.dtype)
     if q.num_exceptions:
@@ -643,19 +642,21 @@ def _make_rng(xp: Any, seed: int | None) -> Any:
     if array_api_compat.is_cupy_namespace(xp):
         import cupy
 
-        if seed is not None:
-            return cupy.random.default_rng(seed)
-        key = ("cupy", cupy.cuda.Device().id)
-        rng = _unseeded.get(key)
-        if rng is None:
-            rng = _unseeded[key] = cupy.random.default_rng()
-        return rng
-    if seed is not None:  # `default_rng(seed)`'s generator, made directly (14 us, not 22)
-        return np.random.Generator(np.random.PCG64(seed))
-    rng = _unseeded.get("numpy")
+        make: Any = cupy.random.default_rng
+        key: Any = ("cupy", cupy.cuda.Device().id)
+    else:
+        make, key = _numpy_rng, "numpy"
+    if seed is not None:
+        return make(seed)
+    rng = _unseeded.get(key)
     if rng is None:
-        rng = _unseeded["numpy"] = np.random.default_rng()
+        rng = _unseeded[key] = make(None)
     return rng
+
+
+def _numpy_rng(seed: int | None) -> np.random.Generator:
+    """`default_rng(seed)`'s generator, made directly (14 us rather than 22)."""
+    return np.random.Generator(np.random.PCG64(seed))
 
 
 def _uniform_noise(xp: Any, rng: Any, shape: tuple[int, int], dtype: Any, device: Any) -> Array:

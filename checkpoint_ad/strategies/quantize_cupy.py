@@ -110,17 +110,21 @@ def _kernel(name: str) -> Any:
     return found
 
 
+def takes(size: int, group_size: int, bits: int) -> bool:
+    """Whether the kernels take an array of `size` values: some values, and groups that fill
+    whole bytes of codes (else the general path packs them)."""
+    return bool(size) and group_size % (8 // bits) == 0
+
+
 def quantize_groups(x: Any, bits: int, group_size: int, work: Any, big: float, tiny: float,
                     noise: Any | None) -> tuple[Any, Any, Any] | None:
-    """(packed codes, mins, scales) of a non-empty cupy array, or None where the general path
-    must take it. ``noise`` is U[0, 1) of shape (groups, group_size) in ``work`` for stochastic
-    rounding, else None."""
+    """(packed codes, mins, scales) of a cupy array the kernels take (`takes`), or None when
+    a value must be stored exactly (the general path's). ``noise`` is U[0, 1) of shape
+    (groups, group_size) in ``work`` for stochastic rounding, else None."""
     import cupy
 
     per_byte = 8 // bits
     size = x.size
-    if group_size % per_byte or not size:
-        return None
     groups = -(-size // group_size)
     work = np.dtype(work).type
     with x.device:
