@@ -66,6 +66,21 @@ def replays_untaped(loop: StepLoop, trace: bool, until: Any = None,
             and (steps is None or steps > TRACED_STEPS))
 
 
+def recorded_because(loop: StepLoop, trace: bool, until: Any = None,
+                     limit: int | None = None) -> str:
+    """Why a loop records every step, when neither `replays` nor `replays_untaped` says
+    yes: the mode `cad.inspect.loops()` lists for it."""
+    if not trace:
+        return "recorded: trace=False"
+    if _state.tracer is not None:
+        return "recorded: run inside a step being traced (the outer loop replays it)"
+    if until is not None and is_grad_enabled():
+        return ("recorded: a loop that keeps every step and stops on `until` (a loop "
+                "strategy such as Binomial(s) replays it)")
+    steps = loop.n if until is None else limit
+    return f"recorded: a loop of {steps} steps has none to replay beyond the {TRACED_STEPS} traced"
+
+
 def keep_every_step(loop: StepLoop, carry_leaves: list[Any]) -> tuple[Any, Any]:
     """Run `loop` keeping every step; (carry, ys). How it ran is the loop entry's `mode`
     (no entry: recorded)."""

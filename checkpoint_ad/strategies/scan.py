@@ -18,11 +18,11 @@ import numpy as np
 from .. import loop_log, random
 from ..backend import namespace
 from ..errors import StrategyConfigError
-from ..grad_mode import _state, is_grad_enabled, no_grad
+from ..grad_mode import is_grad_enabled, no_grad
 from ..pytree import flatten, unflatten
 from ..saved import Strategy, use_packer
 from ..tensor_base import make_tensor
-from .kept_loop import TRACED_STEPS, keep_every_step, replays, replays_untaped
+from .kept_loop import keep_every_step, recorded_because, replays, replays_untaped
 from .kinds import LoopPlanner, LoopStrategy
 from .loop import StepLoop, loop_length, stack_outputs
 from .plan_executor import PlannedLoop, stops
@@ -154,19 +154,6 @@ def _strategy_name(strategy: Any) -> str:
     return "keep-all" if strategy is None else repr(strategy)
 
 
-def _recorded_because(loop: StepLoop, until: Any, limit: int | None, trace: bool) -> str:
-    """Why `_keep_all` records every step (`replays` and `replays_untaped` said no)."""
-    if not trace:
-        return "recorded: trace=False"
-    if _state.tracer is not None:
-        return "recorded: run inside a step being traced (the outer loop replays it)"
-    if until is not None and is_grad_enabled():
-        return ("recorded: a loop that keeps every step and stops on `until` (a loop "
-                "strategy such as Binomial(s) replays it)")
-    steps = loop.n if until is None else limit
-    return f"recorded: a loop of {steps} steps has none to replay beyond the {TRACED_STEPS} traced"
-
-
 def _flipped(tree: Any) -> Any:
     """Every tensor in `tree` with its leading axis reversed (a differentiable view)."""
     leaves, spec = flatten(tree)
@@ -203,7 +190,7 @@ def _keep_all(
         return keep_every_step(loop, carry_leaves)
     if replays_untaped(loop, trace, until, limit):
         return run_untaped(loop, carry_leaves, until, limit)
-    loop.mode = _recorded_because(loop, until, limit, trace)
+    loop.mode = recorded_because(loop, trace, until, limit)
     most = loop.n if until is None else limit  # None: until alone ends the loop
     loop.n = most or 0  # all of xs is split, if there is one
     rows = loop.all_x() if loop.xs_spec is not None else None
