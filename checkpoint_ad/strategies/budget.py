@@ -37,7 +37,7 @@ from typing import Any
 from ..errors import BudgetError, StrategyConfigError
 from ..pytree import flatten, unflatten
 from ..saved import KEEP, Strategy
-from .candidates import FAMILIES, SNAPSHOT_FORMS, STEP_FORMS, Candidate, Family
+from .candidates import FAMILIES, SNAPSHOT_FORMS, STEP_FORMS, Candidate, Family, engine_bytes
 from .dtr import Rematerializing
 from .kinds import LoopPlanner, LoopStrategy
 from .loop import StepLoop, loop_length
@@ -96,8 +96,10 @@ class PlanRow:
     """The saved-value strategy of every step's values."""
     peak_tape_bytes: int
     device_peak_bytes: int
-    """`peak_tape_bytes` plus the estimate's fixed bytes and `engine_bytes`: the peak of the
-    loop's first call (a later call reusing its step program traces one step fewer)."""
+    """`peak_tape_bytes` plus the estimate's fixed bytes and `engine_bytes`, or what tracing
+    the first steps took in the dry run's trial if more (it happens before the plan holds
+    much): the peak of the loop's first call (a later call reusing its step program traces
+    one step fewer)."""
     forward_seconds: float
     backward_seconds: float
     evaluations: int
@@ -142,11 +144,15 @@ class Estimate:
         """The rows as text; ``*`` marks the chosen plan, ``x`` those over the budget."""
         limit = "no limit" if self.limit_bytes is None else format_bytes(self.limit_bytes)
         fixed = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.fixed_bytes.items())
+        trial = self.cost.trial
+        tracing = ("" if trial is None else
+                   f"; tracing the first steps takes {format_bytes(trial.forward_bytes)} "
+                   "(no device peak is less)")
         head = (f"   {'plan':<32}{'peak tape':>12}{'device peak':>13}{'forward s':>11}"
                 f"{'backward s':>11}{'total s':>10}{'steps run':>10}{'error bound':>12}")
         lines = [f"scan of {self.n_steps} steps, budget {limit} of tape; fixed bytes in every "
                  f"plan: {fixed}; the dry run held {format_bytes(self.cost.dry_run_bytes)} "
-                 "once, before the loop", head, "-" * len(head)]
+                 f"once, before the loop{tracing}", head, "-" * len(head)]
         for r in self.rows:
             mark = "*" if r is self.chosen else (" " if r.fits else "x")
             bound = "exact" if r.error_bound is None else f"{r.error_bound:.2e}"
@@ -168,9 +174,10 @@ def plan_table(
 ) -> Estimate:
     """Every admitted candidate of `families` priced from `cost`, and the fastest that fits."""
     fixed = {"gradients": cost.gradient_bytes, "outputs": cost.output_bytes,
-             "carry in hand": 2 * cost.carry_bytes, "engine (traced steps, program)":
-             cost.engine_bytes}
+             "carry in hand": 2 * cost.carry_bytes,
+             "engine (program, executor state)": engine_bytes(cost)}
     extra = sum(fixed.values())
+    least = cost.trial.forward_bytes if cost.trial is not None else 0
     rows = []
     for family in families:
         for c in family(cost):
@@ -178,7 +185,8 @@ def plan_table(
                 continue
             fits = limit_bytes is None or c.peak_tape_bytes <= limit_bytes
             rows.append(PlanRow(c.name, c.loop, c.storage, c.peak_tape_bytes,
-                                c.peak_tape_bytes + extra + c.engine_bytes, c.forward_seconds,
+                                max(least, c.peak_tape_bytes + extra + c.engine_bytes),
+                                c.forward_seconds,
                                 c.backward_seconds, c.evaluations, c.error_bound, fits,
                                 c.engine_bytes))
     rows.sort(key=lambda r: (r.seconds, r.peak_tape_bytes))

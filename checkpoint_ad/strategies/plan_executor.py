@@ -189,6 +189,7 @@ class PlannedLoop:
         name: str | None = None,
         lead_rows: Sequence[list[Any]] = (),
         mode: str = "replayed",
+        cached: bool = True,
     ) -> None:
         """`until` (with at most `limit` steps, None for no limit) makes the loop's length
         known only as it runs: the plan then grows step by step (see the module's doc).
@@ -196,8 +197,11 @@ class PlannedLoop:
         recorded on the tape just before (`scan` keeping every step), whose output is the
         initial carry here; `mode` says where it came from. `lead_rows`: the outputs (arrays)
         of steps recorded before the loop, which its output arrays make room for first (see
-        `full_outputs`)."""
+        `full_outputs`). `cached=False` neither reuses a program an earlier call kept nor
+        keeps this one's (`program_cache`): a trial run that must leave the next call as a
+        first call."""
         self.loop = loop
+        self.cached = cached
         self.lead_rows = lead_rows
         self.full_outputs: list[Any] | None = None  # after run(): lead and own rows per output
         self.strategy = strategy
@@ -247,7 +251,7 @@ class PlannedLoop:
         self.initial = [None if t is None else t._data for t in carry_leaves]
         self.initial_engine_state = random.get_state()
         self.initial_numpy_state = np.random.get_state()
-        if self.traces is not None and loop.n != 1:
+        if self.traces is not None and loop.n != 1 and self.cached:
             self.place = find(loop.step, "planned", carry_leaves, loop.xs_leaves)
         if self.until is None:
             self.plan = self.strategy.plan_for_loop(loop.n, self._measure_costs)

@@ -12,8 +12,10 @@ than recording them, so the dry run also traces steps 0 and 1 the way the execut
 (`traced_call`, `program_of`) and times the program's three replays per step: without a tape
 (`run`, what an `Advance` costs), with one (`tape`), and that tape's backward (`pull_back`).
 A step that refuses tracing (an `.item()`, an in-place change, ...) is recorded by the loop,
-and the recorded times price it. With ``disk=True``, one disk write and read of the carry is
-timed too (for plans with disk snapshots).
+and the recorded times price it. Last, a trial: the loop's first few steps run for real by
+the plan executor and pulled back, with tracemalloc, for what the engine itself holds beyond
+the arrays a plan is priced from (`Trial`). With ``disk=True``, one disk write and read of
+the carry is timed too (for plans with disk snapshots).
 
 The dry run changes nothing the loop computes afterwards: randomness it draws is replayed from
 the state before it (the engine's generator and numpy's global one are left as they were), its
@@ -25,6 +27,7 @@ dozen, each timed phase repeating up to `TIMING_SECONDS`).
 
 from __future__ import annotations
 
+import gc
 import time
 import tracemalloc
 from collections.abc import Iterator, Mapping
@@ -45,9 +48,10 @@ from ..saved import KEEP, SavedBuffer, Strategy, use_packer
 from ..tape import Entry, edge_of, next_sequence
 from ..tensor import Tensor
 from .loop import StepLoop
+from .loop_strategies import Binomial
 from .offload import Offload
 from .output_rows import OutputRows
-from .plan_executor import replay_forward, snapshot_object_bytes
+from .plan_executor import PlannedLoop, replay_forward, snapshot_object_bytes
 from .quantized import Quantized
 from .step_program import StepProgram, program_of, traced_call
 
@@ -59,6 +63,8 @@ as it is, and cheap steps cost little."""
 MOST_REPEATS = 30
 REPLAYED_STEPS = 8
 """Steps the untaped replay is timed over (fewer in a shorter loop)."""
+TRIAL_STEPS = 4
+"""Steps of the trial run of the plan executor (`_trial_run`; fewer in a shorter loop)."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +108,24 @@ class SnapshotCost:
 
 
 @dataclass(frozen=True)
+class Trial:
+    """A short real run of a loop's plan executor (`Binomial(1)` over its first steps,
+    forward and backward) as tracemalloc traced it, above the level before it: what the
+    engine itself holds, whatever the plan, which counting arrays does not see (the step
+    program, the executor's state, the traced first steps, the allocator's small blocks)."""
+
+    steps: int
+    forward_bytes: int
+    """The most the forward took: tracing the first steps and compiling their program, when
+    little else is held. A planned loop's device peak is at least this."""
+    backward_bytes: int
+    """The most the run took from the backward's start to its end."""
+    named_bytes: int
+    """Of `backward_bytes`, what a plan's device peak names apart from the engine: the
+    gradients handed out, the outputs and two carries."""
+
+
+@dataclass(frozen=True)
 class StepCost:
     """Everything a plan's price is computed from, measured on one loop."""
 
@@ -115,11 +139,10 @@ class StepCost:
     """Gradients the loop's backward hands out: captured tensors, carry and xs that need one."""
     output_bytes: int
     """The stacked per-step outputs (ys) of the whole loop."""
-    engine_bytes: int = 0
-    """The engine's own memory a planned loop of this step holds whatever its plan: the
-    traced first steps and the step program made from them, at their peak while tracing, as
-    tracemalloc traces them in the dry run (0: not traced, or the caller traces). Not tape
-    bytes; a plan's device peak counts it once."""
+    trial: Trial | None = None
+    """A short real run of the loop under the plan executor (None: the caller traces with
+    tracemalloc already): what the engine holds beyond what a plan is priced from, and the
+    least a first call's device peak is (see `candidates.engine_bytes`)."""
     dry_run_bytes: int = 0
     """The most saved bytes the dry run held at once (every buffer of its two steps): a
     profiler around the loop's first run sees them, before the loop, once."""
@@ -171,7 +194,6 @@ def measure(
     engine_state = random.get_state()
     evaluations = loop.evaluations
     mode, replayed_untaped, replayed_forward = "recorded: not traced", None, None
-    engine_bytes = 0
     replayed_runs: list[float] = []
     forward_runs: list[float] = []
     try:
@@ -191,11 +213,7 @@ def measure(
                 priced[name] = _typical(costs)
             for name, storage in forms.items():
                 np.random.set_state(numpy_state)
-                if not replayed_runs:  # the first form's trace: its bytes, as a loop's
-                    program, mode, engine_bytes = _traced_bytes(
-                        loop, carry_leaves, storage, engine_state)
-                else:
-                    program, mode = _traced(loop, carry_leaves, storage, engine_state)
+                program, mode = _traced(loop, carry_leaves, storage, engine_state)
                 if program is None:
                     break
                 run, forward, taped, backward, held = _replayed(program, loop, carry_leaves,
@@ -210,6 +228,8 @@ def measure(
         if replayed_runs:
             replayed_untaped = median(replayed_runs)
             replayed_forward = median(forward_runs)
+        np.random.set_state(numpy_state)
+        trial = _trial_run(loop, carry_leaves, engine_state)
     finally:
         np.random.set_state(numpy_state)
         loop.evaluations = evaluations
@@ -222,7 +242,7 @@ def measure(
         snapshots={name: _snapshot_cost(carry, storage) for name, storage in snapshots.items()},
         gradient_bytes=gradient_bytes,
         output_bytes=output_bytes * loop.n,
-        engine_bytes=engine_bytes,
+        trial=trial,
         dry_run_bytes=dry_run_bytes,
         mode=mode,
         replayed_untaped_seconds=replayed_untaped,
@@ -244,23 +264,66 @@ def _traced(
     return program_of(traces, loop.n, len(carry_leaves))
 
 
-def _traced_bytes(
-    loop: StepLoop, carry_leaves: list[Any], storage: Strategy, engine_state: Any
-) -> tuple[StepProgram | None, str, int]:
-    """`_traced`, and the most memory tracing took above the level before it (the traced
-    steps' tapes and the program compiled from them): what a planned loop of this step holds
-    at least from its first steps on, beyond its plan's tape. Measured only when tracemalloc
-    is off (it is started for the call), as in `_traced_step_bytes`; else 0."""
+def _trial_run(
+    loop: StepLoop, carry_leaves: list[Any], engine_state: Any
+) -> Trial | None:
+    """The loop's first `TRIAL_STEPS` steps run for real by the plan executor under
+    `Binomial(1)` and pulled back from every output, as a first call runs them (tracing, a
+    program compiled, not kept for later calls), with tracemalloc (see `Trial`). Only when
+    tracemalloc is off (it is started for the call: resetting its peak would spoil a
+    caller's own measurement, as in `_traced_step_bytes`); else None."""
     if tracemalloc.is_tracing():
-        return (*_traced(loop, carry_leaves, storage, engine_state), 0)
+        return None
+    steps = min(loop.n, TRIAL_STEPS)
+    xs = [None if x is None else _row_tensor(x, x._data[:steps]) for x in loop.xs_leaves]
+    trial = StepLoop(loop.step, loop.carry_spec, xs, loop.xs_spec, steps)
+    carry_in = [None if c is None else _row_tensor(c, c._data) for c in carry_leaves]
+    seq_before = next_sequence()
+    _empty_free_lists()  # as after a collection: what the loop makes, tracemalloc then sees
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
-        program, mode = _traced(loop, carry_leaves, storage, engine_state)
-        peak = tracemalloc.get_traced_memory()[1]
+        with random.replaying(engine_state), enable_grad(), use_packer(KEEP):
+            carry, ys = PlannedLoop(trial, Binomial(1), cached=False).run(carry_in)
+            forward = tracemalloc.get_traced_memory()[1] - before
+            tracemalloc.reset_peak()
+            outputs = [o for o in flatten(carry)[0] + _leaves(ys) if o is not None]
+            roots = [(edge_of(o), namespace(o._data).ones_like(o._data)) for o in outputs
+                     if o.requires_grad and is_floating(o.dtype)]
+            externals = _externals(_entries(outputs, seq_before), [])
+            sink = Capture({key: k for k, key in enumerate(externals)}, newer_than=seq_before)
+            if roots:
+                backpropagate(roots, retain_graph=False, create_graph=False, capture=sink)
+            backward = tracemalloc.get_traced_memory()[1] - before
     finally:
         tracemalloc.stop()
-    return program, mode, max(0, peak - before) if program is not None else 0
+    named = sum(array_nbytes(g) for g in sink.values if g is not None)
+    named += sum(array_nbytes(y._data) for y in _leaves(ys))
+    named += 2 * sum(array_nbytes(c._data) for c in carry_leaves if c is not None)
+    return Trial(steps, max(0, forward), max(0, backward), named)
+
+
+def _empty_free_lists() -> None:
+    """Empty the interpreter's free lists (of tuples, lists, floats...), as a full collection
+    does: objects taken from them are invisible to tracemalloc, and a caller measuring a loop
+    after `gc.collect()` finds them empty. What is alive is frozen first (unless the caller
+    froze some), so the collection scans nothing: 10 us, not a full collection's 0.15 s in a
+    heap of two million objects."""
+    if gc.get_freeze_count():
+        gc.collect()
+        return
+    gc.freeze()
+    try:
+        gc.collect()
+    finally:
+        gc.unfreeze()
+
+
+def _row_tensor(like: Tensor, array: Any) -> Tensor:
+    """`array` as a leaf needing a gradient where `like` does."""
+    t = Tensor._wrap(array)
+    t._requires_grad = like.requires_grad
+    return t
 
 
 def _replayed(
