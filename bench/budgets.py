@@ -186,14 +186,17 @@ def _once(run: Any) -> float:
 
 
 def budgets(params: dict, threads: int) -> dict[str, Any]:
-    """One row per (model, budget)."""
+    """One row per (model, budget). A model's sizes may name the built-in model (``"model":
+    "rnn"``): its key is then a label (one model at two sizes)."""
     import checkpoint_ad as cad
     from checkpoint_ad.models import build
 
     rows = []
     for model_name, sizes in params["models"].items():
-        model = build(model_name, **sizes)
-        if model_name == "heat":  # the step reads the diffusivity run() computes first
+        sizes = dict(sizes)
+        kind = sizes.pop("model", model_name)
+        model = build(kind, **sizes)
+        if kind == "heat":  # the step reads the diffusivity run() computes first
             model._kappa = cad.sigmoid(model.theta) * model.config.kappa_max
         table = cad.estimate(model.step, model.init_carry(), model.inputs())
         top = next(r for r in table.rows if r.name == "keep-all").peak_tape_bytes

@@ -43,7 +43,12 @@ SIZES: dict[str, dict[str, Any]] = {
         "offload": {"sizes": {"grid": 128, "steps": 300}, "snapshots": 4, "repeats": 5},
         "budget": {"models": {"rnn": {"steps": 256, "batch": 32, "input_size": 32,
                                       "hidden": 128},
-                              "heat": {"grid": 32, "steps": 256}},
+                              "heat": {"grid": 32, "steps": 256},
+                              # the RNN of the rnn benchmark, and a finer heat grid: arrays
+                              # large beside the engine's own objects
+                              "rnn B64 H256": {"model": "rnn", "steps": 256, "batch": 64,
+                                               "input_size": 256, "hidden": 256},
+                              "heat grid 128": {"model": "heat", "grid": 128, "steps": 256}},
                    "budgets": 6, "repeats": 5},
         "profiler": {"imperative RNN": {"steps": 256, "batch": 32, "hidden": 128, "input": 128},
                      "GRU training step": {"steps": 32, "batch": 16, "hidden": 64, "input": 32},
