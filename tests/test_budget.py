@@ -10,7 +10,7 @@ import checkpoint_ad as cad
 from checkpoint_ad import models
 from checkpoint_ad.errors import BudgetError, StrategyConfigError
 from checkpoint_ad.strategies import Binomial, Budget, KeepAll, program_cache, scan, use
-from checkpoint_ad.strategies.budget import format_bytes, parse_bytes
+from checkpoint_ad.strategies.budget import forget_dry_runs, format_bytes, parse_bytes
 from checkpoint_ad.strategies.candidates import keep_every_step
 
 SIZES = {"rnn": {"steps": 40, "batch": 4, "input_size": 8, "hidden": 32},
@@ -147,6 +147,32 @@ def test_the_device_peak_counts_the_objects_every_kept_step_holds():
     working = table.cost.forms["keep"].backward_working_bytes
     held, _ = _traced_from_the_loop(model, None, KeepAll())
     assert held >= keep.peak_tape_bytes + keep.engine_bytes - working
+
+
+def test_no_trial_runs_under_a_profile_nor_under_the_callers_tracemalloc():
+    """The trial's memory is measured with tracemalloc, which a caller's own measurement
+    would lose its peak to, and a profile would hear it as a loop the caller never ran (and
+    its records would be measured as the engine's): under either, no trial runs, and the
+    device peak names no engine bytes."""
+    import tracemalloc
+
+    model = models.build("rnn", **SIZES["rnn"])
+    step, init, xs = model.step, model.init_carry(), model.inputs()
+    forget_dry_runs()
+    with cad.profile():
+        profiled = cad.estimate(step, init, xs)
+    forget_dry_runs()
+    tracemalloc.start()
+    try:
+        traced = cad.estimate(step, init, xs)
+    finally:
+        tracemalloc.stop()
+    forget_dry_runs()
+    plain = cad.estimate(step, init, xs)
+    assert profiled.cost.trial is None and traced.cost.trial is None
+    assert plain.cost.trial is not None and plain.cost.trial.steps == 4
+    assert profiled.fixed_bytes["engine (program, executor state)"] == 0
+    assert plain.fixed_bytes["engine (program, executor state)"] > 0
 
 
 def test_lossy_plans_are_admitted_by_their_error_bound():

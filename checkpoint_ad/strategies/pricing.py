@@ -141,8 +141,9 @@ class StepCost:
     """The stacked per-step outputs (ys) of the whole loop."""
     trial: Trial | None = None
     """A short real run of the loop under the plan executor (None: the caller traces with
-    tracemalloc already): what the engine holds beyond what a plan is priced from, and the
-    least a first call's device peak is (see `candidates.engine_bytes`)."""
+    tracemalloc already, or a profile listens): what the engine holds beyond what a plan is
+    priced from, and the least a first call's device peak is (see
+    `candidates.engine_bytes`)."""
     dry_run_bytes: int = 0
     """The most saved bytes the dry run held at once (every buffer of its two steps): a
     profiler around the loop's first run sees them, before the loop, once."""
@@ -271,8 +272,10 @@ def _trial_run(
     `Binomial(1)` and pulled back from every output, as a first call runs them (tracing, a
     program compiled, not kept for later calls), with tracemalloc (see `Trial`). Only when
     tracemalloc is off (it is started for the call: resetting its peak would spoil a
-    caller's own measurement, as in `_traced_step_bytes`); else None."""
-    if tracemalloc.is_tracing():
+    caller's own measurement, as in `_traced_step_bytes`) and nobody in this thread hears
+    the engine's events (a profile's records of the trial would be measured as the
+    engine's, and would fill the profile with a loop the caller did not run); else None."""
+    if tracemalloc.is_tracing() or events.hears("record") or events.hears("pack"):
         return None
     steps = min(loop.n, TRIAL_STEPS)
     xs = [None if x is None else _row_tensor(x, x._data[:steps]) for x in loop.xs_leaves]
