@@ -44,6 +44,7 @@ class OutputRows:
         self.rows: list[list[Any]] | None = None  # rows kept instead (unlike rows)
         self.chunks: list[list[Any]] = []  # unknown length: per chunk, arrays per output
         self.filled = 0  # rows written into the last chunk
+        self.none_row: list[Any] | None = None  # see `_kept_row`
         if lead and n is not None and keep:
             self._allocate(lead[0])
             if all(_fits(self.arrays, ys) for ys in lead):
@@ -73,7 +74,7 @@ class OutputRows:
         if not self.keep:
             return
         if self.rows is not None:
-            self.rows.append(ys)
+            self.rows.append(self._kept_row(ys))
             return
         if self.n is None:
             self._append_growing(ys)
@@ -90,7 +91,7 @@ class OutputRows:
         lead = self.lead
         self.rows = [[None if a is None else a[lead + s] for a in arrays] for s in range(t)]
         self.arrays, self.lead = None, 0
-        self.rows.append(ys)
+        self.rows.append(self._kept_row(ys))
 
     def _append_growing(self, ys: list[Any]) -> None:
         chunk = self.chunks[-1] if self.chunks else None
@@ -103,12 +104,22 @@ class OutputRows:
         if not _fits(chunk, ys):
             self.rows = self._growing_rows()
             self.chunks, self.filled = [], 0
-            self.rows.append(ys)
+            self.rows.append(self._kept_row(ys))
             return
         for array, y in zip(chunk, ys):
             if array is not None:
                 array[self.filled] = y
         self.filled += 1
+
+    def _kept_row(self, ys: list[Any]) -> list[Any]:
+        """`ys` as a kept row: a row of absent outputs only is one list shared by every such
+        row (a loop of 10**6 steps that output nothing keeps no 10**6 lists). Rows written
+        into arrays keep no list at all."""
+        if any(y is not None for y in ys):
+            return ys
+        if self.none_row is None:
+            self.none_row = ys
+        return self.none_row
 
     def _growing_rows(self) -> list[list[Any]]:
         rows = []

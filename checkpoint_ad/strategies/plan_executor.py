@@ -103,13 +103,10 @@ def replay_forward(program: StepProgram, loop: StepLoop, arrays: list[Any], star
     tape, each counted and its outputs written into `rows`: the new carry's arrays. One
     function for the executor and for a budget's dry run, which times it (`pricing`), so the
     price of a forward step is what the forward runs."""
-    none_row: list[Any] = []
     run, x_arrays, count, append = program.run, loop.x_arrays, loop.count, rows.append
     for t in range(start, stop):
         count()
         arrays, ys = run(arrays, x_arrays(t))
-        if all(y is None for y in ys):  # one shared row: no 10**6 empty lists
-            ys = none_row = none_row or ys
         append(ys)
     return arrays
 
@@ -311,7 +308,6 @@ class PlannedLoop:
         loop = self.loop
         state = _ForwardState()
         arrays = list(self.initial)
-        none_row: list[Any] = []
         actions = self.plan
         codes = plan_codes(actions)  # read packed: a 10^6-step plan stays compact
         cursor = 0
@@ -327,8 +323,6 @@ class PlannedLoop:
                 t = step
                 while t < stop and (self.program is None or (t == 0 and discover)):
                     arrays, ys = self._forward_step(t, arrays, discover)  # recorded, traced
-                    if all(y is None for y in ys):  # one shared row: no 10**6 empty lists
-                        ys = none_row = none_row or ys
                     per_step.append(ys)
                     t += 1
                 if t < stop:
@@ -366,7 +360,6 @@ class PlannedLoop:
         per_step = OutputRows(None)  # its length is found as it runs: rows go into chunks
         kept: _TapedSegment | None = None
         kept_random = random.get_state()
-        none_row: list[Any] = []
         t = 0
         while self.limit is None or t < self.limit:
             actions = planner.advance()
@@ -383,10 +376,7 @@ class PlannedLoop:
             kept = self._tape_steps(t, t + 1, arrays)
             if t == 0:
                 self._discover_from(kept)
-            ys = _arrays(kept.y_out[0][1])
-            if all(y is None for y in ys):  # one shared row: 10**6 steps hold no 10**6 lists
-                ys = none_row = none_row or ys
-            per_step.append(ys)
+            per_step.append(_arrays(kept.y_out[0][1]))
             arrays = _arrays(kept.carry_out)
             t += 1
             if stops(self.until, loop.carry_spec, self._as_tensors(arrays, grad=False)):
