@@ -291,8 +291,7 @@ def _trial_run(
             forward = tracemalloc.get_traced_memory()[1] - before
             tracemalloc.reset_peak()
             outputs = [o for o in flatten(carry)[0] + _leaves(ys) if o is not None]
-            roots = [(edge_of(o), namespace(o._data).ones_like(o._data)) for o in outputs
-                     if o.requires_grad and is_floating(o.dtype)]
+            roots = _ones_at(outputs)
             externals = _externals(_entries(outputs, seq_before), [])
             sink = Capture({key: k for k, key in enumerate(externals)}, newer_than=seq_before)
             if roots:
@@ -501,12 +500,7 @@ def _x_tensors(loop: StepLoop, t: int) -> Any:
     xs does."""
     if loop.xs_spec is None:
         return None
-    parts = []
-    for x in loop.xs_leaves:
-        part = None if x is None else Tensor._wrap(x._data[t])
-        if part is not None:
-            part._requires_grad = x.requires_grad
-        parts.append(part)
+    parts = [None if x is None else _row_tensor(x, x._data[t]) for x in loop.xs_leaves]
     return unflatten(loop.xs_spec, iter(parts))
 
 
@@ -637,8 +631,7 @@ def _timed_backward(
     externals: dict[tuple[int, int], Any], seq_before: int,
 ) -> float:
     """Seconds to pull ones back through the dry steps, into a capture (no `.grad` moves)."""
-    roots = [(edge_of(o), namespace(o._data).ones_like(o._data)) for o in outputs
-             if o is not None and o.requires_grad and is_floating(o.dtype)]
+    roots = _ones_at([o for o in outputs if o is not None])
     if not roots:
         return 0.0
     keys: dict[tuple[int, int], int] = {}
@@ -651,6 +644,12 @@ def _timed_backward(
     backpropagate(roots, retain_graph=False, create_graph=False,
                   capture=Capture(keys, newer_than=seq_before))
     return time.perf_counter() - start
+
+
+def _ones_at(outputs: list[Any]) -> list[tuple[Any, Any]]:
+    """Roots of a backward sweep: a gradient of ones at each output that can take one."""
+    return [(edge_of(o), namespace(o._data).ones_like(o._data)) for o in outputs
+            if o.requires_grad and is_floating(o.dtype)]
 
 
 def _edge_nbytes(node: Any, index: int) -> int:

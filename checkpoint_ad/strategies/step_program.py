@@ -521,14 +521,13 @@ class StepProgram:
     def tape_steps(
         self, arrays: list[Any], x_arrays: Callable[[int], list[Any]], start: int, stop: int,
         carry_tensors: list[Any] | None = None, count: Callable[[], None] | None = None,
-        after_step: Callable[[list[tuple[int, ReplayedStep]]], None] | None = None,
     ) -> tuple[list[tuple[int, ReplayedStep]], list[tuple[int, list[Any]]], list[Any]]:
         """Steps start..stop-1 taped from the carry `arrays`, as a taped segment of a loop
         holds them: (the steps as (t, step), their outputs as (t, arrays), the last carry's
         arrays). Each step shares the carry buffers the one before it packed, then lets go of
         its values but what its backward reads. `x_arrays(t)`: step t's scanned rows;
         `carry_tensors`: the first step's carry as a recorded step's output tensors (see
-        `tape`); `count()` is called per step and `after_step(steps)` after each. The plan
+        `tape`); `count()` is called per step. The plan
         executor tapes its segments here, and a budget's dry run times the same loop."""
         steps: list[tuple[int, ReplayedStep]] = []
         y_out: list[tuple[int, list[Any]]] = []
@@ -545,8 +544,6 @@ class StepProgram:
             if previous is not None and previous.buffers:
                 previous.buffers = NO_BUFFERS  # shared with this step: only its slots hold them
             previous = step
-            if after_step is not None:
-                after_step(steps)
         if previous is not None and previous.buffers:
             previous.buffers = NO_BUFFERS
         return steps, y_out, arrays
