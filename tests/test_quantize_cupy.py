@@ -62,7 +62,9 @@ def test_the_fused_kernel_takes_ordinary_arrays_and_declines_the_others():
         y = x.copy()
         y[100] = bad
         assert quantize_cupy.quantize_groups(y, 4, 64, work, big, tiny, None) is None
-    assert quantize_cupy.quantize_groups(x, 4, 7, work, big, tiny, None) is None  # 7 % 2
+    # groups that split a byte of codes (7 values of 4 bits) are the general path's
+    assert not quantize_cupy.takes(x.size, 7, 4) and quantize_cupy.takes(x.size, 8, 4)
+    assert not quantize_cupy.takes(0, 64, 8)
 
 
 @pytest.mark.parametrize("bits", qz.ALLOWED_BITS)

@@ -38,6 +38,19 @@ class TracemallocProbe(MemoryProbe):
             tracemalloc.stop()
         return max(peak, 0)
 
+    def current(self) -> int:
+        """Bytes allocated now above the start (negative once more is freed than made)."""
+        return tracemalloc.get_traced_memory()[0] - self._base
+
+    def peak(self) -> int:
+        """The most allocated above the start since the start or `reset_peak`."""
+        return tracemalloc.get_traced_memory()[1] - self._base
+
+    def reset_peak(self) -> None:
+        """Restart the peak from `current` (tracemalloc's own: a caller's tracing loses
+        its peak, so measure under it only what owns tracemalloc)."""
+        tracemalloc.reset_peak()
+
 
 class CupyPoolProbe(MemoryProbe):
     """Bytes in use in cupy's default memory pool, sampled at engine events.
@@ -77,7 +90,7 @@ class CupyHookProbe(MemoryProbe):
 
     def __init__(self, cupy: Any) -> None:
         self.cupy = cupy
-        self.used = self.peak = 0
+        self.used = self.most = 0
         probe = self
 
         class _Hook(cupy.cuda.MemoryHook):
@@ -85,8 +98,8 @@ class CupyHookProbe(MemoryProbe):
 
             def malloc_postprocess(self, **kwargs: Any) -> None:
                 probe.used += kwargs["mem_size"]
-                if probe.used > probe.peak:
-                    probe.peak = probe.used
+                if probe.used > probe.most:
+                    probe.most = probe.used
 
             def free_postprocess(self, **kwargs: Any) -> None:
                 probe.used -= kwargs["mem_size"]
@@ -94,12 +107,23 @@ class CupyHookProbe(MemoryProbe):
         self._hook = _Hook()
 
     def start(self) -> None:
-        self.used = self.peak = 0
+        self.used = self.most = 0
         self._hook.__enter__()
 
     def stop(self) -> int:
         self._hook.__exit__(None, None, None)
-        return self.peak
+        return self.most
+
+    def current(self) -> int:
+        """Bytes handed out now above the start (negative once older blocks are freed)."""
+        return self.used
+
+    def peak(self) -> int:
+        """The most handed out above the start since the start or `reset_peak`."""
+        return self.most
+
+    def reset_peak(self) -> None:
+        self.most = self.used
 
 
 def probe_for(device: str, enabled: bool = True) -> MemoryProbe:

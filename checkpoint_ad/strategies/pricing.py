@@ -13,9 +13,10 @@ than recording them, so the dry run also traces steps 0 and 1 the way the execut
 (`run`, what an `Advance` costs), with one (`tape`), and that tape's backward (`pull_back`).
 A step that refuses tracing (an `.item()`, an in-place change, ...) is recorded by the loop,
 and the recorded times price it. Last, a trial: the loop's first few steps run for real by
-the plan executor and pulled back, with tracemalloc, for what the engine itself holds beyond
-the arrays a plan is priced from (`Trial`). With ``disk=True``, one disk write and read of
-the carry is timed too (for plans with disk snapshots).
+the plan executor and pulled back, measured (tracemalloc on the host, cupy's pool on a
+GPU), for what the engine itself holds beyond the arrays a plan is priced from (`Trial`).
+With ``disk=True``, one disk write and read of the carry is timed too (for plans with disk
+snapshots).
 
 The dry run changes nothing the loop computes afterwards: randomness it draws is replayed from
 the state before it (the engine's generator and numpy's global one are left as they were), its
@@ -39,10 +40,11 @@ import numpy as np
 
 from .. import events, random
 from ..autograd import Capture, backpropagate
-from ..backend import is_floating, namespace
+from ..backend import device_name, is_floating, namespace
 from ..backend import nbytes as array_nbytes
 from ..grad_mode import enable_grad, no_grad
 from ..object_bytes import added_bytes
+from ..profiler.memory import CupyHookProbe, MemoryProbe, TracemallocProbe, probe_for
 from ..pytree import flatten, unflatten
 from ..saved import KEEP, SavedBuffer, Strategy, use_packer
 from ..tape import Entry, edge_of, next_sequence
@@ -110,9 +112,10 @@ class SnapshotCost:
 @dataclass(frozen=True)
 class Trial:
     """A short real run of a loop's plan executor (`Binomial(1)` over its first steps,
-    forward and backward) as tracemalloc traced it, above the level before it: what the
-    engine itself holds, whatever the plan, which counting arrays does not see (the step
-    program, the executor's state, the traced first steps, the allocator's small blocks)."""
+    forward and backward) as the loop's device measured it (`_meter`), above the level before
+    it: what the engine itself holds, whatever the plan, which counting arrays does not see
+    (on the host the step program, the executor's state, the traced first steps, the
+    allocator's small blocks; on a GPU the rules' temporaries and the pool's rounding)."""
 
     steps: int
     forward_bytes: int
@@ -140,9 +143,9 @@ class StepCost:
     output_bytes: int
     """The stacked per-step outputs (ys) of the whole loop."""
     trial: Trial | None = None
-    """A short real run of the loop under the plan executor (None: the caller traces with
-    tracemalloc already, or a profile listens): what the engine holds beyond what a plan is
-    priced from, and the least a first call's device peak is (see
+    """A short real run of the loop under the plan executor (None: on the host the caller
+    traces with tracemalloc already, or a profile listens): what the engine holds beyond
+    what a plan is priced from, and the least a first call's device peak is (see
     `candidates.engine_bytes`)."""
     dry_run_bytes: int = 0
     """The most saved bytes the dry run held at once (every buffer of its two steps): a
@@ -270,12 +273,12 @@ def _trial_run(
 ) -> Trial | None:
     """The loop's first `TRIAL_STEPS` steps run for real by the plan executor under
     `Binomial(1)` and pulled back from every output, as a first call runs them (tracing, a
-    program compiled, not kept for later calls), with tracemalloc (see `Trial`). Only when
-    tracemalloc is off (it is started for the call: resetting its peak would spoil a
-    caller's own measurement, as in `_traced_step_bytes`) and nobody in this thread hears
-    the engine's events (a profile's records of the trial would be measured as the
-    engine's, and would fill the profile with a loop the caller did not run); else None."""
-    if tracemalloc.is_tracing() or events.hears("record") or events.hears("pack"):
+    program compiled, not kept for later calls), measured on the loop's device (`_meter`).
+    Only where it can be measured (`_meter`) and nobody in this thread hears the engine's
+    events (a profile's records of the trial would be measured as the engine's, and would
+    fill the profile with a loop the caller did not run); else None."""
+    meter = _meter(carry_leaves)
+    if meter is None or events.hears("record") or events.hears("pack"):
         return None
     steps = min(loop.n, TRIAL_STEPS)
     xs = [None if x is None else _row_tensor(x, x._data[:steps]) for x in loop.xs_leaves]
@@ -283,26 +286,43 @@ def _trial_run(
     carry_in = [None if c is None else _row_tensor(c, c._data) for c in carry_leaves]
     seq_before = next_sequence()
     _empty_free_lists()  # as after a collection: what the loop makes, tracemalloc then sees
-    tracemalloc.start()
+    meter.start()
     try:
-        before = tracemalloc.get_traced_memory()[0]
         with random.replaying(engine_state), enable_grad(), use_packer(KEEP):
             carry, ys = PlannedLoop(trial, Binomial(1), cached=False).run(carry_in)
-            forward = tracemalloc.get_traced_memory()[1] - before
-            tracemalloc.reset_peak()
+            forward = meter.peak()
+            meter.reset_peak()
             outputs = [o for o in flatten(carry)[0] + _leaves(ys) if o is not None]
             roots = _ones_at(outputs)
             externals = _externals(_entries(outputs, seq_before), [])
             sink = Capture({key: k for k, key in enumerate(externals)}, newer_than=seq_before)
             if roots:
                 backpropagate(roots, retain_graph=False, create_graph=False, capture=sink)
-            backward = tracemalloc.get_traced_memory()[1] - before
+            backward = meter.peak()
     finally:
-        tracemalloc.stop()
+        meter.stop()
     named = sum(array_nbytes(g) for g in sink.values if g is not None)
     named += sum(array_nbytes(y._data) for y in _leaves(ys))
     named += 2 * sum(array_nbytes(c._data) for c in carry_leaves if c is not None)
     return Trial(steps, max(0, forward), max(0, backward), named)
+
+
+def _on_host(carry_leaves: list[Any]) -> bool:
+    """Whether the loop's arrays are in host memory (numpy), where the engine's Python
+    objects share the device peak with them; on a GPU they do not."""
+    return all(c is None or device_name(c._data) == "cpu" for c in carry_leaves)
+
+
+def _meter(carry_leaves: list[Any]) -> MemoryProbe | None:
+    """What measures the dry run's allocations on the loop's device: tracemalloc on the
+    host, only when it is off (it is started for the measurement; resetting its peak would
+    spoil a caller's own), or cupy's pool hook on a GPU (tracemalloc sees none of the
+    arrays there: a budget's device peak for the RNN at batch 512, hidden 1,024 read 1.63
+    of its prediction on an H200 while only the host was measured); None where neither can."""
+    if _on_host(carry_leaves):
+        return None if tracemalloc.is_tracing() else TracemallocProbe()
+    probe = probe_for("cuda")
+    return probe if isinstance(probe, CupyHookProbe) else None
 
 
 def _empty_free_lists() -> None:
@@ -401,34 +421,34 @@ def _traced_step_bytes(
     (`object_bytes.added_bytes`: what the second step holds that the first does not), since
     tracemalloc misses the small objects the interpreter's free lists hand out, and a long
     loop drains those lists (it traced 764 of the 1,573 bytes a heat step holds). The working
-    bytes are a step's backward temporaries, reached once, as tracemalloc traces them: only
-    when it is off (it is started for the call; resetting its peak would spoil a caller's own
-    measurement, so under a caller's tracing they are 0)."""
+    bytes are a step's backward temporaries, reached once, as the device measures them
+    (`_meter`; 0 where it cannot). On a GPU the objects are 0: they are in host memory, not
+    in the device peak."""
     steps = _steps(loop)
     if steps < 2:
         return 0, 0
     initial = [None if c is None else c._data for c in carry_leaves]
     keys = _pull_back_keys(program, loop, steps)
-    measuring = not tracemalloc.is_tracing()
-    if measuring:
-        tracemalloc.start()
+    meter = _meter(carry_leaves)
+    if meter is not None:
+        meter.start()
     try:
         with random.replaying(engine_state):
             segment, y_out, arrays = program.tape_steps(initial, loop.x_arrays, 0, steps)
-            objects = added_bytes(segment[1], segment[0])
-            if not measuring:
+            objects = added_bytes(segment[1], segment[0]) if _on_host(carry_leaves) else 0
+            if meter is None:
                 return objects, 0
             roots = _replay_roots(program, arrays, y_out)
             # sums added into in place, as the plan executor's are (its `owned`)
             sink = Capture({}, initial=[None] * len(keys), owned={})
-            before = tracemalloc.get_traced_memory()[0]
-            tracemalloc.reset_peak()
+            before = meter.current()
+            meter.reset_peak()
             if roots:
                 program.pull_back(segment, roots, sink, keys)
-            peak = tracemalloc.get_traced_memory()[1]
+            peak = meter.peak()
     finally:
-        if measuring:
-            tracemalloc.stop()
+        if meter is not None:
+            meter.stop()
     handed_out = sum(array_nbytes(g) for g in sink.values if g is not None)
     return objects, max(0, peak - before - handed_out)
 
@@ -660,7 +680,9 @@ def _edge_nbytes(node: Any, index: int) -> int:
 
 
 def _snapshot_cost(carry: list[Any], storage: Strategy | None) -> SnapshotCost:
-    objects = snapshot_object_bytes(carry, storage if storage is not None else KEEP)
+    objects = 0  # the engine's objects: in the device peak only on the host
+    if all(device_name(a) == "cpu" for a in carry):
+        objects = snapshot_object_bytes(carry, storage if storage is not None else KEEP)
     if storage is None:
         return SnapshotCost(sum(array_nbytes(a) for a in carry), 0.0, 0.0, objects)
     start = time.perf_counter()
