@@ -7,11 +7,11 @@ and runs the one with the least predicted time whose predicted peak tape fits; `
 shows the same table without running the loop, and `Budget.explain()` shows it for the last
 loop a budget planned. The limit counts what the
 profiler counts as the tape's own bytes (`Profile.peak_tape_bytes`): snapshots and saved
-values. The bytes any plan needs besides (gradients, the stacked outputs, the carry in hand)
-are named in the table as fixed bytes, and so are the bytes the dry run holds once before the
-loop (a profiler around the first run sees them; the next loop of the same step and shapes,
-under this budget or another, or in `estimate`, reuses the measurement and holds none:
-`forget_dry_runs()` makes the next one measure again).
+values. The bytes any plan needs besides (gradients, the stacked outputs, the gradient of the
+final carry) are named in the table as fixed bytes, and so are the bytes the dry run holds
+once before the loop (a profiler around the first run sees them; the next loop of the same
+step and shapes, under this budget or another, or in `estimate`, reuses the measurement and
+holds none: `forget_dry_runs()` makes the next one measure again).
 
 >>> import checkpoint_ad as cad
 >>> w = cad.tensor(0.5, requires_grad=True)
@@ -37,7 +37,15 @@ from typing import Any
 from ..errors import BudgetError, StrategyConfigError
 from ..pytree import flatten, unflatten
 from ..saved import KEEP, Strategy
-from .candidates import FAMILIES, SNAPSHOT_FORMS, STEP_FORMS, Candidate, Family, engine_bytes
+from .candidates import (
+    FAMILIES,
+    SNAPSHOT_FORMS,
+    STEP_FORMS,
+    Candidate,
+    Family,
+    engine_bytes,
+    rerun_engine_bytes,
+)
 from .dtr import Rematerializing
 from .kinds import LoopPlanner, LoopStrategy
 from .loop import StepLoop, loop_length
@@ -111,7 +119,8 @@ class PlanRow:
     """Memory of the engine's own at the peak beyond the tape's arrays, as the dry run
     traced it: the objects (lists, output rows) the steps taped at the peak hold, and one
     step's backward temporaries (0 when the loop records its steps, or ran under the
-    caller's own tracemalloc)."""
+    caller's own tracemalloc); for a plan that re-runs steps, what re-running holds more
+    (`candidates.rerun_engine_bytes`)."""
 
     @property
     def seconds(self) -> float:
@@ -174,21 +183,27 @@ def plan_table(
 ) -> Estimate:
     """Every admitted candidate of `families` priced from `cost`, and the fastest that fits."""
     fixed = {"gradients": cost.gradient_bytes, "outputs": cost.output_bytes,
-             "carry in hand": 2 * cost.carry_bytes,
+             # what the caller's loss hands the loop's final carry, held through its backward;
+             # the dry run's trial holds that and the final carry itself, but a loss need not
+             # keep the carry (an RNN's sum of outputs seeds none): counted twice, a plan's
+             # device peak read 0.82-0.92 of its prediction at batch 512, hidden 1,024
+             "gradient of the final carry": cost.carry_bytes,
              "engine (program, executor state)": engine_bytes(cost)}
     extra = sum(fixed.values())
     least = cost.trial.forward_bytes if cost.trial is not None else 0
+    rerun = rerun_engine_bytes(cost)
     rows = []
     for family in families:
         for c in family(cost):
             if not admit(c):
                 continue
             fits = limit_bytes is None or c.peak_tape_bytes <= limit_bytes
+            engine = c.engine_bytes + (rerun if c.loop is not None else 0)
             rows.append(PlanRow(c.name, c.loop, c.storage, c.peak_tape_bytes,
-                                max(least, c.peak_tape_bytes + extra + c.engine_bytes),
+                                max(least, c.peak_tape_bytes + extra + engine),
                                 c.forward_seconds,
                                 c.backward_seconds, c.evaluations, c.error_bound, fits,
-                                c.engine_bytes))
+                                engine))
     rows.sort(key=lambda r: (r.seconds, r.peak_tape_bytes))
     fitting = [r for r in rows if r.fits]
     # the fastest that fits (the sort put the leanest first among equal times): a budget is

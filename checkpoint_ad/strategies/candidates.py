@@ -239,17 +239,37 @@ def _binomial(cost: StepCost, s: int, storage_name: str) -> Candidate:
 
 
 def engine_bytes(cost: StepCost) -> int:
-    """What the engine holds at a planned loop's peak beyond what its plan is priced from:
-    the dry run's trial (`pricing.Trial`, `Binomial(1)` over the loop's first steps) took
-    this much more in its backward than its gradients, outputs and carries, and than its
-    own plan is priced at here. The step program, the executor's state (its keys, guards,
-    random states), what the traced first steps leave and the allocator's small blocks are
-    in it, whatever the plan; before it was measured, a budget's device peak for the RNN
-    (batch 64, hidden 256) read 0.81-0.97 of what it held, for heat (grid 128) 0.50-0.98.
-    0 without a trial."""
+    """What the engine holds at a loop's peak beyond what its plan is priced from, whatever
+    the plan: the dry run's trial that kept its steps (`pricing.Trial`) took this much more
+    in its backward than its gradients, outputs and carries, and than keeping its steps is
+    priced at here. The step program, the executor's state (its keys, guards, random
+    states), what the traced first steps leave and the allocator's small blocks are in it;
+    before it was measured, a budget's device peak for the RNN (batch 64, hidden 256) read
+    0.81-0.97 of what it held, for heat (grid 128) 0.50-0.98. 0 without a trial."""
     trial = cost.trial
     if trial is None:
         return 0
+    if not trial.kept_backward_bytes:
+        return _rerun_residual(cost)
+    form = cost.forms["keep"]
+    priced = _tape(form, trial.steps) + _engine(cost, form, trial.steps)
+    return max(0, trial.kept_backward_bytes - trial.named_bytes - priced)
+
+
+def rerun_engine_bytes(cost: StepCost) -> int:
+    """What a plan that re-runs steps (a `Binomial` or `Periodic` plan) holds at its peak
+    beyond `engine_bytes`: the trial under `Binomial(1)` left this much more than its price
+    and the engine's share (a re-run carry beside the tape, a gradient's new term beside its
+    running sum: 4 MiB for the RNN at batch 512, hidden 1,024)."""
+    if cost.trial is None:
+        return 0
+    return max(0, _rerun_residual(cost) - engine_bytes(cost))
+
+
+def _rerun_residual(cost: StepCost) -> int:
+    """The trial's `Binomial(1)` backward beyond its named bytes and its own price."""
+    trial = cost.trial
+    assert trial is not None
     priced = _binomial(replace(cost, n_steps=trial.steps), 1, "keep")
     return max(0, trial.backward_bytes - trial.named_bytes - priced.peak_tape_bytes
                - priced.engine_bytes)

@@ -128,7 +128,9 @@ def snapshot_object_bytes(arrays: list[Any], storage: Any) -> int:
         slots = [SavedSlot(f"snapshot{0}.{k}", b, None, None)
                  for k, b in enumerate(snapshots[0].buffers) if b is not None]
         held = tracemalloc.get_traced_memory()[0] - before
-        stored = sum(b.stored_nbytes for b in snapshots[0].buffers if b is not None)
+        # a buffer kept by reference (`KeptBuffer`) allocated none of its stored bytes here
+        stored = sum(b.stored_nbytes for a, b in zip(arrays, snapshots[0].buffers)
+                     if b is not None and getattr(b, "packed", None) is not a)
         del slots
     finally:
         tracemalloc.stop()

@@ -50,7 +50,7 @@ from ..saved import KEEP, SavedBuffer, Strategy, use_packer
 from ..tape import Entry, edge_of, next_sequence
 from ..tensor import Tensor
 from .loop import StepLoop
-from .loop_strategies import Binomial
+from .loop_strategies import Binomial, Periodic
 from .offload import Offload
 from .output_rows import OutputRows
 from .plan_executor import PlannedLoop, replay_forward, snapshot_object_bytes
@@ -111,8 +111,9 @@ class SnapshotCost:
 
 @dataclass(frozen=True)
 class Trial:
-    """A short real run of a loop's plan executor (`Binomial(1)` over its first steps,
-    forward and backward) as the loop's device measured it (`_meter`), above the level before
+    """Short real runs of a loop's plan executor over its first steps, forward and backward
+    (`Binomial(1)`, and `Periodic` keeping them all as a plain `scan` does), as the loop's
+    device measured it (`_meter`), above the level before
     it: what the engine itself holds, whatever the plan, which counting arrays does not see
     (on the host the step program, the executor's state, the traced first steps, the
     allocator's small blocks; on a GPU the rules' temporaries and the pool's rounding)."""
@@ -126,6 +127,11 @@ class Trial:
     named_bytes: int
     """Of `backward_bytes`, what a plan's device peak names apart from the engine: the
     gradients handed out, the outputs and two carries."""
+    kept_backward_bytes: int = 0
+    """`backward_bytes` of the run that kept every step taped (no re-runs): a plan that
+    re-runs steps holds more at its peak than one that keeps them (a re-run carry, a sum
+    beside its new term), which one residual for both over-counted by 8-15% for keep-all at
+    batch 512, hidden 1,024 (see `candidates.engine_bytes`)."""
 
 
 @dataclass(frozen=True)
@@ -271,16 +277,25 @@ def _traced(
 def _trial_run(
     loop: StepLoop, carry_leaves: list[Any], engine_state: Any
 ) -> Trial | None:
-    """The loop's first `TRIAL_STEPS` steps run for real by the plan executor under
-    `Binomial(1)` and pulled back from every output, as a first call runs them (tracing, a
-    program compiled, not kept for later calls), measured on the loop's device (`_meter`).
-    Only where it can be measured (`_meter`) and nobody in this thread hears the engine's
-    events (a profile's records of the trial would be measured as the engine's, and would
-    fill the profile with a loop the caller did not run); else None."""
-    meter = _meter(carry_leaves)
-    if meter is None or events.hears("record") or events.hears("pack"):
+    """The loop's first `TRIAL_STEPS` steps run for real by the plan executor and pulled
+    back from every output, as a first call runs them (tracing, a program compiled, not kept
+    for later calls), twice: under `Binomial(1)` and keeping every step (see `Trial`). Only
+    where the loop's device can be measured (`_meter`) and nobody in this thread hears the
+    engine's events (a profile's records of the trial would be measured as the engine's,
+    and would fill the profile with a loop the caller did not run); else None."""
+    if _meter(carry_leaves) is None or events.hears("record") or events.hears("pack"):
         return None
     steps = min(loop.n, TRIAL_STEPS)
+    forward, backward, named = _trial_of(loop, carry_leaves, engine_state, steps, Binomial(1))
+    _, kept, _ = _trial_of(loop, carry_leaves, engine_state, steps, Periodic(steps))
+    return Trial(steps, forward, backward, named, kept)
+
+
+def _trial_of(loop: StepLoop, carry_leaves: list[Any], engine_state: Any, steps: int,
+              plan: Any) -> tuple[int, int, int]:
+    """(forward bytes, backward bytes, named bytes) of one trial run under `plan`."""
+    meter = _meter(carry_leaves)
+    assert meter is not None
     xs = [None if x is None else _row_tensor(x, x._data[:steps]) for x in loop.xs_leaves]
     trial = StepLoop(loop.step, loop.carry_spec, xs, loop.xs_spec, steps)
     carry_in = [None if c is None else _row_tensor(c, c._data) for c in carry_leaves]
@@ -289,7 +304,7 @@ def _trial_run(
     meter.start()
     try:
         with random.replaying(engine_state), enable_grad(), use_packer(KEEP):
-            carry, ys = PlannedLoop(trial, Binomial(1), cached=False).run(carry_in)
+            carry, ys = PlannedLoop(trial, plan, cached=False).run(carry_in)
             forward = meter.peak()
             meter.reset_peak()
             outputs = [o for o in flatten(carry)[0] + _leaves(ys) if o is not None]
@@ -304,7 +319,7 @@ def _trial_run(
     named = sum(array_nbytes(g) for g in sink.values if g is not None)
     named += sum(array_nbytes(y._data) for y in _leaves(ys))
     named += 2 * sum(array_nbytes(c._data) for c in carry_leaves if c is not None)
-    return Trial(steps, max(0, forward), max(0, backward), named)
+    return max(0, forward), max(0, backward), named
 
 
 def _on_host(carry_leaves: list[Any]) -> bool:
