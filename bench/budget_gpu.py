@@ -27,7 +27,9 @@ SIZES = {  # the budget benchmark's RNN, and the large GPU RNN (bench.gpu) over 
                      "hidden": 256},
     "rnn B512 H1024": {"model": "rnn", "steps": 128, "batch": 512, "input_size": 1024,
                        "hidden": 1024},
+    "tiny": {"model": "rnn", "steps": 12, "batch": 4, "input_size": 8, "hidden": 16},
 }
+DEFAULT = ["rnn B64 H256", "rnn B512 H1024"]
 
 
 def _sync(device: str) -> None:
@@ -159,9 +161,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--budgets", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--models", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--models", nargs="+", default=DEFAULT, choices=list(SIZES))
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.device == "cpu":  # pinned, as every CPU benchmark here (see bench/README.md)
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(1)
     result = rows(args.device, args.budgets, args.repeats, args.models)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

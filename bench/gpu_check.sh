@@ -1,8 +1,8 @@
 #!/bin/bash
 # The checks to run on a machine with a CUDA GPU, in order of value, each under a time limit,
-# with what they print kept in OUT (default: gpu-check/): the GPU tests, the GPU benchmark, the
-# quantize kernels against the array-API path, two GPU sweeps, then the whole suite (failures
-# listed). Run from the repository root:
+# with what they print kept in OUT (default: gpu-check/): the GPU tests, a budget's
+# predictions on the GPU, the GPU benchmark, the quantize kernels against the array-API path,
+# two GPU sweeps, then the whole suite (failures listed). Run from the repository root:
 #
 #     bash bench/gpu_check.sh [OUT]
 #
@@ -23,6 +23,9 @@ stamp machine
 timeout "${T_TESTS:-120}" python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests \
     > "$OUT/gpu-tests.txt" 2>&1
 echo "rc=$?" >> "$OUT/gpu-tests.txt"; tail -3 "$OUT/gpu-tests.txt"; stamp gpu-tests
+timeout "${T_SWEEP:-120}" python3 -m bench.budget_gpu --device cuda --out "$OUT" \
+    > "$OUT/budget-gpu.log" 2>&1
+echo "rc=$?" >> "$OUT/budget-gpu.log"; stamp budget-gpu
 timeout "${T_BENCH:-300}" python3 -m bench.gpu --out "$OUT" --timeout 120 --repeats 3 \
     > "$OUT/bench.log" 2>&1
 echo "rc=$?" >> "$OUT/bench.log"; stamp bench

@@ -259,3 +259,18 @@ def test_gpu_benchmark_harness_runs_on_the_cpu_and_lossless_columns_match_the_fl
     rows = json.loads((tmp_path / "bench-gpu-harness-on-cpu.json").read_text())["sizes"]["tiny"]
     assert rows == [{"column": "torch (timed out)", "library": "torch",
                      "error": "no result within 0 s"}]
+
+
+def test_budget_gpu_harness_runs_on_the_cpu(tmp_path):
+    """`bench.budget_gpu` reads a budget's predictions against the device (tracemalloc on
+    the CPU): each row names its plan, and the plan's peak tape is the one predicted."""
+    from bench import budget_gpu
+
+    budget_gpu.main(["--device", "cpu", "--models", "tiny", "--budgets", "2", "--repeats", "1",
+                     "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "budget-cpu.json").read_text())
+    assert rows[0]["plan"] == "keep-all" and len(rows) == 2
+    for r in rows:
+        assert r["memory_source"] == "tracemalloc"
+        assert r["peak_tape_over_predicted"] == 1.0
+        assert 0.5 < r["device_over_predicted"] < 2 and r["time_over_predicted"] > 0
