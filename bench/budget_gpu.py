@@ -96,25 +96,13 @@ def _device_peak(model: Any, strategy: Any, device: str) -> tuple[int, str]:
     return peak, "cupy-pool"
 
 
-def _peak_tape(model: Any, strategy: Any, device: str) -> int:
-    import checkpoint_ad as cad
-
-    before = 0
-
-    def at_loop() -> None:
-        nonlocal before
-        before = prof.peak_tape_bytes
-
-    with cad.profile() as prof:
-        _runner(model, strategy, device, at_loop)()
-    return prof.peak_tape_bytes - before
-
-
 def rows(device: str, count: int, repeats: int, labels: list[str]) -> list[dict[str, Any]]:
     import checkpoint_ad as cad
     from checkpoint_ad.models import build
     from checkpoint_ad.strategies import Budget
     from checkpoint_ad.strategies.budget import forget_dry_runs, format_bytes
+
+    from .budgets import _peak
 
     out = []
     for label in labels:
@@ -133,7 +121,7 @@ def rows(device: str, count: int, repeats: int, labels: list[str]) -> list[dict[
             run()  # the dry run and the plan
             chosen = budget.last.chosen
             device_peak, source = _device_peak(model, budget, device)
-            tape = _peak_tape(model, budget, device)
+            tape = _peak(model, budget, cad.strategies.KeepAll())[0]  # the profiler's
             ratios = []
             for _ in range(repeats):
                 run()
