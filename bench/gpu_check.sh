@@ -40,7 +40,7 @@ timeout "${T_SWEEP:-120}" python3 -m checkpoint_ad.cli sweep --model rnn --devic
 echo "rc=$?" >> "$OUT/sweep-large.log"; stamp sweep-large
 workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n $(nproc)")
 # shellcheck disable=SC2086  # $workers is empty or two words
-timeout "${T_SUITE:-300}" python3 -m pytest -q -rf -p no:cacheprovider $workers tests \
+timeout "${T_SUITE:-300}" python3 -m pytest -v -rf -p no:cacheprovider $workers tests \
     > "$OUT/full-suite.txt" 2>&1
-echo "rc=$?" >> "$OUT/full-suite.txt"; grep -E "^FAILED|passed|failed" "$OUT/full-suite.txt" | tail -25
+echo "rc=$?" >> "$OUT/full-suite.txt"; grep -E "FAILED|[0-9]+ passed|[0-9]+ failed" "$OUT/full-suite.txt" | tail -25
 stamp suite
