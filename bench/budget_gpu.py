@@ -33,27 +33,21 @@ SIZES = {  # the budget benchmark's RNN, and the large GPU RNN (bench.gpu) over 
 DEFAULT = ["rnn B64 H256", "rnn B512 H1024"]
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        import cupy
-
-        cupy.cuda.Device().synchronize()
-
-
 def _runner(model: Any, strategy: Any, device: str, at_loop: Any = None) -> Any:
     """One run of `model` under `strategy` and its gradient; `run.loop_seconds[0]` is the
     last run's seconds in its `scan` call and gradient, the device synchronised."""
     import checkpoint_ad as cad
+    from checkpoint_ad.profiler.memory import synchronize
 
     loop_seconds = [0.0]
 
     def scan(step: Any, init: Any, xs: Any) -> Any:
         if at_loop is not None:
             at_loop()
-        _sync(device)
+        synchronize(device)
         began = time.perf_counter()
         out = cad.scan(step, init, xs, strategy=strategy)
-        _sync(device)
+        synchronize(device)
         loop_seconds[0] = time.perf_counter() - began
         return out
 
@@ -61,7 +55,7 @@ def _runner(model: Any, strategy: Any, device: str, at_loop: Any = None) -> Any:
         loss = model.run(scan)
         began = time.perf_counter()
         cad.grad(loss, model.params)
-        _sync(device)
+        synchronize(device)
         loop_seconds[0] += time.perf_counter() - began
 
     run.loop_seconds = loop_seconds  # type: ignore[attr-defined]
@@ -74,24 +68,24 @@ def _device_peak(model: Any, strategy: Any, device: str) -> tuple[int, str]:
     import checkpoint_ad as cad
     from checkpoint_ad.strategies import program_cache
 
-    program_cache.clear()
-    if device != "cuda":
+    if device != "cuda":  # a first call too (`first_call`)
         from .budgets import _device_peak as traced
 
         return traced(model, strategy, cad.strategies.KeepAll()), "tracemalloc"
     import cupy
 
-    from checkpoint_ad.profiler.memory import CupyHookProbe
+    from checkpoint_ad.profiler.memory import CupyHookProbe, synchronize
 
+    program_cache.clear()
     probe = CupyHookProbe(cupy)
 
     def at_loop() -> None:
-        _sync(device)
+        synchronize(device)
         probe.start()
 
     try:
         _runner(model, strategy, device, at_loop)()
-        _sync(device)
+        synchronize(device)
     finally:
         peak = probe.stop()
     return peak, "cupy-pool"

@@ -266,8 +266,6 @@ def engine_bytes(cost: StepCost) -> int:
     trial = cost.trial
     if trial is None:
         return 0
-    if not trial.kept_backward_bytes:
-        return _rerun_residual(cost)
     form = cost.forms["keep"]
     priced = _tape(form, trial.steps) + _engine(cost, form, trial.steps)
     return max(0, trial.kept_backward_bytes - trial.named_bytes - priced)

@@ -44,7 +44,7 @@ from ..backend import device_name, is_floating, namespace
 from ..backend import nbytes as array_nbytes
 from ..grad_mode import enable_grad, no_grad
 from ..object_bytes import added_bytes
-from ..profiler.memory import CupyHookProbe, MemoryProbe, TracemallocProbe, probe_for
+from ..profiler.memory import CupyHookProbe, TracemallocProbe, probe_for
 from ..pytree import flatten, unflatten
 from ..saved import KEEP, SavedBuffer, Strategy, use_packer
 from ..tape import Entry, edge_of, next_sequence
@@ -113,10 +113,10 @@ class SnapshotCost:
 class Trial:
     """Short real runs of a loop's plan executor over its first steps, forward and backward
     (`Binomial(1)`, and `Periodic` keeping them all as a plain `scan` does), as the loop's
-    device measured it (`_meter`), above the level before
-    it: what the engine itself holds, whatever the plan, which counting arrays does not see
-    (on the host the step program, the executor's state, the traced first steps, the
-    allocator's small blocks; on a GPU the rules' temporaries and the pool's rounding)."""
+    device measured it (`_meter`), above the level before it: what the engine itself holds,
+    whatever the plan, which counting arrays does not see (on the host the step program,
+    the executor's state, the traced first steps, the allocator's small blocks; on a GPU
+    the rules' temporaries and the pool's rounding)."""
 
     steps: int
     forward_bytes: int
@@ -127,7 +127,7 @@ class Trial:
     named_bytes: int
     """Of `backward_bytes`, what a plan's device peak names apart from the engine: the
     gradients handed out, the outputs and two carries."""
-    kept_backward_bytes: int = 0
+    kept_backward_bytes: int
     """`backward_bytes` of the run that kept every step taped (no re-runs): a plan that
     re-runs steps holds more at its peak than one that keeps them (a re-run carry, a sum
     beside its new term), which one residual for both over-counted by 8-15% for keep-all at
@@ -283,19 +283,22 @@ def _trial_run(
     where the loop's device can be measured (`_meter`) and nobody in this thread hears the
     engine's events (a profile's records of the trial would be measured as the engine's,
     and would fill the profile with a loop the caller did not run); else None."""
-    if _meter(carry_leaves) is None or events.hears("record") or events.hears("pack"):
+    meter = _meter(carry_leaves)
+    if meter is None or events.hears("record") or events.hears("pack"):
         return None
     steps = min(loop.n, TRIAL_STEPS)
-    forward, backward, named = _trial_of(loop, carry_leaves, engine_state, steps, Binomial(1))
-    _, kept, _ = _trial_of(loop, carry_leaves, engine_state, steps, Periodic(steps))
+    forward, backward, named = _trial_of(meter, loop, carry_leaves, engine_state, steps,
+                                         Binomial(1))
+    _, kept, _ = _trial_of(meter, loop, carry_leaves, engine_state, steps, Periodic(steps))
     return Trial(steps, forward, backward, named, kept)
 
 
-def _trial_of(loop: StepLoop, carry_leaves: list[Any], engine_state: Any, steps: int,
-              plan: Any) -> tuple[int, int, int]:
-    """(forward bytes, backward bytes, named bytes) of one trial run under `plan`."""
-    meter = _meter(carry_leaves)
-    assert meter is not None
+def _trial_of(
+    meter: TracemallocProbe | CupyHookProbe, loop: StepLoop, carry_leaves: list[Any],
+    engine_state: Any, steps: int, plan: Any,
+) -> tuple[int, int, int]:
+    """(forward bytes, backward bytes, named bytes) of one trial run under `plan`, measured
+    by `meter` (started and stopped here)."""
     xs = [None if x is None else _row_tensor(x, x._data[:steps]) for x in loop.xs_leaves]
     trial = StepLoop(loop.step, loop.carry_spec, xs, loop.xs_spec, steps)
     carry_in = [None if c is None else _row_tensor(c, c._data) for c in carry_leaves]
@@ -322,19 +325,19 @@ def _trial_of(loop: StepLoop, carry_leaves: list[Any], engine_state: Any, steps:
     return max(0, forward), max(0, backward), named
 
 
-def _on_host(carry_leaves: list[Any]) -> bool:
-    """Whether the loop's arrays are in host memory (numpy), where the engine's Python
-    objects share the device peak with them; on a GPU they do not."""
-    return all(c is None or device_name(c._data) == "cpu" for c in carry_leaves)
+def _on_host(arrays: list[Any]) -> bool:
+    """Whether the loop's arrays (None: absent) are in host memory (numpy), where the
+    engine's Python objects share the device peak with them; on a GPU they do not."""
+    return all(a is None or device_name(a) == "cpu" for a in arrays)
 
 
-def _meter(carry_leaves: list[Any]) -> MemoryProbe | None:
+def _meter(carry_leaves: list[Any]) -> TracemallocProbe | CupyHookProbe | None:
     """What measures the dry run's allocations on the loop's device: tracemalloc on the
     host, only when it is off (it is started for the measurement; resetting its peak would
     spoil a caller's own), or cupy's pool hook on a GPU (tracemalloc sees none of the
     arrays there: a budget's device peak for the RNN at batch 512, hidden 1,024 read 1.63
     of its prediction on an H200 while only the host was measured); None where neither can."""
-    if _on_host(carry_leaves):
+    if _on_host([None if c is None else c._data for c in carry_leaves]):
         return None if tracemalloc.is_tracing() else TracemallocProbe()
     probe = probe_for("cuda")
     return probe if isinstance(probe, CupyHookProbe) else None
@@ -450,7 +453,7 @@ def _traced_step_bytes(
     try:
         with random.replaying(engine_state):
             segment, y_out, arrays = program.tape_steps(initial, loop.x_arrays, 0, steps)
-            objects = added_bytes(segment[1], segment[0]) if _on_host(carry_leaves) else 0
+            objects = added_bytes(segment[1], segment[0]) if _on_host(initial) else 0
             if meter is None:
                 return objects, 0
             roots = _replay_roots(program, arrays, y_out)
@@ -696,7 +699,7 @@ def _edge_nbytes(node: Any, index: int) -> int:
 
 def _snapshot_cost(carry: list[Any], storage: Strategy | None) -> SnapshotCost:
     objects = 0  # the engine's objects: in the device peak only on the host
-    if all(device_name(a) == "cpu" for a in carry):
+    if _on_host(carry):
         objects = snapshot_object_bytes(carry, storage if storage is not None else KEEP)
     if storage is None:
         return SnapshotCost(sum(array_nbytes(a) for a in carry), 0.0, 0.0, objects)
