@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -34,32 +33,15 @@ DEFAULT = ["rnn B64 H256", "rnn B512 H1024"]
 
 
 def _runner(model: Any, strategy: Any, device: str, at_loop: Any = None) -> Any:
-    """One run of `model` under `strategy` and its gradient; `run.loop_seconds[0]` is the
-    last run's seconds in its `scan` call and gradient, the device synchronised."""
+    """`budgets._runner` under `KeepAll`, the device synchronised at each end of the loop
+    and of its gradient."""
     import checkpoint_ad as cad
     from checkpoint_ad.profiler.memory import synchronize
 
-    loop_seconds = [0.0]
+    from .budgets import _runner as runner
 
-    def scan(step: Any, init: Any, xs: Any) -> Any:
-        if at_loop is not None:
-            at_loop()
-        synchronize(device)
-        began = time.perf_counter()
-        out = cad.scan(step, init, xs, strategy=strategy)
-        synchronize(device)
-        loop_seconds[0] = time.perf_counter() - began
-        return out
-
-    def run() -> None:
-        loss = model.run(scan)
-        began = time.perf_counter()
-        cad.grad(loss, model.params)
-        synchronize(device)
-        loop_seconds[0] += time.perf_counter() - began
-
-    run.loop_seconds = loop_seconds  # type: ignore[attr-defined]
-    return run
+    return runner(model, strategy, cad.strategies.KeepAll(), at_loop,
+                  sync=lambda: synchronize(device))
 
 
 def _device_peak(model: Any, strategy: Any, device: str) -> tuple[int, str]:

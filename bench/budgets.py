@@ -27,20 +27,24 @@ PRESETS = ("keep-all", "store-inputs", "store-outputs", "sqrt-segments", "recomp
 
 
 def _runner(model: Any, strategy: Any, storage: Any,
-            at_loop: Any = None) -> Any:
+            at_loop: Any = None, sync: Any = None) -> Any:
     """One run of `model` (its loop under `strategy`, saved values under `storage`) and its
     gradient; `at_loop()` is called as the loop starts. The run's `loop_seconds` (a
-    one-item list) holds the last run's seconds in the `scan` call and in the gradient:
-    what a prediction prices, without the model's work around the loop (its loss)."""
+    one-item list) holds the last run's seconds in its `scan` call and in the gradient:
+    what a prediction prices, without the model's work around the loop (its loss).
+    `sync()`, where given, waits for the device at each end of both (a GPU's queued work)."""
     import checkpoint_ad as cad
 
     loop_seconds = [0.0]
+    wait = sync if sync is not None else (lambda: None)
 
     def scan(step: Any, init: Any, xs: Any) -> Any:
         if at_loop is not None:
             at_loop()
+        wait()
         began = time.perf_counter()
         out = cad.scan(step, init, xs, strategy=strategy)
+        wait()
         loop_seconds[0] = time.perf_counter() - began
         return out
 
@@ -49,6 +53,7 @@ def _runner(model: Any, strategy: Any, storage: Any,
             loss = model.run(scan)
             began = time.perf_counter()
             cad.grad(loss, model.params)
+            wait()
             loop_seconds[0] += time.perf_counter() - began
 
     run.loop_seconds = loop_seconds  # type: ignore[attr-defined]
