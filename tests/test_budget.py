@@ -83,10 +83,14 @@ def test_predicted_peak_tape_matches_the_profiler(name):
         prof, _ = _run(name, row.strategy, row.storage)
         predicted, measured = row.peak_tape_bytes, prof.peak_tape_bytes
         slack = 0 if name == "rnn" else 2 * carry + 64
+        # sigmoid(theta) is held from before the loop until the backward's very end: every
+        # plan's peak has it (the misfit only those whose peak falls after the loss)
+        before = 0 if name == "rnn" else carry
         # a replayed loop (step programs) holds a constant the step makes (a Python scalar)
         # once, where the recorded dry run holds one per step: at most that much less
         shared = 0 if name == "rnn" else 0.01 * predicted
-        assert predicted - shared <= measured <= predicted + slack, (label, predicted, measured)
+        assert predicted + before - shared <= measured <= predicted + slack, (
+            label, predicted, measured)
 
 
 def test_the_estimate_lists_every_plan_fastest_first_and_marks_the_choice():

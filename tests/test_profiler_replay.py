@@ -107,6 +107,42 @@ def test_a_loss_on_the_final_carry_shares_the_buffer_its_last_step_packed(loop, 
     assert outer_a.buffer in {r.buffer for r in inside}
 
 
+
+def _profiled_with_a_value_from_before_the_loop(loop, trace):
+    """A step that captures a value computed before the loop (a graph value, not a leaf: as
+    heat's diffusivity is) and saves it at every step."""
+    w, u, b, h0, xs = _params()
+    with profile() as prof:
+        gate = cad.sigmoid(b) * 2.0  # saves nothing itself; each step saves it
+
+        def step(h, x):
+            h = cad.tanh(gate * (h @ w) + x @ u)
+            return h, h.sum()
+
+        carry, ys = cad.scan(step, h0, xs, strategy=loop, trace=trace)
+        (carry.sum() + ys.sum()).backward()
+    return prof, [t.grad.numpy() for t in (w, u, b, h0)]
+
+
+@pytest.mark.parametrize("loop", [None, Binomial(1), Binomial(3), Periodic(3)],
+                         ids=["kept", "binomial-1", "binomial-3", "periodic"])
+def test_a_captured_graph_value_is_the_tapes_in_a_replayed_loop_as_when_recorded(loop):
+    """Replayed steps once learned the captured value as one of the caller's leaves, so
+    every later record of it read the caller's memory and the loop's peak tape one value
+    short of recording's."""
+    replayed, grads = _profiled_with_a_value_from_before_the_loop(loop, trace=True)
+    recorded, ref_grads = _profiled_with_a_value_from_before_the_loop(loop, trace=False)
+    for g, r in zip(grads, ref_grads, strict=True):
+        np.testing.assert_array_equal(g, r)
+    gate_records = [r for p in (replayed, recorded) for r in p.records
+                    if r.op == "multiply" and r.role == "a" and r.shape == (5,)]
+    assert gate_records and all(r.owned for r in gate_records)
+    assert replayed.peak_tape_bytes == recorded.peak_tape_bytes
+    assert replayed.leaf_bytes == recorded.leaf_bytes
+    assert replayed.aliased_bytes == recorded.aliased_bytes
+    if loop is not None:  # a kept loop is one entry: its order of buffers is its own
+        assert _comparable(replayed) == _comparable(recorded)
+
 def _heard(T):
     w, u, b, h0, xs = _params(T=T)
     heard = []

@@ -79,7 +79,7 @@ class _Remembered:
 
     instructions: tuple[Instruction, ...]
     outputs: tuple[tuple[int, ...], tuple[int, ...]]
-    facts: tuple[tuple[bool, bool, Any], ...]
+    facts: tuple[tuple[bool, bool, Any, bool], ...]
     n_inputs: int
     n_slots: int
     constants: dict[int, _Captured]

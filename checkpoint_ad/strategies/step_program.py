@@ -114,7 +114,8 @@ class Trace:
     refused: str | None = None
     outputs: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
     drawn: dict[int, tuple[int, Any]] = field(default_factory=dict)  # id(array) -> (slot, array)
-    facts: list[tuple[bool, bool, Any]] = field(default_factory=list)  # per slot, once finished
+    # per slot, once finished: (requires grad, a leaf of the step, dtype, a leaf of the graph)
+    facts: list[tuple[bool, bool, Any, bool]] = field(default_factory=list)
     n_slots: int = 0
 
     # ------------------------------------------------------------- called by the engine
@@ -228,7 +229,8 @@ class Trace:
         self.facts = [
             (t is not None and t._requires_grad,
              t is None or t._entry is None or t._entry.seq <= self.seq_before,
-             None if t is None else t.dtype)
+             None if t is None else t.dtype,
+             t is None or t._entry is None)
             for t in self.tensors
         ]
         self.n_slots = len(self.tensors)
@@ -312,9 +314,12 @@ class StepProgram:
         self.carry_out, self.y_out = trace.outputs
         self._bind(trace.constants)
         # graph facts of every slot, as the recorded step had them
-        self.requires_grad = [rg for rg, _, _ in trace.facts]
-        self.leaf = [leaf for _, leaf, _ in trace.facts]
-        self.dtype = [dtype for _, _, dtype in trace.facts]
+        self.requires_grad = [rg for rg, _, _, _ in trace.facts]
+        self.leaf = [leaf for _, leaf, _, _ in trace.facts]  # of the step: from outside it
+        self.dtype = [dtype for _, _, dtype, _ in trace.facts]
+        # a leaf of the graph (no entry): what recording the step would hand a profiler as a
+        # leaf edge; a value captured from before the loop (heat's diffusivity) is not one
+        self.graph_leaf = [leaf for _, _, _, leaf in trace.facts]
         # free each value after its last use in a forward without saving
         last: dict[int, int] = {}
         for i, ins in enumerate(self.instructions):
@@ -956,7 +961,7 @@ def _describe(program: StepProgram, ins: Instruction) -> Described:
         tuple((s.name, ins.output if s.position < 0 else ins.inputs[s.position],
                s.counted and not s.leaf_edge) for s in ins.saved),
         tuple(slot for slot, needed in zip(ins.inputs, ins.mask)
-              if needed and program.leaf[slot]),
+              if needed and program.leaf[slot] and program.graph_leaf[slot]),
     )
 
 
