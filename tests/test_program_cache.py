@@ -395,17 +395,21 @@ def _comparable(prof):
 
 
 @pytest.mark.parametrize("loop", LOOPS, ids=LOOP_IDS)
-@pytest.mark.parametrize("earlier", ["plain", "profiled"])
+@pytest.mark.parametrize("earlier", ["plain", "profiled", "alternating"])
 def test_a_reused_program_profiles_as_recording_every_step(loop, earlier):
-    """The same saved values (source lines included, whether the earlier call was profiled
+    """The same saved values (source lines included, whether the earlier calls were profiled
     or not), peak tape bytes and recompute counts as ``trace=False``; a planned loop's whole
     profile is its recording's (a kept loop's entry orders its buffers otherwise)."""
     w, b, h0, xs = _params()
     step = _step_over(w, b)
     if earlier == "plain":
         _run(step, h0, xs, loop)
-    else:
+    elif earlier == "profiled":
         _profiled(step, h0, xs, loop, True)
+    else:  # the lines named, then not, then again (a program remembers its copies' lines)
+        _run(step, h0, xs, loop)
+        _profiled(step, h0, xs, loop, True)
+        _run(step, h0, xs, loop)
     reused = _profiled(step, h0, xs, loop, True)
     recorded = _profiled(step, h0, xs, loop, False)
     assert reused.records and reused.peak_tape_bytes > 0

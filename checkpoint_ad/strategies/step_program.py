@@ -301,6 +301,9 @@ def same_values(a: Any, b: Any) -> bool:
         return False
 
 
+_MOST_ORIGIN_SETS = 8  # the source lines a cached program remembers its copies by
+
+
 class StepProgram:
     """A traced step, frozen: replayed forward (`run`), forward with saved values (`tape`),
     and backward (`pull_back`)."""
@@ -370,6 +373,10 @@ class StepProgram:
         # step, chained to a recorded one (shared with the copies `bound_to` makes)
         self.layouts: list[KeptLayout | None] = [None, None, None]
         self.described: list[DescribedStep | None] = [None]  # `_step_begins`'s, likewise
+        # source lines -> (instructions, described) of the copies `bound_to` made naming
+        # those lines (shared with them): a loop that runs now profiled, now not, names them
+        # now and then not, and each run would otherwise re-make and re-describe its steps
+        self.by_origins: dict[tuple[Any, ...], tuple[tuple[Instruction, ...], list[Any]]] = {}
         self.delivery = delivery_kinds(self.n_slots, self.carry_in, self.x_in, self.constants,
                                        self.requires_grad, self.leaf)
         # every output that takes a gradient is made in the step: a root (the gradient of a
@@ -414,9 +421,15 @@ class StepProgram:
         program._bind(trace.constants)
         if any(ins.origin != new.origin for ins, new in zip(self.instructions,
                                                             trace.instructions)):
-            program.instructions = tuple(replace(ins, origin=new.origin) for ins, new in zip(
-                self.instructions, trace.instructions))
-            program.described = [None]  # described anew, with these lines
+            origins = tuple(new.origin for new in trace.instructions)
+            known = self.by_origins.get(origins)
+            if known is None:
+                if len(self.by_origins) >= _MOST_ORIGIN_SETS:
+                    self.by_origins.clear()
+                known = self.by_origins[origins] = (tuple(
+                    replace(ins, origin=origin)
+                    for ins, origin in zip(self.instructions, origins)), [None])
+            program.instructions, program.described = known  # described with these lines
         return program
 
     def unbound(self) -> StepProgram:
