@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -24,15 +27,57 @@ _MAX_ORIGINS = 100_000
 NO_ORIGIN: tuple[Any, int] = (None, 0)  # the origin of an entry recorded where no one asked
 
 
-def _is_internal(code: Any) -> bool:
+BOUNDARY: Any = object()  # the kind of a re-run boundary's code: internal (truthy), marked
+_boundaries: dict[int, Any] = {}  # id(code) -> code of the functions `rerun_boundary` marks
+_rerun = threading.local()  # .origin: the origin the innermost re-run names, per thread
+
+
+def _is_internal(code: Any) -> Any:
     internal = _code_kinds.get(id(code))
     if internal is None:
         if len(_codes_seen) > _MAX_ORIGINS:  # code made on the fly (exec) would pile up
             _code_kinds.clear()
             _codes_seen.clear()
         _codes_seen.append(code)
-        internal = _code_kinds[id(code)] = code.co_filename.startswith(_PACKAGE_DIR)
+        internal = _code_kinds[id(code)] = BOUNDARY if id(code) in _boundaries else (
+            code.co_filename.startswith(_PACKAGE_DIR))
     return internal
+
+
+def rerun_boundary(function: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark `function` as where this package runs a user's step again (a loop's steps taped
+    for the backward sweep). An entry recorded under it whose walk reaches it before any user
+    frame (the step is this package's code: a built-in model's, a layer's) names the origin
+    `rerunning_from` gave, the line that ran the loop, rather than the line that called the
+    backward sweep: as when the step was first run, and as a replayed step names it."""
+    code = function.__code__
+    _boundaries[id(code)] = code
+    _code_kinds[id(code)] = BOUNDARY
+    return function
+
+
+@contextmanager
+def rerunning_from(origin: tuple[Any, int] | None) -> Iterator[None]:
+    """Entries recorded under a `rerun_boundary` in this block name `origin` (None: the line
+    the walk finds above the boundary, as without this block)."""
+    previous = getattr(_rerun, "origin", None)
+    _rerun.origin = origin
+    try:
+        yield
+    finally:
+        _rerun.origin = previous
+
+
+def loop_origin() -> tuple[Any, int] | None:
+    """The origin of the user line that runs a loop, asked from inside this package (a
+    `scan`), when an entry recorded now would ask for one (a listener, `record_origins`);
+    else None."""
+    from . import events
+    from .grad_mode import _state, origin_blocks
+
+    if not (events.listeners or (origin_blocks and _state.origins)):
+        return None
+    return _first_outside(sys._getframe(2))
 
 
 def origin_text(frame: tuple[Any, int]) -> str:
@@ -81,5 +126,9 @@ def _first_outside(frame: Any) -> tuple[Any, int]:
             if pair is None:
                 pair = _call_sites[site] = _line_pair(code, frame.f_lineno)
             return pair
+        if internal is BOUNDARY:  # a step of this package's, run again: its loop's line
+            origin = getattr(_rerun, "origin", None)
+            if origin is not None:
+                return origin
         frame = frame.f_back
     return NO_ORIGIN

@@ -44,6 +44,10 @@ class StepLoop:
     evaluations: int = 0
     mode: str = ""
     """How the loop ran, once it has ("replayed", "recorded: <why>"): what `loops()` lists."""
+    origin: tuple[Any, int] | None = None
+    """The user line that ran the loop, when someone asked for origins as it began (a
+    profiler): what entries of its steps taped again for the backward sweep name, where the
+    step is this package's code (`origins.rerun_boundary`)."""
 
     def x_at(self, t: int) -> Any:
         """The scanned input of step t, without history (for re-runs under a plan)."""

@@ -44,6 +44,7 @@ from ..backend import is_floating, namespace
 from ..errors import BackwardError, SavedValueModifiedError
 from ..grad_mode import _state, enable_grad, no_grad
 from ..ops import concatenate, expand_dims, stack
+from ..origins import rerun_boundary, rerunning_from
 from ..pytree import flatten, unflatten
 from ..saved import (
     KEEP,
@@ -864,6 +865,7 @@ class PlannedLoop:
             arrays, _ = program.run(arrays, loop.x_arrays(t))
         return arrays
 
+    @rerun_boundary
     def _tape_steps(
         self, start: int, stop: int, arrays: list[Any], replayable: bool | None = None
     ) -> _TapedSegment | _ReplayedSegment:
@@ -883,7 +885,7 @@ class PlannedLoop:
         x_parts: list[tuple[int, list[Any]]] = []
         y_out: list[tuple[int, list[Any]]] = []
         seq_before = next_sequence()
-        with enable_grad():
+        with enable_grad(), rerunning_from(loop.origin):
             for t in range(start, stop):
                 x = self._x_tensors(t)
                 carry, ys = self._call(t, carry, x)
@@ -1123,6 +1125,7 @@ class PlannedLoop:
             )
         return found
 
+    @rerun_boundary
     def _backward_with_graph(
         self, entry: Entry, grads: list[Any], onto: list[Any] | None = None
     ) -> list[Any]:
@@ -1133,7 +1136,7 @@ class PlannedLoop:
         np.random.set_state(self.initial_numpy_state)
         with events.recomputing(self.name), enable_grad(), random.replaying(
             self.initial_engine_state
-        ), use_packer(self.step_packer):
+        ), use_packer(self.step_packer), rerunning_from(loop.origin):
             carry = list(self.carry_inputs)
             per_step = []
             for t, x in enumerate(loop.all_x()):
