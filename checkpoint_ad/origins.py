@@ -49,7 +49,8 @@ def rerun_boundary(function: Callable[..., Any]) -> Callable[..., Any]:
     for the backward sweep). An entry recorded under it whose walk reaches it before any user
     frame (the step is this package's code: a built-in model's, a layer's) names the origin
     `rerunning_from` gave, the line that ran the loop, rather than the line that called the
-    backward sweep: as when the step was first run, and as a replayed step names it."""
+    backward sweep: as when the step was first run, and as a replayed step names it. (A
+    checkpointed region's function, run again, likewise names the `checkpoint` call.)"""
     code = function.__code__
     _boundaries[id(code)] = code
     _code_kinds[id(code)] = BOUNDARY
@@ -68,10 +69,10 @@ def rerunning_from(origin: tuple[Any, int] | None) -> Iterator[None]:
         _rerun.origin = previous
 
 
-def loop_origin() -> tuple[Any, int] | None:
-    """The origin of the user line that runs a loop, asked from inside this package (a
-    `scan`), when an entry recorded now would ask for one (a listener, `record_origins`);
-    else None."""
+def caller_origin() -> tuple[Any, int] | None:
+    """The origin of the user line that called into this package (a `scan`, a `checkpoint`),
+    asked from inside it, when an entry recorded now would ask for one (a listener,
+    `record_origins`); else None."""
     from . import events
     from .grad_mode import _state, origin_blocks
 

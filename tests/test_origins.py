@@ -65,3 +65,23 @@ def test_a_profile_lists_each_saved_value_at_its_own_call_site():
     exp_lines = {f"{__file__}:{_line_of('y = cad.tanh(x); z')}",
                  f"{__file__}:{_line_of('return cad.exp(x)  # helper-exp')}"}
     assert lines["exp"] == exp_lines
+
+
+def test_values_a_checkpointed_function_of_ours_saves_again_name_the_checkpoint_line():
+    """A layer of this package run again for the backward sweep names the line that
+    checkpointed it, as its forward did; a user's own function names its own lines."""
+    from checkpoint_ad import nn
+
+    layer = nn.Linear(4, 4)
+    x = cad.tensor(np.ones((2, 4)), requires_grad=True)
+
+    def users(v):
+        return cad.tanh(v)  # user-function
+
+    with cad.profile() as prof:
+        y = cad.checkpoint(layer, x)  # checkpoint-layer
+        z = cad.checkpoint(users, x)
+        (y.sum() + z.sum()).backward()  # the-backward
+    again = {(r.op, r.origin.rsplit(":", 1)[1]) for r in prof.records if r.phase == "recompute"}
+    layer_line, user_line = _line_of("# checkpoint-layer"), _line_of("# user-function")
+    assert again == {("matmul", str(layer_line)), ("tanh", str(user_line))}

@@ -21,6 +21,7 @@ from .. import events, random
 from ..backend import to_device
 from ..errors import RecomputeError
 from ..grad_mode import enable_grad, is_grad_enabled
+from ..origins import caller_origin, rerun_boundary, rerunning_from
 from ..saved import SavedSlot, Strategy, buffer_for, current_packer, use_packer
 from ..tensor import Tensor
 from .kinds import LoopStrategy, RegionStrategy
@@ -166,6 +167,7 @@ class _Region:
         self.rng = _random_state()
         self.engine_state = random.get_state()
         self.packer = RegionPacker(self, 0, outer.choose_form)
+        self.origin = caller_origin()  # what entries of `fn` re-run name, if it is ours
 
     def _keep(self, value: Any, packer: Strategy) -> Any:
         if not isinstance(value, Tensor):
@@ -184,8 +186,9 @@ class _Region:
         t._requires_grad = requires_grad
         return t
 
+    @rerun_boundary
     def materialize(self, key: int) -> None:
-        with events.recomputing(self.name):
+        with events.recomputing(self.name), rerunning_from(self.origin):
             args = [self._restore(a) for a in self.args]
             kwargs = {k: self._restore(v) for k, v in self.kwargs.items()}
             collector = Collector(self.packer._choose)

@@ -19,7 +19,7 @@ from .. import loop_log, random
 from ..backend import namespace
 from ..errors import StrategyConfigError
 from ..grad_mode import is_grad_enabled, no_grad
-from ..origins import loop_origin
+from ..origins import caller_origin
 from ..pytree import flatten, unflatten
 from ..saved import Strategy, use_packer
 from ..tensor_base import make_tensor
@@ -105,7 +105,7 @@ def scan(
     xs_leaves, xs_spec = ([], None) if xs is None else flatten(xs)
     limit = loop_length(xs_leaves, length, open_ended=until is not None)
     loop = StepLoop(step, carry_spec, xs_leaves, xs_spec, limit if until is None else 0)
-    loop.origin = loop_origin()
+    loop.origin = caller_origin()
     if limit == 0:
         loop.mode = "recorded: a loop of no steps"
         ys = _empty_outputs(loop, carry_leaves)
