@@ -55,6 +55,7 @@ def _comparable(prof):
     data = prof.to_dict()
     for key in MEASURED:
         data.pop(key)
+    data["explain"] = str(prof.explain())
     return data
 
 
