@@ -7,9 +7,10 @@ peak fits the budget. Reported: the plan's measured peak tape (the profiler's, l
 model's own code saved before the loop, reported apart) over its predicted peak; the median
 over repeats of the loop's measured time (its `scan` call and the gradient, not the model's
 work around the loop, which no plan prices) over that repeat's prediction; and the median of
-the whole run's time over the faster rival's in the same repeat. Ratios of runs a moment
-apart: this machine's speed drifts by tens of percent over a minute, which a median over a
-minute would measure instead.
+the whole run's time over the faster rival's in the same repeat (a rival whose plan the
+budget chose, the same strategy and storage, is that repeat's own run: not timed twice).
+Ratios of runs a moment apart: this machine's speed drifts by tens of percent over a minute,
+which a median over a minute would measure instead.
 """
 
 from __future__ import annotations
@@ -133,12 +134,13 @@ def _budget_row(model_name: str, model: Any, limit: int, rivals: list[str], repe
     from checkpoint_ad.strategies import Budget
     from checkpoint_ad.strategies.budget import forget_dry_runs, format_bytes
 
-    rival_runs = []
+    rival_runs, rival_plans = [], []
     for name in rivals:
         preset = load_preset(name)
-        rival_runs.append(_runner(model, preset.loop_strategy(model.n_steps),
-                                  preset.storage_strategy))
+        rival_plans.append((preset.loop_strategy(model.n_steps), preset.storage_strategy))
+        rival_runs.append(_runner(model, *rival_plans[-1]))
     times, over_predicted, over_best, plans = [], [], [], Counter()
+    same_plan: set[str] = set()
     first = None
     for _ in range(repeats):
         forget_dry_runs()
@@ -153,7 +155,15 @@ def _budget_row(model_name: str, model: Any, limit: int, rivals: list[str], repe
             later = _device_peak(model, budget, cad.strategies.KeepAll(), first_call=False)
         seconds = _once(run)
         loop_seconds = run.loop_seconds[0]  # type: ignore[attr-defined]
-        rival_seconds = [_once(r) for r in rival_runs]
+        # a rival whose plan the budget chose is this very run: timing it again would
+        # compare the machine's noise (the least of two draws of one plan reads ~5% fast)
+        rival_seconds = []
+        for name, plan, rival in zip(rivals, rival_plans, rival_runs):
+            if plan == (chosen.strategy, chosen.storage):
+                same_plan.add(name)
+                rival_seconds.append(seconds)
+            else:
+                rival_seconds.append(_once(rival))
         times.append(seconds)
         over_predicted.append(loop_seconds / max(chosen.seconds, 1e-12))
         if rival_seconds:
@@ -180,6 +190,7 @@ def _budget_row(model_name: str, model: Any, limit: int, rivals: list[str], repe
             "best_preset": rivals[0] if rivals else None,
             "rivals": rivals,
             "over_best_preset": statistics.median(over_best) if over_best else None,
+            "rivals_with_the_chosen_plan": sorted(same_plan),
             "fixed_bytes": fixed_bytes,
         },
     }
