@@ -77,7 +77,9 @@ class _Recorder:
         self.originals: dict[int, Any] = {}
         self.packed_originals: set[int] = set()
         self.released: set[int] = set()  # serials of owned buffers the tape let go of
-        self.view_roots: set[int] = set()  # id(base array) of saved views, counted once
+        # id(base array) -> weakref of the bases of saved views, counted once each (by id
+        # alone, a base made after one died would reuse its id and go uncounted)
+        self.view_roots: dict[int, Any] = {}
         # owned buffers freed since the latest new peak that were alive at it (serial, bytes,
         # serial, bytes, ...: flat, no pair per free): with the live ones born before it
         # (`Tracked.born_at`), what the tape owned at its peak, in memory bounded by what is
@@ -644,9 +646,14 @@ class _Recorder:
     def _note_view(self, buffer: Any, serial: int, root: Any) -> None:
         """A saved view keeps its whole base (`root`) alive: note the bytes beyond the view's
         own (once per base, and not if the base is itself a saved value the tape owns)."""
-        if id(root) in self.view_roots or self.roots.get(id(root)):
+        key = id(root)
+        known = self.view_roots.get(key)
+        if (known is not None and (known is _BY_ID or known() is root)) or self.roots.get(key):
             return
-        self.view_roots.add(id(root))
+        try:
+            self.view_roots[key] = weakref.ref(root)
+        except TypeError:  # no weak references: known by id (a later base may reuse it)
+            self.view_roots[key] = _BY_ID
         extra = int(getattr(root, "nbytes", 0)) - buffer.stored_nbytes
         if extra > 0:
             self.profile.view_base_bytes[str(serial)] = extra
@@ -834,6 +841,9 @@ class _Recorder:
         self.gathered.judge = partial(judge_buffers, self.originals, self.packed_originals,
                                       self.released, at_peak)
         self.gathered.ended = True
+
+
+_BY_ID: Any = object()  # a base known by its id alone (`_note_view`)
 
 
 def _root(array: Any) -> Any:
