@@ -13,17 +13,7 @@ import pytest
 import checkpoint_ad as cad
 from checkpoint_ad import events, nn
 from checkpoint_ad.strategies import Binomial, KeepAll, Periodic, Quantized
-
-MEASURED = ("timeline_seconds", "forward_seconds", "backward_seconds", "recompute_seconds",
-            "rss_peak_bytes", "rss_start_bytes")
-
-
-def _comparable(prof):
-    data = prof.to_dict()
-    for key in MEASURED:
-        data.pop(key)
-    data["explain"] = str(prof.explain())
-    return data
+from tests.profile_parity import comparable
 
 
 def _profiled(run, general):
@@ -80,7 +70,7 @@ def _rnn_scan(strategy=None, storage=None, retain=False, trace=True):
 
 def _assert_same(bulk, general):
     (fast, _), (slow, _) = bulk, general
-    assert _comparable(fast) == _comparable(slow)
+    assert comparable(fast) == comparable(slow)
     assert fast.records and fast.timeline_bytes[-1] == 0
 
 

@@ -14,6 +14,7 @@ import pytest
 import checkpoint_ad as cad
 from checkpoint_ad.models import build
 from checkpoint_ad.strategies import Binomial, KeepAll, Periodic, Quantized, StoreOutputs
+from tests.profile_parity import comparable
 
 MODELS = ["rnn", "lstm", "residual_mlp", "heat", "neural_ode"]
 PLANS = [
@@ -23,8 +24,6 @@ PLANS = [
     ("periodic-4-store-outputs", Periodic(4), StoreOutputs()),
     ("binomial-3-int8-snapshots", Binomial(3, storage=Quantized(8)), KeepAll()),
 ]
-MEASURED = ("timeline_seconds", "forward_seconds", "backward_seconds", "recompute_seconds",
-            "rss_peak_bytes", "rss_start_bytes")
 
 
 def _profiled(name, loop, storage, trace):
@@ -51,14 +50,6 @@ def _forward_rows(prof):
                    r.strategy) for r in prof.records if r.phase == "forward")
 
 
-def _comparable(prof):
-    data = prof.to_dict()
-    for key in MEASURED:
-        data.pop(key)
-    data["explain"] = str(prof.explain())
-    return data
-
-
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize(("plan", "loop", "storage"), PLANS, ids=[p[0] for p in PLANS])
 def test_a_replayed_model_loop_profiles_as_its_recording(model, plan, loop, storage):
@@ -76,7 +67,7 @@ def test_a_replayed_model_loop_profiles_as_its_recording(model, plan, loop, stor
     assert replayed.recomputed_primitives == recorded.recomputed_primitives
     if loop is not None:  # a kept loop is one entry: its order of buffers is its own
         assert replayed.recomputed_primitives > 0
-        assert _comparable(replayed) == _comparable(recorded)
+        assert comparable(replayed) == comparable(recorded)
 
 
 @pytest.mark.parametrize("trace", [True, False], ids=["replayed", "recorded"])

@@ -13,9 +13,7 @@ import checkpoint_ad as cad
 from checkpoint_ad import events
 from checkpoint_ad.profiler import profile
 from checkpoint_ad.strategies import Binomial, KeepAll, Periodic, Quantized, StoreInputs
-
-MEASURED = ("timeline_seconds", "forward_seconds", "backward_seconds", "recompute_seconds",
-            "rss_peak_bytes", "rss_start_bytes")
+from tests.profile_parity import comparable
 
 
 def _params(seed=0, T=10, B=3, H=5):
@@ -50,14 +48,6 @@ def _profiled(loop, storage, trace):
     return prof, mode, grads
 
 
-def _comparable(prof):
-    data = prof.to_dict()
-    for key in MEASURED:
-        data.pop(key)
-    data["explain"] = str(prof.explain())
-    return data
-
-
 @pytest.mark.parametrize(("loop", "storage"), [
     (Binomial(3), KeepAll()),
     (Binomial(3), Quantized(8)),
@@ -73,7 +63,7 @@ def test_a_replayed_planned_loop_profiles_as_its_recording(loop, storage):
     for g, r in zip(grads, ref_grads, strict=True):
         np.testing.assert_array_equal(g, r)
     assert replayed.recomputed_primitives > 0 and len(replayed.records) > 0
-    assert _comparable(replayed) == _comparable(recorded)
+    assert comparable(replayed) == comparable(recorded)
 
 
 @pytest.mark.parametrize("storage", [
@@ -141,7 +131,7 @@ def test_a_captured_graph_value_is_the_tapes_in_a_replayed_loop_as_when_recorded
     assert replayed.leaf_bytes == recorded.leaf_bytes
     assert replayed.aliased_bytes == recorded.aliased_bytes
     if loop is not None:  # a kept loop is one entry: its order of buffers is its own
-        assert _comparable(replayed) == _comparable(recorded)
+        assert comparable(replayed) == comparable(recorded)
 
 def _heard(T):
     w, u, b, h0, xs = _params(T=T)
@@ -230,4 +220,4 @@ def test_every_base_a_saved_view_keeps_alive_is_noted_once(trace):
 
 
 def test_a_replayed_step_saving_views_profiles_as_its_recording():
-    assert _comparable(_profiled_views(True)) == _comparable(_profiled_views(False))
+    assert comparable(_profiled_views(True)) == comparable(_profiled_views(False))
