@@ -11,6 +11,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from . import events
+from .grad_mode import _state, origin_blocks
+
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 # id(code) -> defined inside this package? Keyed by id because hashing a code object hashes
@@ -73,9 +76,6 @@ def caller_origin() -> tuple[Any, int] | None:
     """The origin of the user line that called into this package (a `scan`, a `checkpoint`),
     asked from inside it, when an entry recorded now would ask for one (a listener,
     `record_origins`); else None."""
-    from . import events
-    from .grad_mode import _state, origin_blocks
-
     if not (events.listeners or (origin_blocks and _state.origins)):
         return None
     return _first_outside(sys._getframe(2))
