@@ -460,3 +460,34 @@ def test_property_error_within_bound(data, dtype, bits, group_size, stochastic, 
     x = data.draw(any_float_array(dtype))
     q = quantize(x, bits, group_size=group_size, stochastic=stochastic, seed=seed)
     assert_within_bound(x, q)
+
+
+def test_a_seed_asked_for_again_draws_its_noise_from_the_start_in_every_thread():
+    """A seeded generator is kept per thread and rewound, not made per call: interleaved
+    seeds, and threads quantizing with one seed at once, each draw that seed's noise from its
+    start, as a generator made for the call would."""
+    import threading
+
+    x = random_array((5000,), np.float32, seed=13)
+    fresh = np.random.Generator(np.random.PCG64(123))
+    first = quantize(x, 2, stochastic=True, seed=123)
+    quantize(x, 2, stochastic=True, seed=124)  # another seed between
+    again = quantize(x, 2, stochastic=True, seed=123)
+    np.testing.assert_array_equal(first.codes, again.codes)
+    assert quantize_module._numpy_rng(123).random() == fresh.random()
+
+    codes, errors = [], []
+
+    def worker():
+        try:
+            for _ in range(20):
+                codes.append(quantize(x, 2, stochastic=True, seed=123).codes.tobytes())
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and set(codes) == {first.codes.tobytes()}
