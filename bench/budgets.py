@@ -158,7 +158,7 @@ def _budget_row(model_name: str, model: Any, limit: int, rivals: list[str], repe
         seconds = _once(run)
         loop_seconds = run.loop_seconds[0]  # type: ignore[attr-defined]
         # a rival whose plan the budget chose is this very run: timing it again would
-        # compare the machine's noise (the least of two draws of one plan reads ~5% fast)
+        # compare two draws of the machine's noise, not two plans
         rival_seconds = []
         for name, plan, rival in zip(rivals, rival_plans, rival_runs):
             if plan == (chosen.strategy, chosen.storage):
