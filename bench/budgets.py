@@ -3,8 +3,9 @@
 For each model, budgets from keep-all's predicted peak down to the smallest plan's (spaced
 geometrically). Each budget is run `repeats` times over: a new ``Budget(limit)`` plans from its
 own dry run, its plan is timed at once, then the two fastest shipped presets whose measured
-peak fits the budget. Reported: the plan's measured peak tape (the profiler's, less what the
-model's own code saved before the loop, reported apart) over its predicted peak; the median
+peak fits the budget. Reported: the plan's measured peak tape (the profiler's, under a loss that
+saves nothing, less what the model's own code saved before the loop; both that and what the
+model's own loss saves are reported apart) over its predicted peak and over the budget; the median
 over repeats of the loop's measured time (its `scan` call and the gradient, not the model's
 work around the loop, which no plan prices) over that repeat's prediction; and the median of
 the whole run's time over each rival's in the same repeat, against the rival it is slowest
@@ -63,9 +64,11 @@ def _runner(model: Any, strategy: Any, storage: Any,
 
 
 def _peak(model: Any, strategy: Any, storage: Any) -> tuple[int, int]:
-    """(peak tape bytes of the loop, tape bytes the model saved before it): the budget
-    limits the loop's tape; what the caller's code saved before the loop (heat saves its
-    diffusivity field) is reported apart, as it is in no plan's power."""
+    """(peak tape bytes of the loop, tape bytes the model saved before it): the budget limits
+    the loop's tape, not the caller's code around it (heat saves its diffusivity field before
+    the loop, and its loss saves the final misfit), so the loop's peak is measured under a
+    loss that saves nothing (sums of the outputs); what the model's own loss saves is
+    measured apart (`_loss_saved_bytes`)."""
     import checkpoint_ad as cad
 
     before = 0
@@ -74,9 +77,43 @@ def _peak(model: Any, strategy: Any, storage: Any) -> tuple[int, int]:
         nonlocal before
         before = prof.peak_tape_bytes
 
-    with cad.profile() as prof:
-        _runner(model, strategy, storage, at_loop)()
+    model.loss = _quiet_loss  # an attribute of this instance, for this run only
+    try:
+        with cad.profile() as prof:
+            _runner(model, strategy, storage, at_loop)()
+    finally:
+        del model.loss
     return prof.peak_tape_bytes - before, before
+
+
+def _quiet_loss(carry: Any, ys: Any) -> Any:
+    """The sum of every output tensor: a loss whose tape saves nothing (a sum saves no value)."""
+    import checkpoint_ad as cad
+    from checkpoint_ad.pytree import flatten
+
+    leaves = [leaf for leaf in flatten((carry, ys))[0] if isinstance(leaf, cad.Tensor)]
+    loss = cad.sum(leaves[0])
+    for leaf in leaves[1:]:
+        loss = loss + cad.sum(leaf)
+    return loss
+
+
+def _loss_saved_bytes(model: Any, loss: Any) -> int:
+    """Peak tape bytes of the model's own `loss` alone, on the outputs of its loop made leaves
+    that require grad (as they would be graph values: what the loss saves is its own)."""
+    import checkpoint_ad as cad
+    from checkpoint_ad.pytree import flatten, unflatten
+
+    with cad.no_grad():
+        outputs = cad.scan(model.step, model.init_carry(), model.inputs())
+    leaves, spec = flatten(outputs)
+    carry, ys = unflatten(spec, [
+        cad.tensor(leaf.numpy(), requires_grad=True) if isinstance(leaf, cad.Tensor) else leaf
+        for leaf in leaves])
+    with cad.profile() as prof:
+        value = loss(carry, ys)
+    del value
+    return prof.peak_tape_bytes
 
 
 def _device_peak(model: Any, strategy: Any, storage: Any, first_call: bool = True) -> int:
@@ -125,7 +162,7 @@ def _presets(model: Any, repeats: int) -> list[tuple[str, int, float]]:
 
 
 def _budget_row(model_name: str, model: Any, limit: int, rivals: list[str], repeats: int,
-                fixed_bytes: dict[str, int]) -> dict[str, Any]:
+                fixed_bytes: dict[str, int], loss_saved: int) -> dict[str, Any]:
     """One budget, `repeats` times over: a new `Budget(limit)` plans from a dry run of its own,
     its plan is timed at once, then each rival preset, so every ratio compares runs a moment
     apart (this machine's speed drifts by tens of percent over seconds: a prediction dated
@@ -185,7 +222,8 @@ def _budget_row(model_name: str, model: Any, limit: int, rivals: list[str], repe
             "model": model_name, "limit_bytes": limit, "plan": plan,
             "plans": dict(plans),
             "peak_tape_bytes": peak, "predicted_peak_bytes": first.peak_tape_bytes,
-            "saved_before_loop_bytes": before_loop,
+            "saved_before_loop_bytes": before_loop, "loss_saved_bytes": loss_saved,
+            "peak_over_limit": peak / limit,
             "device_peak_bytes": device, "predicted_device_peak_bytes": first.device_peak_bytes,
             "device_over_predicted": device / max(first.device_peak_bytes, 1),
             "later_call_device_over_predicted": later / max(first.device_peak_bytes, 1),
@@ -227,9 +265,10 @@ def budgets(params: dict, threads: int) -> dict[str, Any]:
         limits = sorted({round(low * (top / low) ** (i / (count - 1))) for i in range(count)},
                         reverse=True)
         presets = _presets(model, params["repeats"])
+        loss_saved = _loss_saved_bytes(model, model.loss)
         for limit in limits:
             fitting = sorted((seconds, name) for name, p, seconds in presets if p <= limit)
             rivals = [name for _, name in fitting[:RIVALS]]
             rows.append(_budget_row(model_name, model, limit, rivals, params["repeats"],
-                                    dict(table.fixed_bytes)))
+                                    dict(table.fixed_bytes), loss_saved))
     return {"rows": rows}

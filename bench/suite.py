@@ -108,6 +108,7 @@ EXTRA_COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {
                 ("disk MiB", "disk_mib"), ("written MiB", "written_mib"),
                 ("read MiB", "read_mib")),
     "budget": (("plan", "plan"), ("peak/pred", "peak_over_predicted"),
+               ("peak/budget", "peak_over_limit"),
                ("device/pred", "device_over_predicted"), ("time/pred", "time_over_predicted"),
                ("best preset", "best_preset"), ("/best preset", "over_best_preset")),
     "profiler": (("/plain", "overhead"), ("records", "records"),

@@ -106,6 +106,38 @@ def test_targets_are_met_missed_or_not_measured():
     assert by_name["RNN T=16: keep-all peak memory <= 1.10x numpy floor"].status == "not measured"
 
 
+def test_the_budget_fit_target_judges_the_row_closest_to_its_budget():
+    def row(name: str, peak: int, limit: int) -> Row:
+        return Row("budget", "budgets", name, seconds=1.0, extras={
+            "plan": "keep-all", "peak_over_predicted": 1.0, "time_over_predicted": 1.0,
+            "peak_tape_bytes": peak, "limit_bytes": limit, "peak_over_limit": peak / limit,
+            "loss_saved_bytes": 8, "saved_before_loop_bytes": 0})
+
+    fit = "Budget: the loop's measured peak tape <= the budget (worst)"
+    by_name = {t.name: t for t in check([row("a", 90, 100), row("b", 40, 50)])}
+    assert by_name[fit].status == "met" and by_name[fit].measured == 0.9
+    by_name = {t.name: t for t in check([row("a", 90, 100), row("b", 51, 50)])}
+    assert by_name[fit].status == "missed" and "51 B of 50 B at b" in by_name[fit].detail
+
+
+def test_the_budget_bench_measures_the_loops_tape_apart_from_the_models_loss():
+    """Heat's loss saves its misfit (one grid) after the loop: no plan's to limit, so the
+    loop's peak under keep-all is its prediction exactly, and the loss's bytes come apart."""
+    import checkpoint_ad as cad
+    from bench import budgets
+    from checkpoint_ad.models import build
+
+    model = build("heat", grid=8, steps=6)
+    model._kappa = cad.sigmoid(model.theta) * model.config.kappa_max
+    table = cad.estimate(model.step, model.init_carry(), model.inputs())
+    kept = next(r for r in table.rows if r.name == "keep-all")
+    peak, before = budgets._peak(model, kept.strategy, kept.storage)
+    assert peak == kept.peak_tape_bytes and before > 0
+    assert "loss" not in vars(model)  # the quiet loss was this run's only
+    grid = model.init_carry().numpy().nbytes
+    assert grid <= budgets._loss_saved_bytes(model, model.loss) < 2 * grid  # the misfit
+
+
 def test_a_recorded_binomial_row_is_named_apart_from_the_replayed_one():
     extras = {"untaped_steps": 10, "untaped_step_seconds": 0.05, "snapshots": 2,
               "carry_bytes": 10, "one_step_tracemalloc_bytes": 5, "steps": 16}
