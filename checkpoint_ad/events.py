@@ -26,12 +26,13 @@ Handler = Callable[[Any], None]
 class Subscription:
     """One subscriber: its thread, its handler per kind, or one listener for every kind."""
 
-    __slots__ = ("every", "handlers", "thread")
+    __slots__ = ("ended", "every", "handlers", "thread")
 
     def __init__(self, handlers: Mapping[str, Handler] | None, every: Listener | None) -> None:
         self.thread = threading.get_ident()
         self.handlers = handlers
         self.every = every
+        self.ended = False  # unsubscribed (while `muted`: not to be put back)
 
 
 class _EveryKind:
@@ -79,8 +80,10 @@ def emit(kind: str, payload: Any) -> None:
     whose array a rematerializing pool dropped), 'rematerialize' (one primitive re-run to bring
     an evicted value back: the stored form held again, or None), 'io_write' / 'io_read'
     (bytes handed to or read back from a storage level), 'io_stall' (seconds spent waiting),
-    'step' (a loop evaluated one step, recorded or replayed: its count so far), 'replaying' /
-    'replayed' (a loop step replayed from its step program begins / ended, sent only while
+    'planned' (a budget's dry run, run `muted`, ended: (its seconds, the most tape bytes it
+    held; None for the executor's own costs, measured once per process)), 'step' (a loop
+    evaluated one step, recorded or replayed: its count so far), 'replaying' / 'replayed' (a
+    loop step replayed from its step program begins / ended, sent only while
     'replayed' is heard: the step's `DescribedStep`, its saved values per instruction, its
     values and the carry slots the previous step made; what recording the step would have
     sent as 'record' and 'apply' events, one event per step; and the buffers the step made,
@@ -173,6 +176,7 @@ def _add(subscription: Subscription) -> Callable[[], None]:
 
     def unsubscribe() -> None:
         with _lock:
+            subscription.ended = True
             if subscription in listeners:
                 listeners.remove(subscription)
                 _rebuild()
@@ -193,6 +197,28 @@ def subscribe_handlers(handlers: Mapping[str, Handler]) -> Callable[[], None]:
     handler, called with the payload alone (one call per event: the profiler's way in);
     returns a function that stops it."""
     return _add(Subscription(dict(handlers), None))
+
+
+@contextmanager
+def muted() -> Iterator[None]:
+    """The calling thread's events reach nobody in this block; its subscriptions resume after
+    it. For work the library does for itself rather than for the program a listener watches:
+    a budget's dry run prices a loop by running some of its steps, which a profile would
+    otherwise count as the program's primitives, saved values and time (and the figures the
+    dry run measures would include the profiler's own cost). Other threads are not touched."""
+    thread = threading.get_ident()
+    with _lock:
+        mine = [s for s in listeners if s.thread == thread]
+        if mine:
+            listeners[:] = [s for s in listeners if s.thread != thread]
+            _rebuild()
+    try:
+        yield
+    finally:
+        if mine:
+            with _lock:
+                listeners.extend(s for s in mine if not s.ended)
+                _rebuild()
 
 
 @contextmanager

@@ -140,8 +140,8 @@ def time_one(model: Any, preset: Any, device: str, repeats: int) -> float:
 def measure(run: SweepRun) -> RunOutcome:
     """Build the run's model, run it once profiled and `run.repeats` times for its median time."""
     instance = run.build()
-    if isinstance(run.preset, BudgetRun):  # plan in a warm-up run: a profiler slows the steps
-        _forward_backward(instance, run.preset)  # the dry run would time, and adds its bytes
+    if isinstance(run.preset, BudgetRun):  # plan in a warm-up run: the timed runs then
+        _forward_backward(instance, run.preset)  # time the plan alone, not its dry run
     prof, grads = run_one(instance, run.preset, run.device, run.meta)
     seconds = time_one(instance, run.preset, run.device, run.repeats)
     prof.meta["median_seconds"] = seconds

@@ -156,18 +156,41 @@ def test_the_device_peak_counts_the_objects_every_kept_step_holds():
     assert held >= keep.peak_tape_bytes + keep.engine_bytes - working
 
 
-def test_no_trial_runs_under_a_profile_nor_under_the_callers_tracemalloc():
+def test_a_profile_hears_no_dry_run_and_does_not_change_it():
+    """A dry run is the library pricing a loop, not the program: a profile around it counts
+    its seconds as planning and nothing else (no primitives, records or tape), and the dry
+    run measures what it measures unprofiled (its trial runs; its figures are not slowed)."""
+    model = models.build("rnn", **SIZES["rnn"])
+    step, init, xs = model.step, model.init_carry(), model.inputs()
+    cad.estimate(step, init, xs)  # the process's first dry run fills caches the later ones find
+    forget_dry_runs()
+    with cad.profile() as prof:
+        profiled = cad.estimate(step, init, xs)
+    assert (prof.primitives, prof.recomputed_primitives, prof.records) == (0, 0, [])
+    assert prof.peak_tape_bytes == 0 and prof.plans == 1 and prof.plan_seconds > 0
+    assert prof.plan_tape_bytes == profiled.cost.dry_run_bytes > 0
+    assert "planning" in prof.summary() and "1 dry run" in prof.summary()
+    forget_dry_runs()
+    plain = cad.estimate(step, init, xs)
+    # the trial runs, and measures what it measures unprofiled (tracemalloc's counts of the
+    # engine's objects move by a few hundred bytes with the interpreter's state alone)
+    ours, theirs = profiled.cost.trial, plain.cost.trial
+    assert ours is not None and ours.named_bytes == theirs.named_bytes
+    for field in ("forward_bytes", "backward_bytes", "kept_backward_bytes"):
+        assert getattr(ours, field) == pytest.approx(getattr(theirs, field), rel=0.05), field
+    assert profiled.fixed_bytes.keys() == plain.fixed_bytes.keys()
+    assert {r.name: r.peak_tape_bytes for r in profiled.rows} == {
+        r.name: r.peak_tape_bytes for r in plain.rows}  # (timed rows: in the machine's order)
+
+
+def test_no_trial_runs_under_the_callers_tracemalloc():
     """The trial's memory is measured with tracemalloc, which a caller's own measurement
-    would lose its peak to, and a profile would hear it as a loop the caller never ran (and
-    its records would be measured as the engine's): under either, no trial runs, and the
-    device peak names no engine bytes."""
+    would lose its peak to: under it, no trial runs, and the device peak names no engine
+    bytes."""
     import tracemalloc
 
     model = models.build("rnn", **SIZES["rnn"])
     step, init, xs = model.step, model.init_carry(), model.inputs()
-    forget_dry_runs()
-    with cad.profile():
-        profiled = cad.estimate(step, init, xs)
     forget_dry_runs()
     tracemalloc.start()
     try:
@@ -176,10 +199,29 @@ def test_no_trial_runs_under_a_profile_nor_under_the_callers_tracemalloc():
         tracemalloc.stop()
     forget_dry_runs()
     plain = cad.estimate(step, init, xs)
-    assert profiled.cost.trial is None and traced.cost.trial is None
+    assert traced.cost.trial is None
     assert plain.cost.trial is not None and plain.cost.trial.steps == 4
-    assert profiled.fixed_bytes["engine (program, executor state)"] == 0
+    assert traced.fixed_bytes["engine (program, executor state)"] == 0
     assert plain.fixed_bytes["engine (program, executor state)"] > 0
+
+
+@pytest.mark.parametrize("name", ["rnn", "heat"])
+def test_a_budgeted_loops_profile_is_its_plans_run_directly(name):
+    """The profile of a scan under a budget (its first call: it plans) counts what running
+    the chosen plan directly counts, and the dry run apart, as planning."""
+    table = _table(name)
+    limit = sorted(r.peak_tape_bytes for r in table.rows)[len(table.rows) // 3]
+    forget_dry_runs()
+    budget = Budget(limit)
+    planned, grads = _run(name, budget)
+    chosen = budget.last.chosen
+    direct, again = _run(name, chosen.strategy, chosen.storage)
+    assert planned.plans == 1 and direct.plans == 0 and planned.plan_seconds > 0
+    for field in ("primitives", "recomputed_primitives", "peak_tape_bytes", "aliased_bytes"):
+        assert getattr(planned, field) == getattr(direct, field), field
+    assert [(r.op, r.role, r.stored_bytes, r.phase) for r in planned.records] == [
+        (r.op, r.role, r.stored_bytes, r.phase) for r in direct.records]
+    assert all(np.array_equal(g, r) for g, r in zip(grads, again))
 
 
 def test_lossy_plans_are_admitted_by_their_error_bound():

@@ -175,3 +175,38 @@ def test_a_kind_heard_once_or_twice_reaches_exactly_its_own_threads_handlers():
         done.set()
         worker.join()
     assert heard == [("a", 2), ("a", 3), ("b", 3), ("b", 4)]
+
+
+def test_a_muted_block_reaches_none_of_its_threads_listeners_and_then_all_again():
+    """`events.muted` sets aside the calling thread's subscriptions for the block alone: other
+    threads still hear their own events, and one unsubscribed inside the block stays gone."""
+    heard: list[tuple[str, int]] = []
+    started, emitted, done = threading.Event(), threading.Event(), threading.Event()
+
+    def other_thread():
+        stop = events.subscribe_handlers({"step": lambda n: heard.append(("other", n))})
+        started.set()
+        emitted.wait(10)
+        events.emit("step", 20)  # while the main thread is muted
+        stop()
+        done.set()
+
+    stop_a = events.subscribe_handlers({"step": lambda n: heard.append(("a", n))})
+    stop_b = events.subscribe_handlers({"step": lambda n: heard.append(("b", n))})
+    worker = threading.Thread(target=other_thread)
+    worker.start()
+    started.wait(10)
+    try:
+        with events.muted():
+            events.emit("step", 1)
+            assert not events.hears("step")
+            emitted.set()
+            done.wait(10)
+            stop_b()  # ended while set aside: not put back
+        events.emit("step", 2)
+    finally:
+        emitted.set()
+        worker.join()
+        stop_a()
+    assert heard == [("other", 20), ("a", 2)]
+    assert not any(s.handlers and "step" in s.handlers for s in events.listeners)

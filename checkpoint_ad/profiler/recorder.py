@@ -111,6 +111,7 @@ class _Recorder:
             "io_write": self._settled(self._io_write),
             "io_read": self._settled(self._io_read),
             "io_stall": self._settled(self._io_stall),
+            "planned": self._settled(self._planned),
         }
 
     def _settled(self, handler: Callable[[Any], None]) -> Callable[[Any], None]:
@@ -777,6 +778,22 @@ class _Recorder:
     def _io_stall(self, seconds: float) -> None:
         self.profile.io_stall_seconds += seconds
 
+    def _planned(self, payload: tuple[float, int | None]) -> None:
+        """A dry run ended (unheard while it ran), or the executor's own costs were measured
+        (`held` None: once per process, as part of the first dry run): its seconds are
+        planning, taken out of the phase it ran within (a scan planned inside a backward
+        sweep or a recompute)."""
+        seconds, held = payload
+        profile = self.profile
+        profile.plan_seconds += seconds
+        if held is not None:
+            profile.plans += 1
+            profile.plan_tape_bytes = max(profile.plan_tape_bytes, held)
+        if self.backward_depth:
+            self.backward_started += seconds
+        if self.recompute_depth:
+            self.recompute_started += seconds
+
     def _backward_begin(self, _: Any) -> None:
         if self.backward_depth == 0 and self.recompute_depth == 0:
             synchronize(self.device)
@@ -827,7 +844,8 @@ class _Recorder:
         synchronize(self.device)
         elapsed = time.perf_counter() - self.started
         self._point()
-        self.profile.forward_seconds = max(elapsed - self.profile.backward_seconds, 0.0)
+        self.profile.forward_seconds = max(
+            elapsed - self.profile.backward_seconds - self.profile.plan_seconds, 0.0)
         self.profile.device_peak_bytes = self.probe.stop()
         self._sample_rss()
         self.profile.level_peak_bytes["device"] = self.profile.peak_tape_bytes

@@ -105,6 +105,17 @@ class Profile:
     io_stall_seconds: float = 0.0
     """Seconds the computation waited for a storage level (a read not done ahead, a full
     write queue)."""
+    plan_seconds: float = 0.0
+    """Seconds spent planning: the dry runs of `Budget` and `estimate` (the library pricing
+    a loop by running some of its steps, once per loop). Their work is in no other figure:
+    not in `forward_seconds` nor `backward_seconds`, their primitives not in `primitives`,
+    their saved values not in `records` nor the tape's peak."""
+    plans: int = 0
+    """Dry runs in the block (a loop priced once is remembered: later calls plan again only
+    after `forget_dry_runs`)."""
+    plan_tape_bytes: int = 0
+    """The most tape bytes a dry run held (owned saved values of the steps it ran, freed when
+    it ended, before the loop began)."""
     # what `explain` reads (version 3): owned buffers alive at the tape's peak and the bytes
     # each counted there, by buffer number; stored bytes of owned buffers no entry recorded
     # (a loop's snapshots, a checkpointed region's inputs), by buffer number; bytes of base
@@ -185,7 +196,10 @@ class Profile:
             f"{self.backward_seconds:.4f}s  (recompute {self.recompute_seconds:.4f}s, "
             f"{self.recomputed_primitives} primitives re-run of {self.primitives})"
             + (f"  evictions {self.evictions}, rematerializations {self.rematerializations}"
-               if self.evictions else ""),
+               if self.evictions else "")
+            + (f"  planning {self.plan_seconds:.4f}s ({self.plans} dry run"
+               f"{'s' if self.plans != 1 else ''}, tape {self.plan_tape_bytes / mib:.3f} MiB)"
+               if self.plans else ""),
             f"peak tape {self.peak_tape_bytes / mib:.3f} MiB owned"
             + (f" (+{self.aliased_bytes / mib:.3f} MiB the caller's, saved by reference)"
                if self.aliased_bytes else "")
@@ -265,6 +279,9 @@ class Profile:
                                      for r in fields["records"]]
         fields.setdefault("evictions", 0)  # added within version 2: absent means none
         fields.setdefault("rematerializations", 0)
+        fields.setdefault("plan_seconds", 0.0)  # added within version 3: absent means none
+        fields.setdefault("plans", 0)
+        fields.setdefault("plan_tape_bytes", 0)
         unknown = set(fields) - set(cls.__dataclass_fields__)
         if unknown:
             raise ProfileFormatError(f"unknown profile fields {sorted(unknown)}; this version "

@@ -199,7 +199,28 @@ def measure(
 ) -> StepCost:
     """Price `loop` from a dry run (see the module docstring): each strategy in `forms` as the
     saved-value strategy of every step, each storage in `snapshots` for stored carries; with
-    `disk`, a disk snapshot's write and read."""
+    `disk`, a disk snapshot's write and read.
+
+    The dry run is the library's, not the program's: it runs `events.muted`, so a profile
+    neither counts it nor slows it (its figures are those of an unprofiled run, and the plan
+    a budget picks does not depend on whether the run is profiled), and hears one 'planned'
+    event after it instead."""
+    began = time.perf_counter()
+    with events.muted():
+        cost = _measured(loop, carry_leaves, forms, snapshots, disk)
+    if events.listeners:
+        events.emit("planned", (time.perf_counter() - began, cost.dry_run_bytes))
+    return cost
+
+
+def _measured(
+    loop: StepLoop,
+    carry_leaves: list[Any],
+    forms: Mapping[str, Strategy],
+    snapshots: Mapping[str, Strategy | None],
+    disk: bool,
+) -> StepCost:
+    """`measure`, unheard."""
     numpy_state = np.random.get_state()
     engine_state = random.get_state()
     evaluations = loop.evaluations
@@ -207,34 +228,33 @@ def measure(
     replayed_runs: list[float] = []
     forward_runs: list[float] = []
     try:
-        with events.recomputing("budget dry run"):
-            untaped = median(_untaped(loop, carry_leaves, engine_state, numpy_state)
-                             for _ in _repeating())
-            priced: dict[str, FormCost] = {}
-            gradient_bytes = output_bytes = dry_run_bytes = 0
-            for name, storage in forms.items():
-                costs = []
-                for _ in _repeating():
-                    np.random.set_state(numpy_state)
-                    cost, gradient_bytes, output_bytes, held = _taped(
-                        loop, carry_leaves, storage, engine_state)
-                    costs.append(cost)
-                    dry_run_bytes = max(dry_run_bytes, held)
-                priced[name] = _typical(costs)
-            for name, storage in forms.items():
+        untaped = median(_untaped(loop, carry_leaves, engine_state, numpy_state)
+                         for _ in _repeating())
+        priced: dict[str, FormCost] = {}
+        gradient_bytes = output_bytes = dry_run_bytes = 0
+        for name, storage in forms.items():
+            costs = []
+            for _ in _repeating():
                 np.random.set_state(numpy_state)
-                program, mode = _traced(loop, carry_leaves, storage, engine_state)
-                if program is None:
-                    break
-                run, forward, taped, backward, held = _replayed(program, loop, carry_leaves,
-                                                                engine_state)
+                cost, gradient_bytes, output_bytes, held = _taped(
+                    loop, carry_leaves, storage, engine_state)
+                costs.append(cost)
                 dry_run_bytes = max(dry_run_bytes, held)
-                replayed_runs.append(run)
-                forward_runs.append(forward)
-                objects, working = _traced_step_bytes(program, loop, carry_leaves, engine_state)
-                priced[name] = replace(
-                    priced[name], replayed_taped_seconds=taped, replayed_backward_seconds=backward,
-                    step_object_bytes=objects, backward_working_bytes=working)
+            priced[name] = _typical(costs)
+        for name, storage in forms.items():
+            np.random.set_state(numpy_state)
+            program, mode = _traced(loop, carry_leaves, storage, engine_state)
+            if program is None:
+                break
+            run, forward, taped, backward, held = _replayed(program, loop, carry_leaves,
+                                                            engine_state)
+            dry_run_bytes = max(dry_run_bytes, held)
+            replayed_runs.append(run)
+            forward_runs.append(forward)
+            objects, working = _traced_step_bytes(program, loop, carry_leaves, engine_state)
+            priced[name] = replace(
+                priced[name], replayed_taped_seconds=taped, replayed_backward_seconds=backward,
+                step_object_bytes=objects, backward_working_bytes=working)
         if replayed_runs:
             replayed_untaped = median(replayed_runs)
             replayed_forward = median(forward_runs)
@@ -280,11 +300,11 @@ def _trial_run(
     """The loop's first `TRIAL_STEPS` steps run for real by the plan executor and pulled
     back from every output, as a first call runs them (tracing, a program compiled, not kept
     for later calls), twice: under `Binomial(1)` and keeping every step (see `Trial`). Only
-    where the loop's device can be measured (`_meter`) and nobody in this thread hears the
-    engine's events (a profile's records of the trial would be measured as the engine's,
-    and would fill the profile with a loop the caller did not run); else None."""
+    where the loop's device can be measured (`_meter`); else None. (It runs within the dry
+    run's `events.muted` block: a profile would otherwise hear a loop the caller did not run,
+    and its own records would be measured as the engine's.)"""
     meter = _meter(carry_leaves)
-    if meter is None or events.hears("record") or events.hears("pack"):
+    if meter is None:
         return None
     steps = min(loop.n, TRIAL_STEPS)
     forward, backward, named = _trial_of(meter, loop, carry_leaves, engine_state, steps,
