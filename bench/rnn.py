@@ -142,8 +142,10 @@ class _Engine:
             carry = program.run(carry, [self.xs._data[t]])[0]
 
     def forward_untaped(self) -> None:
+        """The loop without a tape, its steps run as the plan re-runs them (replayed, or
+        recorded one op at a time under ``trace=False``)."""
         with self.cad.no_grad():
-            self.cad.scan(self.step, self.h0, self.xs)
+            self.cad.scan(self.step, self.h0, self.xs, trace=self.trace)
 
     def grads(self) -> list[np.ndarray]:
         return [p.grad.numpy() for p in (self.W, self.U, self.b)]
@@ -172,6 +174,7 @@ def engine(params: dict, threads: int) -> dict[str, Any]:
         forward = time_median(work.forward_untaped, params["repeats"])
         extras["untaped_step_seconds"] = forward.median / steps
         extras["mode"] = work.loop.mode
+        extras["recorded"] = not work.trace  # its model's keep-all: keep-all recorded
         if work.loop.program is not None:  # replayed: the step-count model uses replay time
             replayed = time_median(work.forward_replayed, params["repeats"])
             extras["replayed_step_seconds"] = replayed.median / steps

@@ -158,7 +158,7 @@ def _rnn(sizes: dict[str, Any]) -> list[Job]:
             Job("rnn", case, "numpy floor (by hand)", "rnn:numpy_floor", params, "floor"),
             engine("keep-all", "keep-all", "keep-all"),
             Job("rnn", case, "engine keep-all recorded (trace=False)", "rnn:engine",
-                params | {"strategy": "keep-all", "trace": False}),
+                params | {"strategy": "keep-all", "trace": False}, "keep-all recorded"),
             engine(f"periodic every {segments} (√T)", f"every-{segments}"),
             engine("recompute per step", "recompute"),
             *(engine(f"binomial s={s}", f"revolve-{s}") for s in sizes["snapshots"] if s < steps),

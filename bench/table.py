@@ -93,13 +93,16 @@ def add_model_ratios(rows: Sequence[Row]) -> None:
 
     time: ``keep-all time + untaped step evaluations x one untaped step's time`` (the n taped
     steps cost what keep-all costs; the recomputation is the plan's extra forward steps; a
-    replayed loop's untaped step is its step program's replay).
+    replayed loop's untaped step is its step program's replay; a loop recorded step by step,
+    ``trace=False``, is modelled from keep-all recorded so and its steps run so untaped).
     memory (binomial): ``snapshots x carry bytes + one step's forward+backward peak``.
     """
     for block in blocks(rows).values():
-        keep = next((r for r in block if r.role == "keep-all"), None)
+        keeps = {r.role: r for r in block if r.role in ("keep-all", "keep-all recorded")}
         for row in block:
             x = row.extras
+            # a loop recorded step by step (``trace=False``) against keep-all recorded so
+            keep = keeps.get("keep-all recorded" if x.get("recorded") else "keep-all")
             if "untaped_steps" in x and keep is not None and keep.seconds is not None:
                 step = x.get("replayed_step_seconds", x["untaped_step_seconds"])
                 predicted = keep.seconds + x["untaped_steps"] * step

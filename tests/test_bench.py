@@ -138,6 +138,19 @@ def test_the_budget_bench_measures_the_loops_tape_apart_from_the_models_loss():
     assert grid <= budgets._loss_saved_bytes(model, model.loss) < 2 * grid  # the misfit
 
 
+def test_a_recorded_loops_model_is_keep_all_recorded_plus_its_recorded_steps():
+    """A loop recorded step by step (``trace=False``) re-runs its steps recorded, so its model
+    is keep-all recorded the same way plus that many of its own untaped steps."""
+    steps = {"untaped_steps": 10, "untaped_step_seconds": 0.1, "steps": 16}
+    rows = [Row("rnn", "T=16", "keep", "keep-all", seconds=2.0),
+            Row("rnn", "T=16", "keep rec", "keep-all recorded", seconds=3.0),
+            Row("rnn", "T=16", "binomial", seconds=3.0, extras=dict(steps)),
+            Row("rnn", "T=16", "binomial rec", seconds=4.0, extras={**steps, "recorded": True})]
+    add_model_ratios(rows)
+    assert rows[2].ratios["/model"] == pytest.approx(3.0 / (2.0 + 1.0))
+    assert rows[3].ratios["/model"] == pytest.approx(4.0 / (3.0 + 1.0))
+
+
 def test_a_recorded_binomial_row_is_named_apart_from_the_replayed_one():
     extras = {"untaped_steps": 10, "untaped_step_seconds": 0.05, "snapshots": 2,
               "carry_bytes": 10, "one_step_tracemalloc_bytes": 5, "steps": 16}
