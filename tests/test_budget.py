@@ -476,3 +476,107 @@ def test_a_binomial_plans_snapshots_count_their_objects():
     _, measured = _traced_from_the_loop(model, most.strategy, most.storage)
     predicted = most.device_peak_bytes
     assert 0.9 * predicted <= measured <= 1.1 * predicted, (most.name, measured, predicted)
+
+
+# ------------------------------------------------------------- loops that end when `until` says
+def _until_loop(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    w = cad.tensor(rng.standard_normal((16, 16)) / 4, requires_grad=True)
+    h0 = cad.tensor(rng.standard_normal((4, 16)))
+
+    def step(h, _):
+        h = cad.tanh(h @ w) + 0.01
+        return h, cad.sum(h)
+
+    return w, h0, step
+
+
+def _until_run(strategy, length: int | None = 120, stop_after: int = 90):
+    """(profile, gradient of w) of a loop that stops after `stop_after` steps by `until`."""
+    w, h0, step = _until_loop()
+    seen = [0]
+
+    def until(_):
+        seen[0] += 1
+        return seen[0] >= stop_after
+
+    with cad.profile() as prof:
+        _, ys = scan(step, h0, length=length, until=until, strategy=strategy)
+        cad.sum(ys).backward()
+    assert seen[0] == stop_after
+    return prof, w.grad.numpy()
+
+
+def test_a_budget_plans_a_loop_that_ends_when_until_says_so():
+    """A loop whose length is known only at its end runs keep-all (if its longest run fits)
+    or Binomial(s) with snapshots placed online: its peak tape is predicted exactly, fits,
+    and its gradients are keep-all's bitwise."""
+    kept, reference = _until_run(None)
+    plans = {}
+    for limit in ("3KiB", "9KiB", "40KiB", 10 * kept.peak_tape_bytes):
+        forget_dry_runs()
+        budget = Budget(limit)
+        prof, grads = _until_run(budget)
+        chosen = budget.last.chosen
+        plans[limit] = chosen.name
+        assert budget.last.until == "at most" and budget.last.n_steps == 120
+        assert prof.peak_tape_bytes <= budget.limit_bytes
+        if chosen.strategy is not None:  # the loop stopped early: keep-all's is priced at 120
+            assert prof.peak_tape_bytes == chosen.peak_tape_bytes
+        assert np.array_equal(grads, reference)
+    assert plans["3KiB"].startswith("binomial") and plans["40KiB"].startswith("binomial")
+    assert plans[10 * kept.peak_tape_bytes] == "keep-all"
+    assert "until" in budget.last.table()
+
+
+def test_a_budget_plans_a_while_loop_of_unknown_length_with_the_most_snapshots_that_fit():
+    w, h0, step = _until_loop()
+    with cad.profile():
+        reference = cad.grad(cad.sum(cad.while_loop(
+            _counter(200), lambda h: step(h, None)[0], h0)), [w])[0].numpy()
+    forget_dry_runs()
+    budget = Budget("10KiB")
+    with cad.profile() as prof:
+        grad = cad.grad(cad.sum(cad.while_loop(
+            _counter(200), lambda h: step(h, None)[0], h0, strategy=budget)), [w])[0].numpy()
+    table = budget.last
+    assert table.until == "unknown" and "unknown length" in table.table()
+    assert all(r.name.startswith("binomial") for r in table.rows)  # keep-all has no bound
+    fitting = [r for r in table.rows if r.peak_tape_bytes <= budget.limit_bytes]
+    assert table.chosen.peak_tape_bytes == max(r.peak_tape_bytes for r in fitting)
+    assert prof.peak_tape_bytes == table.chosen.peak_tape_bytes <= budget.limit_bytes
+    assert np.array_equal(grad, reference)
+
+
+def _counter(steps: int):
+    """A `while_loop` condition true for `steps` calls, then false."""
+    calls = [0]
+
+    def cond(_):
+        calls[0] += 1
+        return calls[0] <= steps
+
+    return cond
+
+
+def test_an_until_loop_under_too_small_a_budget_says_the_least_that_works():
+    forget_dry_runs()
+    with pytest.raises(BudgetError, match="at most 120 steps") as caught:
+        _until_run(Budget(64))
+    least = caught.value.minimum_bytes
+    _, grads = _until_run(Budget(least))
+    assert np.array_equal(grads, _until_run(None)[1])
+    with pytest.raises(StrategyConfigError, match="binomial"):
+        _until_run(Budget("1MiB", families=(keep_every_step,)), length=None)
+
+
+def test_estimate_prices_an_until_loop_as_a_budget_plans_it():
+    _, h0, step = _until_loop()
+    forget_dry_runs()
+    bounded = cad.estimate(step, h0, length=120, until=bool)
+    unbounded = cad.estimate(step, h0, until=bool, budget="10KiB")
+    assert bounded.until == "at most" and bounded.chosen.name == "keep-all"
+    assert {r.name for r in bounded.rows} >= {"keep-all", "binomial s=8"}
+    assert not any(r.name.startswith("periodic") for r in bounded.rows)
+    assert unbounded.until == "unknown" and unbounded.chosen.name.startswith("binomial")
+    assert unbounded.chosen.peak_tape_bytes <= 10 * 1024

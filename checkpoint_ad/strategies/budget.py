@@ -31,7 +31,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import BudgetError, StrategyConfigError
@@ -43,7 +43,10 @@ from .candidates import (
     STEP_FORMS,
     Candidate,
     Family,
+    binomial,
+    binomial_online,
     engine_bytes,
+    keep_every_step,
     rerun_engine_bytes,
 )
 from .dtr import Rematerializing
@@ -143,6 +146,9 @@ class Estimate:
     chosen: PlanRow | None
     fixed_bytes: Mapping[str, int]
     cost: StepCost = field(repr=False)
+    until: str | None = None
+    """For a loop that ends when `until` says so: "at most" (`n_steps` is its longest run,
+    its xs or length=) or "unknown" (neither: priced at `OPEN_LOOP_STEPS`); None otherwise."""
 
     @property
     def minimum_bytes(self) -> int:
@@ -159,7 +165,13 @@ class Estimate:
                    "(no device peak is less)")
         head = (f"   {'plan':<32}{'peak tape':>12}{'device peak':>13}{'forward s':>11}"
                 f"{'backward s':>11}{'total s':>10}{'steps run':>10}{'error bound':>12}")
-        lines = [f"scan of {self.n_steps} steps, budget {limit} of tape; fixed bytes in every "
+        length = {None: f"scan of {self.n_steps} steps",
+                  "at most": f"scan until `until` stops it, at most {self.n_steps} steps "
+                             "(priced at that many)",
+                  "unknown": "scan until `until` stops it, of unknown length (priced at "
+                             f"{self.n_steps} steps; the peak tape of a binomial plan holds "
+                             "at any length)"}[self.until]
+        lines = [f"{length}, budget {limit} of tape; fixed bytes in every "
                  f"plan: {fixed}; the dry run held {format_bytes(self.cost.dry_run_bytes)} "
                  f"once, before the loop{tracing}", head, "-" * len(head)]
         for r in self.rows:
@@ -180,8 +192,10 @@ def plan_table(
     limit_bytes: int | None,
     families: Iterable[Family] = FAMILIES,
     admit: Callable[[Candidate], bool] = lambda c: c.lossless,
+    until: str | None = None,
 ) -> Estimate:
-    """Every admitted candidate of `families` priced from `cost`, and the fastest that fits."""
+    """Every admitted candidate of `families` priced from `cost`, and the fastest that fits
+    (`until`: see `Estimate.until`)."""
     fixed = {"gradients": cost.gradient_bytes, "outputs": cost.output_bytes,
              # what the caller's loss hands the loop's final carry, held through its backward;
              # the dry run's trial holds that and the final carry itself, but a loss need not
@@ -209,7 +223,7 @@ def plan_table(
     # the fastest that fits (the sort put the leanest first among equal times): a budget is
     # memory the caller can spare, so trading predicted time for unasked-for savings loses
     chosen = fitting[0] if fitting else None
-    return Estimate(cost.n_steps, limit_bytes, tuple(rows), chosen, fixed, cost)
+    return Estimate(cost.n_steps, limit_bytes, tuple(rows), chosen, fixed, cost, until)
 
 
 @dataclass(frozen=True)
@@ -290,16 +304,45 @@ class Budget(LoopPlanner):
             raise _budget_error(self, result)
         return result.chosen.strategy, result.chosen.storage
 
-    def estimate_loop(self, loop: StepLoop, carry_leaves: list[Any]) -> Estimate:
+    def choose_open(self, loop: StepLoop, carry_leaves: list[Any], limit: int | None,
+                    ) -> tuple[LoopStrategy | None, Strategy]:
+        """The plan for a loop that ends when `until` says so (`scan(..., until=...)`,
+        `while_loop`): only keep-all and `Binomial(s)`, which places its snapshots online,
+        run such a loop. Keep-all only when the loop's longest run (`limit`: its xs or
+        length=) kept whole fits; a binomial plan's peak (s snapshots and one step's tape)
+        holds at any length, so with no limit the budget runs the most snapshots that fit (up
+        to `OPEN_LOOP_STEPS` - 1). Priced from a dry run of its first steps, as any loop."""
+        result = self.estimate_open(loop, carry_leaves, limit)
+        if result.chosen is None:
+            raise _budget_error(self, result)
+        return result.chosen.strategy, result.chosen.storage
+
+    def estimate_open(self, loop: StepLoop, carry_leaves: list[Any],
+                      limit: int | None) -> Estimate:
+        """`choose_open`'s table (see `estimate_loop`)."""
+        return self.estimate_loop(_sized(loop, limit), carry_leaves,
+                                  _online_families(self.families, limit, repr(self)),
+                                  "unknown" if limit is None else "at most")
+
+    def estimate_loop(self, loop: StepLoop, carry_leaves: list[Any],
+                      families: tuple[Family, ...] | None = None,
+                      until: str | None = None) -> Estimate:
         """The table for `loop` (its dry run kept for the next loop of the same step and
-        shapes, so a training loop pays it once); remembered for `explain`."""
+        shapes, so a training loop pays it once); remembered for `explain`. `families` and
+        `until`: those of a loop that ends when `until` says so (`estimate_open`)."""
         key = _cache_key(loop, carry_leaves)
+        if key is not None:
+            key = (key, until)
         cached = self._memory.get("table")
         if key is not None and cached is not None and cached[0] == key:
             result = cached[1]  # the same loop again (a training loop): its table, as it was
         else:
-            cost = dry_run(loop, carry_leaves, self.lossy, self.max_rel_error, self.disk)
-            result = plan_table(cost, self.limit_bytes, self.families, self.admits)
+            # a disk level is priced for loops of known length only (an online plan does
+            # not weigh its write and read costs)
+            cost = dry_run(loop, carry_leaves, self.lossy, self.max_rel_error,
+                           self.disk and until is None)
+            result = plan_table(cost, self.limit_bytes, families or self.families,
+                                self.admits, until)
             self._memory["table"] = (key, result)
         self._memory["last"] = result
         return result
@@ -354,6 +397,31 @@ def _cache_key(loop: StepLoop, carry_leaves: list[Any]) -> Any:
     return key
 
 
+def _online_families(families: Iterable[Family], limit: int | None,
+                     who: str) -> tuple[Family, ...]:
+    """Of `families`, those whose plans run a loop that ends when `until` says so, priced as
+    they run it: binomial plans online; keeping every step only if the loop's length is
+    bounded (`limit`)."""
+    online = {binomial: binomial_online}
+    if limit is not None:
+        online[keep_every_step] = keep_every_step
+    chosen = tuple(online[f] for f in families if f in online)
+    if not chosen:
+        raise StrategyConfigError(
+            f"{who}: this loop ends when `until` says so, and of the plan families only "
+            f"{', '.join(f.__name__ for f in online)} run such a loop; admit one")
+    return chosen
+
+
+def _sized(loop: StepLoop, limit: int | None) -> StepLoop:
+    """`loop` (of unknown length) as priced: at most `limit` steps, or `OPEN_LOOP_STEPS`."""
+    return replace(loop, n=limit if limit is not None else OPEN_LOOP_STEPS)
+
+
+OPEN_LOOP_STEPS = 4097
+"""The length a loop of unknown length is priced at (`Budget.choose_open`): binomial plans
+of up to 4,096 snapshots, whose peak tape does not grow with the length."""
+
 _DRY_RUNS: OrderedDict[Any, tuple[Any, StepCost]] = OrderedDict()
 DRY_RUNS_KEPT = 16
 """Dry runs remembered across budgets and `estimate` calls (the least recently used goes)."""
@@ -405,8 +473,10 @@ def _budget_error(budget: Budget, result: Estimate) -> BudgetError:
     smallest = min(result.rows, key=lambda r: r.peak_tape_bytes)
     hint = "" if budget.admits_lossy else (
         ", or admit quantized storage with lossy=True (or max_rel_error=...)")
+    loop = ("of unknown length" if result.until == "unknown" else
+            f"of {'at most ' if result.until else ''}{result.n_steps} steps")
     return BudgetError(
-        f"{budget!r}: no plan for this scan of {result.n_steps} steps fits in "
+        f"{budget!r}: no plan for this scan {loop} fits in "
         f"{format_bytes(result.limit_bytes or 0)} of tape; the smallest, {smallest.name}, "
         f"needs {format_bytes(smallest.peak_tape_bytes)} ({smallest.peak_tape_bytes} bytes): "
         f"raise the budget to at least that{hint}; Budget(...).explain() shows every plan",
@@ -422,6 +492,7 @@ def estimate(
     budget: Budget | int | str | None = None,
     *,
     reverse: bool = False,
+    until: Callable[[Any], Any] | None = None,
     lossy: bool = False,
     max_rel_error: float | None = None,
     disk: bool = False,
@@ -435,7 +506,10 @@ def estimate(
     without one, every plan fits and `chosen` is the fastest. Times are those of the steps as
     the loop will run them: replayed from a step program where the step traces, recorded
     where it refuses (`StepCost.mode` says which). `disk=True` also prices plans with disk
-    snapshots (one write and read of the carry is timed; see `Budget`).
+    snapshots (one write and read of the carry is timed; see `Budget`). With `until` (the
+    predicate `scan` would stop on; only its presence matters here) the loop is priced as
+    one that ends when it says so: keep-all at its longest run, if xs or length= bounds it,
+    and binomial plans placing their snapshots online (see `Budget.choose_open`).
 
     >>> import checkpoint_ad as cad
     >>> w = cad.tensor(0.5, requires_grad=True)
@@ -456,13 +530,20 @@ def estimate(
         xs = unflatten(spec, [None if t is None else t[::-1] for t in leaves])
     carry_leaves, carry_spec = flatten(init)
     xs_leaves, xs_spec = ([], None) if xs is None else flatten(xs)
-    loop = StepLoop(step, carry_spec, xs_leaves, xs_spec, loop_length(xs_leaves, length))
-    if loop.n == 0:
+    limit = loop_length(xs_leaves, length, open_ended=until is not None)
+    loop = StepLoop(step, carry_spec, xs_leaves, xs_spec, limit or 0)
+    if limit == 0:
         raise StrategyConfigError("estimate: the loop has no steps; there is nothing to plan")
     if planner is not None:
+        if until is not None:
+            return planner.estimate_open(loop, carry_leaves, limit)
         return planner.estimate_loop(loop, carry_leaves)
     if not isinstance(disk, bool):
         raise StrategyConfigError(f"estimate(disk={disk!r}): disk must be True or False")
+    admit = lambda c: _admitted(c.error_bound, lossy, max_rel_error)
+    if until is not None:
+        cost = dry_run(_sized(loop, limit), carry_leaves, lossy, max_rel_error, False)
+        return plan_table(cost, None, _online_families(families, limit, "estimate"), admit,
+                          "unknown" if limit is None else "at most")
     cost = dry_run(loop, carry_leaves, lossy, max_rel_error, disk)
-    return plan_table(cost, None, families,
-                      lambda c: _admitted(c.error_bound, lossy, max_rel_error))
+    return plan_table(cost, None, families, admit)

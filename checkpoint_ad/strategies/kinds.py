@@ -105,6 +105,16 @@ class LoopPlanner(Strategy):
     def choose(self, loop: Any, carry_leaves: list[Any]) -> tuple[LoopStrategy | None, Strategy]:
         raise NotImplementedError(f"{type(self).__name__} must define choose(loop, carry_leaves)")
 
+    def choose_open(self, loop: Any, carry_leaves: list[Any], limit: int | None,
+                    ) -> tuple[LoopStrategy | None, Strategy]:
+        """The plan for a loop that ends when `until` says so, after at most `limit` steps
+        (None: no limit): a loop strategy that plans online (`online_planner()`), or None to
+        keep every step. A planner that only prices loops of known length says so."""
+        raise StrategyConfigError(
+            f"{self!r} prices plans for a loop of known length, but this loop stops when "
+            "`until` says so; give it a loop strategy that plans online (Binomial(snapshots)) "
+            "or a fixed length= (or xs)")
+
 
 class RegionStrategy:
     """What `checkpoint(fn, ...)` does with a region of code: keep only the region's inputs,

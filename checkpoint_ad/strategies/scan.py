@@ -17,7 +17,6 @@ import numpy as np
 
 from .. import loop_log, random
 from ..backend import namespace
-from ..errors import StrategyConfigError
 from ..grad_mode import is_grad_enabled, no_grad
 from ..origins import caller_origin
 from ..pytree import flatten, unflatten
@@ -112,18 +111,16 @@ def scan(
         _log(loop, strategy)
         return init, ys
     if isinstance(strategy, LoopPlanner) and is_grad_enabled():
-        if until is not None:
-            raise StrategyConfigError(
-                f"{strategy!r} prices plans for a loop of known length, but this loop stops "
-                "when `until` says so; give it a loop strategy that plans online "
-                "(Binomial(snapshots)) or a fixed length= (or xs)"
-            )
-        chosen, storage = strategy.choose(loop, carry_leaves)
+        chosen, storage = (strategy.choose(loop, carry_leaves) if until is None else
+                           strategy.choose_open(loop, carry_leaves, limit))
         with use_packer(storage):
             if chosen is None:
                 carry, ys = _keep_all(loop, carry_leaves, until, limit, trace)
-            else:
+            elif until is None:
                 carry, ys = _planned(PlannedLoop(loop, chosen, trace=trace), carry_leaves)
+            else:
+                carry, ys = _planned(PlannedLoop(loop, chosen, until, limit, trace=trace),
+                                     carry_leaves)
     elif isinstance(strategy, LoopStrategy) and is_grad_enabled():
         if until is None:
             carry, ys = _planned(PlannedLoop(loop, strategy, trace=trace), carry_leaves)
