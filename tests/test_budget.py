@@ -580,3 +580,33 @@ def test_estimate_prices_an_until_loop_as_a_budget_plans_it():
     assert not any(r.name.startswith("periodic") for r in bounded.rows)
     assert unbounded.until == "unknown" and unbounded.chosen.name.startswith("binomial")
     assert unbounded.chosen.peak_tape_bytes <= 10 * 1024
+
+
+def test_a_lossy_budget_may_snapshot_an_until_loop_quantized_and_predicts_its_peak():
+    """Below the lossless plans' least, only quantized snapshots fit; the online plan's peak
+    then holds its kept step's start once (a quantized snapshot's price has a full carry on
+    its tape already)."""
+    rng = np.random.default_rng(0)
+    w = cad.tensor((rng.standard_normal((64, 64)) / 8).astype(np.float32), requires_grad=True)
+    h0 = cad.tensor(rng.standard_normal((16, 64)).astype(np.float32))
+
+    def step(h, _):
+        h = cad.tanh(h @ w) + 0.01
+        return h, cad.sum(h)
+
+    def run(strategy):
+        w.grad = None
+        with cad.profile() as prof:
+            _, ys = scan(step, h0, length=100, until=lambda _: False, strategy=strategy)
+            cad.sum(ys).backward()
+        return prof, w.grad.numpy()
+
+    forget_dry_runs()
+    lossless = cad.estimate(step, h0, length=100, until=bool).minimum_bytes
+    budget = Budget(lossless - 1, lossy=True)
+    prof, grads = run(budget)
+    chosen = budget.last.chosen
+    assert "int" in chosen.name and "snapshots" in chosen.name
+    assert prof.peak_tape_bytes == chosen.peak_tape_bytes <= budget.limit_bytes
+    reference = run(None)[1]  # lossy: near keep-all's, not equal
+    assert np.linalg.norm(grads - reference) <= 0.05 * np.linalg.norm(reference)

@@ -259,7 +259,7 @@ def binomial_online(cost: StepCost) -> Iterator[Candidate]:
     """`Binomial(s)` on a loop that ends when `until` says so, its snapshots placed online
     (`online.OnlinePlanner`): the forward tapes every step and keeps the newest tape until
     the next step tells whether to snapshot its starting state, so the peak holds that
-    state twice (in the kept tape and in the snapshot copied from it) and the forward pays a
+    state twice (in the kept tape and in the snapshot taken from it) and the forward pays a
     taped step for each untaped one. Step evaluations are the offline optimum's (online is
     optimal up to C(s + 2, 2) steps and measured within 1% of it up to 10**5)."""
     n = cost.n_steps
@@ -268,8 +268,9 @@ def binomial_online(cost: StepCost) -> Iterator[Candidate]:
             offline = _binomial(cost, s, storage_name)
             form = cost.forms["keep"]
             untaped, taped, _ = _speeds(cost, form)
-            yield replace(offline,
-                          peak_tape_bytes=offline.peak_tape_bytes + form.carry_saved_bytes,
+            # a quantized snapshot's plan is priced with a full carry on the tape already
+            twice = form.carry_saved_bytes if SNAPSHOT_FORMS[storage_name] is None else 0
+            yield replace(offline, peak_tape_bytes=offline.peak_tape_bytes + twice,
                           forward_seconds=offline.forward_seconds + (n - 1) * (taped - untaped))
 
 
