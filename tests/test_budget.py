@@ -610,3 +610,42 @@ def test_a_lossy_budget_may_snapshot_an_until_loop_quantized_and_predicts_its_pe
     assert prof.peak_tape_bytes == chosen.peak_tape_bytes <= budget.limit_bytes
     reference = run(None)[1]  # lossy: near keep-all's, not equal
     assert np.linalg.norm(grads - reference) <= 0.05 * np.linalg.norm(reference)
+
+
+# ------------------------------------------------------------- a loop nested in the step
+def test_a_budget_prices_a_loop_nested_in_its_step_and_its_plan_fits():
+    """A step that runs a `scan` of its own: the inner loop's values live inside its one tape
+    entry, which the dry run's walk over slots does not see (a budget's prediction read 0.67
+    of the measured peak, and plans went over the budget); it keeps every step there,
+    priced within the outer step, rather than plan again with the whole budget."""
+    rng = np.random.default_rng(0)
+    w = cad.tensor(rng.standard_normal((16, 16)) / 4, requires_grad=True)
+    xs = cad.tensor(rng.standard_normal((20, 5, 4, 16)))
+    h0 = cad.tensor(rng.standard_normal((4, 16)))
+
+    def inner(h, x):
+        return cad.tanh(h @ w + x), None
+
+    def outer(h, rows):
+        h, _ = scan(inner, h, rows)
+        return h, cad.sum(h)
+
+    def run(strategy):
+        w.grad = None
+        with use(strategy), cad.profile() as prof:
+            _, ys = scan(outer, h0, xs)
+            cad.sum(ys).backward()
+        return prof, w.grad.numpy()
+
+    kept, reference = run(KeepAll())
+    chosen = set()
+    for limit in (kept.peak_tape_bytes // 8, kept.peak_tape_bytes // 3, kept.peak_tape_bytes):
+        forget_dry_runs()
+        budget = Budget(limit)
+        prof, grads = run(budget)
+        plan = budget.last  # the outer loop's: the inner ones do not plan
+        assert plan.n_steps == 20
+        chosen.add(plan.chosen.name)
+        assert prof.peak_tape_bytes == plan.chosen.peak_tape_bytes <= limit
+        assert np.array_equal(grads, reference)
+    assert len(chosen) == 3 and "keep-all" in chosen

@@ -6,6 +6,7 @@ Both the plain (keep-every-step) loop and the plan executor run steps through `S
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +49,9 @@ class StepLoop:
     """The user line that ran the loop, when someone asked for origins as it began (a
     profiler): what entries of its steps taped again for the backward sweep name, where the
     step is this package's code (`origins.rerun_boundary`)."""
+    planned_by_budget: bool = False
+    """Its plan was priced by a loop planner (`Budget`) from its steps' whole tape: a `scan`
+    inside its step keeps every step rather than plan again (see `inside_planned_step`)."""
 
     def x_at(self, t: int) -> Any:
         """The scanned input of step t, without history (for re-runs under a plan)."""
@@ -86,7 +90,16 @@ class StepLoop:
     def call(self, t: int, carry_leaves: list[Any], x: Any) -> tuple[list[Any], list[Any]]:
         """Run step `t` on a carry (its leaves) and scanned input; (new carry leaves, y leaves)."""
         self.count()
-        carry, y = self._checked(self.step(unflatten(self.carry_spec, iter(carry_leaves)), x), t)
+        carry_in = unflatten(self.carry_spec, iter(carry_leaves))
+        if self.planned_by_budget:
+            _planned_steps.depth = getattr(_planned_steps, "depth", 0) + 1
+            try:
+                result = self.step(carry_in, x)
+            finally:
+                _planned_steps.depth -= 1
+        else:
+            result = self.step(carry_in, x)
+        carry, y = self._checked(result, t)
         new_leaves, spec = flatten(carry)
         if spec != self.carry_spec:
             raise ShapeError(
@@ -115,6 +128,16 @@ class StepLoop:
         if not isinstance(result, tuple) or len(result) != 2:
             raise TypeError(f"scan: step must return (carry, y); step {t} returned {result!r:.80}")
         return result
+
+
+_planned_steps = threading.local()  # .depth: steps of budget-planned loops running now
+
+
+def inside_planned_step() -> bool:
+    """Whether this thread is running a step of a loop a budget planned: a budget prices
+    such a loop from its steps' whole tape, a nested loop's included, so a `scan` in it
+    keeps every step (planning it again, with the whole budget, would spend it twice)."""
+    return getattr(_planned_steps, "depth", 0) > 0
 
 
 def row(array: Any, t: int) -> Any:

@@ -24,7 +24,7 @@ from ..saved import Strategy, use_packer
 from ..tensor_base import make_tensor
 from .kept_loop import keep_every_step, recorded_because, replays, replays_untaped
 from .kinds import LoopPlanner, LoopStrategy
-from .loop import StepLoop, loop_length, stack_outputs
+from .loop import StepLoop, inside_planned_step, loop_length, stack_outputs
 from .plan_executor import PlannedLoop, stops
 from .scope import current_loop_strategy
 from .untaped_loop import run_untaped
@@ -110,7 +110,10 @@ def scan(
         ys = _empty_outputs(loop, carry_leaves)
         _log(loop, strategy)
         return init, ys
+    if isinstance(strategy, LoopPlanner) and inside_planned_step():
+        strategy = None  # a loop in a budget-planned step: priced within it, kept whole
     if isinstance(strategy, LoopPlanner) and is_grad_enabled():
+        loop.planned_by_budget = True
         chosen, storage = (strategy.choose(loop, carry_leaves) if until is None else
                            strategy.choose_open(loop, carry_leaves, limit))
         with use_packer(storage):
