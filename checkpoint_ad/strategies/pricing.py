@@ -45,6 +45,7 @@ from ..backend import nbytes as array_nbytes
 from ..grad_mode import enable_grad, no_grad
 from ..object_bytes import added_bytes
 from ..profiler.memory import CupyHookProbe, TracemallocProbe, probe_for
+from ..profiler.recorder import profile
 from ..pytree import flatten, unflatten
 from ..saved import KEEP, SavedBuffer, Strategy, use_packer
 from ..tape import Entry, edge_of, next_sequence
@@ -637,8 +638,6 @@ def _profiled_bytes(
     inside that loop's one tape entry (its snapshots, its replayed steps), where the dry
     run's walk over the entries' slots does not see them; the profiler hears them. (Run
     apart from the timed steps: a profile slows what it measures.)"""
-    from ..profiler.recorder import profile
-
     peaks = []
     for steps in range(1, _steps(loop) + 1):  # step 0 alone, then steps 0 and 1
         carry = _carry_tensors(carry_leaves, grad=True)
