@@ -70,3 +70,16 @@ def loops() -> Iterator[list[LoopInfo]]:
         yield collected
     finally:  # by identity: two blocks' lists may be equal
         del collectors[next(i for i, c in enumerate(collectors) if c is collected)]
+
+
+@contextmanager
+def muted() -> Iterator[None]:
+    """No `loops()` block of this thread hears the loops run inside this one (a budget's dry
+    run: loops the library runs to price one, which the caller did not run); they hear
+    again after it."""
+    collectors = getattr(_local, "collectors", None)
+    _local.collectors = []
+    try:
+        yield
+    finally:
+        _local.collectors = collectors

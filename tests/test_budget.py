@@ -649,3 +649,17 @@ def test_a_budget_prices_a_loop_nested_in_its_step_and_its_plan_fits():
         assert prof.peak_tape_bytes == plan.chosen.peak_tape_bytes <= limit
         assert np.array_equal(grads, reference)
     assert len(chosen) == 3 and "keep-all" in chosen
+
+
+def test_the_loops_a_dry_run_runs_are_not_listed_as_the_callers():
+    """`inspect.loops()` lists the loops the caller ran: a budget's dry run (and the
+    executor's own calibration, on a process's first dry run) runs loops of its own."""
+    from checkpoint_ad.strategies import overhead
+
+    overhead.executor_overhead.cache_clear()  # its calibration loops run in this dry run
+    forget_dry_runs()
+    model = models.build("rnn", **SIZES["rnn"])
+    with cad.inspect.loops() as ran:
+        model.run(lambda step, init, xs: scan(step, init, xs, strategy=Budget("8KiB")))
+    assert [info.steps for info in ran] == [SIZES["rnn"]["steps"]]
+    assert ran[0].strategy.startswith("Budget(")

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .. import events, random
+from .. import events, loop_log, random
 from ..autograd import grad
 from ..grad_mode import enable_grad
 from ..ops import multiply, tanh
@@ -66,7 +66,7 @@ def executor_overhead() -> Overhead:
     began = time.perf_counter()
     try:
         with random.replaying(random.get_state()), enable_grad(), use_packer(KEEP), \
-                events.muted():
+                events.muted(), loop_log.muted():
             excess = _excess()
     finally:
         np.random.set_state(numpy_state)

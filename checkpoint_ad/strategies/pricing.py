@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import events, random
+from .. import events, loop_log, random
 from ..autograd import Capture, backpropagate
 from ..backend import device_name, is_floating, namespace
 from ..backend import nbytes as array_nbytes
@@ -202,12 +202,12 @@ def measure(
     saved-value strategy of every step, each storage in `snapshots` for stored carries; with
     `disk`, a disk snapshot's write and read.
 
-    The dry run is the library's, not the program's: it runs `events.muted`, so a profile
-    neither counts it nor slows it (its figures are those of an unprofiled run, and the plan
-    a budget picks does not depend on whether the run is profiled), and hears one 'planned'
-    event after it instead."""
+    The dry run is the library's, not the program's: it runs `events.muted` and unlisted by
+    `inspect.loops`, so a profile neither counts it nor slows it (its figures are those of
+    an unprofiled run, and the plan a budget picks does not depend on whether the run is
+    profiled), and hears one 'planned' event after it instead."""
     began = time.perf_counter()
-    with events.muted():
+    with events.muted(), loop_log.muted():
         cost = _measured(loop, carry_leaves, forms, snapshots, disk)
     if events.listeners:
         events.emit("planned", (time.perf_counter() - began, cost.dry_run_bytes))
