@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from array import array
 from bisect import bisect_left
-from functools import cache
+from functools import cache, lru_cache
 from math import comb
 
 from ..errors import ScheduleError
@@ -168,12 +168,21 @@ class OnlinePlanner:
         return best
 
     def _merge(self, j: int, x: int) -> None:
-        """Segments j - 1 and j become one (snapshot j dropped); the later ones move down."""
+        """Segments j - 1 and j become one (snapshot j dropped); the later ones move down one
+        place, so each is reversed with one snapshot more: its cost there is what `_shifted`
+        held for it, and only its next shift is new."""
         stored = self.stored  # stored[j] is already removed
         ends = [*stored[1:], x]
-        del self._here[j - 1 :], self._shifted[j - 1 :]
-        for i in range(j - 1, len(stored)):
-            self._close(ends[i] - stored[i], i)
+        here, shifted, s = self._here, self._shifted, self.snapshots
+        moved = shifted[j + 1:]  # the closed segments after the two merged
+        del here[j - 1:], shifted[j - 1:]
+        self._close(ends[j - 1] - stored[j - 1], j - 1)  # the merged segment
+        for i, cost in enumerate(moved, start=j):
+            here.append(cost)
+            shifted.append(_advances(ends[i] - stored[i], s - i + 1))
+        last = len(stored) - 1  # the segment that was open, closed at x
+        if last > j - 1:
+            self._close(ends[last] - stored[last], last)
 
     def finish(self, n_steps: int) -> list[Action]:
         """The loop ended after ``n_steps`` steps (as many as :meth:`advance` calls): the rest."""
@@ -239,9 +248,11 @@ class OnlinePlanner:
         return total
 
 
+@lru_cache(maxsize=1 << 16)
 def _advances(length: int, budget: int) -> int:
     """Steps advanced (re-run without a tape) to reverse ``length`` steps from their stored
-    start with ``budget`` snapshots: the binomial optimum less its taped steps."""
+    start with ``budget`` snapshots: the binomial optimum less its taped steps. Cached: the
+    planner asks it for every segment at each drop, mostly for lengths asked before."""
     if length <= 1:
         return 0
     if budget == 1:  # re-advance from the one stored state for every step
