@@ -638,16 +638,18 @@ def _profiled_bytes(
     inside that loop's one tape entry (its snapshots, its replayed steps), where the dry
     run's walk over the entries' slots does not see them; the profiler hears them. (Run
     apart from the timed steps: a profile slows what it measures.)"""
-    peaks = []
+    held = []
     for steps in range(1, _steps(loop) + 1):  # step 0 alone, then steps 0 and 1
         carry = _carry_tensors(carry_leaves, grad=True)
         with profile() as prof, random.replaying(engine_state), enable_grad(), \
                 use_packer(storage):
             for t in range(steps):
                 carry, _ = loop.call(t, carry, _x_tensors(loop, t))
-        peaks.append(prof.peak_tape_bytes)  # a forward frees nothing: its end is its peak
+        # what the steps' tape holds at their end (a value saved by work the step threw
+        # away was freed with it, as the walk over what the outputs reach leaves it out)
+        held.append(prof.timeline_bytes[-1])
         del carry
-    return peaks[0], peaks[-1]
+    return held[0], held[-1]
 
 
 def _with_nested_bytes(cost: FormCost, first: int, total: int, n: int) -> FormCost:
