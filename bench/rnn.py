@@ -175,14 +175,18 @@ def engine(params: dict, threads: int) -> dict[str, Any]:
         extras["untaped_step_seconds"] = forward.median / steps
         extras["mode"] = work.loop.mode
         extras["recorded"] = not work.trace  # its model's keep-all: keep-all recorded
+        untaped = work.forward_untaped  # recorded: its steps re-run as recorded
         if work.loop.program is not None:  # replayed: the step-count model uses replay time
             replayed = time_median(work.forward_replayed, params["repeats"])
             extras["replayed_step_seconds"] = replayed.median / steps
-            paired = _paired_over_model(work, _Engine(arrays, None), extras["untaped_steps"],
-                                        steps, params["repeats"])
-            work.clear()
-            extras["paired_over_model"] = statistics.median(paired)
-            extras["paired_over_model_range"] = [min(paired), max(paired)]
+            untaped = work.forward_replayed
+        # keep-all the way the plan's loop runs (replayed, or recorded under trace=False)
+        keep = _Engine(arrays, None, trace=work.trace)
+        paired = _paired_over_model(work, keep, untaped, extras["untaped_steps"], steps,
+                                    params["repeats"])
+        work.clear()
+        extras["paired_over_model"] = statistics.median(paired)
+        extras["paired_over_model_range"] = [min(paired), max(paired)]
         one_step = _Engine(data(params | {"steps": 1}), None)
         extras["one_step_tracemalloc_bytes"] = tracemalloc_peak(one_step)
     else:
@@ -201,14 +205,15 @@ def engine(params: dict, threads: int) -> dict[str, Any]:
     return result
 
 
-def _paired_over_model(work: _Engine, keep: _Engine, untaped: int, steps: int,
-                       repeats: int) -> list[float]:
+def _paired_over_model(work: _Engine, keep: _Engine, forward: Any, untaped: int,
+                       steps: int, repeats: int) -> list[float]:
     """Per round, the plan's time over its step-count model (keep-all's time + `untaped`
-    replayed steps), the three timed back to back in one worker, in rotating order: the
-    model's parts timed in other workers, a minute apart, would also measure how the
-    machine's speed drifted (tens of percent here), which this cancels."""
+    steps run without a tape, at the time `forward()` takes for `steps` of them), the three
+    timed back to back in one worker, in rotating order: the model's parts timed in other
+    workers, a minute apart, would also measure how the machine's speed drifted (tens of
+    percent here), which this cancels."""
     keep.run()  # warm, as `measure` warmed the plan
-    calls = [work.run, keep.run, work.forward_replayed]
+    calls = [work.run, keep.run, forward]
     ratios = []
     for round_ in range(max(repeats, 3)):
         seconds = [0.0, 0.0, 0.0]

@@ -194,6 +194,17 @@ def test_engine_rnn_columns_measure_and_agree_with_the_floor(preset):
 
 
 @pytest.mark.parametrize("trace", [True, False])
+def test_a_plans_model_is_timed_in_its_own_worker_replayed_or_recorded(trace):
+    """The step-count model's parts are timed beside the plan, round by round, in the mode
+    the plan's loop runs in (a recorded loop against keep-all recorded)."""
+    result = rnn.engine(TINY_RNN | {"strategy": "revolve-2", "trace": trace}, threads=1)
+    extras = result["extras"]
+    assert extras["recorded"] is not trace and extras["paired_over_model"] > 0
+    low, high = extras["paired_over_model_range"]
+    assert low <= extras["paired_over_model"] <= high
+
+
+@pytest.mark.parametrize("trace", [True, False])
 def test_inference_engine_column_matches_the_numpy_forward(trace):
     engine = inference.engine_forward(TINY_RNN | {"trace": trace}, threads=1)
     floor = inference.numpy_forward(TINY_RNN, threads=1)
