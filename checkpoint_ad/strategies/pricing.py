@@ -237,13 +237,15 @@ def _measured(
             costs = []
             for _ in _repeating():
                 np.random.set_state(numpy_state)
-                cost, gradient_bytes, output_bytes, held = _taped(
+                cost, gradient_bytes, output_bytes, held, nested = _taped(
                     loop, carry_leaves, storage, engine_state)
                 costs.append(cost)
                 dry_run_bytes = max(dry_run_bytes, held)
-            priced[name] = _with_nested_bytes(
-                _typical(costs), *_profiled_bytes(loop, carry_leaves, storage, engine_state),
-                loop.n)
+            priced[name] = _typical(costs)
+            if nested:  # values inside an inner loop's entry: the walk over slots missed them
+                priced[name] = _with_nested_bytes(
+                    priced[name], *_profiled_bytes(loop, carry_leaves, storage, engine_state),
+                    loop.n)
         for name, storage in forms.items():
             np.random.set_state(numpy_state)
             program, mode = _traced(loop, carry_leaves, storage, engine_state)
@@ -592,9 +594,10 @@ def _untaped(
 
 def _taped(
     loop: StepLoop, carry_leaves: list[Any], storage: Strategy, engine_state: Any
-) -> tuple[FormCost, int, int, int]:
+) -> tuple[FormCost, int, int, int, bool]:
     """Steps 0 and 1 with a tape under `storage`, then their backward; (cost, gradient bytes,
-    one step's output bytes, every byte the two steps saved)."""
+    one step's output bytes, every byte the two steps saved, whether the steps ran a loop of
+    their own with a tape: its one entry holds values no slot shows, see `_profiled_bytes`)."""
     carry_in = _carry_tensors(carry_leaves, grad=True)
     x_in = [_x_tensors(loop, t) for t in range(_steps(loop))]
     seq_before = next_sequence()
@@ -627,7 +630,8 @@ def _taped(
     n_y = len(outputs) - len(carry)
     y_bytes = sum(array_nbytes(y._data) for y in outputs[: n_y // _steps(loop)] if y is not None)
     cost = FormCost(first, step_bytes, carry_saved, taped, backward)
-    return cost, gradient_bytes, y_bytes, held
+    nested = any(isinstance(entry.op, PlannedLoop) for entry in entries)
+    return cost, gradient_bytes, y_bytes, held, nested
 
 
 def _profiled_bytes(
