@@ -81,14 +81,13 @@ def emit(kind: str, payload: Any) -> None:
     an evicted value back: the stored form held again, or None), 'io_write' / 'io_read'
     (bytes handed to or read back from a storage level), 'io_stall' (seconds spent waiting),
     'planned' (a budget's dry run, run `muted`, ended: (its seconds, the most tape bytes it
-    held; None for the executor's own costs, measured once per process)), 'step' (a loop
-    evaluated one step, recorded or replayed: its count so far), 'replaying' / 'replayed' (a
-    loop step replayed from its step program begins / ended, sent only while
-    'replayed' is heard: the step's `DescribedStep`, its saved values per instruction, its
-    values and the carry slots the previous step made; what recording the step would have
-    sent as 'record' and 'apply' events, one event per step; and the buffers the step made,
-    in the order it made them, when it sent no 'pack' event for them (see `taken_directly`),
-    else None).
+    held)), 'step' (a loop evaluated one step, recorded or replayed: its count so far),
+    'replaying' / 'replayed' (a loop step replayed from its step program begins / ended, sent
+    only while 'replayed' is heard: the step's `DescribedStep`, its saved values per
+    instruction, its values and the carry slots the previous step made; what recording the
+    step would have sent as 'record' and 'apply' events, one event per step; and the buffers
+    the step made, in the order it made them, when it sent no 'pack' event for them (see
+    `taken_directly`), else None).
     """
     sole = _sole.get(kind)
     if sole is not None:

@@ -778,17 +778,14 @@ class _Recorder:
     def _io_stall(self, seconds: float) -> None:
         self.profile.io_stall_seconds += seconds
 
-    def _planned(self, payload: tuple[float, int | None]) -> None:
-        """A dry run ended (unheard while it ran), or the executor's own costs were measured
-        (`held` None: once per process, as part of the first dry run): its seconds are
-        planning, taken out of the phase it ran within (a scan planned inside a backward
-        sweep or a recompute)."""
+    def _planned(self, payload: tuple[float, int]) -> None:
+        """A dry run ended (unheard while it ran): its seconds are planning, taken out of the
+        phase it ran within (a scan planned inside a backward sweep or a recompute)."""
         seconds, held = payload
         profile = self.profile
         profile.plan_seconds += seconds
-        if held is not None:
-            profile.plans += 1
-            profile.plan_tape_bytes = max(profile.plan_tape_bytes, held)
+        profile.plans += 1
+        profile.plan_tape_bytes = max(profile.plan_tape_bytes, held)
         if self.backward_depth:
             self.backward_started += seconds
         if self.recompute_depth:

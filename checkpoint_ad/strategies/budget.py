@@ -28,12 +28,14 @@ import inspect
 import math
 import re
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from .. import events, loop_log
 from ..errors import BudgetError, StrategyConfigError
 from ..pytree import flatten, unflatten
 from ..saved import KEEP, Strategy
@@ -443,7 +445,15 @@ def dry_run(loop: StepLoop, carry_leaves: list[Any], lossy: bool,
     if held is not None and all(ref() is not None for ref in held[0]):
         _DRY_RUNS.move_to_end(key)
         return held[1]
-    cost = with_overhead(measure(loop, carry_leaves, forms, snapshots, disk=disk))
+    # the library's work, not the program's: a profile neither counts it nor slows it (its
+    # figures are those of an unprofiled run, so the plan does not depend on whether the run
+    # is profiled), `inspect.loops` does not list its loops, and one 'planned' event tells
+    # its time and tape instead (the executor's calibration, on a process's first, within)
+    began = time.perf_counter()
+    with events.muted(), loop_log.muted():
+        cost = with_overhead(measure(loop, carry_leaves, forms, snapshots, disk=disk))
+    if events.listeners:
+        events.emit("planned", (time.perf_counter() - began, cost.dry_run_bytes))
     if key is not None:
         _DRY_RUNS[key] = (refs, cost)
         while len(_DRY_RUNS) > DRY_RUNS_KEPT:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .. import events, loop_log, random
+from .. import random
 from ..autograd import grad
 from ..grad_mode import enable_grad
 from ..ops import multiply, tanh
@@ -60,18 +60,14 @@ def with_overhead(cost: StepCost) -> StepCost:
 
 @functools.cache
 def executor_overhead() -> Overhead:
-    """The executor's time per segment on this machine (measured on the first call, unheard
-    like a dry run: a profile hears one 'planned' event, and its cost is not in the figures)."""
+    """The executor's time per segment on this machine (measured on the first call, within
+    the first dry run, which no profile hears: `budget.dry_run`)."""
     numpy_state = np.random.get_state()
-    began = time.perf_counter()
     try:
-        with random.replaying(random.get_state()), enable_grad(), use_packer(KEEP), \
-                events.muted(), loop_log.muted():
+        with random.replaying(random.get_state()), enable_grad(), use_packer(KEEP):
             excess = _excess()
     finally:
         np.random.set_state(numpy_state)
-    if events.listeners:
-        events.emit("planned", (time.perf_counter() - began, None))
     segments = STEPS - STEPS // 16  # Periodic(1) has this many more segments than Periodic(16)
     fine, coarse, revolve = excess["periodic k=1"], excess["periodic k=16"], excess["binomial"]
     snapshot = max(0.0, (fine[0] - coarse[0]) / segments)

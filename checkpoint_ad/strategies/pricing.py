@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import events, loop_log, random
+from .. import random
 from ..autograd import Capture, backpropagate
 from ..backend import device_name, is_floating, namespace
 from ..backend import nbytes as array_nbytes
@@ -200,28 +200,8 @@ def measure(
 ) -> StepCost:
     """Price `loop` from a dry run (see the module docstring): each strategy in `forms` as the
     saved-value strategy of every step, each storage in `snapshots` for stored carries; with
-    `disk`, a disk snapshot's write and read.
-
-    The dry run is the library's, not the program's: it runs `events.muted` and unlisted by
-    `inspect.loops`, so a profile neither counts it nor slows it (its figures are those of
-    an unprofiled run, and the plan a budget picks does not depend on whether the run is
-    profiled), and hears one 'planned' event after it instead."""
-    began = time.perf_counter()
-    with events.muted(), loop_log.muted():
-        cost = _measured(loop, carry_leaves, forms, snapshots, disk)
-    if events.listeners:
-        events.emit("planned", (time.perf_counter() - began, cost.dry_run_bytes))
-    return cost
-
-
-def _measured(
-    loop: StepLoop,
-    carry_leaves: list[Any],
-    forms: Mapping[str, Strategy],
-    snapshots: Mapping[str, Strategy | None],
-    disk: bool,
-) -> StepCost:
-    """`measure`, unheard."""
+    `disk`, a disk snapshot's write and read. (`budget.dry_run` runs it unheard by the
+    caller's profile and loop log: see there.)"""
     numpy_state = np.random.get_state()
     engine_state = random.get_state()
     evaluations = loop.evaluations
@@ -305,9 +285,9 @@ def _trial_run(
     """The loop's first `TRIAL_STEPS` steps run for real by the plan executor and pulled
     back from every output, as a first call runs them (tracing, a program compiled, not kept
     for later calls), twice: under `Binomial(1)` and keeping every step (see `Trial`). Only
-    where the loop's device can be measured (`_meter`); else None. (It runs within the dry
-    run's `events.muted` block: a profile would otherwise hear a loop the caller did not run,
-    and its own records would be measured as the engine's.)"""
+    where the loop's device can be measured (`_meter`); else None. (A dry run is unheard by
+    the caller's profile, see `budget.dry_run`: a profile would otherwise hear a loop the
+    caller did not run, and its own records would be measured as the engine's.)"""
     meter = _meter(carry_leaves)
     if meter is None:
         return None
