@@ -479,10 +479,11 @@ def test_a_binomial_plans_snapshots_count_their_objects():
 
 
 # ------------------------------------------------------------- loops that end when `until` says
-def _until_loop(seed: int = 0):
-    rng = np.random.default_rng(seed)
-    w = cad.tensor(rng.standard_normal((16, 16)) / 4, requires_grad=True)
-    h0 = cad.tensor(rng.standard_normal((4, 16)))
+def _until_loop(batch: int = 4, width: int = 16, dtype=np.float64):
+    rng = np.random.default_rng(0)
+    w = cad.tensor((rng.standard_normal((width, width)) / np.sqrt(width)).astype(dtype),
+                   requires_grad=True)
+    h0 = cad.tensor(rng.standard_normal((batch, width)).astype(dtype))
 
     def step(h, _):
         h = cad.tanh(h @ w) + 0.01
@@ -491,9 +492,9 @@ def _until_loop(seed: int = 0):
     return w, h0, step
 
 
-def _until_run(strategy, length: int | None = 120, stop_after: int = 90):
+def _until_run(strategy, length: int | None = 120, stop_after: int = 90, **sizes):
     """(profile, gradient of w) of a loop that stops after `stop_after` steps by `until`."""
-    w, h0, step = _until_loop()
+    w, h0, step = _until_loop(**sizes)
     seen = [0]
 
     def until(_):
@@ -586,29 +587,16 @@ def test_a_lossy_budget_may_snapshot_an_until_loop_quantized_and_predicts_its_pe
     """Below the lossless plans' least, only quantized snapshots fit; the online plan's peak
     then holds its kept step's start once (a quantized snapshot's price has a full carry on
     its tape already)."""
-    rng = np.random.default_rng(0)
-    w = cad.tensor((rng.standard_normal((64, 64)) / 8).astype(np.float32), requires_grad=True)
-    h0 = cad.tensor(rng.standard_normal((16, 64)).astype(np.float32))
-
-    def step(h, _):
-        h = cad.tanh(h @ w) + 0.01
-        return h, cad.sum(h)
-
-    def run(strategy):
-        w.grad = None
-        with cad.profile() as prof:
-            _, ys = scan(step, h0, length=100, until=lambda _: False, strategy=strategy)
-            cad.sum(ys).backward()
-        return prof, w.grad.numpy()
-
+    sizes = {"batch": 16, "width": 64, "dtype": np.float32}
+    _, h0, step = _until_loop(**sizes)
     forget_dry_runs()
     lossless = cad.estimate(step, h0, length=100, until=bool).minimum_bytes
     budget = Budget(lossless - 1, lossy=True)
-    prof, grads = run(budget)
+    prof, grads = _until_run(budget, length=100, stop_after=100, **sizes)
     chosen = budget.last.chosen
     assert "int" in chosen.name and "snapshots" in chosen.name
     assert prof.peak_tape_bytes == chosen.peak_tape_bytes <= budget.limit_bytes
-    reference = run(None)[1]  # lossy: near keep-all's, not equal
+    reference = _until_run(None, length=100, stop_after=100, **sizes)[1]  # lossy: near, not equal
     assert np.linalg.norm(grads - reference) <= 0.05 * np.linalg.norm(reference)
 
 
