@@ -518,15 +518,16 @@ def test_a_budget_plans_a_loop_that_ends_when_until_says_so():
         forget_dry_runs()
         budget = Budget(limit)
         prof, grads = _until_run(budget)
-        chosen = budget.last.chosen
-        plans[limit] = chosen.name
+        chosen = plans[limit] = budget.last.chosen
         assert budget.last.until == "at most" and budget.last.n_steps == 120
         assert prof.peak_tape_bytes <= budget.limit_bytes
         if chosen.strategy is not None:  # the loop stopped early: keep-all's is priced at 120
             assert prof.peak_tape_bytes == chosen.peak_tape_bytes
         assert np.array_equal(grads, reference)
-    assert plans["3KiB"].startswith("binomial") and plans["40KiB"].startswith("binomial")
-    assert plans[10 * kept.peak_tape_bytes] == "keep-all"
+    assert plans["3KiB"].name.startswith("binomial")
+    assert plans["40KiB"].name.startswith("binomial")
+    # bounded and fitting, every step is kept (in the form the dry run times fastest)
+    assert plans[10 * kept.peak_tape_bytes].strategy is None
     assert "until" in budget.last.table()
 
 
@@ -576,7 +577,7 @@ def test_estimate_prices_an_until_loop_as_a_budget_plans_it():
     forget_dry_runs()
     bounded = cad.estimate(step, h0, length=120, until=bool)
     unbounded = cad.estimate(step, h0, until=bool, budget="10KiB")
-    assert bounded.until == "at most" and bounded.chosen.name == "keep-all"
+    assert bounded.until == "at most" and bounded.chosen.strategy is None  # every step kept
     assert {r.name for r in bounded.rows} >= {"keep-all", "binomial s=8"}
     assert not any(r.name.startswith("periodic") for r in bounded.rows)
     assert unbounded.until == "unknown" and unbounded.chosen.name.startswith("binomial")
@@ -626,17 +627,20 @@ def test_a_budget_prices_a_loop_nested_in_its_step_and_its_plan_fits():
         return prof, w.grad.numpy()
 
     kept, reference = run(KeepAll())
-    chosen = set()
+    chosen = []
     for limit in (kept.peak_tape_bytes // 8, kept.peak_tape_bytes // 3, kept.peak_tape_bytes):
         forget_dry_runs()
         budget = Budget(limit)
         prof, grads = run(budget)
         plan = budget.last  # the outer loop's: the inner ones do not plan
         assert plan.n_steps == 20
-        chosen.add(plan.chosen.name)
+        chosen.append(plan.chosen)
         assert prof.peak_tape_bytes == plan.chosen.peak_tape_bytes <= limit
         assert np.array_equal(grads, reference)
-    assert len(chosen) == 3 and "keep-all" in chosen
+    assert len({c.name for c in chosen}) == 3
+    # at keep-all's peak a plan that keeps every step fits; which of its forms (as they are,
+    # or outputs kept) is the faster is the dry run's timing to say
+    assert chosen[-1].strategy is None and chosen[0].strategy is not None
 
 
 def test_the_loops_a_dry_run_runs_are_not_listed_as_the_callers():
