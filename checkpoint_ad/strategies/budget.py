@@ -24,7 +24,7 @@ holds none: `forget_dry_runs()` makes the next one measure again).
 
 from __future__ import annotations
 
-import inspect
+import contextlib
 import math
 import re
 import threading
@@ -56,6 +56,7 @@ from .kinds import LoopPlanner, LoopStrategy
 from .loop import StepLoop, loop_length
 from .overhead import with_overhead
 from .pricing import StepCost, measure, relative_error_bound
+from .program_cache import step_identity
 
 __all__ = ["Budget", "BudgetError", "Estimate", "PlanRow", "estimate", "forget_dry_runs",
            "parse_bytes"]
@@ -332,12 +333,11 @@ class Budget(LoopPlanner):
         """The table for `loop` (its dry run kept for the next loop of the same step and
         shapes, so a training loop pays it once); remembered for `explain`. `families` and
         `until`: those of a loop that ends when `until` says so (`estimate_open`)."""
-        key = _cache_key(loop, carry_leaves)
-        if key is not None:
-            key = (key, until)
+        named = _loop_key(loop, carry_leaves)
+        key = None if named is None else (named[0], until)
         cached = self._memory.get("table")
-        if key is not None and cached is not None and cached[0] == key:
-            result = cached[1]  # the same loop again (a training loop): its table, as it was
+        if key is not None and cached is not None and cached[0] == key and _alive(cached[1]):
+            result = cached[2]  # the same loop again (a training loop): its table, as it was
         else:
             # a disk level is priced for loops of known length only (an online plan does
             # not weigh its write and read costs)
@@ -345,7 +345,7 @@ class Budget(LoopPlanner):
                            self.disk and until is None)
             result = plan_table(cost, self.limit_bytes, families or self.families,
                                 self.admits, until)
-            self._memory["table"] = (key, result)
+            self._memory["table"] = (key, () if named is None else named[1], result)
         self._memory["last"] = result
         return result
 
@@ -388,15 +388,36 @@ def _forms(
     return forms, snapshots
 
 
-def _cache_key(loop: StepLoop, carry_leaves: list[Any]) -> Any:
+def _loop_key(loop: StepLoop, carry_leaves: list[Any],
+              ) -> tuple[Any, tuple[weakref.ref[Any], ...]] | None:
+    """(key, refs) naming `loop` across calls, or None (then it is measured every time).
+
+    The step is named as the step-program cache names it (`step_identity`): a function made
+    anew on every call (`while_loop`'s wrapper of the body, a lambda written inside a
+    training loop) by its code and the identities of what it closes over, so a loop run
+    again plans from its first call's dry run instead of measuring on every call. The key
+    adds the carry's and scanned inputs' shapes, dtypes and gradient needs and the length;
+    it holds no step, model or tensor. `refs`: weak references to the code and to those
+    captured objects that can be held weakly; once one has died the key is stale (another
+    object may now have its id)."""
+    held: list[Any] = []
+    owner, identities = step_identity(loop.step, held)
     meta = tuple(None if t is None else (t.shape, str(t.dtype), t.requires_grad)
                  for t in [*carry_leaves, *loop.xs_leaves])
-    key = (loop.step, str(loop.carry_spec), str(loop.xs_spec), meta, loop.n)
+    key = (id(owner), identities, str(loop.carry_spec), str(loop.xs_spec), meta, loop.n)
     try:
         hash(key)
-    except TypeError:  # a step that cannot be hashed is measured every time
+        refs = [weakref.ref(owner)]
+    except TypeError:  # a step that cannot be named so is measured every time
         return None
-    return key
+    for part in held:
+        with contextlib.suppress(TypeError):  # a number, a tuple: named by its id alone
+            refs.append(weakref.ref(part))
+    return key, tuple(refs)
+
+
+def _alive(refs: tuple[weakref.ref[Any], ...]) -> bool:
+    return all(ref() is not None for ref in refs)
 
 
 def _online_families(families: Iterable[Family], limit: int | None,
@@ -437,12 +458,12 @@ def dry_run(loop: StepLoop, carry_leaves: list[Any], lossy: bool,
     differ only by the limit, not by the machine's noise between two dry runs. The step is
     held by weak reference: a remembered dry run keeps no model alive."""
     forms, snapshots = _forms(lossy, max_rel_error)
-    refs = _step_refs(loop.step)
-    key = _cache_key(loop, carry_leaves) if refs is not None else None
-    if key is not None:  # the step named by the ids of what identifies it, not held
-        key = (tuple(id(r()) for r in refs), *key[1:], tuple(forms), tuple(snapshots), disk)
+    named = _loop_key(loop, carry_leaves)
+    key = refs = None
+    if named is not None:  # the step named by the ids of what identifies it, not held
+        key, refs = (named[0], tuple(forms), tuple(snapshots), disk), named[1]
     held = _DRY_RUNS.get(key) if key is not None else None
-    if held is not None and all(ref() is not None for ref in held[0]):
+    if held is not None and _alive(held[0]):
         _DRY_RUNS.move_to_end(key)
         return held[1]
     # the library's work, not the program's: a profile neither counts it nor slows it (its
@@ -466,17 +487,6 @@ def forget_dry_runs() -> None:
     measures again (after the machine's load changed, say). A budget that already planned
     the same loop keeps the table it made."""
     _DRY_RUNS.clear()
-
-
-def _step_refs(step: Any) -> tuple[Any, ...] | None:
-    """Weak references to what identifies a step: its function, and the object a bound
-    method belongs to (a model's `step`); None when they cannot be weakly referenced (such a
-    step is measured by each budget on its own)."""
-    parts = (step.__self__, step.__func__) if inspect.ismethod(step) else (step,)
-    try:
-        return tuple(weakref.ref(p) for p in parts)
-    except TypeError:
-        return None
 
 
 def _budget_error(budget: Budget, result: Estimate) -> BudgetError:

@@ -186,7 +186,7 @@ def find(step: Callable[..., Any], kind: str, carry_leaves: list[Any],
     """The place of a loop running `step` from `carry_leaves` over `xs_leaves` under the
     saved-value strategy in effect; `kind` names how the loop traces its steps (a program
     made from step 1 by `kept_loop` is not one made from step 0 by the plan executor)."""
-    owner, identities = _step_identity(step)
+    owner, identities = step_identity(step)
     key = (kind, identities, _packer_key(current_packer()),
            tuple(_meta(t) for t in carry_leaves), tuple(_meta(t, row=True) for t in xs_leaves))
     try:
@@ -217,26 +217,33 @@ def _meta(t: Any, row: bool = False) -> tuple[Any, ...] | None:
     return shape, t.dtype, device_name(t._data), t.requires_grad
 
 
-def _step_identity(step: Any) -> tuple[Any, tuple[Any, ...]]:
+def step_identity(step: Any, held: list[Any] | None = None) -> tuple[Any, tuple[Any, ...]]:
     """(owner, identities): what stays the same when one loop runs again. A step defined
     inside the function that calls `scan` is a new function object per call: its code and
     the identities of what it closes over (and of its defaults, a method's object, a
-    partial's arguments) name it instead."""
+    partial's arguments) name it instead. `held`, if given, receives the objects whose ids
+    the identities hold (so a caller can tell, by weak reference, when one has died and its
+    id may name another)."""
     ids: list[Any] = []
+    note = held.append if held is not None else None
     while True:
         if isinstance(step, functools.partial):
             ids.extend(map(id, step.args))
             ids.extend(id(v) for v in step.keywords.values())
             ids.append(tuple(step.keywords))
+            if note is not None:
+                held.extend((*step.args, *step.keywords.values()))  # type: ignore[union-attr]
             step = step.func
         elif isinstance(step, types.MethodType):
             ids.append(id(step.__self__))
+            if note is not None:
+                note(step.__self__)
             step = step.__func__
         else:
             break
     if not isinstance(step, types.FunctionType):
         return step, tuple(ids)  # a callable object names itself
-    return step.__code__, (*ids, *_captured_identities(step, NESTED))
+    return step.__code__, (*ids, *_captured_identities(step, NESTED, note))
 
 
 NESTED = 3
@@ -244,7 +251,8 @@ NESTED = 3
 their code and captures rather than their identity."""
 
 
-def _captured_identities(fn: types.FunctionType, depth: int) -> tuple[Any, ...]:
+def _captured_identities(fn: types.FunctionType, depth: int,
+                         note: Callable[[Any], None] | None = None) -> tuple[Any, ...]:
     ids: list[Any] = []
     for cell in fn.__closure__ or ():
         try:
@@ -253,13 +261,20 @@ def _captured_identities(fn: types.FunctionType, depth: int) -> tuple[Any, ...]:
             ids.append(None)
             continue
         if depth and isinstance(value, types.FunctionType):
-            ids.append((value.__code__, _captured_identities(value, depth - 1)))
+            ids.append((value.__code__, _captured_identities(value, depth - 1, note)))
         elif isinstance(value, types.MethodType):  # made anew by each attribute lookup
             ids.append((id(value.__self__), value.__func__))
+            if note is not None:
+                note(value.__self__)
         else:
             ids.append(id(value))
-    ids.extend(map(id, fn.__defaults__ or ()))
-    ids.extend(id(v) for v in (fn.__kwdefaults__ or {}).values())
+            if note is not None:
+                note(value)
+    defaults = (*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values())
+    ids.extend(map(id, defaults))
+    if note is not None:
+        for value in defaults:
+            note(value)
     return tuple(ids)
 
 
