@@ -79,6 +79,11 @@ class BudgetError(CheckpointADError, MemoryError, ValueError):
         self.minimum_bytes = minimum_bytes
 
 
+class BudgetWarning(UserWarning):
+    """A budget was passed this once, for a reason it names: loops planned one after another
+    in a first pass, before the budget knew the later ones (it plans them together next)."""
+
+
 class RecomputeError(CheckpointADError, RuntimeError):
     """Re-running a checkpointed region did not reproduce what its first run saved."""
 

@@ -29,14 +29,15 @@ import math
 import re
 import threading
 import time
+import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .. import events, loop_log
-from ..errors import BudgetError, StrategyConfigError
+from ..errors import BudgetError, BudgetWarning, StrategyConfigError
 from ..pytree import flatten, unflatten
 from ..saved import KEEP, Strategy
 from .candidates import (
@@ -57,6 +58,7 @@ from .loop import StepLoop, loop_length
 from .overhead import with_overhead
 from .pricing import StepCost, measure, relative_error_bound
 from .program_cache import step_identity
+from .shared_budget import SharedBudget, fastest_together
 
 __all__ = ["Budget", "BudgetError", "Estimate", "PlanRow", "estimate", "forget_dry_runs",
            "parse_bytes"]
@@ -152,11 +154,20 @@ class Estimate:
     until: str | None = None
     """For a loop that ends when `until` says so: "at most" (`n_steps` is its longest run,
     its xs or length=) or "unknown" (neither: priced at `OPEN_LOOP_STEPS`); None otherwise."""
+    held_bytes: int = 0
+    """Tape bytes the budget's earlier loops (and its imperative pool) still held when this
+    loop was planned (`Budget.held_bytes`): its plans fit in `limit_bytes` less these."""
+    later_loops: int = 0
+    later_bytes: int = 0
+    """The loops that followed this one in the budget's previous pass, and the bytes their
+    plans take in the fastest combination that fits with this loop's `chosen` (planned
+    together: see `shared_budget.py`); 0 when planned alone."""
 
     @property
     def minimum_bytes(self) -> int:
-        """The smallest predicted peak tape over the candidates: the least budget that works."""
-        return min((r.peak_tape_bytes for r in self.rows), default=0)
+        """The least budget that works: the smallest predicted peak tape over the candidates,
+        plus what was held when the loop was planned."""
+        return min((r.peak_tape_bytes for r in self.rows), default=0) + self.held_bytes
 
     def table(self) -> str:
         """The rows as text; ``*`` marks the chosen plan, ``x`` those over the budget."""
@@ -174,6 +185,13 @@ class Estimate:
                   "unknown": "scan until `until` stops it, of unknown length (priced at "
                              f"{self.n_steps} steps; the peak tape of a binomial plan holds "
                              "at any length)"}[self.until]
+        if self.held_bytes and self.limit_bytes is not None:
+            limit += (f" ({format_bytes(self.held_bytes)} of it held by earlier loops and "
+                      "values under this budget until their backward sweep: plans fit in "
+                      f"{format_bytes(max(self.limit_bytes - self.held_bytes, 0))})")
+        if self.later_loops:
+            limit += (f", planned together with the {self.later_loops} loop(s) that followed "
+                      f"it last time (their plans take {format_bytes(self.later_bytes)})")
         lines = [f"{length}, budget {limit} of tape; fixed bytes in every "
                  f"plan: {fixed}; the dry run held {format_bytes(self.cost.dry_run_bytes)} "
                  f"once, before the loop{tracing}", head, "-" * len(head)]
@@ -196,9 +214,10 @@ def plan_table(
     families: Iterable[Family] = FAMILIES,
     admit: Callable[[Candidate], bool] = lambda c: c.lossless,
     until: str | None = None,
+    held_bytes: int = 0,
 ) -> Estimate:
     """Every admitted candidate of `families` priced from `cost`, and the fastest that fits
-    (`until`: see `Estimate.until`)."""
+    in `limit_bytes` less `held_bytes` (`until`, `held_bytes`: see `Estimate`)."""
     fixed = {"gradients": cost.gradient_bytes, "outputs": cost.output_bytes,
              # what the caller's loss hands the loop's final carry, held through its backward;
              # the dry run's trial holds that and the final carry itself, but a loss need not
@@ -214,7 +233,7 @@ def plan_table(
         for c in family(cost):
             if not admit(c):
                 continue
-            fits = limit_bytes is None or c.peak_tape_bytes <= limit_bytes
+            fits = limit_bytes is None or c.peak_tape_bytes <= limit_bytes - held_bytes
             engine = c.engine_bytes + (rerun if c.loop is not None else 0)
             rows.append(PlanRow(c.name, c.loop, c.storage, c.peak_tape_bytes,
                                 max(least, c.peak_tape_bytes + extra + engine),
@@ -226,7 +245,8 @@ def plan_table(
     # the fastest that fits (the sort put the leanest first among equal times): a budget is
     # memory the caller can spare, so trading predicted time for unasked-for savings loses
     chosen = fitting[0] if fitting else None
-    return Estimate(cost.n_steps, limit_bytes, tuple(rows), chosen, fixed, cost, until)
+    return Estimate(cost.n_steps, limit_bytes, tuple(rows), chosen, fixed, cost, until,
+                    held_bytes)
 
 
 @dataclass(frozen=True)
@@ -239,6 +259,13 @@ class Budget(LoopPlanner):
     group's range). A budget below the smallest plan raises `BudgetError` naming the least
     budget that works. Gradients under a lossless budget are bitwise those of keeping
     everything; under any budget, those of running the chosen plan directly.
+
+    Loops run one after another (the layers of a stacked RNN) share the budget: each is
+    planned in what the loops before it, still holding their tape until the backward sweep,
+    left (`held_bytes`), and from the second pass on (a training loop's next step) each is
+    planned together with the loops that followed it last time: the fastest combination that
+    fits. A first pass cannot know the later loops; where one is left too little, it runs its
+    leanest plan and the budget warns (`BudgetWarning`) by how much the tape passes it.
 
     Outside `scan` (your own Python loops), saved values are kept by a `Rematerializing`
     pool of `limit` bytes, one per thread: past the limit it evicts values DTR-style and
@@ -302,10 +329,7 @@ class Budget(LoopPlanner):
 
     def choose(self, loop: Any, carry_leaves: list[Any]) -> tuple[LoopStrategy | None, Strategy]:
         """The plan for `loop`: the fastest candidate predicted to fit (see `explain`)."""
-        result = self.estimate_loop(loop, carry_leaves)
-        if result.chosen is None:
-            raise _budget_error(self, result)
-        return result.chosen.strategy, result.chosen.storage
+        return self._choose(loop, carry_leaves)
 
     def choose_open(self, loop: StepLoop, carry_leaves: list[Any], limit: int | None,
                     ) -> tuple[LoopStrategy | None, Strategy]:
@@ -315,10 +339,54 @@ class Budget(LoopPlanner):
         length=) kept whole fits; a binomial plan's peak (s snapshots and one step's tape)
         holds at any length, so with no limit the budget runs the most snapshots that fit (up
         to `OPEN_LOOP_STEPS` - 1). Priced from a dry run of its first steps, as any loop."""
-        result = self.estimate_open(loop, carry_leaves, limit)
-        if result.chosen is None:
-            raise _budget_error(self, result)
-        return result.chosen.strategy, result.chosen.storage
+        return self._choose(_sized(loop, limit), carry_leaves,
+                            _online_families(self.families, limit, repr(self)),
+                            "unknown" if limit is None else "at most", holders_of=loop)
+
+    def _choose(self, loop: StepLoop, carry_leaves: list[Any],
+                families: tuple[Family, ...] | None = None, until: str | None = None,
+                holders_of: StepLoop | None = None) -> tuple[LoopStrategy | None, Strategy]:
+        """The plan `choose` and `choose_open` run, in what this budget's earlier loops
+        left (see `shared_budget.py`): the fastest that fits, or, where the previous pass
+        ran loops after this one, this loop's part of the fastest combination that fits
+        them all. Counted against the budget until its tape is let go of."""
+        shared = self._shared()
+        named = _loop_key(loop, carry_leaves)
+        name = None if named is None else (named[0], until)
+        later, growth = shared.later(name)
+        result = self.estimate_loop(loop, carry_leaves, families, until)
+        chosen, later_bytes = result.chosen, 0
+        room = self.limit_bytes - result.held_bytes
+        if later:
+            together = fastest_together(result.rows, later, room - growth)
+            if together is None:
+                raise _budget_error(self, result, later, growth)
+            chosen, later_bytes = together
+            later_bytes += growth
+        if chosen is None:
+            alone = [r for r in result.rows if r.peak_tape_bytes <= self.limit_bytes]
+            if not alone or not result.held_bytes:
+                raise _budget_error(self, result)
+            # a first pass: the loops before this one took the room this one needs; run the
+            # leanest plan, over the budget by the least, and plan them together next time
+            chosen = min(alone, key=lambda r: (r.peak_tape_bytes, r.seconds))
+            warnings.warn(BudgetWarning(
+                f"{self!r}: earlier loops and values under this budget hold "
+                f"{format_bytes(result.held_bytes)} until their backward sweep, and this "
+                f"loop's leanest plan, {chosen.name}, needs "
+                f"{format_bytes(chosen.peak_tape_bytes)}: the tape passes the budget by up to "
+                f"{format_bytes(chosen.peak_tape_bytes - room)} this once. The next pass "
+                "plans these loops together (fastest combination that fits); if they can "
+                "never fit together, it raises BudgetError"), stacklevel=4)
+        if chosen is not result.chosen or later_bytes:
+            result = replace(result, chosen=chosen, later_bytes=later_bytes,
+                             later_loops=len(later))
+            self._memory["last"] = result
+        shared.planned(name, result.rows, self._pool_bytes())
+        holder = holders_of if holders_of is not None else loop
+        holder.holders = []
+        shared.reserve(holder.holders, chosen.peak_tape_bytes)
+        return chosen.strategy, chosen.storage
 
     def estimate_open(self, loop: StepLoop, carry_leaves: list[Any],
                       limit: int | None) -> Estimate:
@@ -333,8 +401,9 @@ class Budget(LoopPlanner):
         """The table for `loop` (its dry run kept for the next loop of the same step and
         shapes, so a training loop pays it once); remembered for `explain`. `families` and
         `until`: those of a loop that ends when `until` says so (`estimate_open`)."""
+        held = self.held_bytes()
         named = _loop_key(loop, carry_leaves)
-        key = None if named is None else (named[0], until)
+        key = None if named is None else (named[0], until, held)
         cached = self._memory.get("table")
         if key is not None and cached is not None and cached[0] == key and _alive(cached[1]):
             result = cached[2]  # the same loop again (a training loop): its table, as it was
@@ -344,10 +413,32 @@ class Budget(LoopPlanner):
             cost = dry_run(loop, carry_leaves, self.lossy, self.max_rel_error,
                            self.disk and until is None)
             result = plan_table(cost, self.limit_bytes, families or self.families,
-                                self.admits, until)
+                                self.admits, until, held)
             self._memory["table"] = (key, () if named is None else named[1], result)
         self._memory["last"] = result
         return result
+
+    def held_bytes(self) -> int:
+        """Tape bytes held now, in this thread, under this budget: the planned peak of each
+        loop it planned whose tape is still held (until the loop's backward sweep, or until
+        its graph is dropped) and what its imperative pool holds. A loop planned now fits in
+        the limit less these, so loops run one after another (the layers of a stacked RNN)
+        share the budget rather than each take all of it."""
+        return self._shared().loops_held() + self._pool_bytes()
+
+    def _pool_bytes(self) -> int:
+        pool = self._memory.get("pools", {}).get(threading.get_ident())
+        return pool.held_bytes if pool is not None else 0
+
+    def _shared(self) -> SharedBudget:
+        """This thread's loops under this budget (a loop that records every step, its step
+        refusing tracing, has no executor to hold its tape, and is not counted)."""
+        per_thread = self._memory.setdefault("shared", {})
+        thread = threading.get_ident()
+        shared = per_thread.get(thread)
+        if shared is None:
+            shared = per_thread[thread] = SharedBudget()
+        return shared
 
     @property
     def last(self) -> Estimate | None:
@@ -489,18 +580,39 @@ def forget_dry_runs() -> None:
     _DRY_RUNS.clear()
 
 
-def _budget_error(budget: Budget, result: Estimate) -> BudgetError:
+def _budget_error(budget: Budget, result: Estimate, later: Sequence[Any] = (),
+                  growth: int = 0) -> BudgetError:
     smallest = min(result.rows, key=lambda r: r.peak_tape_bytes)
+    if later:  # the loops of a pass, together (and what was saved between them)
+        least = result.minimum_bytes + growth + sum(min(r.peak_tape_bytes for r in rows)
+                                                    for rows in later)
+        return BudgetError(
+            f"{budget!r}: this scan and the {len(later)} loop(s) that followed it last time "
+            f"cannot fit together in {format_bytes(result.limit_bytes or 0)} of tape (the "
+            f"earlier loops hold {format_bytes(result.held_bytes)} until their backward "
+            f"sweep): their leanest plans need {format_bytes(least)} ({least} bytes) in "
+            "all; raise the budget to at least that; Budget(...).explain() shows this "
+            "loop's plans", least)
     hint = "" if budget.admits_lossy else (
         ", or admit quantized storage with lossy=True (or max_rel_error=...)")
     loop = ("of unknown length" if result.until == "unknown" else
             f"of {'at most ' if result.until else ''}{result.n_steps} steps")
+    held = result.held_bytes
+    if held:
+        room = (f"the {format_bytes(max((result.limit_bytes or 0) - held, 0))} left of "
+                f"{format_bytes(result.limit_bytes or 0)} of tape ({format_bytes(held)} are "
+                "held by earlier loops under this budget until their backward sweep)")
+        least = (f"raise the budget to at least {format_bytes(result.minimum_bytes)} "
+                 f"({result.minimum_bytes} bytes), or run the earlier loops' backward first")
+    else:
+        room = f"{format_bytes(result.limit_bytes or 0)} of tape"
+        least = "raise the budget to at least that"
     return BudgetError(
-        f"{budget!r}: no plan for this scan {loop} fits in "
-        f"{format_bytes(result.limit_bytes or 0)} of tape; the smallest, {smallest.name}, "
-        f"needs {format_bytes(smallest.peak_tape_bytes)} ({smallest.peak_tape_bytes} bytes): "
-        f"raise the budget to at least that{hint}; Budget(...).explain() shows every plan",
-        smallest.peak_tape_bytes,
+        f"{budget!r}: no plan for this scan {loop} fits in {room}; the smallest, "
+        f"{smallest.name}, needs {format_bytes(smallest.peak_tape_bytes)} "
+        f"({smallest.peak_tape_bytes} bytes): {least}{hint}; Budget(...).explain() shows "
+        "every plan",
+        result.minimum_bytes,
     )
 
 

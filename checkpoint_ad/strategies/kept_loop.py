@@ -112,7 +112,7 @@ def keep_every_step(loop: StepLoop, carry_leaves: list[Any]) -> tuple[Any, Any]:
         return unflatten(loop.carry_spec, iter(carry)), unflatten(loop.y_spec, iter(ys_leaves))
     rest_loop = StepLoop(loop.step, loop.carry_spec, rest or [], loop.xs_spec,
                          loop.n - done, y_spec=loop.y_spec, origin=loop.origin,
-                         planned_by_budget=loop.planned_by_budget)
+                         planned_by_budget=loop.planned_by_budget, holders=loop.holders)
     lead = [[None if y is None else y._data for y in ys] for ys in per_step]
     executor = PlannedLoop(rest_loop, Periodic(rest_loop.n), program=program,
                            name="scan[keep-all]", lead_rows=lead, mode=mode)

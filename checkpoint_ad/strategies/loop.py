@@ -52,6 +52,10 @@ class StepLoop:
     planned_by_budget: bool = False
     """Its plan was priced by a loop planner (`Budget`) from its steps' whole tape: a `scan`
     inside its step keeps every step rather than plan again (see `inside_planned_step`)."""
+    holders: list[Any] | None = None
+    """Given by a budget that planned the loop: the executors holding its tape add weak
+    references to themselves here, so the budget knows when they let go of it (their
+    backward sweep, or the graph dropped) and counts their bytes until then."""
 
     def x_at(self, t: int) -> Any:
         """The scanned input of step t, without history (for re-runs under a plan)."""

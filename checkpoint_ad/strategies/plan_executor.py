@@ -201,6 +201,8 @@ class PlannedLoop:
         keeps this one's (`program_cache`): a trial run that must leave the next call as a
         first call."""
         self.loop = loop
+        if loop.holders is not None:  # planned by a budget: it counts this loop's bytes
+            loop.holders.append(weakref.ref(self))
         self.cached = cached
         self.lead_rows = lead_rows
         self.full_outputs: list[Any] | None = None  # after run(): lead and own rows per output
