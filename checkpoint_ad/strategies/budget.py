@@ -38,6 +38,7 @@ from typing import Any
 
 from .. import events, loop_log
 from ..errors import BudgetError, BudgetWarning, StrategyConfigError
+from ..origins import user_frame_from_caller
 from ..pytree import flatten, unflatten
 from ..saved import KEEP, Strategy
 from .candidates import (
@@ -185,6 +186,7 @@ class Estimate:
                   "unknown": "scan until `until` stops it, of unknown length (priced at "
                              f"{self.n_steps} steps; the peak tape of a binomial plan holds "
                              "at any length)"}[self.until]
+        limit += " of tape"
         if self.held_bytes and self.limit_bytes is not None:
             limit += (f" ({format_bytes(self.held_bytes)} of it held by earlier loops and "
                       "values under this budget until their backward sweep: plans fit in "
@@ -192,7 +194,7 @@ class Estimate:
         if self.later_loops:
             limit += (f", planned together with the {self.later_loops} loop(s) that followed "
                       f"it last time (their plans take {format_bytes(self.later_bytes)})")
-        lines = [f"{length}, budget {limit} of tape; fixed bytes in every "
+        lines = [f"{length}, budget {limit}; fixed bytes in every "
                  f"plan: {fixed}; the dry run held {format_bytes(self.cost.dry_run_bytes)} "
                  f"once, before the loop{tracing}", head, "-" * len(head)]
         for r in self.rows:
@@ -370,14 +372,16 @@ class Budget(LoopPlanner):
             # a first pass: the loops before this one took the room this one needs; run the
             # leanest plan, over the budget by the least, and plan them together next time
             chosen = min(alone, key=lambda r: (r.peak_tape_bytes, r.seconds))
-            warnings.warn(BudgetWarning(
+            code, line = user_frame_from_caller()  # the warning names the user's line
+            warnings.warn_explicit(BudgetWarning(
                 f"{self!r}: earlier loops and values under this budget hold "
                 f"{format_bytes(result.held_bytes)} until their backward sweep, and this "
                 f"loop's leanest plan, {chosen.name}, needs "
                 f"{format_bytes(chosen.peak_tape_bytes)}: the tape passes the budget by up to "
                 f"{format_bytes(chosen.peak_tape_bytes - room)} this once. The next pass "
                 "plans these loops together (fastest combination that fits); if they can "
-                "never fit together, it raises BudgetError"), stacklevel=4)
+                "never fit together, it raises BudgetError"), BudgetWarning,
+                "<unknown>" if code is None else code.co_filename, line)
         if chosen is not result.chosen or later_bytes:
             result = replace(result, chosen=chosen, later_bytes=later_bytes,
                              later_loops=len(later))
