@@ -160,9 +160,10 @@ class Estimate:
     loop was planned (`Budget.held_bytes`): its plans fit in `limit_bytes` less these."""
     later_loops: int = 0
     later_bytes: int = 0
-    """The loops that followed this one in the budget's previous pass, and the bytes their
-    plans take in the fastest combination that fits with this loop's `chosen` (planned
-    together: see `shared_budget.py`); 0 when planned alone."""
+    """The loops that followed this one in the budget's previous pass, and the bytes left for
+    them (their plans in the fastest combination that fits with this loop's `chosen`) and
+    for the values its imperative pool saved beside them (see `shared_budget.py`); 0 when
+    planned alone."""
 
     @property
     def minimum_bytes(self) -> int:
@@ -191,9 +192,11 @@ class Estimate:
             limit += (f" ({format_bytes(self.held_bytes)} of it held by earlier loops and "
                       "values under this budget until their backward sweep: plans fit in "
                       f"{format_bytes(max(self.limit_bytes - self.held_bytes, 0))})")
-        if self.later_loops:
-            limit += (f", planned together with the {self.later_loops} loop(s) that followed "
-                      f"it last time (their plans take {format_bytes(self.later_bytes)})")
+        if self.later_loops or self.later_bytes:
+            loops = (f"the {self.later_loops} loop(s) that followed it and " if
+                     self.later_loops else "")
+            limit += (f", planned to leave {format_bytes(self.later_bytes)} for {loops}the "
+                      "values saved beside it last time")
         lines = [f"{length}, budget {limit}; fixed bytes in every "
                  f"plan: {fixed}; the dry run held {format_bytes(self.cost.dry_run_bytes)} "
                  f"once, before the loop{tracing}", head, "-" * len(head)]
@@ -323,7 +326,9 @@ class Budget(LoopPlanner):
         thread = threading.get_ident()
         pool = pools.get(thread)
         if pool is None:
-            pool = pools[thread] = Rematerializing(self.limit_bytes)
+            # it keeps to what this thread's loops under the budget leave
+            pool = pools[thread] = Rematerializing(self.limit_bytes,
+                                                   reserved=self._shared().loops_held)
         return pool
 
     def for_leaf(self) -> Strategy:
@@ -355,11 +360,12 @@ class Budget(LoopPlanner):
         shared = self._shared()
         named = _loop_key(loop, carry_leaves)
         name = None if named is None else (named[0], until)
-        later, growth = shared.later(name)
+        pool = self._pool()
+        later, growth = shared.later(name, pool)
         result = self.estimate_loop(loop, carry_leaves, families, until)
         chosen, later_bytes = result.chosen, 0
         room = self.limit_bytes - result.held_bytes
-        if later:
+        if later or growth:
             together = fastest_together(result.rows, later, room - growth)
             if together is None:
                 raise _budget_error(self, result, later, growth)
@@ -386,7 +392,7 @@ class Budget(LoopPlanner):
             result = replace(result, chosen=chosen, later_bytes=later_bytes,
                              later_loops=len(later))
             self._memory["last"] = result
-        shared.planned(name, result.rows, self._pool_bytes())
+        shared.planned(name, result.rows, pool)
         holder = holders_of if holders_of is not None else loop
         holder.holders = []
         shared.reserve(holder.holders, chosen.peak_tape_bytes)
@@ -428,11 +434,12 @@ class Budget(LoopPlanner):
         its graph is dropped) and what its imperative pool holds. A loop planned now fits in
         the limit less these, so loops run one after another (the layers of a stacked RNN)
         share the budget rather than each take all of it."""
-        return self._shared().loops_held() + self._pool_bytes()
+        pool = self._pool()
+        return self._shared().loops_held() + (pool.held_bytes if pool is not None else 0)
 
-    def _pool_bytes(self) -> int:
-        pool = self._memory.get("pools", {}).get(threading.get_ident())
-        return pool.held_bytes if pool is not None else 0
+    def _pool(self) -> Rematerializing | None:
+        """This thread's imperative pool, if it has one yet."""
+        return self._memory.get("pools", {}).get(threading.get_ident())
 
     def _shared(self) -> SharedBudget:
         """This thread's loops under this budget (a loop that records every step, its step
@@ -587,16 +594,17 @@ def forget_dry_runs() -> None:
 def _budget_error(budget: Budget, result: Estimate, later: Sequence[Any] = (),
                   growth: int = 0) -> BudgetError:
     smallest = min(result.rows, key=lambda r: r.peak_tape_bytes)
-    if later:  # the loops of a pass, together (and what was saved between them)
+    if later or growth:  # the loops of a pass, together, and what was saved beside them
         least = result.minimum_bytes + growth + sum(min(r.peak_tape_bytes for r in rows)
                                                     for rows in later)
+        others = f" and the {len(later)} loop(s) that followed it" if later else ""
         return BudgetError(
-            f"{budget!r}: this scan and the {len(later)} loop(s) that followed it last time "
-            f"cannot fit together in {format_bytes(result.limit_bytes or 0)} of tape (the "
-            f"earlier loops hold {format_bytes(result.held_bytes)} until their backward "
-            f"sweep): their leanest plans need {format_bytes(least)} ({least} bytes) in "
-            "all; raise the budget to at least that; Budget(...).explain() shows this "
-            "loop's plans", least)
+            f"{budget!r}: this scan{others} cannot fit in "
+            f"{format_bytes(result.limit_bytes or 0)} of tape beside what was held with them "
+            f"last time (earlier loops and values hold {format_bytes(result.held_bytes)}, and "
+            f"the values saved while they ran {format_bytes(growth)} more): their leanest "
+            f"plans need {format_bytes(least)} ({least} bytes) in all; raise the budget to "
+            "at least that; Budget(...).explain() shows this loop's plans", least)
     hint = "" if budget.admits_lossy else (
         ", or admit quantized storage with lossy=True (or max_rel_error=...)")
     loop = ("of unknown length" if result.until == "unknown" else

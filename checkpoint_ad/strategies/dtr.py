@@ -40,6 +40,7 @@ bytes back on the tape, or None for a value no saved buffer holds). Each re-run 
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -50,7 +51,13 @@ from .. import events
 from ..backend import namespace
 from ..backend import nbytes as array_nbytes
 from ..entry import EntryExtra
-from ..errors import BudgetError, RecomputeError, SavedValueModifiedError, StrategyConfigError
+from ..errors import (
+    BudgetError,
+    BudgetWarning,
+    RecomputeError,
+    SavedValueModifiedError,
+    StrategyConfigError,
+)
 from ..saved import KEEP, Strategy
 
 __all__ = ["Rematerializing"]
@@ -156,7 +163,9 @@ class Rematerializing(Strategy):
 
     lossless: ClassVar[bool] = True
 
-    def __init__(self, limit_bytes: int) -> None:
+    def __init__(self, limit_bytes: int, reserved: Callable[[], int] | None = None) -> None:
+        """`reserved`, if given, says how many bytes of `limit_bytes` are held outside the pool
+        (a budget's loops, until their backward sweep): the pool keeps to the rest."""
         if isinstance(limit_bytes, bool) or not isinstance(limit_bytes, (int, np.integer)):
             raise StrategyConfigError(
                 f"Rematerializing(limit_bytes=...) takes a whole number of bytes, got "
@@ -167,8 +176,11 @@ class Rematerializing(Strategy):
                 f"Rematerializing: limit_bytes must be 0 or more, got {limit_bytes}"
             )
         self.limit_bytes = int(limit_bytes)
+        self.reserved = reserved
         self.held_bytes = 0  # bytes of saved values the pool holds now
         self.peak_bytes = 0
+        self.peak_since_mark = 0  # the most held since `mark()`
+        self._warned = False  # passed the limit, for the bytes reserved, since `mark()`
         self.evictions = 0
         self.rematerializations = 0  # primitives re-run to bring values back
         self._clock = 0
@@ -187,7 +199,8 @@ class Rematerializing(Strategy):
     def pack(self, array: Any) -> _Handle:
         size = array_nbytes(array)
         self._clock += 1
-        if self.held_bytes + size > self.limit_bytes:
+        if self.held_bytes + size > self.limit_bytes - (
+                self.reserved() if self.reserved is not None else 0):
             self._make_room(size, locked=None, strict=True)
         handle = _Handle(self, array, size, self._clock)
         self._hold(handle)
@@ -240,8 +253,16 @@ class Rematerializing(Strategy):
     def _hold(self, handle: _Handle) -> None:
         self._held[id(handle)] = weakref.ref(handle)
         self.held_bytes += handle.nbytes
-        if self.held_bytes > self.peak_bytes:
-            self.peak_bytes = self.held_bytes
+        if self.held_bytes > self.peak_since_mark:
+            self.peak_since_mark = self.held_bytes
+            if self.held_bytes > self.peak_bytes:
+                self.peak_bytes = self.held_bytes
+
+    def mark(self) -> None:
+        """Start `peak_since_mark` again from what is held now (a budget, as it plans a loop:
+        how much the pool grows while that loop holds its tape)."""
+        self.peak_since_mark = self.held_bytes
+        self._warned = False
 
     def _let_go(self, handle: _Handle) -> None:
         if self._held.pop(id(handle), None) is not None:
@@ -258,8 +279,22 @@ class Rematerializing(Strategy):
                 candidates.append(handle)
         scores = {id(h): self._score(h) for h in candidates}
         candidates.sort(key=lambda h: scores[id(h)], reverse=True)
-        while self.held_bytes + size > self.limit_bytes and candidates:
+        reserved = self.reserved() if self.reserved is not None else 0
+        limit = self.limit_bytes - reserved
+        while self.held_bytes + size > limit and candidates:
             self._evict(candidates.pop())
+        if self.held_bytes + size > limit and strict and reserved and (
+                self.held_bytes + size <= self.limit_bytes):
+            # the budget's loops took the room: over the budget this once (the budget plans
+            # its loops to leave it from the next pass on)
+            if not self._warned:
+                self._warned = True
+                warnings.warn(BudgetWarning(
+                    f"{self!r}: loops planned earlier under this budget hold {reserved} bytes "
+                    f"until their backward sweep, so a saved value of {size} bytes passes the "
+                    f"budget by {self.held_bytes + size - limit} bytes this once; from the "
+                    "next pass on the budget plans its loops to leave room for it"), stacklevel=3)
+            return
         if self.held_bytes + size > self.limit_bytes and strict:
             minimum = self.held_bytes + size
             raise BudgetError(
@@ -330,7 +365,8 @@ class Rematerializing(Strategy):
         return have[id(root)]
 
     def _rehold(self, handle: _Handle, array: Any, locked: _Handle) -> None:
-        if self.held_bytes + handle.nbytes > self.limit_bytes:
+        if self.held_bytes + handle.nbytes > self.limit_bytes - (
+                self.reserved() if self.reserved is not None else 0):
             self._make_room(handle.nbytes, locked=locked, strict=False)
         handle.array = array
         self._clock += 1

@@ -9,8 +9,11 @@ planned in what is left, and the loops of one *pass* (from a loop planned with n
 until all are released: one forward of a training step) are remembered, so that the next
 pass plans each loop together with the loops that followed it (`fastest_together`): the
 fastest combination whose peaks fit, rather than the first loop taking what the later ones
-need. A first pass has nothing to go by: a loop that no longer fits runs its leanest plan
-and the budget warns (`BudgetWarning`).
+need. Values the budget's imperative pool saves between and after the loops (a layer's
+input projection, the loss) are remembered too, as how much the pool grew while each loop
+held its tape, and left room for. A first pass has nothing to go by: a loop that no longer
+fits runs its leanest plan, a value the pool cannot fit goes over, and the budget warns
+(`BudgetWarning`).
 """
 
 from __future__ import annotations
@@ -21,15 +24,24 @@ from typing import Any
 PlanRows = Sequence[Any]  # an `Estimate`'s rows: each with `peak_tape_bytes` and `seconds`
 
 
+class _Planned:
+    """A loop of a pass: its name, its plans, and the bytes the budget's pool held as it was
+    planned (`pool_at`) and at most until the next loop or pass (`pool_most`)."""
+
+    __slots__ = ("name", "pool_at", "pool_most", "rows")
+
+    def __init__(self, name: Any, rows: PlanRows, pool_at: int) -> None:
+        self.name, self.rows, self.pool_at, self.pool_most = name, rows, pool_at, pool_at
+
+
 class SharedBudget:
     """One thread's loops under one budget: those still holding their tape, and the loops
-    of the current and the previous pass (each as (name, rows, bytes the budget's imperative
-    pool held when it was planned))."""
+    of the current and the previous pass."""
 
     def __init__(self) -> None:
         self.reservations: list[tuple[list[Any], int]] = []  # (executor refs, bytes)
-        self.current: list[tuple[Any, PlanRows, int]] = []
-        self.previous: list[tuple[Any, PlanRows, int]] = []
+        self.current: list[_Planned] = []
+        self.previous: list[_Planned] = []
 
     def loops_held(self) -> int:
         """Bytes of the loops whose executors still hold their tape (alive, their backward
@@ -42,30 +54,34 @@ class SharedBudget:
         the loop makes them) holds the loop's tape."""
         self.reservations.append((holders, size))
 
-    def later(self, name: Any) -> tuple[list[PlanRows], int]:
-        """A loop named `name` is about to be planned: the rows of the loops that followed it
-        in the previous pass, if this pass has repeated that one so far (else none), and how
-        much more the imperative pool held by the last of them than at this one (values
-        saved between the loops: a layer's input projection). With nothing held, a new
-        pass begins."""
+    def later(self, name: Any, pool: Any = None) -> tuple[list[PlanRows], int]:
+        """A loop named `name` is about to be planned (`pool`: the budget's imperative pool,
+        if it has one): the rows of the loops that followed it in the previous pass, if this
+        pass has repeated that one so far (else none), and how much more than now the pool
+        held at most from this loop on in that pass (values saved between and after the
+        loops). With nothing held, a new pass begins."""
+        if self.current and pool is not None:  # how far the pool grew since the last loop
+            last = self.current[-1]
+            last.pool_most = max(last.pool_most, pool.peak_since_mark)
         if not self.loops_held():
             if self.current:
                 self.previous = self.current
             self.current = []
         at = len(self.current)
         previous = self.previous
-        if name is None or len(previous) <= at or previous[at][0] != name or any(
-            mine[0] != theirs[0] for mine, theirs in zip(self.current, previous)
+        if name is None or len(previous) <= at or previous[at].name != name or any(
+            mine.name != theirs.name for mine, theirs in zip(self.current, previous)
         ):
             return [], 0
-        after = previous[at + 1:]
-        growth = max((pool for _, _, pool in after), default=0) - previous[at][2]
-        return [rows for _, rows, _ in after], max(growth, 0)
+        growth = max(p.pool_most for p in previous[at:]) - previous[at].pool_at
+        return [p.rows for p in previous[at + 1:]], max(growth, 0)
 
-    def planned(self, name: Any, rows: PlanRows, pool_bytes: int) -> None:
-        """The loop named `name` was planned from `rows`, the pool holding `pool_bytes`:
-        part of this pass."""
-        self.current.append((name, rows, pool_bytes))
+    def planned(self, name: Any, rows: PlanRows, pool: Any = None) -> None:
+        """The loop named `name` was planned from `rows`: part of this pass (the pool's
+        growth is watched from now)."""
+        self.current.append(_Planned(name, rows, pool.held_bytes if pool is not None else 0))
+        if pool is not None:
+            pool.mark()
 
 
 def _holding(holders: list[Any]) -> bool:
