@@ -12,13 +12,7 @@ import checkpoint_ad as cad
 from checkpoint_ad import models
 from checkpoint_ad.errors import StrategyConfigError
 from checkpoint_ad.strategies import Binomial, Budget, Offload, Periodic, scan
-from checkpoint_ad.strategies.candidates import (
-    binomial,
-    binomial_disk,
-    keep_every_step,
-    keep_every_step_until,
-    periodic,
-)
+from checkpoint_ad.strategies.candidates import binomial, binomial_disk, keep_every_step, periodic
 from checkpoint_ad.strategies.pricing import FormCost, SnapshotCost, StepCost
 
 SIZES = {"steps": 60, "batch": 4, "input_size": 8, "hidden": 16}
@@ -135,24 +129,6 @@ def test_keep_all_is_priced_as_a_plain_scan_runs_it():
     row = next(c for c in keep_every_step(recorded) if c.name == "keep-all")
     assert row.forward_seconds == pytest.approx(n * 10.0)  # a step that refuses: recorded
 
-
-
-def test_keep_all_of_a_loop_that_ends_on_until_is_priced_as_recorded():
-    """`scan` records every step of a keep-all loop that stops on `until` (only a loop
-    strategy replays such a loop): its price is the recorded one, not a plain scan's."""
-    n = 50
-    row = next(c for c in keep_every_step_until(_cost("replayed", n)) if c.name == "keep-all")
-    assert row.forward_seconds == pytest.approx(n * 10.0)
-    assert row.backward_seconds == pytest.approx(n * 100.0)
-    _, (step, init, xs) = _rnn_loop()
-    table = cad.estimate(step, init, xs, until=lambda carry: False)
-    kept = next(r for r in table.rows if r.name == "keep-all")
-    form = table.cost.forms["keep"]
-    assert table.cost.mode == "replayed"  # a fixed-length loop of this step would replay
-    assert kept.forward_seconds == pytest.approx(SIZES["steps"] * form.taped_seconds)
-    with cad.inspect.loops() as ran:
-        scan(step, init, xs, until=lambda carry: False)
-    assert ran[0].mode.startswith("recorded")
 
 # ------------------------------------------------------------------ disk snapshots
 def test_disk_plans_are_priced_only_when_the_disk_was_timed():

@@ -120,14 +120,13 @@ def _speeds(cost: StepCost, form: FormCost) -> tuple[float, float, float]:
     return cost.untaped_seconds, form.taped_seconds, form.backward_seconds
 
 
-def keep_every_step(cost: StepCost, replayed: bool | None = None) -> Iterator[Candidate]:
+def keep_every_step(cost: StepCost) -> Iterator[Candidate]:
     """Every step recorded (a plain `scan`), its values in each measured form; replayed after
-    the first two when `PLAIN_SCAN_REPLAYS` (or `replayed`, if given) and the step traces."""
+    the first two when `PLAIN_SCAN_REPLAYS` (and the step traces)."""
     n = cost.n_steps
-    replays = PLAIN_SCAN_REPLAYS if replayed is None else replayed
     for name, form in cost.forms.items():
         recorded = n
-        if replays and cost.replays:
+        if PLAIN_SCAN_REPLAYS and cost.replays:
             recorded = min(n, 2)
         _, taped, backward = _speeds(cost, form) if recorded < n else (0.0, 0.0, 0.0)
         yield Candidate(
@@ -141,13 +140,6 @@ def keep_every_step(cost: StepCost, replayed: bool | None = None) -> Iterator[Ca
             error_bound=relative_error_bound(STEP_FORMS[name]),
             engine_bytes=_engine(cost, form, n - recorded),
         )
-
-
-def keep_every_step_until(cost: StepCost) -> Iterator[Candidate]:
-    """Every step kept, of a loop that ends when `until` says so: `scan` records each of its
-    steps (only a loop strategy replays such a loop), so it is priced at recorded speed.
-    Priced as replayed, its forward read 0.6x what it took (600 steps, 16x64 float64)."""
-    return keep_every_step(cost, replayed=False)
 
 
 def _geometric(top: int, extra: Iterable[int] = ()) -> list[int]:
