@@ -226,3 +226,19 @@ def test_values_saved_beside_a_loop_are_left_room_from_the_next_pass():
         assert not heard and prof.peak_tape_bytes <= budget.limit_bytes
         assert budget.last.later_bytes >= T * B * H * 8 and "leave" in budget.last.table()
         assert all(np.array_equal(g, r) for g, r in zip(grads, reference))
+
+
+def test_the_last_pass_lists_each_loops_plan_in_order():
+    weights, forward = _stack(3)
+    forget_dry_runs()
+    kept, _, _ = _pass(forward, weights, None)
+    budget = Budget(kept.peak_tape_bytes // 2)
+    assert budget.last_pass == ()
+    for _ in range(2):
+        _pass(forward, weights, budget)
+    tables = budget.last_pass
+    assert len(tables) == 3 and tables[-1] is budget.last
+    assert [t.held_bytes for t in tables] == [
+        0, tables[0].chosen.peak_tape_bytes,
+        tables[0].chosen.peak_tape_bytes + tables[1].chosen.peak_tape_bytes]
+    assert sum(t.chosen.peak_tape_bytes for t in tables) <= budget.limit_bytes

@@ -392,7 +392,7 @@ class Budget(LoopPlanner):
             result = replace(result, chosen=chosen, later_bytes=later_bytes,
                              later_loops=len(later))
             self._memory["last"] = result
-        shared.planned(name, result.rows, pool)
+        shared.planned(name, result, pool)
         holder = holders_of if holders_of is not None else loop
         holder.holders = []
         shared.reserve(holder.holders, chosen.peak_tape_bytes)
@@ -455,6 +455,13 @@ class Budget(LoopPlanner):
     def last(self) -> Estimate | None:
         """The table of the last loop this budget planned, or None."""
         return self._memory.get("last")
+
+    @property
+    def last_pass(self) -> tuple[Estimate, ...]:
+        """The tables of the loops this thread's latest pass planned, in order (the layers
+        of a stacked RNN: each one's plan, what was held as it was planned, what it left for
+        the loops after it); see `held_bytes`."""
+        return self._shared().last_pass()
 
     def explain(self, *args: Any, **kwargs: Any) -> Estimate:
         """Print the table of the last loop planned, or, given `estimate`'s arguments

@@ -25,13 +25,14 @@ PlanRows = Sequence[Any]  # an `Estimate`'s rows: each with `peak_tape_bytes` an
 
 
 class _Planned:
-    """A loop of a pass: its name, its plans, and the bytes the budget's pool held as it was
-    planned (`pool_at`) and at most until the next loop or pass (`pool_most`)."""
+    """A loop of a pass: its name, its table (an `Estimate`: its plans and the chosen one),
+    and the bytes the budget's pool held as it was planned (`pool_at`) and at most until the
+    next loop or pass (`pool_most`)."""
 
-    __slots__ = ("name", "pool_at", "pool_most", "rows")
+    __slots__ = ("name", "pool_at", "pool_most", "table")
 
-    def __init__(self, name: Any, rows: PlanRows, pool_at: int) -> None:
-        self.name, self.rows, self.pool_at, self.pool_most = name, rows, pool_at, pool_at
+    def __init__(self, name: Any, table: Any, pool_at: int) -> None:
+        self.name, self.table, self.pool_at, self.pool_most = name, table, pool_at, pool_at
 
 
 class SharedBudget:
@@ -42,6 +43,10 @@ class SharedBudget:
         self.reservations: list[tuple[list[Any], int]] = []  # (executor refs, bytes)
         self.current: list[_Planned] = []
         self.previous: list[_Planned] = []
+
+    def last_pass(self) -> tuple[Any, ...]:
+        """The tables of the loops of the current pass, or of the last one if none is open."""
+        return tuple(p.table for p in (self.current or self.previous))
 
     def loops_held(self) -> int:
         """Bytes of the loops whose executors still hold their tape (alive, their backward
@@ -74,12 +79,12 @@ class SharedBudget:
         ):
             return [], 0
         growth = max(p.pool_most for p in previous[at:]) - previous[at].pool_at
-        return [p.rows for p in previous[at + 1:]], max(growth, 0)
+        return [p.table.rows for p in previous[at + 1:]], max(growth, 0)
 
-    def planned(self, name: Any, rows: PlanRows, pool: Any = None) -> None:
-        """The loop named `name` was planned from `rows`: part of this pass (the pool's
+    def planned(self, name: Any, table: Any, pool: Any = None) -> None:
+        """The loop named `name` was planned as `table` says: part of this pass (the pool's
         growth is watched from now)."""
-        self.current.append(_Planned(name, rows, pool.held_bytes if pool is not None else 0))
+        self.current.append(_Planned(name, table, pool.held_bytes if pool is not None else 0))
         if pool is not None:
             pool.mark()
 
