@@ -146,10 +146,29 @@ def _later_calls(devices: Sequence[Row]) -> str:
     return f"{min(later):.3f}-{max(later):.3f}" if later else "not measured"
 
 
+def _stacked(rows: Sequence[Row]) -> list[Target]:
+    """Loops one after another under one budget: from the second pass on, within it."""
+    stacked = [r for r in rows if r.bench == "budget" and r.extras.get("stacked")]
+    if not stacked:
+        return []
+    worst = max(stacked, key=lambda r: r.extras["later_pass_over_limit"])
+    first = max(r.extras["first_pass_over_limit"] for r in stacked)
+    warned = sum(bool(r.extras["first_pass_warned"]) for r in stacked)
+    return [Target(
+        "Budget, stacked loops: a later pass's peak tape <= the budget (worst)",
+        worst.extras["later_pass_over_limit"], 1.0, "<=",
+        f"at {worst.name} ({worst.extras['layer_plans']}); first passes reach "
+        f"{first:.2f} of the budget and warned at {warned} of {len(stacked)} budgets "
+        "(BudgetWarning: the later loops unknown yet); gradients "
+        + ("bitwise keep-all's" if all(r.extras["same_grads"] for r in stacked)
+           else "NOT keep-all's") + "; less what was saved before the first loop "
+        f"({worst.extras['saved_before_loop_bytes']} B: the input sequence, the caller's)")]
+
+
 def _budgets(rows: Sequence[Row]) -> list[Target]:
     ours = [r for r in rows if r.bench == "budget" and r.extras.get("plan")]
     if not ours:
-        return []
+        return _stacked(rows)
 
     def worst(key: str) -> tuple[float, str]:
         row = max(ours, key=lambda r: abs(r.extras[key] - 1.0))
@@ -195,7 +214,7 @@ def _budgets(rows: Sequence[Row]) -> list[Target]:
             slowest.extras["over_best_preset"], 1.05, "<=",
             f"worst at {slowest.name} ({slowest.extras['plan']} vs "
             f"{slowest.extras['best_preset']})"))
-    return targets
+    return [*targets, *_stacked(rows)]
 
 
 def _profiler(rows: Sequence[Row]) -> list[Target]:
