@@ -52,7 +52,7 @@ SIZES: dict[str, dict[str, Any]] = {
                    "budgets": 6, "repeats": 5,
                    "stacked": {"sizes": {"layers": 3, "steps": 256, "batch": 32, "input": 64,
                                          "hidden": 128},
-                               "fractions": (1.0, 0.5, 0.25, 0.1), "repeats": 5}},
+                               "fractions": (1.0, 0.5, 0.25, 0.15), "repeats": 5}},
         "profiler": {"imperative RNN": {"steps": 256, "batch": 32, "hidden": 128, "input": 128},
                      "GRU training step": {"steps": 32, "batch": 16, "hidden": 64, "input": 32},
                      "repeats": 15},

@@ -18,7 +18,7 @@ import checkpoint_ad as cad
 from checkpoint_ad.errors import BudgetError, BudgetWarning
 from checkpoint_ad.strategies import Budget, scan
 from checkpoint_ad.strategies.budget import forget_dry_runs
-from checkpoint_ad.strategies.shared_budget import fastest_together
+from checkpoint_ad.strategies.shared_budget import fastest_together, least_together
 
 T, B, H = 60, 4, 16
 
@@ -174,20 +174,34 @@ row_lists = st.lists(st.tuples(st.integers(1, 50), st.floats(0.0, 10.0)), min_si
                      max_size=5)
 
 
-@settings(max_examples=200, deadline=None)
-@given(first=row_lists, later=st.lists(row_lists, max_size=3), room=st.integers(0, 160))
-def test_fastest_together_is_the_fastest_combination_that_fits(first, later, room):
+def _fits(combo, extras, room):
+    """Whether loops 0..j together, beside extras[j], fit `room` for every j."""
+    held = 0
+    for j, row in enumerate(combo):
+        held += row.peak_tape_bytes
+        if held + extras[j] > room:
+            return False
+    return True
+
+
+@settings(max_examples=300, deadline=None)
+@given(first=row_lists, later=st.lists(row_lists, max_size=3), room=st.integers(0, 160),
+       extras=st.lists(st.integers(0, 40), min_size=4, max_size=4))
+def test_fastest_together_is_the_fastest_combination_that_fits(first, later, room, extras):
+    """Against every combination: each prefix of the loops (held together while the last of
+    them runs) fits beside what else was held then."""
     first_rows, later_rows = _rows(first), [_rows(r) for r in later]
-    combos = [c for c in itertools.product(first_rows, *later_rows)
-              if sum(r.peak_tape_bytes for r in c) <= room]
-    found = fastest_together(first_rows, later_rows, room)
+    extras = extras[:len(later) + 1]
+    combos = [c for c in itertools.product(first_rows, *later_rows) if _fits(c, extras, room)]
+    found = fastest_together(first_rows, later_rows, room, extras)
     if not combos:
         assert found is None
+        assert least_together(first_rows, later_rows, extras) > room
         return
-    assert found is not None
+    assert found is not None and least_together(first_rows, later_rows, extras) <= room
     row, later_bytes = found
     best = min(sum(r.seconds for r in c) for c in combos)
-    # a combination with `row` first, its later rows taking `later_bytes`, is that fast
+    # a fitting combination with `row` first, its later rows taking `later_bytes`, is that fast
     with_row = [c for c in combos if c[0] is row
                 and sum(r.peak_tape_bytes for r in c[1:]) == later_bytes]
     assert with_row and min(sum(r.seconds for r in c) for c in with_row) == pytest.approx(

@@ -59,7 +59,7 @@ from .loop import StepLoop, loop_length
 from .overhead import with_overhead
 from .pricing import StepCost, measure, relative_error_bound
 from .program_cache import step_identity
-from .shared_budget import SharedBudget, fastest_together
+from .shared_budget import SharedBudget, fastest_together, least_together
 
 __all__ = ["Budget", "BudgetError", "Estimate", "PlanRow", "estimate", "forget_dry_runs",
            "parse_bytes"]
@@ -361,16 +361,16 @@ class Budget(LoopPlanner):
         named = _loop_key(loop, carry_leaves)
         name = None if named is None else (named[0], until)
         pool = self._pool()
-        later, growth = shared.later(name, pool)
+        later, extras = shared.later(name, pool)
         result = self.estimate_loop(loop, carry_leaves, families, until)
         chosen, later_bytes = result.chosen, 0
         room = self.limit_bytes - result.held_bytes
-        if later or growth:
-            together = fastest_together(result.rows, later, room - growth)
+        if later or any(extras):
+            together = fastest_together(result.rows, later, room, extras)
             if together is None:
-                raise _budget_error(self, result, later, growth)
+                raise _budget_error(self, result, later, extras)
             chosen, later_bytes = together
-            later_bytes += growth
+            later_bytes += max(extras)
         if chosen is None:
             alone = [r for r in result.rows if r.peak_tape_bytes <= self.limit_bytes]
             if not alone or not result.held_bytes:
@@ -414,9 +414,12 @@ class Budget(LoopPlanner):
         held = self.held_bytes()
         named = _loop_key(loop, carry_leaves)
         key = None if named is None else (named[0], until, held)
-        cached = self._memory.get("table")
-        if key is not None and cached is not None and cached[0] == key and _alive(cached[1]):
-            result = cached[2]  # the same loop again (a training loop): its table, as it was
+        # the tables of the loops planned lately (the layers of a stacked RNN take turns)
+        tables: OrderedDict[Any, Any] = self._memory.setdefault("tables", OrderedDict())
+        cached = tables.get(key) if key is not None else None
+        if cached is not None and _alive(cached[0]):
+            result = cached[1]  # the same loop again (a training loop): its table, as it was
+            tables.move_to_end(key)
         else:
             # a disk level is priced for loops of known length only (an online plan does
             # not weigh its write and read costs)
@@ -424,7 +427,10 @@ class Budget(LoopPlanner):
                            self.disk and until is None)
             result = plan_table(cost, self.limit_bytes, families or self.families,
                                 self.admits, until, held)
-            self._memory["table"] = (key, () if named is None else named[1], result)
+            if key is not None:
+                tables[key] = (named[1], result)  # type: ignore[index]
+                while len(tables) > DRY_RUNS_KEPT:
+                    tables.popitem(last=False)
         self._memory["last"] = result
         return result
 
@@ -599,17 +605,17 @@ def forget_dry_runs() -> None:
 
 
 def _budget_error(budget: Budget, result: Estimate, later: Sequence[Any] = (),
-                  growth: int = 0) -> BudgetError:
+                  extras: Sequence[int] = ()) -> BudgetError:
     smallest = min(result.rows, key=lambda r: r.peak_tape_bytes)
-    if later or growth:  # the loops of a pass, together, and what was saved beside them
-        least = result.minimum_bytes + growth + sum(min(r.peak_tape_bytes for r in rows)
-                                                    for rows in later)
+    if later or any(extras):  # the loops of a pass, together, and what was saved beside them
+        least = result.held_bytes + least_together(result.rows, list(later), extras)
+        growth = max(extras, default=0)
         others = f" and the {len(later)} loop(s) that followed it" if later else ""
         return BudgetError(
             f"{budget!r}: this scan{others} cannot fit in "
             f"{format_bytes(result.limit_bytes or 0)} of tape beside what was held with them "
             f"last time (earlier loops and values hold {format_bytes(result.held_bytes)}, and "
-            f"the values saved while they ran {format_bytes(growth)} more): their leanest "
+            f"the values saved while they ran up to {format_bytes(growth)} more): their leanest "
             f"plans need {format_bytes(least)} ({least} bytes) in all; raise the budget to "
             "at least that; Budget(...).explain() shows this loop's plans", least)
     hint = "" if budget.admits_lossy else (

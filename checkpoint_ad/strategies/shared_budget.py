@@ -59,12 +59,13 @@ class SharedBudget:
         the loop makes them) holds the loop's tape."""
         self.reservations.append((holders, size))
 
-    def later(self, name: Any, pool: Any = None) -> tuple[list[PlanRows], int]:
+    def later(self, name: Any, pool: Any = None) -> tuple[list[PlanRows], list[int]]:
         """A loop named `name` is about to be planned (`pool`: the budget's imperative pool,
         if it has one): the rows of the loops that followed it in the previous pass, if this
-        pass has repeated that one so far (else none), and how much more than now the pool
-        held at most from this loop on in that pass (values saved between and after the
-        loops). With nothing held, a new pass begins."""
+        pass has repeated that one so far (else none), and for this loop and each of those,
+        how much more than as this one was planned the pool held at most while it was the
+        newest loop (values saved between and after the loops: a layer's input projection,
+        the loss). With nothing held, a new pass begins."""
         if self.current and pool is not None:  # how far the pool grew since the last loop
             last = self.current[-1]
             last.pool_most = max(last.pool_most, pool.peak_since_mark)
@@ -75,11 +76,13 @@ class SharedBudget:
         at = len(self.current)
         previous = self.previous
         if name is None or len(previous) <= at or previous[at].name != name or any(
-            mine.name != theirs.name for mine, theirs in zip(self.current, previous)
+            mine.name is None or mine.name != theirs.name
+            for mine, theirs in zip(self.current, previous)
         ):
-            return [], 0
-        growth = max(p.pool_most for p in previous[at:]) - previous[at].pool_at
-        return [p.table.rows for p in previous[at + 1:]], max(growth, 0)
+            return [], []
+        base = previous[at].pool_at
+        extras = [max(p.pool_most - base, 0) for p in previous[at:]]
+        return [p.table.rows for p in previous[at + 1:]], extras
 
     def planned(self, name: Any, table: Any, pool: Any = None) -> None:
         """The loop named `name` was planned as `table` says: part of this pass (the pool's
@@ -98,30 +101,46 @@ def _holding(holders: list[Any]) -> bool:
 
 
 def fastest_together(first: PlanRows, later: list[PlanRows], room: int,
-                     ) -> tuple[Any, int] | None:
+                     extras: Sequence[int] = ()) -> tuple[Any, int] | None:
     """The row of `first` in the fastest combination of one row per loop (`first`, then each
-    of `later`) whose peaks sum to at most `room`, and the bytes its later rows take; None if
-    no combination fits. Exact: the later loops' combinations are kept as a Pareto frontier
-    of (bytes, seconds), pruned as each loop is added (a few dozen points)."""
-    frontier: list[tuple[int, float]] = [(0, 0.0)]
-    for rows in later:
-        combined = sorted((size + r.peak_tape_bytes, seconds + r.seconds)
-                          for size, seconds in frontier for r in rows
-                          if size + r.peak_tape_bytes <= room)
-        frontier = []
-        for size, seconds in combined:  # by bytes: keep each point faster than all before
-            if not frontier or seconds < frontier[-1][1]:
-                frontier.append((size, seconds))
-        if not frontier:
-            return None
-    best: tuple[float, int, Any, int] | None = None
-    for row in first:
-        left = room - row.peak_tape_bytes
-        fitting = [point for point in frontier if point[0] <= left]
-        if not fitting:
-            continue
-        size, seconds = fitting[-1]  # the fastest of the frontier that fits
-        total = row.seconds + seconds
-        if best is None or (total, row.peak_tape_bytes) < best[:2]:
-            best = (total, row.peak_tape_bytes, row, size)
-    return None if best is None else (best[2], best[3])
+    of `later`) that fits, and the bytes its later rows take; None if none fits.
+
+    The loops hold their tape until the backward sweep, so while loop j runs (and until the
+    next is planned) loops 0..j are held together, beside `extras[j]` bytes of other values
+    (what a budget's pool saved by then; 0 where not given): each such prefix must fit in
+    `room`. Exact: the combinations so far are kept as a Pareto frontier of (bytes,
+    seconds), pruned as each loop is added; what the next loops may take depends only on
+    the bytes so far."""
+    def extra(j: int) -> int:
+        return extras[j] if j < len(extras) else 0
+
+    states = [(r.peak_tape_bytes, r.seconds, r) for r in first
+              if r.peak_tape_bytes + extra(0) <= room]
+    for j, rows in enumerate(later, start=1):
+        limit = room - extra(j)
+        states = [(size + r.peak_tape_bytes, seconds + r.seconds, head)
+                  for size, seconds, head in _frontier(states) for r in rows
+                  if size + r.peak_tape_bytes <= limit]
+    if not states:
+        return None
+    size, _, head = min(states, key=lambda state: (state[1], state[0]))
+    return head, size - head.peak_tape_bytes
+
+
+def least_together(first: PlanRows, later: list[PlanRows], extras: Sequence[int] = ()) -> int:
+    """The least `room` in which `fastest_together` finds a combination: every loop's
+    leanest plan, the largest of the prefixes' needs."""
+    need, most = 0, 0
+    for j, rows in enumerate([first, *later]):
+        need += min(r.peak_tape_bytes for r in rows)
+        most = max(most, need + (extras[j] if j < len(extras) else 0))
+    return most
+
+
+def _frontier(states: list[tuple[int, float, Any]]) -> list[tuple[int, float, Any]]:
+    """The states no other beats in both bytes and seconds, by bytes."""
+    kept: list[tuple[int, float, Any]] = []
+    for state in sorted(states, key=lambda state: (state[0], state[1])):
+        if not kept or state[1] < kept[-1][1]:
+            kept.append(state)
+    return kept
