@@ -165,6 +165,14 @@ def _stacked(rows: Sequence[Row]) -> list[Target]:
         f"({worst.extras['saved_before_loop_bytes']} B: the input sequence, the caller's)")]
 
 
+def _with_model_loss(devices: Sequence[Row]) -> str:
+    """The device peak over its prediction with the model's own loss (its misfit and
+    temporaries, the caller's code after the loop), as a range."""
+    ratios = [r.extras["with_model_loss_device_over_predicted"] for r in devices
+              if r.extras.get("with_model_loss_device_over_predicted") is not None]
+    return f"{min(ratios):.3f}-{max(ratios):.3f}" if ratios else "not measured"
+
+
 def _budgets(rows: Sequence[Row]) -> list[Target]:
     ours = [r for r in rows if r.bench == "budget" and r.extras.get("plan")]
     if not ours:
@@ -205,8 +213,9 @@ def _budgets(rows: Sequence[Row]) -> list[Target]:
             f"{device.extras['device_peak_bytes']} B, predicted "
             f"{device.extras['predicted_device_peak_bytes']} B (everything traced from the "
             "loop's start: arrays and the engine's Python objects; the loop's first call, "
-            "which traces two steps; a later call reusing its program: "
-            f"{_later_calls(devices)})"))
+            "which traces two steps, under a loss that saves nothing, as the tape peak is "
+            f"measured; a later call reusing its program: {_later_calls(devices)}; under the "
+            f"model's own loss: {_with_model_loss(devices)})"))
     if over:
         slowest = max(over, key=lambda r: r.extras["over_best_preset"])
         targets.append(Target(
