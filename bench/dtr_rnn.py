@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .measure import pin_threads, time_median, tracemalloc_peak
+from .measure import paired_ratio, pin_threads, time_median, tracemalloc_peak
 
 
 class _Loop:
@@ -79,10 +79,14 @@ def run(steps: int, batch: int, hidden: int, fractions: list[float], repeats: in
         exact = all(np.array_equal(a, b) for a, b in zip(loop.grads(), reference))
         pool = loop.strategy
         seconds = time_median(loop.run, repeats).median
+        # over keep-all's time in the same round, alternating (the machine's speed drifts by
+        # tens of percent over a minute: two medians taken apart measure that too)
+        ratio = paired_ratio(loop.run, keep.run, repeats)
         traced = tracemalloc_peak(loop)
         print(
             f"limit {fraction:.0%} = {limit / 2**20:.3f} MiB: {seconds * 1e3:.1f} ms "
-            f"({seconds / keep_time:.2f}x keep-all), pool peak {pool.peak_bytes / limit:.3f}"
+            f"({ratio.median:.2f}x keep-all, paired; {ratio.low:.2f}-{ratio.high:.2f} over "
+            f"{repeats} rounds), pool peak {pool.peak_bytes / limit:.3f}"
             f" of the limit, profiled peak tape {prof.peak_tape_bytes / limit:.3f} of it, "
             f"tracemalloc peak {traced / 2**20:.3f} MiB ({traced / keep_traced:.2f}x keep-all's)"
             f", evictions {pool.evictions}, primitives re-run {pool.rematerializations}, "
