@@ -89,6 +89,13 @@ def test_a_first_pass_warns_where_a_loop_no_longer_fits_and_the_next_plans_them_
     assert heard and "this once" in str(heard[0]) and "plans these loops together" in str(
         heard[0])
     assert all(np.array_equal(g, r) for g, r in zip(grads, reference))
+    # the loop left too little ran the fastest plan within a tenth of the budget of its
+    # leanest (the leanest alone, binomial s=1, re-runs n**2 / 2 steps)
+    squeezed = budget.last_pass[-1]
+    near = min(r.peak_tape_bytes for r in squeezed.rows) + budget.limit_bytes // 10
+    assert squeezed.chosen.peak_tape_bytes <= near
+    assert squeezed.chosen.seconds == min(r.seconds for r in squeezed.rows
+                                          if r.peak_tape_bytes <= near)
     for _ in range(2):
         prof, grads, heard = _pass(forward, weights, budget)
         assert not heard and prof.peak_tape_bytes <= budget.limit_bytes

@@ -269,8 +269,9 @@ class Budget(LoopPlanner):
     planned in what the loops before it, still holding their tape until the backward sweep,
     left (`held_bytes`), and from the second pass on (a training loop's next step) each is
     planned together with the loops that followed it last time: the fastest combination that
-    fits. A first pass cannot know the later loops; where one is left too little, it runs its
-    leanest plan and the budget warns (`BudgetWarning`) by how much the tape passes it.
+    fits. A first pass cannot know the later loops; where one is left too little, it runs the
+    fastest plan within a tenth of the budget of its leanest (`FIRST_PASS_SLACK`) and the
+    budget warns (`BudgetWarning`) by how much the tape passes it.
 
     Outside `scan` (your own Python loops), saved values are kept by a `Rematerializing`
     pool of `limit` bytes, one per thread: past the limit it evicts values DTR-style and
@@ -375,15 +376,20 @@ class Budget(LoopPlanner):
             alone = [r for r in result.rows if r.peak_tape_bytes <= self.limit_bytes]
             if not alone or not result.held_bytes:
                 raise _budget_error(self, result)
-            # a first pass: the loops before this one took the room this one needs; run the
-            # leanest plan, over the budget by the least, and plan them together next time
-            chosen = min(alone, key=lambda r: (r.peak_tape_bytes, r.seconds))
+            # a first pass: the loops before this one took the room this one needs. Run the
+            # fastest plan within FIRST_PASS_SLACK of the budget above the leanest (the
+            # leanest alone, binomial s=1, re-runs n**2 / 2 steps), and plan them together
+            # next time
+            leanest = min(r.peak_tape_bytes for r in alone)
+            near = leanest + int(self.limit_bytes * FIRST_PASS_SLACK)
+            chosen = min((r for r in alone if r.peak_tape_bytes <= near),
+                         key=lambda r: (r.seconds, r.peak_tape_bytes))
             code, line = user_frame_from_caller()  # the warning names the user's line
             warnings.warn_explicit(BudgetWarning(
                 f"{self!r}: earlier loops and values under this budget hold "
                 f"{format_bytes(result.held_bytes)} until their backward sweep, and this "
-                f"loop's leanest plan, {chosen.name}, needs "
-                f"{format_bytes(chosen.peak_tape_bytes)}: the tape passes the budget by up to "
+                f"loop's leanest plan needs {format_bytes(leanest)}; it runs {chosen.name} "
+                f"({format_bytes(chosen.peak_tape_bytes)}): the tape passes the budget by up to "
                 f"{format_bytes(chosen.peak_tape_bytes - room)} this once. The next pass "
                 "plans these loops together (fastest combination that fits); if they can "
                 "never fit together, it raises BudgetError"), BudgetWarning,
@@ -555,6 +561,10 @@ def _sized(loop: StepLoop, limit: int | None) -> StepLoop:
     """`loop` (of unknown length) as priced: at most `limit` steps, or `OPEN_LOOP_STEPS`."""
     return replace(loop, n=limit if limit is not None else OPEN_LOOP_STEPS)
 
+
+FIRST_PASS_SLACK = 0.1
+"""In a first pass, a loop left too little by the loops before it may pass the budget by this
+fraction of it more than its leanest plan would, for a faster plan (see `Budget`)."""
 
 OPEN_LOOP_STEPS = 4097
 """The length a loop of unknown length is priced at (`Budget.choose_open`): binomial plans

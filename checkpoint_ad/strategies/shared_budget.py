@@ -12,8 +12,8 @@ fastest combination whose peaks fit, rather than the first loop taking what the 
 need. Values the budget's imperative pool saves between and after the loops (a layer's
 input projection, the loss) are remembered too, as how much the pool grew while each loop
 held its tape, and left room for. A first pass has nothing to go by: a loop that no longer
-fits runs its leanest plan, a value the pool cannot fit goes over, and the budget warns
-(`BudgetWarning`).
+fits runs a lean plan (`budget.FIRST_PASS_SLACK`), a value the pool cannot fit goes over,
+and the budget warns (`BudgetWarning`).
 """
 
 from __future__ import annotations
