@@ -130,6 +130,28 @@ def test_keep_all_is_priced_as_a_plain_scan_runs_it():
     assert row.forward_seconds == pytest.approx(n * 10.0)  # a step that refuses: recorded
 
 
+
+def test_a_step_that_captures_a_value_made_anew_each_call_is_priced_with_its_tracing():
+    """Heat's step reads a diffusivity made from a parameter before the loop: a new tensor on
+    every call, so no call reuses an earlier call's program; each traces steps 0 and 1 and
+    compiles again, which its price now includes. A step that captures only leaves (the
+    RNN's weights) reuses the program from its second call on: nothing added."""
+    heat = models.build("heat", grid=16, steps=40)
+    heat._kappa = cad.sigmoid(heat.theta) * heat.config.kappa_max
+    anew = cad.estimate(heat.step, heat.init_carry(), heat.inputs())
+    assert anew.cost.replays and anew.cost.call_overhead_seconds > 0
+    kept = next(r for r in anew.rows if r.name == "keep-all")
+    alone = next(c for c in keep_every_step(anew.cost) if c.name == "keep-all")
+    assert kept.forward_seconds == pytest.approx(
+        alone.forward_seconds + anew.cost.call_overhead_seconds)
+    _, (step, init, xs) = _rnn_loop()
+    assert cad.estimate(step, init, xs).cost.call_overhead_seconds == 0.0
+    with cad.inspect.loops() as ran:  # the premise: heat's loop never reuses its program
+        for _ in range(2):
+            heat._kappa = cad.sigmoid(heat.theta) * heat.config.kappa_max
+            scan(heat.step, heat.init_carry(), heat.inputs())
+    assert [r.mode for r in ran] == ["replayed", "replayed"]
+
 # ------------------------------------------------------------------ disk snapshots
 def test_disk_plans_are_priced_only_when_the_disk_was_timed():
     assert list(binomial_disk(_cost("replayed"))) == []

@@ -173,6 +173,12 @@ class StepCost:
     """What the plan executor adds per reverse action (see `overhead.py`)."""
     advance_overhead_seconds: float = 0.0
     """What the plan executor adds per re-run after a restore (see `overhead.py`)."""
+    call_overhead_seconds: float = 0.0
+    """What each call of a replayed loop pays beyond its priced steps when no call can reuse
+    the step program an earlier one compiled: its step captures a value made anew on every
+    call (heat's diffusivity), so steps 0 and 1 are traced and a program is compiled again
+    (measured in the dry run, beyond recording the two steps). 0 where later calls reuse
+    the program. Unpriced, heat's keep-all read 1.03-1.12x its prediction, least of 9 runs."""
 
     @property
     def replays(self) -> bool:
@@ -226,11 +232,14 @@ def measure(
                 priced[name] = _with_nested_bytes(
                     priced[name], *_profiled_bytes(loop, carry_leaves, storage, engine_state),
                     loop.n)
+        calls: list[float] = []
+        anew = False
         for name, storage in forms.items():
             np.random.set_state(numpy_state)
-            program, mode = _traced(loop, carry_leaves, storage, engine_state)
+            program, mode, seconds, anew = _traced(loop, carry_leaves, storage, engine_state)
             if program is None:
                 break
+            calls.append(seconds - _steps(loop) * priced[name].taped_seconds)
             run, forward, taped, backward, held = _replayed(program, loop, carry_leaves,
                                                             engine_state)
             dry_run_bytes = max(dry_run_bytes, held)
@@ -263,20 +272,30 @@ def measure(
         replayed_untaped_seconds=replayed_untaped,
         replayed_forward_seconds=replayed_forward,
         disk=_disk_cost(carry) if disk else None,
+        call_overhead_seconds=max(0.0, median(calls)) if calls and anew else 0.0,
     )
 
 
 def _traced(
     loop: StepLoop, carry_leaves: list[Any], storage: Strategy, engine_state: Any
-) -> tuple[StepProgram | None, str]:
+) -> tuple[StepProgram | None, str, float, bool]:
     """Steps 0 and 1 traced with a tape under `storage`, as the executor traces them: the
-    program they give (None if the step refuses) and the loop's mode."""
+    program they give (None if the step refuses), the loop's mode, the seconds tracing them
+    and compiling the program took, and whether every call must do so again (see
+    `StepCost.call_overhead_seconds`)."""
     carry = _carry_tensors(carry_leaves, grad=True)
     traces = {}
+    began = time.perf_counter()
     with random.replaying(engine_state), enable_grad(), use_packer(storage):
         for t in range(_steps(loop)):
             carry, _, traces[t] = traced_call(loop, t, carry, _x_tensors(loop, t))
-    return program_of(traces, loop.n, len(carry_leaves))
+    program, mode = program_of(traces, loop.n, len(carry_leaves))
+    seconds = time.perf_counter() - began
+    # a captured graph value (heat's diffusivity, made from a parameter before the loop) is
+    # a new tensor on every call: no later call can reuse this program
+    anew = any(tensor._entry is not None for trace in traces.values()
+               for tensor in trace.constants.values())
+    return program, mode, seconds, anew
 
 
 def _trial_run(
