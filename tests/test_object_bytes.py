@@ -58,7 +58,7 @@ def _growth_per_step(name: str, storage) -> tuple[int, int]:
     x_leaves, x_spec = flatten(model.inputs())
     loop = StepLoop(model.step, carry_spec, x_leaves, x_spec, x_leaves[0].shape[0])
     state = random.get_state()
-    program, _ = pricing._traced(loop, carry_leaves, storage, state)
+    program = pricing._traced(loop, carry_leaves, storage, state)[0]
     predicted, _ = pricing._traced_step_bytes(program, loop, carry_leaves, state)
     initial = [c._data for c in carry_leaves]
 
