@@ -426,7 +426,8 @@ class Budget(LoopPlanner):
         cached = tables.get(key) if key is not None else None
         if cached is not None and _alive(cached[0]):
             result = cached[1]  # the same loop again (a training loop): its table, as it was
-            tables.move_to_end(key)
+            with contextlib.suppress(KeyError):  # another thread may have let it go
+                tables.move_to_end(key)
         else:
             # a disk level is priced for loops of known length only (an online plan does
             # not weigh its write and read costs)
@@ -590,7 +591,8 @@ def dry_run(loop: StepLoop, carry_leaves: list[Any], lossy: bool,
         key, refs = (named[0], tuple(forms), tuple(snapshots), disk), named[1]
     held = _DRY_RUNS.get(key) if key is not None else None
     if held is not None and _alive(held[0]):
-        _DRY_RUNS.move_to_end(key)
+        with contextlib.suppress(KeyError):  # another thread may have let it go
+            _DRY_RUNS.move_to_end(key)
         return held[1]
     # the library's work, not the program's: a profile neither counts it nor slows it (its
     # figures are those of an unprofiled run, so the plan does not depend on whether the run
