@@ -364,7 +364,7 @@ class Budget(LoopPlanner):
         name = None if named is None else (named[0], until)
         pool = self._pool()
         later, extras = shared.later(name, pool)
-        result = self.estimate_loop(loop, carry_leaves, families, until)
+        result = self._table(loop, carry_leaves, families, until, named)
         chosen, later_bytes = result.chosen, 0
         room = self.limit_bytes - result.held_bytes
         if later or any(extras):
@@ -418,8 +418,14 @@ class Budget(LoopPlanner):
         """The table for `loop` (its dry run kept for the next loop of the same step and
         shapes, so a training loop pays it once); remembered for `explain`. `families` and
         `until`: those of a loop that ends when `until` says so (`estimate_open`)."""
+        return self._table(loop, carry_leaves, families, until,
+                           _loop_key(loop, carry_leaves))
+
+    def _table(self, loop: StepLoop, carry_leaves: list[Any],
+               families: tuple[Family, ...] | None, until: str | None,
+               named: tuple[Any, tuple[weakref.ref[Any], ...]] | None) -> Estimate:
+        """`estimate_loop`, the loop named (`_loop_key`) by the caller."""
         held = self.held_bytes()
-        named = _loop_key(loop, carry_leaves)
         key = None if named is None else (named[0], until, held)
         # the tables of the loops planned lately (the layers of a stacked RNN take turns)
         tables: OrderedDict[Any, Any] = self._memory.setdefault("tables", OrderedDict())
@@ -639,7 +645,8 @@ def _budget_error(budget: Budget, result: Estimate, later: Sequence[Any] = (),
     if held:
         room = (f"the {format_bytes(max((result.limit_bytes or 0) - held, 0))} left of "
                 f"{format_bytes(result.limit_bytes or 0)} of tape ({format_bytes(held)} are "
-                "held by earlier loops under this budget until their backward sweep)")
+                "held by earlier loops and values under this budget until their backward "
+                "sweep)")
         least = (f"raise the budget to at least {format_bytes(result.minimum_bytes)} "
                  f"({result.minimum_bytes} bytes), or run the earlier loops' backward first")
     else:
