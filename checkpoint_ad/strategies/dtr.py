@@ -199,8 +199,7 @@ class Rematerializing(Strategy):
     def pack(self, array: Any) -> _Handle:
         size = array_nbytes(array)
         self._clock += 1
-        if self.held_bytes + size > self.limit_bytes - (
-                self.reserved() if self.reserved is not None else 0):
+        if self.held_bytes + size > self.limit_bytes - self._reserved_bytes():
             self._make_room(size, locked=None, strict=True)
         handle = _Handle(self, array, size, self._clock)
         self._hold(handle)
@@ -258,6 +257,10 @@ class Rematerializing(Strategy):
             if self.held_bytes > self.peak_bytes:
                 self.peak_bytes = self.held_bytes
 
+    def _reserved_bytes(self) -> int:
+        """Bytes of the limit held outside the pool (see `reserved`)."""
+        return self.reserved() if self.reserved is not None else 0
+
     def mark(self) -> None:
         """Start `peak_since_mark` again from what is held now (a budget, as it plans a loop:
         how much the pool grows while that loop holds its tape)."""
@@ -279,7 +282,7 @@ class Rematerializing(Strategy):
                 candidates.append(handle)
         scores = {id(h): self._score(h) for h in candidates}
         candidates.sort(key=lambda h: scores[id(h)], reverse=True)
-        reserved = self.reserved() if self.reserved is not None else 0
+        reserved = self._reserved_bytes()
         limit = self.limit_bytes - reserved
         while self.held_bytes + size > limit and candidates:
             self._evict(candidates.pop())
@@ -365,8 +368,7 @@ class Rematerializing(Strategy):
         return have[id(root)]
 
     def _rehold(self, handle: _Handle, array: Any, locked: _Handle) -> None:
-        if self.held_bytes + handle.nbytes > self.limit_bytes - (
-                self.reserved() if self.reserved is not None else 0):
+        if self.held_bytes + handle.nbytes > self.limit_bytes - self._reserved_bytes():
             self._make_room(handle.nbytes, locked=locked, strict=False)
         handle.array = array
         self._clock += 1
