@@ -225,25 +225,24 @@ def step_identity(step: Any, held: list[Any] | None = None) -> tuple[Any, tuple[
     the identities hold (so a caller can tell, by weak reference, when one has died and its
     id may name another)."""
     ids: list[Any] = []
-    note = held.append if held is not None else None
     while True:
         if isinstance(step, functools.partial):
             ids.extend(map(id, step.args))
             ids.extend(id(v) for v in step.keywords.values())
             ids.append(tuple(step.keywords))
-            if note is not None:
-                held.extend((*step.args, *step.keywords.values()))  # type: ignore[union-attr]
+            if held is not None:
+                held.extend((*step.args, *step.keywords.values()))
             step = step.func
         elif isinstance(step, types.MethodType):
             ids.append(id(step.__self__))
-            if note is not None:
-                note(step.__self__)
+            if held is not None:
+                held.append(step.__self__)
             step = step.__func__
         else:
             break
     if not isinstance(step, types.FunctionType):
         return step, tuple(ids)  # a callable object names itself
-    return step.__code__, (*ids, *_captured_identities(step, NESTED, note))
+    return step.__code__, (*ids, *_captured_identities(step, NESTED, held))
 
 
 NESTED = 3
@@ -252,7 +251,7 @@ their code and captures rather than their identity."""
 
 
 def _captured_identities(fn: types.FunctionType, depth: int,
-                         note: Callable[[Any], None] | None = None) -> tuple[Any, ...]:
+                         held: list[Any] | None = None) -> tuple[Any, ...]:
     ids: list[Any] = []
     for cell in fn.__closure__ or ():
         try:
@@ -261,20 +260,19 @@ def _captured_identities(fn: types.FunctionType, depth: int,
             ids.append(None)
             continue
         if depth and isinstance(value, types.FunctionType):
-            ids.append((value.__code__, _captured_identities(value, depth - 1, note)))
+            ids.append((value.__code__, _captured_identities(value, depth - 1, held)))
         elif isinstance(value, types.MethodType):  # made anew by each attribute lookup
             ids.append((id(value.__self__), value.__func__))
-            if note is not None:
-                note(value.__self__)
+            if held is not None:
+                held.append(value.__self__)
         else:
             ids.append(id(value))
-            if note is not None:
-                note(value)
+            if held is not None:
+                held.append(value)
     defaults = (*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values())
     ids.extend(map(id, defaults))
-    if note is not None:
-        for value in defaults:
-            note(value)
+    if held is not None:
+        held.extend(defaults)
     return tuple(ids)
 
 
