@@ -5,6 +5,8 @@ measurements); the tests check which measured costs each plan is priced from."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -12,6 +14,7 @@ import checkpoint_ad as cad
 from checkpoint_ad import models
 from checkpoint_ad.errors import StrategyConfigError
 from checkpoint_ad.strategies import Binomial, Budget, Offload, Periodic, scan
+from checkpoint_ad.strategies.budget import plan_table
 from checkpoint_ad.strategies.candidates import binomial, binomial_disk, keep_every_step, periodic
 from checkpoint_ad.strategies.pricing import FormCost, SnapshotCost, StepCost
 
@@ -143,7 +146,7 @@ def test_a_step_that_captures_a_value_made_anew_each_call_is_priced_with_its_tra
     kept = next(r for r in anew.rows if r.name == "keep-all")
     alone = next(c for c in keep_every_step(anew.cost) if c.name == "keep-all")
     assert kept.forward_seconds == pytest.approx(
-        alone.forward_seconds + anew.cost.call_overhead_seconds)
+        alone.forward_seconds + anew.cost.call_overhead_seconds + anew.cost.kept_call_seconds)
     _, (step, init, xs) = _rnn_loop()
     assert cad.estimate(step, init, xs).cost.call_overhead_seconds == 0.0
     with cad.inspect.loops() as ran:  # the premise: heat's loop never reuses its program
@@ -151,6 +154,44 @@ def test_a_step_that_captures_a_value_made_anew_each_call_is_priced_with_its_tra
             heat._kappa = cad.sigmoid(heat.theta) * heat.config.kappa_max
             scan(heat.step, heat.init_carry(), heat.inputs())
     assert [r.mode for r in ran] == ["replayed", "replayed"]
+
+def test_every_forward_step_writes_its_rows_and_each_call_pays_the_executors_part():
+    """Rows are written by every step of a forward (a replayed advance's price has its
+    own); each call pays the executor's fixed part, a kept loop's where it replays."""
+    r = 1e-4
+    cost = replace(_cost("replayed"), row_seconds=r, call_seconds=0.5, kept_call_seconds=0.7)
+    plain = _cost("replayed")
+    n, k = cost.n_steps, 10
+
+    def row(c, name, family):
+        return next(x for x in family(c) if x.name == name)
+
+    assert row(cost, "keep-all", keep_every_step).forward_seconds == pytest.approx(
+        row(plain, "keep-all", keep_every_step).forward_seconds + n * r)
+    name = f"periodic k={k}"
+    assert row(cost, name, periodic).forward_seconds == pytest.approx(
+        row(plain, name, periodic).forward_seconds + (2 + k) * r)  # steps 0, 1 and the kept
+    recorded = replace(cost, mode="recorded: the step reads a value into Python")
+    assert row(recorded, name, periodic).forward_seconds == pytest.approx(
+        row(replace(recorded, row_seconds=0.0), name, periodic).forward_seconds + n * r)
+    table = {x.name: x for x in plan_table(cost, None).rows}
+    bare = {x.name: x for x in plan_table(replace(cost, call_seconds=0.0,
+                                                  kept_call_seconds=0.0), None).rows}
+    assert table["keep-all"].forward_seconds == pytest.approx(
+        bare["keep-all"].forward_seconds + 0.7)
+    assert table[name].forward_seconds == pytest.approx(bare[name].forward_seconds + 0.5)
+    # a loop that records keeps every step on the tape, with no executor
+    table = {x.name: x for x in plan_table(recorded, None).rows}
+    assert table["keep-all"].forward_seconds == pytest.approx(
+        row(recorded, "keep-all", keep_every_step).forward_seconds)
+
+
+def test_the_dry_run_times_writing_rows_only_for_a_loop_with_outputs():
+    _, loop = _rnn_loop()
+    assert cad.estimate(*loop).cost.row_seconds > 0
+    step, init, xs = loop
+    assert cad.estimate(lambda h, x: (step(h, x)[0], None), init, xs).cost.row_seconds == 0
+
 
 # ------------------------------------------------------------------ disk snapshots
 def test_disk_plans_are_priced_only_when_the_disk_was_timed():

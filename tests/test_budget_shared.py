@@ -20,7 +20,7 @@ from checkpoint_ad.strategies import Budget, scan
 from checkpoint_ad.strategies.budget import forget_dry_runs
 from checkpoint_ad.strategies.shared_budget import fastest_together, least_together
 
-T, B, H = 60, 4, 16
+T, B, H = 60, 16, 192
 
 
 def _stack(depth: int = 2):

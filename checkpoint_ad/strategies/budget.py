@@ -233,7 +233,10 @@ def plan_table(
     extra = sum(fixed.values())
     least = cost.trial.forward_bytes if cost.trial is not None else 0
     rerun = rerun_engine_bytes(cost)
-    call = cost.call_overhead_seconds if cost.replays else 0.0  # every plan traces anew
+    traced = cost.call_overhead_seconds if cost.replays else 0.0  # every plan traces anew
+    # the executor's own part of a call (a loop keeping every step runs one when it replays)
+    kept_call = traced + (cost.kept_call_seconds if cost.replays else 0.0)
+    planned_call = traced + cost.call_seconds
     rows = []
     for family in families:
         for c in family(cost):
@@ -243,7 +246,8 @@ def plan_table(
             engine = c.engine_bytes + (rerun if c.loop is not None else 0)
             rows.append(PlanRow(c.name, c.loop, c.storage, c.peak_tape_bytes,
                                 max(least, c.peak_tape_bytes + extra + engine),
-                                c.forward_seconds + call,
+                                c.forward_seconds + (kept_call if c.loop is None
+                                                     else planned_call),
                                 c.backward_seconds, c.evaluations, c.error_bound, fits,
                                 engine))
     rows.sort(key=lambda r: (r.seconds, r.peak_tape_bytes))

@@ -27,7 +27,7 @@ from ..ops import multiply, tanh
 from ..pytree import flatten
 from ..saved import KEEP, use_packer
 from ..tensor import tensor
-from .candidates import backward_snapshots, binomial, periodic
+from .candidates import backward_snapshots, binomial, keep_every_step, periodic
 from .loop import StepLoop
 from .pricing import StepCost, measure
 from .scan import scan
@@ -48,6 +48,12 @@ class Overhead:
     """Per reverse action in the backward (its restore, tape set-up and pull-back)."""
     advance_seconds: float = 0.0
     """Per re-run (an `Advance` after a restore) in the backward, beyond its steps."""
+    call_seconds: float = 0.0
+    """Per call of a planned loop, forward and backward, beyond its steps and segments
+    (setting up and recording the loop's entry, its guards, its outputs)."""
+    kept_call_seconds: float = 0.0
+    """Per call of a replayed loop keeping every step (`kept_loop.py`), beyond its steps:
+    the executor's fixed part, and joining the recorded first steps to the replayed rest."""
 
 
 def with_overhead(cost: StepCost) -> StepCost:
@@ -55,7 +61,9 @@ def with_overhead(cost: StepCost) -> StepCost:
     overhead = executor_overhead()
     return replace(cost, snapshot_overhead_seconds=overhead.snapshot_seconds,
                    reverse_overhead_seconds=overhead.reverse_seconds,
-                   advance_overhead_seconds=overhead.advance_seconds)
+                   advance_overhead_seconds=overhead.advance_seconds,
+                   call_seconds=overhead.call_seconds,
+                   kept_call_seconds=overhead.kept_call_seconds)
 
 
 @functools.cache
@@ -72,12 +80,16 @@ def executor_overhead() -> Overhead:
     fine, coarse, revolve = excess["periodic k=1"], excess["periodic k=16"], excess["binomial"]
     snapshot = max(0.0, (fine[0] - coarse[0]) / segments)
     reverse = max(0.0, (fine[1] - coarse[1]) / segments)
+    # the loop's fixed part: Periodic(16) beyond its 3 snapshots and 4 reverse actions
+    fixed_forward = coarse[0] - (STEPS // 16 - 1) * snapshot
+    fixed = coarse[1] - (STEPS // 16) * reverse
     # Binomial(2) re-runs from a restored snapshot before most reverse actions: what its
     # backward took beyond its steps, its reverse actions and the loop's fixed part
-    fixed = coarse[1] - (STEPS // 16) * reverse
     packs, restores = backward_snapshots(STEPS, 2)
     advance = (revolve[1] - fixed - STEPS * reverse - packs * snapshot) / max(restores, 1)
-    return Overhead(snapshot, reverse, max(0.0, advance))
+    return Overhead(snapshot, reverse, max(0.0, advance),
+                    call_seconds=max(0.0, fixed_forward) + max(0.0, fixed),
+                    kept_call_seconds=max(0.0, sum(excess["keep-all"])))
 
 
 def _excess() -> dict[str, tuple[float, float]]:
@@ -96,6 +108,7 @@ def _excess() -> dict[str, tuple[float, float]]:
     cost = measure(loop, carry_leaves, {"keep": KEEP}, {"keep": None})
     priced = {c.name: c for c in periodic(cost) if c.loop.every in (1, 16)}
     priced["binomial"] = next(c for c in binomial(cost) if c.name == "binomial s=2")
+    priced["keep-all"] = next(keep_every_step(cost))  # a loop strategy of None
     forward = dict.fromkeys(priced, float("inf"))
     backward = dict.fromkeys(priced, float("inf"))
     for _ in range(RUNS):  # the plans take turns: a machine getting busier slows them alike

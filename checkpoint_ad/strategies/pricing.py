@@ -173,6 +173,17 @@ class StepCost:
     """What the plan executor adds per reverse action (see `overhead.py`)."""
     advance_overhead_seconds: float = 0.0
     """What the plan executor adds per re-run after a restore (see `overhead.py`)."""
+    row_seconds: float = 0.0
+    """One step's outputs written into the loop's rows (`OutputRows`) where a plan's forward
+    writes them apart from its replayed advances, whose `replayed_forward_seconds` has them
+    already: its taped steps (every step of a loop keeping them all), and every step of a
+    loop that records. Unpriced, a replayed keep-all forward read 1.13-1.2x its prediction
+    (RNN, 256 steps: 0.34 ms of 9 ms writing rows)."""
+    call_seconds: float = 0.0
+    """What the plan executor spends once per call of a planned loop beyond its steps,
+    snapshots and reverse actions (see `overhead.py`)."""
+    kept_call_seconds: float = 0.0
+    """The same for a replayed loop keeping every step (no loop strategy: `kept_loop.py`)."""
     call_overhead_seconds: float = 0.0
     """What each call of a replayed loop pays beyond its priced steps when no call can reuse
     the step program an earlier one compiled: its step captures a value made anew on every
@@ -253,6 +264,8 @@ def measure(
             replayed_untaped = median(replayed_runs)
             replayed_forward = median(forward_runs)
         np.random.set_state(numpy_state)
+        rows = _row_seconds(loop, carry_leaves, engine_state)
+        np.random.set_state(numpy_state)
         trial = _trial_run(loop, carry_leaves, engine_state)
     finally:
         np.random.set_state(numpy_state)
@@ -273,6 +286,7 @@ def measure(
         replayed_forward_seconds=replayed_forward,
         disk=_disk_cost(carry) if disk else None,
         call_overhead_seconds=max(0.0, median(calls)) if calls and anew else 0.0,
+        row_seconds=rows,
     )
 
 
@@ -589,6 +603,25 @@ def _untaped(
         for t in range(_steps(loop)):
             carry, _ = loop.call(t, carry, loop.x_at(t))
         return (time.perf_counter() - start) / _steps(loop)
+
+
+def _row_seconds(loop: StepLoop, carry_leaves: list[Any], engine_state: Any) -> float:
+    """Seconds per step writing one step's outputs into rows as a plan's forward does
+    (`OutputRows`), the median of `_repeating()`, each over `REPLAYED_STEPS` rows."""
+    carry = _carry_tensors(carry_leaves, grad=False)
+    with no_grad(), random.replaying(engine_state):
+        _, ys = loop.call(0, carry, loop.x_at(0))
+    arrays = [None if y is None else y._data for y in ys]
+    if not any(a is not None for a in arrays):
+        return 0.0
+    runs = []
+    for _ in _repeating():
+        rows = OutputRows(REPLAYED_STEPS)
+        start = time.perf_counter()
+        for _ in range(REPLAYED_STEPS):
+            rows.append(arrays)
+        runs.append(time.perf_counter() - start)
+    return median(runs) / REPLAYED_STEPS
 
 
 def _taped(
