@@ -727,3 +727,18 @@ def test_the_loops_a_dry_run_runs_are_not_listed_as_the_callers():
         model.run(lambda step, init, xs: scan(step, init, xs, strategy=Budget("8KiB")))
     assert [info.steps for info in ran] == [SIZES["rnn"]["steps"]]
     assert ran[0].strategy.startswith("Budget(")
+
+
+def test_a_first_dry_run_under_use_budget_calibrates_the_executor_without_the_budget():
+    """The executor's calibration (on a process's first dry run) runs loops of its own:
+    under ``use(Budget)``, one given no strategy would be planned by that budget, whose dry
+    run would calibrate again, without end."""
+    from checkpoint_ad.strategies import overhead
+
+    overhead.executor_overhead.cache_clear()
+    forget_dry_runs()
+    model = models.build("rnn", **SIZES["rnn"])
+    with cad.use(Budget("8KiB")), cad.inspect.loops() as ran:
+        model.run(lambda step, init, xs: scan(step, init, xs))
+    assert [info.steps for info in ran] == [SIZES["rnn"]["steps"]]
+    assert overhead.executor_overhead.cache_info().currsize == 1
