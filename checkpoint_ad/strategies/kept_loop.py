@@ -28,7 +28,7 @@ from ..tensor import Tensor
 from .loop import StepLoop, stack_outputs
 from .loop_strategies import Periodic
 from .output_rows import join_rows
-from .plan_executor import PlannedLoop
+from .plan_executor import PlannedLoop, stops
 from .program_cache import REUSED, find
 from .step_program import program_of, traced_call
 
@@ -50,11 +50,14 @@ class _SplitHead(Function):
         return concatenate([stack(list(grads[:heads]), axis=0), grads[heads]], axis=0), None
 
 
-def replays(loop: StepLoop, trace: bool) -> bool:
+def replays(loop: StepLoop, trace: bool, until: Any = None, limit: int | None = None) -> bool:
     """Whether a loop keeping every step is worth tracing: grad on, tracing allowed, more
-    steps than are traced, and not itself inside a step being traced (an outer loop replays
-    this one's operations as its own)."""
-    return trace and is_grad_enabled() and _state.tracer is None and loop.n > TRACED_STEPS
+    steps than are traced (with `until`, when it may run more than two: at most `limit`),
+    and not itself inside a step being traced (an outer loop replays this one's operations
+    as its own)."""
+    steps = loop.n if until is None else limit
+    return (trace and is_grad_enabled() and _state.tracer is None
+            and (steps is None or steps > TRACED_STEPS))
 
 
 def replays_untaped(loop: StepLoop, trace: bool, until: Any = None,
@@ -74,16 +77,17 @@ def recorded_because(loop: StepLoop, trace: bool, until: Any = None,
         return "recorded: trace=False"
     if _state.tracer is not None:
         return "recorded: run inside a step being traced (the outer loop replays it)"
-    if until is not None and is_grad_enabled():
-        return ("recorded: a loop that keeps every step and stops on `until` (a loop "
-                "strategy such as Binomial(s) replays it)")
     steps = loop.n if until is None else limit
     return f"recorded: a loop of {steps} steps has none to replay beyond the {TRACED_STEPS} traced"
 
 
-def keep_every_step(loop: StepLoop, carry_leaves: list[Any]) -> tuple[Any, Any]:
+def keep_every_step(loop: StepLoop, carry_leaves: list[Any], until: Any = None,
+                    limit: int | None = None) -> tuple[Any, Any]:
     """Run `loop` keeping every step; (carry, ys). How it ran is the loop entry's `mode`
-    (no entry: recorded)."""
+    (no entry: recorded). With `until` (asked after each step), the loop runs until it
+    says so, at most `limit` steps (None: no bound): `loop.n` is then the steps run."""
+    if until is not None:
+        loop.n = limit or 0  # all of xs is split, if there is one
     place = find(loop.step, "kept", carry_leaves, loop.xs_leaves)
     # an earlier call left a program: step 0 alone is recorded if it fits (see
     # `program_cache.py`); else, as on a first call, steps 0 and 1
@@ -92,32 +96,47 @@ def keep_every_step(loop: StepLoop, carry_leaves: list[Any]) -> tuple[Any, Any]:
     per_step = [ys]
     program = place.reuse(first) if place.expected else None
     mode = REUSED
-    if program is None:
+    ended = _stops(loop, until, carry)
+    if program is None and not ended:
         if place.expected and heads is not None:  # it did not fit: split row 1 off the
             more, rest = _split_xs(rest or [], loop, 1)  # rest as well
             heads += more or []
         carry, ys, second = traced_call(loop, 1, carry, _row(loop, heads, 1))
         per_step.append(ys)
         # step 1's trace: its carry is a step's output, as the carry of every step replayed
-        program, mode = program_of({0: first, 1: second}, loop.n, len(carry), template=1)
+        program, mode = program_of({0: first, 1: second}, loop.n or TRACED_STEPS + 1,
+                                   len(carry), template=1)
         place.remember(first, second, program)
+        ended = _stops(loop, until, carry)
     done = len(per_step)
     loop.mode = mode
+    if ended:  # `until` ended the loop within the steps recorded
+        loop.n = done
+        if program is not None or done == 1:  # (else the trace's refusal says why)
+            loop.mode = f"recorded: `until` ended the loop after {done} traced step(s)"
+        return _recorded_outputs(loop, carry, per_step)
     if program is None:  # record the rest as the steps so far were
-        rows = _rows(loop, rest, done)
-        for t in range(done, loop.n):
-            carry, ys = loop.call(t, carry, rows[t - done])
+        rows = _rows(loop, rest, done) if loop.n else None
+        t = done
+        while t < loop.n if until is None or limit else True:
+            carry, ys = loop.call(t, carry, None if rows is None else rows[t - done])
             per_step.append(ys)
-        ys_leaves = stack_outputs(per_step)
-        return unflatten(loop.carry_spec, iter(carry)), unflatten(loop.y_spec, iter(ys_leaves))
+            t += 1
+            if _stops(loop, until, carry):
+                break
+        loop.n = t
+        return _recorded_outputs(loop, carry, per_step)
+    most = loop.n - done if until is None or limit else None
     rest_loop = StepLoop(loop.step, loop.carry_spec, rest or [], loop.xs_spec,
-                         loop.n - done, y_spec=loop.y_spec, origin=loop.origin,
+                         most or 0, y_spec=loop.y_spec, origin=loop.origin,
                          planned_by_budget=loop.planned_by_budget, holders=loop.holders)
     lead = [[None if y is None else y._data for y in ys] for ys in per_step]
-    executor = PlannedLoop(rest_loop, Periodic(rest_loop.n), program=program,
-                           name="scan[keep-all]", lead_rows=lead, mode=mode)
+    executor = PlannedLoop(rest_loop, Periodic(most or 1), until, most, program=program,
+                           name="scan[keep-all]", lead_rows=lead, mode=mode,
+                           keeps_every_step=until is not None)
     carry_out, ys_rest = executor.run(list(carry))
     loop.evaluations += rest_loop.evaluations
+    loop.n = done + rest_loop.n
     whole, executor.full_outputs = executor.full_outputs, None  # the entry keeps no outputs
     from_rest = [None] * len(per_step[0]) if ys_rest is None else flatten(ys_rest)[0]
     if whole is None:  # rows kept (unlike rows): joined by copying
@@ -129,6 +148,17 @@ def keep_every_step(loop: StepLoop, carry_leaves: list[Any]) -> tuple[Any, Any]:
         for lead_ys, r, full in zip(zip(*per_step), from_rest, whole)
     ]
     return carry_out, unflatten(loop.y_spec, iter(ys_leaves))
+
+
+def _recorded_outputs(loop: StepLoop, carry: list[Any], per_step: list[list[Any]],
+                      ) -> tuple[Any, Any]:
+    ys_leaves = stack_outputs(per_step)
+    return unflatten(loop.carry_spec, iter(carry)), unflatten(loop.y_spec, iter(ys_leaves))
+
+
+def _stops(loop: StepLoop, until: Any, carry: list[Any]) -> bool:
+    """Whether `until` (if any) ends the loop at `carry` (its leaves)."""
+    return until is not None and stops(until, loop.carry_spec, carry)
 
 
 def _row(loop: StepLoop, heads: list[list[Any]] | None, t: int) -> Any:

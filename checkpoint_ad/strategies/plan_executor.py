@@ -79,6 +79,7 @@ from .revolve import (
     Free,
     Reverse,
     Snapshot,
+    periodic_plan,
     plan_codes,
     split_code,
 )
@@ -190,6 +191,7 @@ class PlannedLoop:
         lead_rows: Sequence[list[Any]] = (),
         mode: str = "replayed",
         cached: bool = True,
+        keeps_every_step: bool = False,
     ) -> None:
         """`until` (with at most `limit` steps, None for no limit) makes the loop's length
         known only as it runs: the plan then grows step by step (see the module's doc).
@@ -199,7 +201,8 @@ class PlannedLoop:
         of steps recorded before the loop, which its output arrays make room for first (see
         `full_outputs`). `cached=False` neither reuses a program an earlier call kept nor
         keeps this one's (`program_cache`): a trial run that must leave the next call as a
-        first call."""
+        first call. `keeps_every_step` (with `until`): every step's tape is kept, one
+        segment as long as the loop runs (`scan` keeping every step), nothing planned online."""
         self.loop = loop
         if loop.holders is not None:  # planned by a budget: it counts this loop's bytes
             loop.holders.append(weakref.ref(self))
@@ -215,7 +218,9 @@ class PlannedLoop:
         self.quiet: bool | None = None  # `_draws_nothing`, once there is a program
         self.until = until
         self.limit = limit
-        self.planner = strategy.online_planner() if until is not None else None
+        self.keeps_every_step = keeps_every_step
+        self.planner = (strategy.online_planner() if until is not None and not keeps_every_step
+                        else None)
         # made in run(): a disk level may need the loop timed first; a growing plan is
         # complete when `until` stops the loop
         self.plan: Sequence[Action] | Any = None
@@ -258,6 +263,8 @@ class PlannedLoop:
         if self.until is None:
             self.plan = self.strategy.plan_for_loop(loop.n, self._measure_costs)
             per_step = self._run_forward_prefix(discover=True)
+        elif self.keeps_every_step:
+            per_step = self._run_kept_until()
         else:
             self.plan = []
             per_step = self._run_growing_plan()
@@ -352,6 +359,28 @@ class PlannedLoop:
             state.current_numpy_state = self._numpy_state()
         self.state = state
         return per_step
+
+    def _run_kept_until(self) -> OutputRows:
+        """Run a loop that keeps every step until `until` stops it (at most `limit` steps):
+        one taped segment from the initial carry, as long as `until` lets it run; the plan is
+        then `Periodic(n)`'s for the n steps run (one segment, reversed at once)."""
+        loop = self.loop
+        state = _ForwardState()
+        kept = self._tape_steps(0, self.limit, list(self.initial), until=self._stops)
+        n = loop.n = kept.stop
+        self.plan = periodic_plan(n, n)
+        per_step = OutputRows(n, lead=self.lead_rows)
+        self.lead_rows = ()
+        per_step.extend(_arrays(ys) for _, ys in kept.y_out)
+        if isinstance(kept, _ReplayedSegment):  # stacked by run(): not kept twice
+            kept.y_out = []
+        state.kept = kept
+        self.state = state
+        return per_step
+
+    def _stops(self, arrays: list[Any]) -> bool:
+        """Whether `until` ends the loop at the carry `arrays`."""
+        return stops(self.until, self.loop.carry_spec, self._as_tensors(arrays, grad=False))
 
     def _run_growing_plan(self) -> OutputRows:
         """Run a loop of unknown length from the initial carry, each step with a tape, under
@@ -869,10 +898,12 @@ class PlannedLoop:
 
     @rerun_boundary
     def _tape_steps(
-        self, start: int, stop: int, arrays: list[Any], replayable: bool | None = None
+        self, start: int, stop: int | None, arrays: list[Any], replayable: bool | None = None,
+        until: Callable[[list[Any]], bool] | None = None,
     ) -> _TapedSegment | _ReplayedSegment:
         """Run steps start..stop-1 from the carry `arrays` with a tape (or replayed, keeping
-        what the tape would keep; `replayable` says so when the caller knows)."""
+        what the tape would keep; `replayable` says so when the caller knows); `until(carry
+        arrays)`, asked after each step, ends the segment early (`stop` None: only it does)."""
         loop = self.loop
         if replayable if replayable is not None else self._replayable():
             program = self.program
@@ -880,20 +911,24 @@ class PlannedLoop:
             made = self.carry_inputs if self.carry_made and start == 0 else None
             carry_in = arrays
             steps, y_out, arrays = program.tape_steps(arrays, loop.x_arrays, start, stop,
-                                                      made, loop.count)
-            return _ReplayedSegment(start, stop, steps, carry_in, arrays, y_out)
+                                                      made, loop.count, until)
+            return _ReplayedSegment(start, start + len(steps), steps, carry_in, arrays, y_out)
         carry_in = self._as_tensors(arrays, grad=True)
         carry = carry_in
         x_parts: list[tuple[int, list[Any]]] = []
         y_out: list[tuple[int, list[Any]]] = []
         seq_before = next_sequence()
+        t = start
         with enable_grad(), rerunning_from(loop.origin):
-            for t in range(start, stop):
+            while stop is None or t < stop:
                 x = self._x_tensors(t)
                 carry, ys = self._call(t, carry, x)
                 x_parts.append((t, flatten(x)[0] if x is not None else []))
                 y_out.append((t, ys))
-        return _TapedSegment(start, stop, carry_in, x_parts, y_out, carry, seq_before)
+                t += 1
+                if until is not None and until(_arrays(carry)):
+                    break
+        return _TapedSegment(start, t, carry_in, x_parts, y_out, carry, seq_before)
 
     def _pull_back(
         self,

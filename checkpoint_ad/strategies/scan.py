@@ -188,8 +188,8 @@ def _keep_all(
 ) -> tuple[Any, Any]:
     """Every step kept on the tape (steps 2.. replayed when they can be, see `kept_loop`);
     with `until`, the steps up to the first that stops."""
-    if until is None and replays(loop, trace):
-        return keep_every_step(loop, carry_leaves)
+    if replays(loop, trace, until, limit):
+        return keep_every_step(loop, carry_leaves, until, limit)
     if replays_untaped(loop, trace, until, limit):
         return run_untaped(loop, carry_leaves, until, limit)
     loop.mode = recorded_because(loop, trace, until, limit)

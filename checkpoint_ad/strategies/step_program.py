@@ -537,21 +537,25 @@ class StepProgram:
         return ReplayedStep(values, saved, announce, buffers)
 
     def tape_steps(
-        self, arrays: list[Any], x_arrays: Callable[[int], list[Any]], start: int, stop: int,
-        carry_tensors: list[Any] | None = None, count: Callable[[], None] | None = None,
+        self, arrays: list[Any], x_arrays: Callable[[int], list[Any]], start: int,
+        stop: int | None, carry_tensors: list[Any] | None = None,
+        count: Callable[[], None] | None = None,
+        until: Callable[[list[Any]], bool] | None = None,
     ) -> tuple[list[tuple[int, ReplayedStep]], list[tuple[int, list[Any]]], list[Any]]:
         """Steps start..stop-1 taped from the carry `arrays`, as a taped segment of a loop
         holds them: (the steps as (t, step), their outputs as (t, arrays), the last carry's
         arrays). Each step shares the carry buffers the one before it packed, then lets go of
         its values but what its backward reads. `x_arrays(t)`: step t's scanned rows;
         `carry_tensors`: the first step's carry as a recorded step's output tensors (see
-        `tape`); `count()` is called per step. The plan
-        executor tapes its segments here, and a budget's dry run times the same loop."""
+        `tape`); `count()` is called per step; `until(carry arrays)`, asked after each
+        step, ends the segment early (`stop` None: only it does). The plan executor tapes
+        its segments here, and a budget's dry run times the same loop."""
         steps: list[tuple[int, ReplayedStep]] = []
         y_out: list[tuple[int, list[Any]]] = []
         previous = None
         carry_out, ys_out, tape = self.carry_out, self.y_out, self.tape
-        for t in range(start, stop):
+        t = start
+        while stop is None or t < stop:
             if count is not None:
                 count()
             step = tape(arrays, x_arrays(t), previous, carry_tensors if t == start else None)
@@ -562,6 +566,9 @@ class StepProgram:
             if previous is not None and previous.buffers:
                 previous.buffers = NO_BUFFERS  # shared with this step: only its slots hold them
             previous = step
+            t += 1
+            if until is not None and until(arrays):
+                break
         if previous is not None and previous.buffers:
             previous.buffers = NO_BUFFERS
         return steps, y_out, arrays
