@@ -15,7 +15,14 @@ from checkpoint_ad import models
 from checkpoint_ad.errors import StrategyConfigError
 from checkpoint_ad.strategies import Binomial, Budget, Offload, Periodic, scan
 from checkpoint_ad.strategies.budget import plan_table
-from checkpoint_ad.strategies.candidates import binomial, binomial_disk, keep_every_step, periodic
+from checkpoint_ad.strategies.candidates import (
+    binomial,
+    binomial_disk,
+    binomial_online,
+    keep_every_step,
+    keep_every_step_until,
+    periodic,
+)
 from checkpoint_ad.strategies.pricing import FormCost, SnapshotCost, StepCost
 
 SIZES = {"steps": 60, "batch": 4, "input_size": 8, "hidden": 16}
@@ -184,6 +191,35 @@ def test_every_forward_step_writes_its_rows_and_each_call_pays_the_executors_par
     table = {x.name: x for x in plan_table(recorded, None).rows}
     assert table["keep-all"].forward_seconds == pytest.approx(
         row(recorded, "keep-all", keep_every_step).forward_seconds)
+
+
+def test_a_loop_stopping_on_until_is_priced_with_its_checks_and_its_online_planner():
+    """Keep-all asks `until` after every step; an online binomial plan also tapes each step
+    on its own and runs its planner, whose decisions cost more the more snapshots it
+    holds (`candidates.planner_seconds`)."""
+    cost = replace(_cost("replayed"), until_step_seconds=0.25, online_step_seconds=0.5,
+                   planner_step_seconds=0.125, planner_snapshot_seconds=0.0625)
+    plain = _cost("replayed")
+    n = cost.n_steps
+    kept = next(c for c in keep_every_step_until(cost) if c.name == "keep-all")
+    assert kept.forward_seconds == pytest.approx(
+        next(keep_every_step(plain)).forward_seconds + n * 0.25)
+    for s in (2, 8, 41):  # (values of s priced for 50 steps)
+        name = f"binomial s={s}"
+        priced = next(c for c in binomial_online(cost) if c.name == name)
+        bare = next(c for c in binomial_online(plain) if c.name == name)
+        assert priced.forward_seconds == pytest.approx(
+            bare.forward_seconds + n * 0.5 + n * 0.125 + 0.0625 * s * (n - s))
+        assert priced.backward_seconds == bare.backward_seconds
+    # a budget prices an `until` loop's keep-all with its checks
+    _, (step, init, xs) = _rnn_loop()
+    table = cad.estimate(step, init, xs, until=lambda carry: False)
+    kept = next(r for r in table.rows if r.name == "keep-all")
+    alone = next(c for c in keep_every_step(table.cost) if c.name == "keep-all")
+    assert table.cost.until_step_seconds > 0
+    assert kept.forward_seconds == pytest.approx(
+        alone.forward_seconds + SIZES["steps"] * table.cost.until_step_seconds
+        + table.cost.kept_call_seconds)
 
 
 def test_the_dry_run_times_writing_rows_only_for_a_loop_with_outputs():

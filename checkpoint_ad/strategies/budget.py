@@ -51,6 +51,7 @@ from .candidates import (
     binomial_online,
     engine_bytes,
     keep_every_step,
+    keep_every_step_until,
     rerun_engine_bytes,
 )
 from .dtr import Rematerializing
@@ -560,7 +561,7 @@ def _online_families(families: Iterable[Family], limit: int | None,
     bounded (`limit`)."""
     online = {binomial: binomial_online}
     if limit is not None:
-        online[keep_every_step] = keep_every_step
+        online[keep_every_step] = keep_every_step_until
     chosen = tuple(online[f] for f in families if f in online)
     if not chosen:
         raise StrategyConfigError(

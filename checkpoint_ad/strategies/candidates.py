@@ -276,8 +276,24 @@ def binomial_online(cost: StepCost) -> Iterator[Candidate]:
             untaped, taped, _ = _speeds(cost, form)
             # a quantized snapshot's plan is priced with a full carry on the tape already
             twice = form.carry_saved_bytes if SNAPSHOT_FORMS[storage_name] is None else 0
+            online = n * cost.online_step_seconds + planner_seconds(cost, s)
             yield replace(offline, peak_tape_bytes=offline.peak_tape_bytes + twice,
-                          forward_seconds=offline.forward_seconds + (n - 1) * (taped - untaped))
+                          forward_seconds=(offline.forward_seconds + (n - 1) * (taped - untaped)
+                                           + online))
+
+
+def planner_seconds(cost: StepCost, s: int) -> float:
+    """The online planner's time over the loop (`overhead._planner_model`): unpriced, a
+    600-step loop's forward under an online `Binomial(293)` read 4x its prediction."""
+    n = cost.n_steps
+    return n * cost.planner_step_seconds + cost.planner_snapshot_seconds * s * max(0, n - s)
+
+
+def keep_every_step_until(cost: StepCost) -> Iterator[Candidate]:
+    """`keep_every_step`, of a loop that stops on `until`: `until` asked after every step."""
+    extra = cost.n_steps * cost.until_step_seconds
+    for c in keep_every_step(cost):
+        yield replace(c, forward_seconds=c.forward_seconds + extra)
 
 
 def engine_bytes(cost: StepCost) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -27,8 +28,15 @@ from ..ops import multiply, tanh
 from ..pytree import flatten
 from ..saved import KEEP, use_packer
 from ..tensor import tensor
-from .candidates import backward_snapshots, binomial, keep_every_step, periodic
+from .candidates import (
+    backward_snapshots,
+    binomial,
+    binomial_online,
+    keep_every_step,
+    periodic,
+)
 from .loop import StepLoop
+from .online import OnlinePlanner
 from .pricing import StepCost, measure
 from .scan import scan
 
@@ -54,6 +62,16 @@ class Overhead:
     kept_call_seconds: float = 0.0
     """Per call of a replayed loop keeping every step (`kept_loop.py`), beyond its steps:
     the executor's fixed part, and joining the recorded first steps to the replayed rest."""
+    until_step_seconds: float = 0.0
+    """Per step of a loop keeping every step that stops on `until`, beyond one of known
+    length: asking `until` (a carry wrapped as tensors; the user's own test costs more)."""
+    online_step_seconds: float = 0.0
+    """Per step of a binomial plan placed online, beyond its taped step and its planner's
+    decisions: the step taped on its own, `until` asked, the plan's actions run."""
+    planner_step_seconds: float = 0.0
+    """The online planner's time per step (`OnlinePlanner.advance`, and its reversal at the
+    end), beside `planner_snapshot_seconds` per step and snapshot held once they are s."""
+    planner_snapshot_seconds: float = 0.0
 
 
 def with_overhead(cost: StepCost) -> StepCost:
@@ -63,13 +81,18 @@ def with_overhead(cost: StepCost) -> StepCost:
                    reverse_overhead_seconds=overhead.reverse_seconds,
                    advance_overhead_seconds=overhead.advance_seconds,
                    call_seconds=overhead.call_seconds,
-                   kept_call_seconds=overhead.kept_call_seconds)
+                   kept_call_seconds=overhead.kept_call_seconds,
+                   until_step_seconds=overhead.until_step_seconds,
+                   online_step_seconds=overhead.online_step_seconds,
+                   planner_step_seconds=overhead.planner_step_seconds,
+                   planner_snapshot_seconds=overhead.planner_snapshot_seconds)
 
 
 @functools.cache
 def executor_overhead() -> Overhead:
     """The executor's time per segment on this machine (measured on the first call, within
     the first dry run, which no profile hears: `budget.dry_run`)."""
+    per_step, per_snapshot = _planner_model()
     numpy_state = np.random.get_state()
     try:
         with random.replaying(random.get_state()), enable_grad(), use_packer(KEEP):
@@ -87,9 +110,48 @@ def executor_overhead() -> Overhead:
     # backward took beyond its steps, its reverse actions and the loop's fixed part
     packs, restores = backward_snapshots(STEPS, 2)
     advance = (revolve[1] - fixed - STEPS * reverse - packs * snapshot) / max(restores, 1)
+    # a loop stopping on `until` (which never says so here) beside its known-length twin
+    until = (excess["keep-all until"][0] - excess["keep-all"][0]) / STEPS
+    planner = STEPS * per_step + per_snapshot * 2 * (STEPS - 2)
+    online = (excess["binomial online"][0] - planner) / STEPS
     return Overhead(snapshot, reverse, max(0.0, advance),
                     call_seconds=max(0.0, fixed_forward) + max(0.0, fixed),
-                    kept_call_seconds=max(0.0, sum(excess["keep-all"])))
+                    kept_call_seconds=max(0.0, sum(excess["keep-all"])),
+                    until_step_seconds=max(0.0, until), online_step_seconds=max(0.0, online),
+                    planner_step_seconds=per_step, planner_snapshot_seconds=per_snapshot)
+
+
+PLANNER_STEPS = 512
+"""Steps of the loops whose online plans `_planner_model` times."""
+
+
+def _planner_model() -> tuple[float, float]:
+    """(a, b) of the online planner's time for s snapshots over n steps, about
+    ``n * a + b * s * (n - s)``: each step's decision costs a little, and once s snapshots
+    are held, most steps choose one to drop among them (O(s) each). Fitted to its time at
+    s = 8 and s = 128 over `PLANNER_STEPS` steps (the least of `RUNS` runs each); at s = 1,024
+    a decision took 160 us, for a step that may take 10."""
+    n = PLANNER_STEPS
+    seconds = {}
+    for s in (8, 128):
+        best = float("inf")
+        for _ in range(3):
+            planner = OnlinePlanner(s)
+            began = time.perf_counter()
+            for _ in range(n):
+                planner.advance()
+            planner.finish_plan(n)
+            best = min(best, time.perf_counter() - began)
+        seconds[s] = best
+    # seconds[s] = n a + b s (n - s), for both s
+    low, high = 8 * (n - 8), 128 * (n - 128)
+    b = max(0.0, (seconds[128] - seconds[8]) / (high - low))
+    a = max(0.0, (seconds[8] - b * low) / n)
+    return a, b
+
+
+def _never(carry: Any) -> bool:
+    return False
 
 
 def _excess() -> dict[str, tuple[float, float]]:
@@ -109,13 +171,16 @@ def _excess() -> dict[str, tuple[float, float]]:
     priced = {c.name: c for c in periodic(cost) if c.loop.every in (1, 16)}
     priced["binomial"] = next(c for c in binomial(cost) if c.name == "binomial s=2")
     priced["keep-all"] = next(keep_every_step(cost))  # a loop strategy of None
+    priced["keep-all until"] = priced["keep-all"]
+    priced["binomial online"] = next(c for c in binomial_online(cost) if c.name == "binomial s=2")
     forward = dict.fromkeys(priced, float("inf"))
     backward = dict.fromkeys(priced, float("inf"))
     for _ in range(RUNS):  # the plans take turns: a machine getting busier slows them alike
         for name, row in priced.items():
             began = time.perf_counter()
             # keep-all given as KEEP: no strategy would take the ambient one (a budget)
-            _, ys = scan(step, init, xs, strategy=KEEP if row.loop is None else row.loop)
+            _, ys = scan(step, init, xs, strategy=KEEP if row.loop is None else row.loop,
+                         until=_never if name.endswith(("until", "online")) else None)
             total = ys.sum()
             ran = time.perf_counter()
             grad(total, [w])

@@ -184,6 +184,14 @@ class StepCost:
     snapshots and reverse actions (see `overhead.py`)."""
     kept_call_seconds: float = 0.0
     """The same for a replayed loop keeping every step (no loop strategy: `kept_loop.py`)."""
+    until_step_seconds: float = 0.0
+    """Per step of a loop keeping every step that stops on `until` (see `overhead.py`)."""
+    online_step_seconds: float = 0.0
+    """Per step of a binomial plan placed online, beyond its taped step and its planner."""
+    planner_step_seconds: float = 0.0
+    """The online planner's time: this per step, and `planner_snapshot_seconds` per step
+    and snapshot held (see `candidates.planner_seconds`)."""
+    planner_snapshot_seconds: float = 0.0
     call_overhead_seconds: float = 0.0
     """What each call of a replayed loop pays beyond its priced steps when no call can reuse
     the step program an earlier one compiled: its step captures a value made anew on every

@@ -63,8 +63,10 @@ def scan(
     fewer than 3 steps, or one run inside a step being traced, is recorded. Calling the same
     loop again (a training loop) reuses the program the earlier call made when step 0 traces
     to it exactly, so only step 0 is recorded (mode "replayed (program reused from an
-    earlier call)"; see `program_cache.py`). Without gradients (`no_grad`, inference mode),
-    steps 2.. are replayed too, `until` loops included (outputs bitwise those of running
+    earlier call)"; see `program_cache.py`). A loop keeping every step that stops on
+    `until` replays the same way, its one entry as long as `until` lets it run. Without
+    gradients (`no_grad`, inference mode), steps 2.. are replayed too, `until` loops
+    included (outputs bitwise those of running
     every step; nothing is recorded, and a later call reuses the program only when it too
     runs without gradients: see `untaped_loop.py`). With or without gradients,
     ``with cad.inspect.loops() as ran:`` lists each loop run inside it and how it ran.
