@@ -40,13 +40,14 @@ def _runner(model: Any, strategy: Any, storage: Any,
 
     loop_seconds = [0.0]
     wait = sync if sync is not None else (lambda: None)
+    until = getattr(model, "bench_until", None)  # see `budgets`
 
     def scan(step: Any, init: Any, xs: Any) -> Any:
         if at_loop is not None:
             at_loop()
         wait()
         began = time.perf_counter()
-        out = cad.scan(step, init, xs, strategy=strategy)
+        out = cad.scan(step, init, xs, strategy=strategy, until=until)
         wait()
         loop_seconds[0] = time.perf_counter() - began
         return out
@@ -161,10 +162,15 @@ def _presets(model: Any, repeats: int) -> list[tuple[str, int, float]]:
     """(name, measured peak tape, median seconds) of every shipped preset in `PRESETS`."""
     from checkpoint_ad.presets import load_preset
 
+    from checkpoint_ad.strategies import Binomial
+
     out = []
     for name in PRESETS:
         preset = load_preset(name)
         strategy, storage = preset.loop_strategy(model.n_steps), preset.storage_strategy
+        if getattr(model, "bench_until", None) is not None and not (
+                strategy is None or isinstance(strategy, Binomial)):
+            continue  # plans loops of known length only
         run = _runner(model, strategy, storage)
         out.append((name, _peak(model, strategy, storage)[0], time_median(run, repeats).median))
     return out
@@ -251,6 +257,10 @@ def _budget_row(model_name: str, model: Any, limit: int, rivals: list[str], repe
     }
 
 
+def _never(carry: Any) -> bool:
+    return False
+
+
 def _once(run: Any) -> float:
     """Seconds of one call of `run`."""
     return time_median(run, 1, warmup=0).median
@@ -266,10 +276,15 @@ def budgets(params: dict, threads: int) -> dict[str, Any]:
     for model_name, sizes in params["models"].items():
         sizes = dict(sizes)
         kind = sizes.pop("model", model_name)
+        until = _never if sizes.pop("until", False) else None
         model = build(kind, **sizes)
+        # `until`: the loop stops when `until` says so (never, here: at the end of its xs),
+        # so only keep-all and binomial plans placed online run it (an instance attribute,
+        # which `_runner` hands every `scan` of this model)
+        model.bench_until = until
         if kind == "heat":  # the step reads the diffusivity run() computes first
             model._kappa = cad.sigmoid(model.theta) * model.config.kappa_max
-        table = cad.estimate(model.step, model.init_carry(), model.inputs())
+        table = cad.estimate(model.step, model.init_carry(), model.inputs(), until=until)
         top = next(r for r in table.rows if r.name == "keep-all").peak_tape_bytes
         low = table.minimum_bytes
         count = params["budgets"]

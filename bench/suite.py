@@ -48,7 +48,12 @@ SIZES: dict[str, dict[str, Any]] = {
                               # large beside the engine's own objects
                               "rnn B64 H256": {"model": "rnn", "steps": 256, "batch": 64,
                                                "input_size": 256, "hidden": 256},
-                              "heat grid 128": {"model": "heat", "grid": 128, "steps": 256}},
+                              "heat grid 128": {"model": "heat", "grid": 128, "steps": 256},
+                              # a loop that stops on `until` (at the end of xs): keep-all
+                              # and binomial plans placed online
+                              "rnn until": {"model": "rnn", "steps": 256, "batch": 32,
+                                            "input_size": 32, "hidden": 128,
+                                            "until": True}},
                    "budgets": 6, "repeats": 5,
                    "stacked": {"sizes": {"layers": 3, "steps": 256, "batch": 32, "input": 64,
                                          "hidden": 128},
@@ -68,7 +73,9 @@ SIZES: dict[str, dict[str, Any]] = {
         "plan": {"cases": [(10**5, 16), (10**6, 16)], "repeats": 3, "walk_up_to": 0},
         "offload": {"sizes": {"grid": 64, "steps": 100}, "snapshots": 3, "repeats": 2},
         "budget": {"models": {"rnn": {"steps": 64, "batch": 16, "input_size": 16, "hidden": 64},
-                              "heat": {"grid": 16, "steps": 64}},
+                              "heat": {"grid": 16, "steps": 64},
+                              "rnn until": {"model": "rnn", "steps": 64, "batch": 16,
+                                            "input_size": 16, "hidden": 64, "until": True}},
                    "budgets": 4, "repeats": 3,
                    "stacked": {"sizes": {"layers": 2, "steps": 32, "batch": 4, "input": 8,
                                          "hidden": 16},
