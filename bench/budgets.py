@@ -161,7 +161,6 @@ def _device_peak(model: Any, strategy: Any, storage: Any, first_call: bool = Tru
 def _presets(model: Any, repeats: int) -> list[tuple[str, int, float]]:
     """(name, measured peak tape, median seconds) of every shipped preset in `PRESETS`."""
     from checkpoint_ad.presets import load_preset
-
     from checkpoint_ad.strategies import Binomial
 
     out = []
