@@ -99,3 +99,47 @@ def test_the_profiler_sees_a_replayed_until_loop_as_a_recorded_one():
                    for r in p.records if r.phase == "forward") for p in (replayed, recorded)]
     assert rows[0] == rows[1]
     assert replayed.peak_tape_bytes == recorded.peak_tape_bytes
+
+
+def test_under_anomaly_detection_an_until_loop_records_its_kept_segment_and_matches():
+    """Anomaly detection checks every entry's gradients, so the kept segment is recorded
+    step by step (the executor's taped path), stopping where `until` says, as replayed."""
+    with cad.detect_anomaly():
+        got, asked, _, steps = _run(True, 7)
+    want, asked_recorded, _, recorded_steps = _run(False, 7)
+    assert steps == recorded_steps == 7 and asked == asked_recorded == 7
+    for g, r in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, r)
+
+
+def test_a_step_that_refuses_tracing_records_until_until_stops_it():
+    """A step whose two traces differ is recorded to its end, `until` asked after each step."""
+    rng = np.random.default_rng(2)
+    w = cad.tensor(rng.standard_normal((4, 4)) * 0.5, requires_grad=True)
+    calls = [0]
+
+    def step(h, _):
+        calls[0] += 1
+        h = cad.tanh(h @ w) if calls[0] % 2 else cad.sin(h @ w)  # differs step to step
+        return h, cad.sum(h)
+
+    def run(trace):
+        calls[0] = 0
+        asked = [0]
+
+        def until(h):
+            asked[0] += 1
+            return asked[0] >= 9
+
+        with cad.inspect.loops() as ran:
+            carry, ys = cad.scan(step, cad.ones(2, 4, dtype="float64"), length=30,
+                                 until=until, trace=trace)
+        grads = cad.grad((carry * carry).sum() + ys.sum(), [w])
+        return [carry.numpy(), ys.numpy(), grads[0].numpy()], asked[0], ran[0]
+
+    got, asked, info = run(True)
+    want, asked_recorded, _ = run(False)
+    assert info.mode.startswith("recorded: the step") and info.steps == 9
+    assert asked == asked_recorded == 9
+    for g, r in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, r)

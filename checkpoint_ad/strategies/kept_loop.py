@@ -115,10 +115,11 @@ def keep_every_step(loop: StepLoop, carry_leaves: list[Any], until: Any = None,
         if program is not None or done == 1:  # (else the trace's refusal says why)
             loop.mode = f"recorded: `until` ended the loop after {done} traced step(s)"
         return _recorded_outputs(loop, carry, per_step)
+    bound = loop.n if until is None or limit else None  # None: until alone ends the loop
     if program is None:  # record the rest as the steps so far were
         rows = _rows(loop, rest, done) if loop.n else None
         t = done
-        while t < loop.n if until is None or limit else True:
+        while bound is None or t < bound:
             carry, ys = loop.call(t, carry, None if rows is None else rows[t - done])
             per_step.append(ys)
             t += 1
@@ -126,7 +127,7 @@ def keep_every_step(loop: StepLoop, carry_leaves: list[Any], until: Any = None,
                 break
         loop.n = t
         return _recorded_outputs(loop, carry, per_step)
-    most = loop.n - done if until is None or limit else None
+    most = None if bound is None else bound - done
     rest_loop = StepLoop(loop.step, loop.carry_spec, rest or [], loop.xs_spec,
                          most or 0, y_spec=loop.y_spec, origin=loop.origin,
                          planned_by_budget=loop.planned_by_budget, holders=loop.holders)
