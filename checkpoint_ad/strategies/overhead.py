@@ -9,7 +9,10 @@ So a tiny loop runs under two periodic plans that differ only in how many segmen
 and what each took beyond its priced steps, divided by the difference in segments, is the
 time per segment: per snapshot taken in the forward, and per reverse action in the backward;
 then under `Binomial(2)`, whose backward re-runs from a restored snapshot before most reverse
-actions: what is left over, per restore, is the time per re-run.
+actions: what is left over, per restore, is the time per re-run. What Periodic(16) took beyond
+its snapshots and reverse actions is each call's fixed part; keep-all's, a loop keeping every
+step. The same loops stopping on `until` (never true: they end with their xs) give what each
+step of such a loop adds, and the online planner is timed on its own (`_planner_model`).
 """
 
 from __future__ import annotations
@@ -123,19 +126,20 @@ def executor_overhead() -> Overhead:
 
 PLANNER_STEPS = 512
 """Steps of the loops whose online plans `_planner_model` times."""
+PLANNER_RUNS = 3  # each planner's time is the least of these
 
 
 def _planner_model() -> tuple[float, float]:
     """(a, b) of the online planner's time for s snapshots over n steps, about
     ``n * a + b * s * (n - s)``: each step's decision costs a little, and once s snapshots
     are held, most steps choose one to drop among them (O(s) each). Fitted to its time at
-    s = 8 and s = 128 over `PLANNER_STEPS` steps (the least of `RUNS` runs each); at s = 1,024
-    a decision took 160 us, for a step that may take 10."""
+    s = 8 and s = 128 over `PLANNER_STEPS` steps (the least of `PLANNER_RUNS` runs each); at
+    s = 1,024 a decision took 160 us, for a step that may take 10."""
     n = PLANNER_STEPS
     seconds = {}
     for s in (8, 128):
         best = float("inf")
-        for _ in range(3):
+        for _ in range(PLANNER_RUNS):
             planner = OnlinePlanner(s)
             began = time.perf_counter()
             for _ in range(n):
