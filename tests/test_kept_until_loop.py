@@ -143,3 +143,33 @@ def test_a_step_that_refuses_tracing_records_until_until_stops_it():
     assert asked == asked_recorded == 9
     for g, r in zip(got, want, strict=True):
         np.testing.assert_array_equal(g, r)
+
+
+def test_randomness_in_a_replayed_until_loop_draws_as_the_recorded_loop():
+    """Dropout in the step: each replayed step draws what the recorded step drew."""
+    rng = np.random.default_rng(4)
+    w = cad.tensor(rng.standard_normal((6, 6)) * 0.5, requires_grad=True)
+
+    def step(h, _):
+        h = cad.nn.functional.dropout(cad.tanh(h @ w), 0.3, training=True)
+        return h, cad.sum(h)
+
+    def run(trace, seed=7):
+        cad.random.manual_seed(seed)
+        asked = [0]
+
+        def until(h):
+            asked[0] += 1
+            return asked[0] >= 11
+
+        with cad.inspect.loops() as ran:
+            carry, ys = cad.scan(step, cad.ones(3, 6, dtype="float64"), length=40,
+                                 until=until, trace=trace)
+        (g,) = cad.grad((carry * carry).sum() + ys.sum(), [w])
+        return [carry.numpy(), ys.numpy(), g.numpy()], ran[0].mode
+
+    (got, mode), (want, _) = run(True), run(False)
+    assert mode.startswith("replayed")
+    assert not np.array_equal(got[1], run(True, seed=8)[0][1])  # the draws matter
+    for g, r in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, r)
