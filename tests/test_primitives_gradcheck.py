@@ -441,6 +441,22 @@ def test_shape_ops(case: str) -> None:
     check(fn, *(leaf(a) for a in arrays))
 
 
+def test_stack_is_one_entry_whatever_it_stacks() -> None:
+    """A thousand hidden states stacked are one tape entry, with each input's gradient its
+    own slice; tensors of different shapes are refused, saying which."""
+    rng = np.random.default_rng(0)
+    xs = [cad.tensor(rng.standard_normal((2, 3)), requires_grad=True) for _ in range(1000)]
+    for axis in (0, 1, -1):
+        y = cad.stack(xs, axis=axis)
+        assert len(cad.tape_of(y)) == 1
+        weights = rng.standard_normal(y.shape)
+        grads = cad.grad((y * cad.tensor(weights)).sum(), xs)
+        for i in (0, 17, 999):
+            np.testing.assert_array_equal(grads[i].numpy(), np.take(weights, i, axis=axis))
+    with pytest.raises(cad.errors.ShapeError, match=r"tensor 2 has shape \[3, 2\]"):
+        cad.stack([xs[0], xs[1], cad.tensor(np.zeros((3, 2)))])
+
+
 def test_repeated_integer_indices_add_up() -> None:
     index = np.array([3, 0, 3, 3, 1])
     x = leaf(np.random.default_rng(SEED).standard_normal((5, 2)))

@@ -92,6 +92,12 @@ CONCATENATE = define(
     "concatenate", lambda xp, xs, *, axis, sizes: xp.concat(list(xs), axis=axis), "xs", [
         {"xs": vjp("", _concat_rule)},
     ], variadic=True)
+# one entry for the whole stack (not one reshape per tensor and a concatenation): a loop's
+# recorded outputs, or a list of a thousand hidden states, stacked by one operation
+STACK = define(
+    "stack", lambda xp, xs, *, axis, count: xp.stack(list(xs), axis=axis), "xs", [
+        {"xs": vjp("", lambda g, i, *, axis, count: getitem(g, (slice(None),) * axis + (i, ...)))},
+    ], variadic=True)
 
 
 def _data(x: Any) -> Any:
@@ -298,7 +304,12 @@ def stack(xs: Sequence[Any], axis: int = 0) -> Any:
         raise ShapeError("stack needs at least one tensor")
     ndim = _data(xs[0]).ndim + 1
     axis = _axis(axis, ndim, "stack")
-    return concatenate([expand_dims(x, axis) for x in xs], axis=axis)
+    first = tuple(_data(xs[0]).shape)
+    for i, x in enumerate(xs):
+        if tuple(_data(x).shape) != first:
+            raise ShapeError(f"stack: tensor {i} has shape {list(_data(x).shape)}, but tensor "
+                             f"0 has {list(first)}; stacked tensors must all have one shape")
+    return STACK(xs, axis=axis, count=len(xs))
 
 
 # ------------------------------------------------------------------ added for PyTorch/JAX users
