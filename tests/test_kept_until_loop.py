@@ -47,6 +47,21 @@ def _run(trace, stop_after, scanned=True, dtype=np.float64, storage=None):
     return results, asked[0], ran[0].mode, ran[0].steps
 
 
+def _stopping_run(step, init, w, stop_after, trace, length=40):
+    """(carry, ys and the gradient of `w`; `until`'s calls; the loop as `inspect` lists it)
+    of `step` scanned from `init` until `until` has been asked `stop_after` times."""
+    asked = [0]
+
+    def until(h):
+        asked[0] += 1
+        return asked[0] >= stop_after
+
+    with cad.inspect.loops() as ran:
+        carry, ys = cad.scan(step, init, length=length, until=until, trace=trace)
+    (g,) = cad.grad((carry * carry).sum() + ys.sum(), [w])
+    return [carry.numpy(), ys.numpy(), g.numpy()], asked[0], ran[0]
+
+
 @pytest.mark.parametrize("scanned", [True, False], ids=["xs", "length"])
 @pytest.mark.parametrize("stop_after", [1, 2, 3, 4, 7, T, 50])
 def test_a_kept_loop_stopping_on_until_replays_with_the_recorded_results(stop_after, scanned):
@@ -125,17 +140,7 @@ def test_a_step_that_refuses_tracing_records_until_until_stops_it():
 
     def run(trace):
         calls[0] = 0
-        asked = [0]
-
-        def until(h):
-            asked[0] += 1
-            return asked[0] >= 9
-
-        with cad.inspect.loops() as ran:
-            carry, ys = cad.scan(step, cad.ones(2, 4, dtype="float64"), length=30,
-                                 until=until, trace=trace)
-        grads = cad.grad((carry * carry).sum() + ys.sum(), [w])
-        return [carry.numpy(), ys.numpy(), grads[0].numpy()], asked[0], ran[0]
+        return _stopping_run(step, cad.ones(2, 4, dtype="float64"), w, 9, trace, length=30)
 
     got, asked, info = run(True)
     want, asked_recorded, _ = run(False)
@@ -156,17 +161,8 @@ def test_randomness_in_a_replayed_until_loop_draws_as_the_recorded_loop():
 
     def run(trace, seed=7):
         cad.random.manual_seed(seed)
-        asked = [0]
-
-        def until(h):
-            asked[0] += 1
-            return asked[0] >= 11
-
-        with cad.inspect.loops() as ran:
-            carry, ys = cad.scan(step, cad.ones(3, 6, dtype="float64"), length=40,
-                                 until=until, trace=trace)
-        (g,) = cad.grad((carry * carry).sum() + ys.sum(), [w])
-        return [carry.numpy(), ys.numpy(), g.numpy()], ran[0].mode
+        results, _, info = _stopping_run(step, cad.ones(3, 6, dtype="float64"), w, 11, trace)
+        return results, info.mode
 
     (got, mode), (want, _) = run(True), run(False)
     assert mode.startswith("replayed")
