@@ -117,16 +117,8 @@ def keep_every_step(loop: StepLoop, carry_leaves: list[Any], until: Any = None,
         return _recorded_outputs(loop, carry, per_step)
     bound = loop.n if until is None or limit else None  # None: until alone ends the loop
     if program is None:  # record the rest as the steps so far were
-        rows = _rows(loop, rest, done) if loop.n else None
-        t = done
-        while bound is None or t < bound:
-            carry, ys = loop.call(t, carry, None if rows is None else rows[t - done])
-            per_step.append(ys)
-            t += 1
-            if _stops(loop, until, carry):
-                break
-        loop.n = t
-        return _recorded_outputs(loop, carry, per_step)
+        return record_steps(loop, carry, per_step, _rows(loop, rest, done) if loop.n else None,
+                            bound, until)
     most = None if bound is None else bound - done
     rest_loop = StepLoop(loop.step, loop.carry_spec, rest or [], loop.xs_spec,
                          most or 0, y_spec=loop.y_spec, origin=loop.origin,
@@ -149,6 +141,23 @@ def keep_every_step(loop: StepLoop, carry_leaves: list[Any], until: Any = None,
         for lead_ys, r, full in zip(zip(*per_step), from_rest, whole)
     ]
     return carry_out, unflatten(loop.y_spec, iter(ys_leaves))
+
+
+def record_steps(loop: StepLoop, carry: list[Any], per_step: list[list[Any]],
+                 rows: list[Any] | None, bound: int | None, until: Any) -> tuple[Any, Any]:
+    """Record steps ``len(per_step)``.. on the tape one by one (`per_step`: the outputs of
+    those run so far; `rows[i]`: the scanned input of the i-th step recorded here, None
+    without xs) until the loop has run `bound` steps (None: no bound) or `until` says so
+    after one; (carry, ys) of the whole loop, whose `n` is then the steps run."""
+    done = t = len(per_step)
+    while bound is None or t < bound:
+        carry, ys = loop.call(t, carry, None if rows is None else rows[t - done])
+        per_step.append(ys)
+        t += 1
+        if _stops(loop, until, carry):
+            break
+    loop.n = t
+    return _recorded_outputs(loop, carry, per_step)
 
 
 def _recorded_outputs(loop: StepLoop, carry: list[Any], per_step: list[list[Any]],

@@ -22,10 +22,16 @@ from ..origins import caller_origin
 from ..pytree import flatten, unflatten
 from ..saved import Strategy, use_packer
 from ..tensor_base import make_tensor
-from .kept_loop import keep_every_step, recorded_because, replays, replays_untaped
+from .kept_loop import (
+    keep_every_step,
+    record_steps,
+    recorded_because,
+    replays,
+    replays_untaped,
+)
 from .kinds import LoopPlanner, LoopStrategy
-from .loop import StepLoop, inside_planned_step, loop_length, stack_outputs
-from .plan_executor import PlannedLoop, stops
+from .loop import StepLoop, inside_planned_step, loop_length
+from .plan_executor import PlannedLoop
 from .scope import current_loop_strategy
 from .untaped_loop import run_untaped
 
@@ -198,17 +204,7 @@ def _keep_all(
     most = loop.n if until is None else limit  # None: until alone ends the loop
     loop.n = most or 0  # all of xs is split, if there is one
     rows = loop.all_x() if loop.xs_spec is not None else None
-    per_step = []
-    t = 0
-    while most is None or t < most:
-        carry_leaves, y_leaves = loop.call(t, carry_leaves, None if rows is None else rows[t])
-        per_step.append(y_leaves)
-        t += 1
-        if until is not None and stops(until, loop.carry_spec, carry_leaves):
-            break
-    loop.n = t
-    ys = stack_outputs(per_step)
-    return unflatten(loop.carry_spec, iter(carry_leaves)), unflatten(loop.y_spec, iter(ys))
+    return record_steps(loop, carry_leaves, [], rows, most, until)
 
 
 
