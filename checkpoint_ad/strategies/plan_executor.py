@@ -349,9 +349,7 @@ class PlannedLoop:
             state.kept = self._tape_steps(start, stop, arrays)
             if discover and start == 0:
                 self._discover_from(state.kept)
-            per_step.extend(_arrays(ys) for _, ys in state.kept.y_out)
-            if isinstance(state.kept, _ReplayedSegment):  # stacked by run(): not kept twice
-                state.kept.y_out = []
+            _move_rows(state.kept, per_step)
             state.current = None
         else:
             state.current = arrays
@@ -371,9 +369,7 @@ class PlannedLoop:
         self.plan = periodic_plan(n, n)
         per_step = OutputRows(n, lead=self.lead_rows)
         self.lead_rows = ()
-        per_step.extend(_arrays(ys) for _, ys in kept.y_out)
-        if isinstance(kept, _ReplayedSegment):  # stacked by run(): not kept twice
-            kept.y_out = []
+        _move_rows(kept, per_step)
         state.kept = kept
         self.state = state
         return per_step
@@ -1223,6 +1219,14 @@ def _span(action: Any) -> tuple[int, int]:
     if isinstance(action, Reverse):
         return action.step, action.step + 1
     return action.start, action.stop
+
+
+def _move_rows(kept: _TapedSegment | _ReplayedSegment, rows: OutputRows) -> None:
+    """The outputs of a forward's taped end written into the loop's `rows`; a replayed
+    segment lets go of its own (stacked by `run()`: not kept twice)."""
+    rows.extend(_arrays(ys) for _, ys in kept.y_out)
+    if isinstance(kept, _ReplayedSegment):
+        kept.y_out = []
 
 
 def _arrays(tensors: list[Any]) -> list[Any]:
