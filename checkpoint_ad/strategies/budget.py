@@ -351,8 +351,10 @@ class Budget(LoopPlanner):
         `while_loop`): only keep-all and `Binomial(s)`, which places its snapshots online,
         run such a loop. Keep-all only when the loop's longest run (`limit`: its xs or
         length=) kept whole fits; a binomial plan's peak (s snapshots and one step's tape)
-        holds at any length, so with no limit the budget runs the most snapshots that fit (up
-        to `OPEN_LOOP_STEPS` - 1). Priced from a dry run of its first steps, as any loop."""
+        holds at any length, so with no limit the budget runs the fastest number of snapshots
+        that fits (up to `OPEN_LOOP_STEPS` - 1; the online planner's decisions cost O(s) a
+        step, so that is not always the most). Priced from a dry run of its first steps, as
+        any loop."""
         return self._choose(_sized(loop, limit), carry_leaves,
                             _online_families(self.families, limit, repr(self)),
                             "unknown" if limit is None else "at most", holders_of=loop)
