@@ -206,24 +206,24 @@ def _planned_seconds(
     replayed steps once the program is known; a segment taped before that is recorded."""
     untaped, taped, backward = _speeds(cost, form)
     n = advanced + last
-    rows = cost.row_seconds  # every forward step writes its outputs into their rows...
+    rows = cost.row_seconds  # each forward step writes its outputs into their rows
     if not cost.replays:
         discovery = form.taped_seconds - untaped if advanced else 0.0
         return (advanced * untaped + last * taped + discovery + n * rows,
                 n * backward + retaped * taped + rerun * untaped)
+    written = n  # the steps whose rows are priced apart
     if advanced >= 2:  # the program is known before the kept steps are taped
         step = cost.replayed_forward_seconds
         forward = (form.taped_seconds + cost.untaped_seconds
                    + (advanced - 2) * (untaped if step is None else step) + last * taped)
-        if step is not None:  # ...which a replayed advance's price has already
-            n = 2 + last
+        if step is not None:  # a replayed advance's price has its rows already
+            written = 2 + last
         kept_backward = last * backward
     else:  # the kept segment starts before step 2: it is recorded
         forward = advanced * form.taped_seconds + last * form.taped_seconds
         kept_backward = last * form.backward_seconds
-    forward += n * rows
-    return forward, (advanced * backward + kept_backward + retaped * taped
-                     + rerun * untaped)
+    forward += written * rows
+    return forward, (n - last) * backward + kept_backward + retaped * taped + rerun * untaped
 
 
 def binomial(cost: StepCost) -> Iterator[Candidate]:
