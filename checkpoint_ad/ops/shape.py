@@ -94,10 +94,9 @@ CONCATENATE = define(
     ], variadic=True)
 # one entry for the whole stack (not one reshape per tensor and a concatenation): a loop's
 # recorded outputs, or a list of a thousand hidden states, stacked by one operation
-STACK = define(
-    "stack", lambda xp, xs, *, axis, count: xp.stack(list(xs), axis=axis), "xs", [
-        {"xs": vjp("", lambda g, i, *, axis, count: getitem(g, (slice(None),) * axis + (i, ...)))},
-    ], variadic=True)
+STACK = define("stack", lambda xp, xs, *, axis: xp.stack(list(xs), axis=axis), "xs", [
+    {"xs": vjp("", lambda g, i, *, axis: getitem(g, (slice(None),) * axis + (i, ...)))},
+], variadic=True)
 
 
 def _data(x: Any) -> Any:
@@ -309,7 +308,7 @@ def stack(xs: Sequence[Any], axis: int = 0) -> Any:
         if tuple(_data(x).shape) != first:
             raise ShapeError(f"stack: tensor {i} has shape {list(_data(x).shape)}, but tensor "
                              f"0 has {list(first)}; stacked tensors must all have one shape")
-    return STACK(xs, axis=axis, count=len(xs))
+    return STACK(xs, axis=axis)
 
 
 # ------------------------------------------------------------------ added for PyTorch/JAX users
