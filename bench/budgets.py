@@ -17,9 +17,11 @@ which a median over a minute would measure instead.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 from .measure import time_median
@@ -78,13 +80,23 @@ def _peak(model: Any, strategy: Any, storage: Any) -> tuple[int, int]:
         nonlocal before
         before = prof.peak_tape_bytes
 
-    model.loss = _quiet_loss  # an attribute of this instance, for this run only
+    with _quiet(model), cad.profile() as prof:
+        _runner(model, strategy, storage, at_loop)()
+    return prof.peak_tape_bytes - before, before
+
+
+@contextlib.contextmanager
+def _quiet(model: Any, quiet: bool = True) -> Iterator[None]:
+    """`model` runs under `_quiet_loss` in this block (an attribute of this instance, for
+    this block only); with `quiet` False, under its own loss."""
+    if not quiet:
+        yield
+        return
+    model.loss = _quiet_loss
     try:
-        with cad.profile() as prof:
-            _runner(model, strategy, storage, at_loop)()
+        yield
     finally:
         del model.loss
-    return prof.peak_tape_bytes - before, before
 
 
 def _quiet_loss(carry: Any, ys: Any) -> Any:
@@ -146,14 +158,11 @@ def _device_peak(model: Any, strategy: Any, storage: Any, first_call: bool = Tru
     tracing = tracemalloc.is_tracing()
     if not tracing:
         tracemalloc.start()
-    if quiet:
-        model.loss = _quiet_loss  # an attribute of this instance, for this run only
     try:
-        _runner(model, strategy, storage, at_loop)()
+        with _quiet(model, quiet):
+            _runner(model, strategy, storage, at_loop)()
         return tracemalloc.get_traced_memory()[1] - base
     finally:
-        if quiet:
-            del model.loss
         if not tracing:
             tracemalloc.stop()
 
