@@ -1,67 +1,43 @@
-"""What a recorder gathers while the program runs, kept raw until the profile is read.
+"""Raw records and timeline points made profile fields, and what `explain` reads judged.
 
-Building a `SavedRecord` (a frozen dataclass) per saved value and three timeline appends per
-event (even the subtraction that turns a clock reading into seconds since the start) cost more
-than the bookkeeping itself; a profiled run extends two flat lists instead (`RECORD_FIELDS`
-items per saved value, `POINT_FIELDS` per timeline point: no tuple per item that the cyclic
-collector would visit while the program runs), and the profile's `records` and `timeline_*`
-fields are filled from them the first time they are read (`records._Filled`), during the block
-or after it.
+The accountant (accountant.py) keeps records and timeline points as flat lists
+(`RECORD_FIELDS` items per saved value, `POINT_FIELDS` per point: no object per item); they
+become `SavedRecord`s and the `timeline_*` lists here, when the profile is read.
 """
 
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable
 from typing import Any
 
 from ..origins import origin_text
 from .records import SavedRecord
 
-# one saved value, as `Gathered.records` holds it: (op, role, shape, dtype, logical bytes,
+# one saved value, as `Accountant.records` holds it: (op, role, shape, dtype, logical bytes,
 # stored bytes, origin frame, serial, phase, owned, storage level, strategy class name)
 RECORD_FIELDS = 12
-# one timeline point, as `Gathered.points` holds it: (perf_counter() then, live bytes, phase)
+# one timeline point, as `Accountant.points` holds it: (perf_counter() then, live bytes, phase)
 POINT_FIELDS = 3
 
 
-class Gathered:
-    """Raw records and timeline points of one profile; called with the profile, moves them
-    into its fields (and, once the recording has ended, stops being called)."""
-
-    __slots__ = ("ended", "judge", "points", "records", "started")
-
-    def __init__(self) -> None:
-        self.records: list[Any] = []  # RECORD_FIELDS items per saved value
-        # POINT_FIELDS items per point: seconds counted from `started` when read
-        self.points: list[Any] = []
-        self.started = 0.0
-        self.ended = False
-        self.judge: Callable[[Any], None] | None = None  # set when the recording ends
-
-    def __call__(self, profile: Any) -> None:
-        fields = profile.__dict__
-        if self.records:
-            raw = iter(self.records)
-            fields["_records"].extend([
-                SavedRecord(op, role, shape, _dtype_name(dtype), logical, stored,
-                            _origin(frame), serial, phase, owned=owned, level=level,
-                            strategy=strategy)
-                for op, role, shape, dtype, logical, stored, frame, serial, phase, owned,
-                level, strategy in zip(*(raw,) * RECORD_FIELDS)
-            ])
-            self.records.clear()
-        if self.points:
-            points, started = self.points, self.started
-            fields["_timeline_seconds"].extend([t - started for t in points[0::POINT_FIELDS]])
-            fields["_timeline_bytes"].extend(points[1::POINT_FIELDS])
-            fields["_timeline_phase"].extend(points[2::POINT_FIELDS])
-            self.points.clear()
-        if self.ended:
-            fields.pop("_fill", None)
-            if self.judge is not None:
-                judge, self.judge = self.judge, None
-                judge(profile)
+def settle_raw(profile: Any, records: list[Any], points: list[Any], started: float) -> None:
+    """Move raw records and timeline points (emptied) into `profile`'s fields."""
+    fields = profile.__dict__
+    if records:
+        raw = iter(records)
+        fields["_records"].extend([
+            SavedRecord(op, role, shape, _dtype_name(dtype), logical, stored,
+                        _origin(frame), serial, phase, owned=owned, level=level,
+                        strategy=strategy)
+            for op, role, shape, dtype, logical, stored, frame, serial, phase, owned,
+            level, strategy in zip(*(raw,) * RECORD_FIELDS)
+        ])
+        records.clear()
+    if points:
+        fields["_timeline_seconds"].extend([t - started for t in points[0::POINT_FIELDS]])
+        fields["_timeline_bytes"].extend(points[1::POINT_FIELDS])
+        fields["_timeline_phase"].extend(points[2::POINT_FIELDS])
+        points.clear()
 
 
 _dtype_names: dict[Any, str] = {}

@@ -43,27 +43,29 @@ class SavedRecord:
 
 
 class _Filled:
-    """A list field of `Profile` filled on demand: a recorder keeps raw tuples while the
-    program runs (cheap), and the profile's `_fill` (its `Gathered`) turns them into items the
-    moment the field is read. The dataclass sees a descriptor-typed field whose default is
-    empty; a list assigned to it is kept as the field's value."""
+    """A field of `Profile` filled on demand: a recorder logs raw facts while the program runs
+    (cheap), and the profile's `_fill` (its `Accountant`) accounts for them the moment any such
+    field is read. The dataclass sees a descriptor-typed field whose default is `default`; a
+    value assigned to it is kept (a list or dict field converts it to its `kind`)."""
 
-    def __init__(self, kind: type = list) -> None:
-        self.kind = kind  # list or dict
+    def __init__(self, kind: type | None = list, default: Any = ()) -> None:
+        self.kind = kind  # list, dict, or None: a number, kept as given
+        self.default = default
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.key = "_" + name
 
     def __get__(self, obj: Any, owner: type | None = None) -> Any:
         if obj is None:
-            return ()  # the field's default (no items)
+            return self.default
         fill = obj.__dict__.get("_fill")
         if fill is not None:
             fill(obj)
         return obj.__dict__[self.key]
 
-    def __set__(self, obj: Any, value: Iterable[Any]) -> None:
-        obj.__dict__[self.key] = value if type(value) is self.kind else self.kind(value)
+    def __set__(self, obj: Any, value: Any) -> None:
+        kind = self.kind
+        obj.__dict__[self.key] = value if kind is None or type(value) is kind else kind(value)
 
 
 @dataclass
@@ -85,19 +87,21 @@ class Profile:
     timeline_seconds: list[float] = _Filled()  # type: ignore[assignment]
     timeline_bytes: list[int] = _Filled()  # type: ignore[assignment]
     timeline_phase: list[str] = _Filled()  # type: ignore[assignment]
-    peak_tape_bytes: int = 0
-    aliased_bytes: int | None = 0
-    primitives: int = 0
-    recomputed_primitives: int = 0
-    evictions: int = 0  # saved values a rematerializing pool dropped to keep its budget
-    rematerializations: int = 0  # primitives it re-ran to bring evicted values back
+    peak_tape_bytes: int = _Filled(None, 0)  # type: ignore[assignment]
+    aliased_bytes: int | None = _Filled(None, 0)  # type: ignore[assignment]
+    primitives: int = _Filled(None, 0)  # type: ignore[assignment]
+    recomputed_primitives: int = _Filled(None, 0)  # type: ignore[assignment]
+    # saved values a rematerializing pool dropped to keep its budget
+    evictions: int = _Filled(None, 0)  # type: ignore[assignment]
+    # primitives it re-ran to bring evicted values back
+    rematerializations: int = _Filled(None, 0)  # type: ignore[assignment]
     forward_seconds: float = 0.0
     backward_seconds: float = 0.0
     recompute_seconds: float = 0.0
     device_peak_bytes: int | None = None
     rss_peak_bytes: int | None = None
     memory_source: str = "none"
-    level_peak_bytes: dict[str, int] = field(default_factory=dict)
+    level_peak_bytes: dict[str, int] = _Filled(dict)  # type: ignore[assignment]
     """The most owned stored bytes alive at once per storage level ("device" is
     `peak_tape_bytes`; "host" and "disk" hold offloaded values, see `strategies.Offload`)."""
     io_bytes_written: int = 0
@@ -124,8 +128,8 @@ class Profile:
     # buffers whose original array is still alive at the end; bytes of the arrays of leaves
     # that require grad (parameters, inputs); RSS when the block began
     peak_buffers: dict[str, int] = _Filled(dict)  # type: ignore[assignment]
-    unrecorded_bytes: dict[str, int] = field(default_factory=dict)
-    view_base_bytes: dict[str, int] = field(default_factory=dict)
+    unrecorded_bytes: dict[str, int] = _Filled(dict)  # type: ignore[assignment]
+    view_base_bytes: dict[str, int] = _Filled(dict)  # type: ignore[assignment]
     kept_by_caller: list[int] = _Filled()  # type: ignore[assignment]
     originals_kept: list[int] = _Filled()  # type: ignore[assignment]
     also_kept: list[int] = _Filled()  # type: ignore[assignment]  # more buffers of one array

@@ -1,0 +1,535 @@
+"""The profile's accounting, done when the profile is read rather than while the program runs.
+
+The recorder (recorder.py) hears the engine's events inside the profiled program, so every
+instruction it spends there is a cost the profile would then measure. It only writes what it
+saw to a flat log: each entry's saved values, already classified (whether the tape owns each
+one or it is the caller's memory: only the live objects can say), the buffers it packed, the
+deaths of buffers, phase changes, with a clock reading each. This module reads that log, in
+order, and keeps what the profile reports: live and peak tape bytes, per-level bytes, the
+records and the timeline, primitive counts, what `explain` reads. It runs at the first read of
+any of those fields (`records._Filled`), during the block or after it, and again for what was
+logged since.
+
+Owned and aliased bytes: a saved value stored by reference whose memory belongs to a leaf the
+caller holds anyway (a parameter, a slice of the input data) costs nothing a strategy could
+save, so it is counted apart (`Profile.aliased_bytes`), not in `peak_tape_bytes`. Which one a
+buffer is can only be told from the entry that saved it, so a buffer stored by reference waits
+(uncounted) from its packing to the record of its entry, which follows at once in the engine;
+one that no record claims before the next other event is owned (a loop's snapshots, a
+checkpointed region's inputs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from .gathered import judge_buffers, settle_raw
+
+# What the log holds: an opcode, then the items its line names (`time`: perf_counter() then;
+# `serial`: a buffer's number; `new buffer`: serial, stored by reference?, stored bytes, then
+# the id of the array it holds by reference or the storage level of its packed form; a saved
+# value's description is (serial, role, owned, view, fields): `owned` as its entry's record
+# classified it, `view` None or (serial of the base array, id of the base, bytes of the base
+# beyond the view), `fields` what its record lists (shape, dtype, logical bytes, stored
+# bytes, strategy)).
+POINT = 0  # time: a timeline point (the block begins)
+BY_REFERENCE = 1  # new buffer: stored as is, waiting for its record to say whose it is
+PACKED = 2  # new buffer: packed into a new stored form, counted at the next other event
+KEPT = 3  # serial, array id, original, fields, op, frame, role, owned, view, time: a new
+# buffer by reference, and the entry saving it
+RECORD = 4  # op, frame, saved (descriptions, flat), time: a tape entry
+NOTHING = 5  # time: a tape entry that saved nothing, after a buffer was logged
+FREE = 6  # serial, time: a buffer died
+APPLY = 7  # time: a primitive run without a tape entry, after a buffer was logged
+REPLAYING = 8  # time: a replayed loop step begins
+REPLAYED = 9  # step, fresh (serial, stored bytes, array id, original of each new buffer by
+# reference, flat), saved (descriptions, flat: as many per instruction as its description
+# lists), time
+PHASE = 10  # phase, time: the sweep or a recompute began or ended
+EVICT = 11  # serial or None, time: a pool dropped a saved value's array
+REMATERIALIZE = 12  # serial or None, time: ... and brought it back
+SETTLE = 13  # time: another event (storage I/O, a dry run ended)
+TRACK = 14  # new buffer: saved before the block began, known from now on
+END = 15  # time: the block ended
+QUIET = 16  # count: entries and applied primitives that saved nothing, not logged one by one
+ORIGINAL = 17  # serial, original, packed?: a forward value's original array (a weak reference),
+# which `explain` judges at the end; an `original` item elsewhere is one too, or None
+
+
+class Buffer:
+    """What the accountant keeps of one buffer: how it is stored (`by_reference`, `stored`
+    bytes, `array_id` of the array it holds by reference, `level` of a packed form), and
+    whether it is `counted` in the live totals, as `owned` (the tape's) or the caller's,
+    `size` bytes of them (0 while evicted, the rest in `evicted`); `root_id`: the array it
+    holds, if owned and by reference; `born_at`/`born_size`: timeline index and bytes when
+    first counted as owned; `level_size`: bytes counted on an off-device level; `fields`: set
+    once a record classified it (later records list these)."""
+
+    __slots__ = ("array_id", "born_at", "born_size", "by_reference", "counted", "evicted",
+                 "fields", "level", "level_size", "owned", "root_id", "serial", "size",
+                 "stored")
+
+    def __init__(self, serial: int, by_reference: bool, stored: int, where: Any) -> None:
+        self.serial = serial
+        self.by_reference = by_reference
+        self.stored = stored
+        self.array_id, self.level = (where, None) if by_reference else (None, where)
+        self.counted = False
+        self.owned = True
+        self.size = 0
+        self.root_id: int | None = None
+        self.born_at: int | None = None
+        self.born_size = 0
+        self.level_size: int | None = None
+        self.evicted: int | None = None
+        self.fields: tuple[Any, ...] | None = None
+
+
+class Accountant:
+    """Reads a recorder's log into its profile's fields; called with the profile (as its
+    `_fill`)."""
+
+    def __init__(self, profile: Any, log: list[Any], started: float,
+                 before_reading: Callable[[], None]) -> None:
+        self.profile = profile
+        self.log = log
+        self.before_reading = before_reading
+        # what `explain` judges once the block ended: serial -> weak reference of the forward's
+        # saved arrays, and which of those serials were stored packed
+        self.originals: dict[int, Any] = {}
+        self.packed_originals: set[int] = set()
+        self.started = started
+        self.records: list[Any] = []  # RECORD_FIELDS items per saved value (gathered.py)
+        self.points: list[Any] = []  # POINT_FIELDS items per timeline point
+        self.phase = "forward"
+        self.live = 0
+        self.live_aliased = 0
+        self.peak = 0
+        self.peak_at = 0  # index in `points` of the latest new peak
+        self.aliased_peak = 0
+        self.primitives = 0
+        self.recomputed = 0
+        self.evictions = 0
+        self.rematerializations = 0
+        self.described: dict[int, tuple[Any, list[Any]]] = {}  # id(step) -> its instructions
+        self.roots: dict[int, int] = {}  # id(array) -> live owned buffers holding it
+        self.buffers: dict[int, Buffer] = {}  # serial -> the buffers not yet dead
+        self.pending: dict[int, Buffer] = {}  # serial -> buffer by reference, unclaimed
+        self.packed: list[Buffer] = []  # packed since the latest other event: counted there
+        self.before_step: Any = ()  # serials waiting in `pending` when a replayed step began
+        self.level_live: dict[str, int] = {}  # owned stored bytes off the device, per level
+        self.level_peak: dict[str, int] = {}
+        # owned buffers freed since the latest new peak that were alive at it (serial, bytes,
+        # serial, bytes, ...): with the live ones born before it, what the tape owned at its
+        # peak; and buffers born owned but found the caller's later
+        self.freed_since_peak: list[int] = []
+        self.freed_reclassified: list[tuple[int, int, int]] = []  # (born at, serial, bytes)
+        self.released: set[int] = set()  # serials of owned buffers the tape let go of
+        self.noted_bases: set[int] = set()  # serials of view bases counted in `view_bases`
+        self.unrecorded: dict[str, int] = {}
+        self.view_bases: dict[str, int] = {}
+        self.ended = False
+        self.table: dict[int, Callable[[Iterator[Any]], None]] = {
+            POINT: self._point_at, BY_REFERENCE: self._by_reference, PACKED: self._packed,
+            KEPT: self._kept, RECORD: self._record, NOTHING: self._nothing, FREE: self._free,
+            APPLY: self._apply, REPLAYING: self._replaying, REPLAYED: self._replayed,
+            PHASE: self._phase, EVICT: self._evict, REMATERIALIZE: self._rematerialize,
+            SETTLE: self._settle, TRACK: self._track, END: self._end, QUIET: self._quiet,
+            ORIGINAL: self._original,
+        }
+
+    def __call__(self, profile: Any) -> None:
+        """Account for everything logged since the last call, into `profile`'s fields."""
+        if not self.ended:
+            self.before_reading()
+        log = self.log
+        if log:
+            items = log[:]  # a buffer dying meanwhile (another thread) appends to `log`
+            del log[:len(items)]
+            table = self.table
+            it = iter(items)
+            for op in it:
+                table[op](it)
+        fields = profile.__dict__
+        fields["_primitives"] = self.primitives
+        fields["_recomputed_primitives"] = self.recomputed
+        fields["_peak_tape_bytes"] = self.peak
+        fields["_aliased_bytes"] = self.aliased_peak
+        fields["_evictions"] = self.evictions
+        fields["_rematerializations"] = self.rematerializations
+        fields["_unrecorded_bytes"].update(self.unrecorded)
+        self.unrecorded.clear()
+        fields["_view_base_bytes"].update(self.view_bases)
+        self.view_bases.clear()
+        levels = fields["_level_peak_bytes"]
+        levels.update(self.level_peak)
+        if self.ended:
+            levels["device"] = self.peak
+        settle_raw(profile, self.records, self.points, self.started)
+        if self.ended:
+            fields.pop("_fill", None)
+            judge_buffers(self.originals, self.packed_originals, self.released,
+                          self._at_peak(), profile)
+
+    # ------------------------------------------------------------- counting
+    def _point(self, time: float) -> None:
+        self.points.extend((time, self.live, self.phase))
+
+    def _new(self, it: Iterator[Any]) -> Buffer:
+        """A new buffer, from the log's items (serial, by reference?, stored bytes, where)."""
+        t = Buffer(next(it), next(it), next(it), next(it))
+        self.buffers[t.serial] = t
+        return t
+
+    def _count(self, t: Buffer, owned: bool) -> None:
+        """Start counting a live buffer as owned (tape memory) or aliased (the caller's). A
+        buffer stored by reference holding the very array a live owned buffer holds (a loop's
+        restored snapshot, saved again by the step re-run from it) adds no bytes."""
+        root_id = None
+        size = t.stored
+        if t.by_reference:
+            if owned:
+                root_id = t.array_id
+                held = self.roots.get(root_id, 0)
+                if held:
+                    size = 0
+                self.roots[root_id] = held + 1
+        elif t.level != "device":  # offloaded: counted on its level, not in the tape bytes
+            t.level_size = size
+            self._add_level(t.level, size)  # type: ignore[arg-type]
+            size = 0
+        self._counted(t, owned, size, root_id)
+
+    def _counted(self, t: Buffer, owned: bool, size: int, root_id: int | None) -> None:
+        t.counted, t.owned, t.size, t.root_id = True, owned, size, root_id
+        if owned:
+            t.born_at, t.born_size = len(self.points), size
+        self._add(owned, size)
+
+    def _count_by_reference(self, t: Buffer, owned: bool, fields: tuple[Any, ...]) -> None:
+        """`_count` of a buffer stored by reference at its first record, which found its
+        `fields` and whether it is `owned`."""
+        root_id = None
+        size = fields[3]
+        if owned:
+            root_id = t.array_id
+            held = self.roots.get(root_id, 0)
+            if held:
+                size = 0
+            self.roots[root_id] = held + 1
+        t.fields = fields
+        self._counted(t, owned, size, root_id)
+
+    def _add(self, owned: bool, size: int) -> None:
+        if owned:
+            self.live += size
+            if self.live > self.peak:
+                self.peak = self.live
+                self.peak_at = len(self.points)
+                self.freed_since_peak.clear()
+        else:
+            self.live_aliased += size
+            if self.live_aliased > self.aliased_peak:
+                self.aliased_peak = self.live_aliased
+
+    def _add_level(self, level: str, size: int) -> None:
+        live = self.level_live[level] = self.level_live.get(level, 0) + size
+        self.level_peak[level] = max(self.level_peak.get(level, 0), live)
+
+    def _count_packed(self, time: float) -> None:
+        """Count the buffers packed since the latest other event, in pack order."""
+        packed, self.packed = self.packed, []
+        for t in packed:
+            self._count(t, True)
+            self._point(time)
+
+    def _claim_pending(self, time: float, serials: Any = None) -> None:
+        """Buffers stored by reference that no entry claimed (all, or those of `serials`
+        still waiting): owned."""
+        if serials is None:
+            claimed = list(self.pending.values())
+            self.pending.clear()
+        else:
+            claimed = [self.pending.pop(s) for s in serials if s in self.pending]
+        for t in claimed:
+            self._count(t, True)
+            self.unrecorded[str(t.serial)] = t.size
+        self._point(time)
+
+    def _settled(self, time: float) -> None:
+        """What every event but a pack or a record does first: count the values packed since
+        the latest event, claim the buffers by reference that no record came for."""
+        if self.packed:
+            self._count_packed(time)
+        if self.pending:
+            self._claim_pending(time)
+
+    def _list(self, op: str, role: str, fields: tuple[Any, ...], frame: Any, t: Buffer,
+              owned: bool) -> None:
+        self.records.extend((op, role, fields[0], fields[1], fields[2], fields[3], frame,
+                             t.serial, self.phase, owned, t.level or "device", fields[4]))
+
+    def _saved(self, op: str, role: str, frame: Any, t: Buffer, owned: bool,
+               view: Any, fields: tuple[Any, ...]) -> None:
+        """One value an entry saved: count its buffer if new, and list its record. A buffer
+        saved again (a parameter, by every step) lists the fields its first record found, and
+        one counted as the caller's stays the caller's; one counted as the tape's before its
+        entry (a loop's snapshot) but now seen to be the caller's is counted again as such."""
+        if t.counted and t.fields is not None:
+            if not t.owned:
+                self._list(op, role, t.fields, frame, t, False)
+                return
+            if owned:
+                if view is not None:
+                    self._note_view(t, view)
+                self._list(op, role, t.fields, frame, t, True)
+                return
+        if t.by_reference and self.pending.pop(t.serial, None) is not None:
+            self._count_by_reference(t, owned, fields)
+            if owned and view is not None:
+                self._note_view(t, view)
+            self._list(op, role, fields, frame, t, owned)
+            return
+        if t.counted:  # one buffer, one classification...
+            if t.owned and not owned:  # ...but claimed as owned before its entry
+                self.live -= t.size
+                t.owned = False
+                self._add(False, t.size)
+            owned = t.owned
+            if t.by_reference:
+                t.fields = fields
+        if owned and t.by_reference and view is not None:
+            self._note_view(t, view)
+        self._list(op, role, fields, frame, t, owned)
+
+    def _note_view(self, t: Buffer, view: tuple[int, int, int]) -> None:
+        """A saved view keeps its whole base alive: note the bytes beyond the view's own (once
+        per base, and not if the base is itself a saved value the tape owns)."""
+        base, root_id, extra = view
+        if base in self.noted_bases or self.roots.get(root_id):
+            return
+        self.noted_bases.add(base)
+        if extra > 0:
+            self.view_bases[str(t.serial)] = extra
+
+    def _entry(self) -> None:
+        self.primitives += 1
+        if self.phase == "recompute":
+            self.recomputed += 1
+
+    def _at_peak(self) -> list[tuple[int, int]]:
+        """(serial, bytes) of the owned buffers alive at the tape's peak."""
+        freed = self.freed_since_peak
+        peak_at = self.peak_at
+        return list(zip(freed[0::2], freed[1::2])) + [
+            (t.serial, t.born_size) for t in self.buffers.values()
+            if t.born_at is not None and t.born_at <= peak_at] + [
+            (serial, size) for born, serial, size in self.freed_reclassified
+            if born <= peak_at]
+
+    # ------------------------------------------------------------- log entries
+    def _point_at(self, it: Iterator[Any]) -> None:
+        self._point(next(it))
+
+    def _track(self, it: Iterator[Any]) -> None:
+        self._new(it)
+
+    def _by_reference(self, it: Iterator[Any]) -> None:
+        t = self._new(it)
+        self.pending[t.serial] = t
+
+    def _packed(self, it: Iterator[Any]) -> None:
+        self.packed.append(self._new(it))
+
+    def _original(self, it: Iterator[Any]) -> None:
+        serial, original, packed = next(it), next(it), next(it)
+        self.originals[serial] = original
+        if packed:
+            self.packed_originals.add(serial)
+
+    def _kept(self, it: Iterator[Any]) -> None:
+        serial, array_id, original, fields, op, frame, role, owned, view, time = (
+            next(it), next(it), next(it), next(it), next(it), next(it), next(it), next(it),
+            next(it), next(it))
+        if original is not None:
+            self.originals[serial] = original
+        t = self.buffers[serial] = Buffer(serial, True, fields[3], array_id)
+        self.pending[serial] = t
+        self._entry_saving(op, frame, (serial, role, owned, view, fields), time)
+
+    def _record(self, it: Iterator[Any]) -> None:
+        op, frame, saved, time = next(it), next(it), next(it), next(it)
+        self._entry_saving(op, frame, saved, time)
+
+    def _entry_saving(self, op: str, frame: Any, saved: Any, time: float) -> None:
+        if self.packed:
+            self._count_packed(time)
+        self._entry()
+        buffers = self.buffers
+        for k in range(0, len(saved), 5):
+            self._saved(op, saved[k + 1], frame, buffers[saved[k]], saved[k + 2], saved[k + 3],
+                        saved[k + 4])
+        if self.pending:  # saved by reference but held by no slot of this entry
+            self._claim_pending(time)
+        elif saved:
+            self._point(time)
+
+    def _quiet(self, it: Iterator[Any]) -> None:
+        count = next(it)
+        self.primitives += count
+        if self.phase == "recompute":
+            self.recomputed += count
+
+    def _nothing(self, it: Iterator[Any]) -> None:
+        self._entry_saving("", None, (), next(it))
+
+    def _free(self, it: Iterator[Any]) -> None:
+        serial, time = next(it), next(it)
+        self._settled(time)
+        t = self.buffers.pop(serial, None)
+        if t is None:  # its recorder failed before logging it: nothing was counted
+            return
+        if t.level_size is not None:
+            self._add_level(t.level, -t.level_size)  # type: ignore[arg-type]
+        if not t.counted:
+            return
+        size = t.size
+        if t.owned:
+            self.live -= size
+            serial = t.serial
+            if serial in self.originals:
+                self.released.add(serial)
+            if t.born_at is not None and t.born_at <= self.peak_at:
+                self.freed_since_peak.extend((serial, t.born_size))
+        else:
+            self.live_aliased -= size
+            if t.born_at is not None:  # owned when counted: listed at the peak as such
+                self.freed_reclassified.append((t.born_at, t.serial, t.born_size))
+        root_id = t.root_id
+        if root_id is not None:
+            if self.roots[root_id] == 1:
+                del self.roots[root_id]
+            else:
+                self.roots[root_id] -= 1
+        self._point(time)
+
+    def _apply(self, it: Iterator[Any]) -> None:
+        self._settled(next(it))
+        self._entry()
+
+    def _settle(self, it: Iterator[Any]) -> None:
+        self._settled(next(it))
+
+    def _phase(self, it: Iterator[Any]) -> None:
+        phase, time = next(it), next(it)
+        self._settled(time)
+        self.phase = phase
+
+    def _evict(self, it: Iterator[Any]) -> None:
+        """A pool dropped the array of a saved value (it is recomputed when needed): its bytes
+        leave the tape until it is rematerialized or freed."""
+        serial, time = next(it), next(it)
+        self._settled(time)
+        self.evictions += 1
+        t = self.buffers.get(serial)  # type: ignore[arg-type]
+        if t is None or not t.counted or t.evicted is not None:
+            return
+        size = t.evicted = t.size
+        t.size = 0
+        self._add(t.owned, -size)
+        self._point(time)
+
+    def _rematerialize(self, it: Iterator[Any]) -> None:
+        """One primitive re-run to bring an evicted value back; its bytes return."""
+        serial, time = next(it), next(it)
+        self._settled(time)
+        self.rematerializations += 1
+        t = self.buffers.get(serial)  # type: ignore[arg-type]
+        if t is None or not t.counted or t.evicted is None:
+            return
+        size, t.evicted = t.evicted, None
+        t.size = size
+        self._add(t.owned, size)
+        self._point(time)
+
+    def _replaying(self, it: Iterator[Any]) -> None:
+        """A replayed step begins: the values packed before it are counted now, so that those
+        packed until it ends are its own. (Buffers by reference wait on: the step's first
+        instruction may claim them, as its first record would.)"""
+        time = next(it)
+        if self.packed:
+            self._count_packed(time)
+        self.before_step = list(self.pending) if self.pending else ()
+
+    def _replayed(self, it: Iterator[Any]) -> None:
+        """A replayed loop step, counted as the entries recording it would have made,
+        instruction by instruction (`DescribedStep`, in step_program.py, says what each would
+        hold); the values it packed are counted in order with them, each instruction's before
+        its record, as recording would have."""
+        step, fresh, saved, time = next(it), next(it), next(it), next(it)
+        buffers, pending = self.buffers, self.pending
+        for k in range(0, len(fresh), 4):  # its new buffers by reference, each waiting for
+            serial = fresh[k]  # its first record
+            buffers[serial] = pending[serial] = Buffer(serial, True, fresh[k + 1], fresh[k + 2])
+            if fresh[k + 3] is not None:
+                self.originals[serial] = fresh[k + 3]
+        packed, self.packed = self.packed, []
+        n_packed, at = len(packed), 0
+        before, self.before_step = self.before_step, ()
+        self.primitives += step.primitives
+        if self.phase == "recompute":
+            self.recomputed += step.primitives
+        described = self.described.get(id(step))
+        if described is None or described[0] is not step:
+            described = self.described[id(step)] = (
+                step, [d for d in step.instructions if d is not None])
+        start = 0
+        for instruction in described[1]:
+            end = start + 5 * len(instruction.saved)
+            if end > start:
+                if at < n_packed:
+                    for k in range(start, end, 5):
+                        if at < n_packed and packed[at].serial == saved[k]:
+                            self._count(packed[at], True)
+                            self._point(time)
+                            at += 1
+                op, frame = instruction.op, instruction.origin
+                for k in range(start, end, 5):
+                    self._saved(op, saved[k + 1], frame, buffers[saved[k]], saved[k + 2],
+                                saved[k + 3], saved[k + 4])
+            # those waiting from before the step that its first instruction did not claim are
+            # claimed now, as its first record would have
+            if before and any(s in self.pending for s in before):
+                self._claim_pending(time, before)
+            elif end > start:
+                self._point(time)
+            before = ()
+            start = end
+        if at < n_packed:  # packed by none of its instructions (not expected): as at an event
+            self.packed = packed[at:] + self.packed
+            self._count_packed(time)
+
+    def _end(self, it: Iterator[Any]) -> None:
+        time = next(it)
+        self._settled(time)
+        self._point(time)
+        self.ended = True
+        self.before_reading = _nothing_to_log
+
+
+def _nothing_to_log() -> None:
+    """`before_reading` once the block ended (the recorder is let go)."""
+
+
+def make_accountant(profile: Any, log: list[Any], started: float,
+                    before_reading: Callable[[], None]) -> Accountant:
+    """The profile's `_fill`: its fields are accounted for from `log` when first read
+    (`before_reading()` called first, while the block runs: the recorder logs what it
+    counted without logging)."""
+    accountant = Accountant(profile, log, started, before_reading)
+    profile.__dict__["_fill"] = accountant
+    return accountant
+
+
+__all__ = ["Accountant", "make_accountant"]
