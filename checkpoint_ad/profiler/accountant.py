@@ -102,11 +102,12 @@ class Accountant:
         self.started = started
         self.records: list[Any] = []  # RECORD_FIELDS items per saved value (gathered.py)
         self.points: list[Any] = []  # POINT_FIELDS items per timeline point
+        self.moved = 0  # items of `points` moved into the profile at earlier reads
         self.phase = "forward"
         self.live = 0
         self.live_aliased = 0
         self.peak = 0
-        self.peak_at = 0  # index in `points` of the latest new peak
+        self.peak_at = 0  # index in `points` of the latest new peak, counting `moved` ones
         self.aliased_peak = 0
         self.primitives = 0
         self.recomputed = 0
@@ -166,6 +167,7 @@ class Accountant:
         levels.update(self.level_peak)
         if self.ended:
             levels["device"] = self.peak
+        self.moved += len(self.points)
         settle_raw(profile, self.records, self.points, self.started)
         if self.ended:
             fields.pop("_fill", None)
@@ -204,7 +206,7 @@ class Accountant:
     def _counted(self, t: Buffer, owned: bool, size: int, root_id: int | None) -> None:
         t.counted, t.owned, t.size, t.root_id = True, owned, size, root_id
         if owned:
-            t.born_at, t.born_size = len(self.points), size
+            t.born_at, t.born_size = self.moved + len(self.points), size
         self._add(owned, size)
 
     def _count_by_reference(self, t: Buffer, owned: bool, fields: tuple[Any, ...]) -> None:
@@ -226,7 +228,7 @@ class Accountant:
             self.live += size
             if self.live > self.peak:
                 self.peak = self.live
-                self.peak_at = len(self.points)
+                self.peak_at = self.moved + len(self.points)
                 self.freed_since_peak.clear()
         else:
             self.live_aliased += size

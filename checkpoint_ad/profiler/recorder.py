@@ -573,7 +573,9 @@ def profile(
     Yields the `Profile`, which is complete when the block exits. Nothing is measured, and
     nothing costs, outside such a block. Inside it, the program pays only for a log of what
     the engine did; live and peak bytes, records and the timeline are counted from that log
-    the first time one of them is read (during the block or after it), outside the run. `device_memory` also measures the device's peak
+    the first time one of them is read (during the block or after it), outside the run.
+
+    `device_memory` also measures the device's peak
     allocation (`Profile.device_peak_bytes`; `Profile.memory_source` says how): cupy's pool
     on a GPU, which costs little and is on by default there; tracemalloc on the CPU, which
     traces every allocation and slows numpy-heavy code several times over, so it is off
