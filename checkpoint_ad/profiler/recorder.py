@@ -83,6 +83,7 @@ class _Recorder:
         # dtype -> shape -> the facts of a kept buffer of such an array (`_fields`)
         self.kept_fields: dict[Any, dict[Any, tuple[Any, ...]]] = {}
         self.leaf_kinds: dict[type, bool] = {}  # type of an entry's input node -> a leaf's?
+        self.leaves_learned = 0  # leaf arrays learned so far (`_describe`'s remembered answers)
         self.backward_depth = 0
         self.recompute_depth = 0
         self.phase = "forward"
@@ -122,7 +123,7 @@ class _Recorder:
         by reference, or the storage level of its packed form."""
         key = id(buffer)
         t = Tracked(buffer, self._free)
-        t.key, t.serial = key, next(self.counter)
+        t.key, t.serial, t.seen = key, next(self.counter), None
         packed = buffer.packed
         stored = buffer.stored_nbytes
         if buffer.source is None:  # stored as is: its records say whose memory it is
@@ -170,12 +171,17 @@ class _Recorder:
         """(serial, role, owned, view, facts) of one value an entry saved, as the log lists it.
         Stored by reference, it is the tape's unless its root is a leaf's array, or it is a
         view of data the entry has no edge to (`unedged`: an input's row); `view` says what
-        base a view keeps alive. A buffer saved before the block began is known from now on."""
+        base a view keeps alive. A buffer saved before the block began is known from now on.
+        A buffer saved again (a parameter, by every step) is described as it was the last time
+        (`Tracked.seen`) unless a leaf was learned since: nothing else changes the answer."""
         t = self.tracked.get(id(buffer))
         if t is None:
             t = self._tracked(buffer, TRACK)
         if t.stored_id is not None:  # packed: the tape's
             return t.serial, role, True, None, t.facts
+        seen = t.seen
+        if seen is not None and seen[0] == self.leaves_learned and seen[1] == unedged:
+            return t.serial, role, seen[2], seen[3], t.facts
         array = buffer.packed
         root = array if getattr(array, "base", None) is None else _root(array)
         known = self.leaf_roots.get(id(root))
@@ -184,9 +190,9 @@ class _Recorder:
         facts = t.facts
         if facts is None:
             facts = t.facts = self._fields(buffer, array)
-        if owned and root is not array:
-            return t.serial, role, True, self._view(buffer, root), facts
-        return t.serial, role, owned, None, facts
+        view = self._view(buffer, root) if owned and root is not array else None
+        t.seen = (self.leaves_learned, unedged, owned, view)
+        return t.serial, role, owned, view, facts
 
     def _view(self, buffer: Any, root: Any) -> tuple[int, int, int]:
         """(serial, id, bytes beyond the view's own) of the base a saved view keeps alive."""
@@ -212,6 +218,7 @@ class _Recorder:
         if known is None or known() is not root:  # new, or its id reused
             self.leaf_roots[id(root)] = weakref.ref(root)
             self.profile.leaf_bytes += int(getattr(root, "nbytes", 0))
+            self.leaves_learned += 1
         if root is not array:  # a view of one (a transposed weight): known by id next time
             self.leaf_roots[id(array)] = weakref.ref(array)
 
@@ -257,7 +264,7 @@ class _Recorder:
         key = id(buffer)
         serial = next(self.counter)
         t = Tracked(buffer, self._free)  # `_tracked`'s, inline
-        t.key, t.serial, t.stored_id = key, serial, None
+        t.key, t.serial, t.stored_id, t.seen = key, serial, None, None
         self.tracked[key] = t
         original = _original(array) if self.forward else None
         if self.measuring:
@@ -348,6 +355,7 @@ class _Recorder:
         adopted = self._adopt(fresh) if fresh else ()
         forward = self.forward
         tracked_of, leaf_roots, describe = self.tracked.get, self.leaf_roots, self._describe
+        kept_fields = self.kept_fields
         flat: list[Any] = []
         for i, leaves, described_saved in plan[1]:
             if forward and leaves:
@@ -365,8 +373,12 @@ class _Recorder:
                         known = leaf_roots.get(id(array))
                         if known is None or known() is not array:
                             facts = t.facts
-                            if facts is None:
-                                facts = t.facts = self._fields(buffer, array)
+                            if facts is None:  # `_fields`' first lookup, inline
+                                by_shape = kept_fields.get(array.dtype)
+                                facts = by_shape.get(array.shape) if by_shape else None
+                                if facts is None:
+                                    facts = self._fields(buffer, array)
+                                t.facts = facts
                             flat.extend((t.serial, role, True, None, facts))
                             continue
                 flat.extend(describe(buffer, role, unedged and slot not in made))
@@ -386,7 +398,7 @@ class _Recorder:
             t = tracked_of[key] = Tracked(buffer, free)
             array = buffer.packed
             serial = next(counter)
-            t.key, t.serial, t.facts, t.stored_id = key, serial, None, None
+            t.key, t.serial, t.facts, t.stored_id, t.seen = key, serial, None, None, None
             if measuring:
                 self._sample()
             adopted.extend((serial, array.nbytes if type(array) is np.ndarray

@@ -17,11 +17,13 @@ class Tracked(weakref.ref):
     number: ids are reused, serials not), `stored_id` (id of its stored form if packed,
     evictions name the stored form; None for a buffer stored as is, by reference), `facts`
     (what its records list: shape, dtype, logical bytes, stored bytes, strategy; for a buffer
-    by reference, found at its first record)."""
+    by reference, found at its first record), `seen` (how the recorder last described it:
+    see `_Recorder._describe`)."""
 
-    __slots__ = ("facts", "key", "serial", "stored_id")
+    __slots__ = ("facts", "key", "seen", "serial", "stored_id")
 
     key: int
     serial: int
     stored_id: int | None
     facts: tuple[Any, ...] | None
+    seen: tuple[Any, ...] | None
