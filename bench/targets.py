@@ -238,6 +238,10 @@ def _profiler(rows: Sequence[Row]) -> list[Target]:
         if variant == "profiled":
             targets.append(Target(f"{program}: profiled <= 1.10x plain", extras.get("overhead"),
                                   1.10, "<=", detail))
+        elif variant == "profiled, then read":
+            targets.append(Target(
+                f"{program}: profiled, then the profile read (its accounting, after the run)",
+                extras.get("overhead"), None, "info", detail))
         elif variant == "profiled + tracemalloc":
             targets.append(Target(
                 f"{program}: with tracemalloc (on by default only if <= 1.25x; opt-in)",
