@@ -184,12 +184,14 @@ class Accountant:
         self.buffers[t.serial] = t
         return t
 
-    def _count(self, t: Buffer, owned: bool) -> None:
-        """Start counting a live buffer as owned (tape memory) or aliased (the caller's). A
-        buffer stored by reference holding the very array a live owned buffer holds (a loop's
-        restored snapshot, saved again by the step re-run from it) adds no bytes."""
+    def _count(self, t: Buffer, owned: bool, size: int | None = None) -> None:
+        """Start counting a live buffer as owned (tape memory) or aliased (the caller's),
+        `size` its stored bytes if its record found them. A buffer stored by reference holding
+        the very array a live owned buffer holds (a loop's restored snapshot, saved again by
+        the step re-run from it) adds no bytes."""
         root_id = None
-        size = t.stored
+        if size is None:
+            size = t.stored
         if t.by_reference:
             if owned:
                 root_id = t.array_id
@@ -208,20 +210,6 @@ class Accountant:
         if owned:
             t.born_at, t.born_size = self.moved + len(self.points), size
         self._add(owned, size)
-
-    def _count_by_reference(self, t: Buffer, owned: bool, fields: tuple[Any, ...]) -> None:
-        """`_count` of a buffer stored by reference at its first record, which found its
-        `fields` and whether it is `owned`."""
-        root_id = None
-        size = fields[3]
-        if owned:
-            root_id = t.array_id
-            held = self.roots.get(root_id, 0)
-            if held:
-                size = 0
-            self.roots[root_id] = held + 1
-        t.fields = fields
-        self._counted(t, owned, size, root_id)
 
     def _add(self, owned: bool, size: int) -> None:
         if owned:
@@ -288,7 +276,8 @@ class Accountant:
                 self._list(op, role, t.fields, frame, t, True)
                 return
         if t.by_reference and self.pending.pop(t.serial, None) is not None:
-            self._count_by_reference(t, owned, fields)
+            t.fields = fields  # its first record: counted as it classified it
+            self._count(t, owned, fields[3])
             if owned and view is not None:
                 self._note_view(t, view)
             self._list(op, role, fields, frame, t, owned)
