@@ -46,7 +46,7 @@ from .accountant import (
     TRACK,
     make_accountant,
 )
-from .memory import MemoryProbe, probe_for, rss_bytes, synchronize
+from .memory import MemoryProbe, TracemallocProbe, probe_for, rss_bytes, synchronize
 from .records import Profile
 from .watch import Tracked
 
@@ -56,9 +56,9 @@ class _Recorder:
 
     `handlers` maps each event kind it hears to one method (add a kind: add a method, a line
     there, and its log entry's opcode and reading in accountant.py). Every log entry is
-    written by one `extend` call, at the end of its handler: a buffer dying meanwhile (the
-    collector runs at any allocation, in any thread) logs its death whole, before or after
-    it, never inside it.
+    written by one `extend` call, once its handler has read everything it needs: a buffer
+    dying meanwhile (the collector runs at any allocation, in any thread) logs its death
+    whole, before or after it, never inside it.
     """
 
     def __init__(self, profile: Profile, device: str, device_memory: bool) -> None:
@@ -66,7 +66,10 @@ class _Recorder:
         self.device = device
         self.probe = probe_for(device, device_memory)
         self.sampling = type(self.probe).sample is not MemoryProbe.sample
-        self.measuring = type(self.probe) is not MemoryProbe  # device memory: see `_sample`
+        # the probe counts this process's own allocations, the log's among them (tracemalloc;
+        # cupy's pool does not): the log is accounted for as it grows (see `_sample`)
+        self.bounded = type(self.probe) is TracemallocProbe
+        self.measuring = self.sampling or self.bounded
         self.log: list[Any] = []
         self.tracked: dict[int, Tracked] = {}  # id(buffer) -> its reference, while alive
         self.by_stored: dict[int, Tracked] = {}  # id(stored form) -> a packed buffer's
@@ -319,7 +322,7 @@ class _Recorder:
         the program's."""
         if self.sampling:
             self.probe.sample()
-        if len(self.log) > _LOG_UNDER_PROBE:
+        if self.bounded and len(self.log) > _LOG_UNDER_PROBE:
             self.account(self.profile)
 
     def _pack(self, buffer: Any) -> None:
@@ -587,11 +590,12 @@ def profile(
     the engine did; live and peak bytes, records and the timeline are counted from that log
     the first time one of them is read (during the block or after it), outside the run.
 
-    `device_memory` also measures the device's peak
-    allocation (`Profile.device_peak_bytes`; `Profile.memory_source` says how): cupy's pool
-    on a GPU, which costs little and is on by default there; tracemalloc on the CPU, which
-    traces every allocation and slows numpy-heavy code several times over, so it is off
-    unless asked for (the sweeps ask for it, and time their runs apart).
+    `device_memory` also measures the device's peak allocation (`Profile.device_peak_bytes`;
+    `Profile.memory_source` says how): cupy's pool on a GPU, which costs little and is on by
+    default there; tracemalloc on the CPU, which traces every allocation and slows
+    numpy-heavy code several times over, so it is off unless asked for (the sweeps ask for
+    it, and time their runs apart). Under tracemalloc the log is accounted for as it grows,
+    so that its own memory does not pass for the program's.
 
     >>> import checkpoint_ad as cad
     >>> x = cad.tensor([1.0, 2.0], requires_grad=True)
