@@ -1,6 +1,6 @@
 """What keeps profiling cheap without changing what it reports: `events.wanted` lets the engine
 skip the kinds nobody hears, and a recorder watches the buffers it saw itself (a buffer that dies
-in another thread is taken in at the maker's next event)."""
+in another thread is logged as it dies, and counted in the profile of the thread that made it)."""
 
 from __future__ import annotations
 
