@@ -152,3 +152,23 @@ def test_reading_from_another_thread_after_the_block_ends():
     worker.start()
     worker.join()
     assert result == [80]
+
+
+def test_records_read_from_the_log_are_the_records_their_dataclass_makes():
+    """`gathered.settle_raw` sets a record's fields straight into it, in the order of the raw
+    items: that order must be the dataclass's."""
+    from checkpoint_ad.profiler.gathered import _RECORD_NAMES
+    from checkpoint_ad.profiler.records import SavedRecord
+
+    assert _RECORD_NAMES == ("op", "role", "shape", "dtype", "logical_bytes", "stored_bytes",
+                             "origin", "buffer", "phase", "owned", "level", "strategy")
+    x = cad.tensor(np.ones((2, 3), dtype=np.float32), requires_grad=True)
+    with cad.profile() as prof:
+        cad.tanh(x)
+    record = prof.records[0]
+    made = SavedRecord(**{name: getattr(record, name) for name in _RECORD_NAMES})
+    assert record == made and hash(record) == hash(made)
+    assert (record.op, record.shape, record.dtype, record.stored_bytes) == (
+        "tanh", (2, 3), "float32", 24)
+    with pytest.raises(AttributeError):
+        record.op = "changed"  # still frozen

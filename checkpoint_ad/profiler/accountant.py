@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .gathered import judge_buffers, settle_raw
+from .gathered import JUDGED, judge_buffers, settle_raw
 
 # What the log holds: an opcode, then the items its line names (`time`: perf_counter() then;
 # `serial`: a buffer's number; `new buffer`: serial, stored by reference?, stored bytes, then
@@ -140,8 +140,11 @@ class Accountant:
             ORIGINAL: self._original,
         }
 
-    def __call__(self, profile: Any) -> None:
-        """Account for everything logged since the last call, into `profile`'s fields."""
+    def __call__(self, profile: Any, field: str | None = None) -> None:
+        """Account for everything logged since the last call, into `profile`'s fields. Once
+        the block ended, reading `field` (None: every field) that `explain` reads also judges
+        which saved arrays outlived the tape (`gathered.judge_buffers`: it collects garbage
+        first, a full collection, so it waits until asked)."""
         if not self.ended:
             self.before_reading()
         log = self.log
@@ -169,7 +172,7 @@ class Accountant:
             levels["device"] = self.peak
         self.moved += len(self.points)
         settle_raw(profile, self.records, self.points, self.started)
-        if self.ended:
+        if self.ended and (field is None or field in JUDGED):
             fields.pop("_fill", None)
             judge_buffers(self.originals, self.packed_originals, self.released,
                           self._at_peak(), profile)

@@ -7,6 +7,7 @@ become `SavedRecord`s and the `timeline_*` lists here, when the profile is read.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from typing import Any
 
@@ -21,17 +22,30 @@ POINT_FIELDS = 3
 
 
 def settle_raw(profile: Any, records: list[Any], points: list[Any], started: float) -> None:
-    """Move raw records and timeline points (emptied) into `profile`'s fields."""
+    """Move raw records and timeline points (emptied) into `profile`'s fields. Each record
+    is made as its dataclass would make it, its fields set straight into its `__dict__`: a
+    frozen dataclass's `__init__` sets them one `object.__setattr__` call each, which made
+    half the time a profile took to read."""
     fields = profile.__dict__
     if records:
         raw = iter(records)
-        fields["_records"].extend([
-            SavedRecord(op, role, shape, _dtype_name(dtype), logical, stored,
-                        _origin(frame), serial, phase, owned=owned, level=level,
-                        strategy=strategy)
-            for op, role, shape, dtype, logical, stored, frame, serial, phase, owned,
-            level, strategy in zip(*(raw,) * RECORD_FIELDS)
-        ])
+        new, names = object.__new__, _RECORD_NAMES
+        dtype_names, origins = _dtype_names, _origins
+        made = []
+        for (op, role, shape, dtype, logical, stored, frame, serial, phase, owned, level,
+             strategy) in zip(*(raw,) * RECORD_FIELDS):
+            dtype_name = dtype_names.get(dtype)
+            if dtype_name is None:
+                dtype_name = _dtype_name(dtype)
+            origin = origins.get(frame)
+            if origin is None:
+                origin = _origin(frame)
+            record = new(SavedRecord)
+            record.__dict__.update(zip(names, (
+                op, role, shape, dtype_name, logical, stored, origin, serial, phase, owned,
+                level, strategy)))
+            made.append(record)
+        fields["_records"].extend(made)
         records.clear()
     if points:
         fields["_timeline_seconds"].extend([t - started for t in points[0::POINT_FIELDS]])
@@ -40,6 +54,9 @@ def settle_raw(profile: Any, records: list[Any], points: list[Any], started: flo
         points.clear()
 
 
+# SavedRecord's fields in order: the raw items of a record, as RECORD_FIELDS lists them, with
+# the origin frame and dtype made text (tests/test_profiler_deferred.py checks the order)
+_RECORD_NAMES = tuple(f.name for f in dataclasses.fields(SavedRecord))
 _dtype_names: dict[Any, str] = {}
 _origins: dict[Any, str] = {}
 
@@ -60,12 +77,17 @@ def _origin(frame: tuple[Any, int]) -> str:
     return text
 
 
+# the profile's fields `judge_buffers` fills (as `records._Filled` keeps them)
+JUDGED = frozenset({"_peak_buffers", "_kept_by_caller", "_originals_kept", "_also_kept"})
+
+
 def judge_buffers(originals: dict[int, Any], packed: set[int], released: set[int],
                   at_peak: list[tuple[int, int]], profile: Any) -> None:
     """Fill what `explain` reads once the recording has ended, when first asked (not while
-    the program runs: it collects garbage first, so that only arrays someone still holds count
-    as held): the owned buffers alive at the tape's peak, and the forward's saved arrays that
-    outlived the tape's hold on them: released values and originals of packed values."""
+    the program runs, nor when other fields are read: it collects garbage first, so that only
+    arrays someone still holds count as held): the owned buffers alive at the tape's peak, and
+    the forward's saved arrays that outlived the tape's hold on them, as of that moment:
+    released values and originals of packed values."""
     gc.collect()
     fields = profile.__dict__
     fields["_peak_buffers"].update((str(serial), size) for serial, size in at_peak)

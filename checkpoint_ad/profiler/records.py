@@ -60,7 +60,7 @@ class _Filled:
             return self.default
         fill = obj.__dict__.get("_fill")
         if fill is not None:
-            fill(obj)
+            fill(obj, self.key)
         return obj.__dict__[self.key]
 
     def __set__(self, obj: Any, value: Any) -> None:
@@ -138,9 +138,11 @@ class Profile:
 
     # ------------------------------------------------------------- queries
     def __getstate__(self) -> dict[str, Any]:
-        """Pickled settled (a sweep's run comes back from a Dask worker): raw records become
-        records first, and the filler, which holds weak references, stays behind."""
-        self.records  # noqa: B018  # reading a filled field settles the raw tuples
+        """Pickled settled (a sweep's run comes back from a Dask worker): every filled field
+        is filled first, and the filler, which holds weak references, stays behind."""
+        fill = self.__dict__.get("_fill")
+        if fill is not None:
+            fill(self, None)
         state = dict(self.__dict__)
         state.pop("_fill", None)
         return state
