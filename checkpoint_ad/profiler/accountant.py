@@ -21,7 +21,7 @@ checkpointed region's inputs).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from .gathered import JUDGED, judge_buffers, settle_raw
@@ -131,13 +131,16 @@ class Accountant:
         self.unrecorded: dict[str, int] = {}
         self.view_bases: dict[str, int] = {}
         self.ended = False
-        self.table: dict[int, Callable[[Iterator[Any]], None]] = {
-            POINT: self._point_at, BY_REFERENCE: self._by_reference, PACKED: self._packed,
-            KEPT: self._kept, RECORD: self._record, NOTHING: self._nothing, FREE: self._free,
-            APPLY: self._apply, REPLAYING: self._replaying, REPLAYED: self._replayed,
-            PHASE: self._phase, EVICT: self._evict, REMATERIALIZE: self._rematerialize,
-            SETTLE: self._settle, TRACK: self._track, END: self._end, QUIET: self._quiet,
-            ORIGINAL: self._original,
+        # opcode -> (its reader, how many items follow it in the log)
+        self.table: dict[int, tuple[Callable[..., None], int]] = {
+            POINT: (self._point, 1), BY_REFERENCE: (self._by_reference, 4),
+            PACKED: (self._packed, 4), KEPT: (self._kept, 10), RECORD: (self._entry_saving, 4),
+            NOTHING: (self._nothing, 1), FREE: (self._free, 2), APPLY: (self._apply, 1),
+            REPLAYING: (self._replaying, 1), REPLAYED: (self._replayed, 4),
+            PHASE: (self._phase, 2), EVICT: (self._evict, 2),
+            REMATERIALIZE: (self._rematerialize, 2), SETTLE: (self._settled, 1),
+            TRACK: (self._new, 4), END: (self._end, 1), QUIET: (self._quiet, 1),
+            ORIGINAL: (self._original, 3),
         }
 
     def __call__(self, profile: Any, field: str | None = None) -> None:
@@ -151,10 +154,11 @@ class Accountant:
         if log:
             items = log[:]  # a buffer dying meanwhile (another thread) appends to `log`
             del log[:len(items)]
-            table = self.table
-            it = iter(items)
-            for op in it:
-                table[op](it)
+            table, i, n = self.table, 0, len(items)
+            while i < n:
+                read, arity = table[items[i]]
+                read(*items[i + 1:i + 1 + arity])
+                i += 1 + arity
         fields = profile.__dict__
         fields["_primitives"] = self.primitives
         fields["_recomputed_primitives"] = self.recomputed
@@ -181,10 +185,10 @@ class Accountant:
     def _point(self, time: float) -> None:
         self.points.extend((time, self.live, self.phase))
 
-    def _new(self, it: Iterator[Any]) -> Buffer:
-        """A new buffer, from the log's items (serial, by reference?, stored bytes, where)."""
-        t = Buffer(next(it), next(it), next(it), next(it))
-        self.buffers[t.serial] = t
+    def _new(self, serial: int, by_reference: bool, stored: int, where: Any) -> Buffer:
+        """A new buffer (`where`: the id of the array it holds by reference, or the level of
+        its packed form)."""
+        t = self.buffers[serial] = Buffer(serial, by_reference, stored, where)
         return t
 
     def _count(self, t: Buffer, owned: bool, size: int | None = None) -> None:
@@ -323,38 +327,24 @@ class Accountant:
             if born <= peak_at]
 
     # ------------------------------------------------------------- log entries
-    def _point_at(self, it: Iterator[Any]) -> None:
-        self._point(next(it))
+    def _by_reference(self, serial: int, by_reference: bool, stored: int, where: Any) -> None:
+        self.pending[serial] = self._new(serial, by_reference, stored, where)
 
-    def _track(self, it: Iterator[Any]) -> None:
-        self._new(it)
+    def _packed(self, serial: int, by_reference: bool, stored: int, where: Any) -> None:
+        self.packed.append(self._new(serial, by_reference, stored, where))
 
-    def _by_reference(self, it: Iterator[Any]) -> None:
-        t = self._new(it)
-        self.pending[t.serial] = t
-
-    def _packed(self, it: Iterator[Any]) -> None:
-        self.packed.append(self._new(it))
-
-    def _original(self, it: Iterator[Any]) -> None:
-        serial, original, packed = next(it), next(it), next(it)
+    def _original(self, serial: int, original: Any, packed: bool) -> None:
         self.originals[serial] = original
         if packed:
             self.packed_originals.add(serial)
 
-    def _kept(self, it: Iterator[Any]) -> None:
-        serial, array_id, original, fields, op, frame, role, owned, view, time = (
-            next(it), next(it), next(it), next(it), next(it), next(it), next(it), next(it),
-            next(it), next(it))
+    def _kept(self, serial: int, array_id: int, original: Any, fields: tuple[Any, ...],
+              op: str, frame: Any, role: str, owned: bool, view: Any, time: float) -> None:
         if original is not None:
             self.originals[serial] = original
         t = self.buffers[serial] = Buffer(serial, True, fields[3], array_id)
         self.pending[serial] = t
         self._entry_saving(op, frame, (serial, role, owned, view, fields), time)
-
-    def _record(self, it: Iterator[Any]) -> None:
-        op, frame, saved, time = next(it), next(it), next(it), next(it)
-        self._entry_saving(op, frame, saved, time)
 
     def _entry_saving(self, op: str, frame: Any, saved: Any, time: float) -> None:
         if self.packed:
@@ -369,17 +359,15 @@ class Accountant:
         elif saved:
             self._point(time)
 
-    def _quiet(self, it: Iterator[Any]) -> None:
-        count = next(it)
+    def _quiet(self, count: int) -> None:
         self.primitives += count
         if self.phase == "recompute":
             self.recomputed += count
 
-    def _nothing(self, it: Iterator[Any]) -> None:
-        self._entry_saving("", None, (), next(it))
+    def _nothing(self, time: float) -> None:
+        self._entry_saving("", None, (), time)
 
-    def _free(self, it: Iterator[Any]) -> None:
-        serial, time = next(it), next(it)
+    def _free(self, serial: int, time: float) -> None:
         self._settled(time)
         t = self.buffers.pop(serial, None)
         if t is None:  # its recorder failed before logging it: nothing was counted
@@ -408,22 +396,17 @@ class Accountant:
                 self.roots[root_id] -= 1
         self._point(time)
 
-    def _apply(self, it: Iterator[Any]) -> None:
-        self._settled(next(it))
+    def _apply(self, time: float) -> None:
+        self._settled(time)
         self._entry()
 
-    def _settle(self, it: Iterator[Any]) -> None:
-        self._settled(next(it))
-
-    def _phase(self, it: Iterator[Any]) -> None:
-        phase, time = next(it), next(it)
+    def _phase(self, phase: str, time: float) -> None:
         self._settled(time)
         self.phase = phase
 
-    def _evict(self, it: Iterator[Any]) -> None:
+    def _evict(self, serial: int | None, time: float) -> None:
         """A pool dropped the array of a saved value (it is recomputed when needed): its bytes
         leave the tape until it is rematerialized or freed."""
-        serial, time = next(it), next(it)
         self._settled(time)
         self.evictions += 1
         t = self.buffers.get(serial)  # type: ignore[arg-type]
@@ -434,9 +417,8 @@ class Accountant:
         self._add(t.owned, -size)
         self._point(time)
 
-    def _rematerialize(self, it: Iterator[Any]) -> None:
+    def _rematerialize(self, serial: int | None, time: float) -> None:
         """One primitive re-run to bring an evicted value back; its bytes return."""
-        serial, time = next(it), next(it)
         self._settled(time)
         self.rematerializations += 1
         t = self.buffers.get(serial)  # type: ignore[arg-type]
@@ -447,21 +429,19 @@ class Accountant:
         self._add(t.owned, size)
         self._point(time)
 
-    def _replaying(self, it: Iterator[Any]) -> None:
+    def _replaying(self, time: float) -> None:
         """A replayed step begins: the values packed before it are counted now, so that those
         packed until it ends are its own. (Buffers by reference wait on: the step's first
         instruction may claim them, as its first record would.)"""
-        time = next(it)
         if self.packed:
             self._count_packed(time)
         self.before_step = list(self.pending) if self.pending else ()
 
-    def _replayed(self, it: Iterator[Any]) -> None:
+    def _replayed(self, step: Any, fresh: list[Any], saved: list[Any], time: float) -> None:
         """A replayed loop step, counted as the entries recording it would have made,
         instruction by instruction (`DescribedStep`, in step_program.py, says what each would
         hold); the values it packed are counted in order with them, each instruction's before
         its record, as recording would have."""
-        step, fresh, saved, time = next(it), next(it), next(it), next(it)
         buffers, pending = self.buffers, self.pending
         for k in range(0, len(fresh), 4):  # its new buffers by reference, each waiting for
             serial = fresh[k]  # its first record
@@ -504,8 +484,7 @@ class Accountant:
             self.packed = packed[at:] + self.packed
             self._count_packed(time)
 
-    def _end(self, it: Iterator[Any]) -> None:
-        time = next(it)
+    def _end(self, time: float) -> None:
         self._settled(time)
         self._point(time)
         self.ended = True
