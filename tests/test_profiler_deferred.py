@@ -172,3 +172,17 @@ def test_records_read_from_the_log_are_the_records_their_dataclass_makes():
         "tanh", (2, 3), "float32", 24)
     with pytest.raises(AttributeError):
         record.op = "changed"  # still frozen
+
+
+def test_the_timeline_marks_where_each_phase_begins():
+    """Entries that save nothing add no point, so a phase change is marked by a point of its
+    own: the sweep's first point holds the bytes the forward ended with."""
+    x = cad.tensor(np.ones(100), requires_grad=True)
+    with cad.profile() as prof:
+        y = cad.tanh(cad.tanh(x))
+        (y + y).sum().backward()
+    phases, bytes_ = prof.timeline_phase, prof.timeline_bytes
+    first_backward = phases.index("backward")
+    assert phases[:first_backward] == ["forward"] * first_backward
+    assert bytes_[first_backward] == bytes_[first_backward - 1] == 1600  # two saved outputs
+    assert bytes_[-1] == 0

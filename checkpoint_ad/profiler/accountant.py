@@ -401,8 +401,12 @@ class Accountant:
         self._entry()
 
     def _phase(self, phase: str, time: float) -> None:
+        """The sweep or a recompute began or ended: a point marks where the new phase begins
+        (the timeline's phases run from one such point to the next)."""
         self._settled(time)
-        self.phase = phase
+        if phase != self.phase:
+            self.phase = phase
+            self._point(time)
 
     def _evict(self, serial: int | None, time: float) -> None:
         """A pool dropped the array of a saved value (it is recomputed when needed): its bytes
