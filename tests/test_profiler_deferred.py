@@ -186,3 +186,36 @@ def test_the_timeline_marks_where_each_phase_begins():
     assert phases[:first_backward] == ["forward"] * first_backward
     assert bytes_[first_backward] == bytes_[first_backward - 1] == 1600  # two saved outputs
     assert bytes_[-1] == 0
+
+
+def test_a_profile_read_from_another_thread_while_its_block_runs():
+    """Reads race the recording thread's log: each read accounts for what was logged so far
+    under a lock, and the profile at the end is the one read once."""
+    run = _imperative_rnn(steps=60)
+    with cad.profile() as once:
+        run()
+    stop = threading.Event()
+    seen: list[int] = []
+    errors: list[BaseException] = []
+    holder: list[object] = []
+
+    def reader() -> None:
+        try:
+            while not stop.is_set():
+                if holder:
+                    seen.append(len(holder[0].records))
+        except BaseException as exc:
+            errors.append(exc)
+
+    worker = threading.Thread(target=reader)
+    worker.start()
+    try:
+        with cad.profile() as often:
+            holder.append(often)
+            run()
+    finally:
+        stop.set()
+        worker.join()
+    assert not errors
+    assert seen == sorted(seen)
+    assert comparable(often) == comparable(once)

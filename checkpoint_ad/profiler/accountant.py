@@ -21,6 +21,7 @@ checkpointed region's inputs).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -95,6 +96,7 @@ class Accountant:
         self.profile = profile
         self.log = log
         self.before_reading = before_reading
+        self.lock = threading.RLock()
         # what `explain` judges once the block ended: serial -> weak reference of the forward's
         # saved arrays, and which of those serials were stored packed
         self.originals: dict[int, Any] = {}
@@ -147,7 +149,12 @@ class Accountant:
         """Account for everything logged since the last call, into `profile`'s fields. Once
         the block ended, reading `field` (None: every field) that `explain` reads also judges
         which saved arrays outlived the tape (`gathered.judge_buffers`: it collects garbage
-        first, a full collection, so it waits until asked)."""
+        first, a full collection, so it waits until asked). One thread at a time: a profile
+        may be read from another thread while its block runs."""
+        with self.lock:
+            self._account(profile, field)
+
+    def _account(self, profile: Any, field: str | None) -> None:
         if not self.ended:
             self.before_reading()
         log = self.log

@@ -16,6 +16,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from threading import get_ident
 from time import perf_counter
 from typing import Any
 
@@ -71,6 +72,7 @@ class _Recorder:
         self.bounded = type(self.probe) is TracemallocProbe
         self.measuring = self.sampling or self.bounded
         self.log: list[Any] = []
+        self.thread = get_ident()  # the one whose events it hears
         self.tracked: dict[int, Tracked] = {}  # id(buffer) -> its reference, while alive
         self.by_stored: dict[int, Tracked] = {}  # id(stored form) -> a packed buffer's
         self.counter = itertools.count()  # buffer serials (ids are reused; serials not)
@@ -490,6 +492,13 @@ class _Recorder:
             quiet, self.quiet = self.quiet, 0
             self.log.extend((QUIET, quiet))
 
+    def _before_reading(self) -> None:
+        """The profile is read during the block: what `quiet` counted is logged first, unless
+        it is read from another thread (`quiet` is this thread's to change: such a read counts
+        the entries logged up to the latest phase change)."""
+        if get_ident() == self.thread:
+            self._flush_quiet()
+
     def _sample_rss(self) -> None:
         rss = rss_bytes()
         if rss is not None and (self.profile.rss_peak_bytes or 0) < rss:
@@ -534,7 +543,8 @@ class _Recorder:
         synchronize(self.device)
         self.started = time.perf_counter()
         self.log.extend((POINT, self.started))
-        self.account = make_accountant(self.profile, self.log, self.started, self._flush_quiet)
+        self.account = make_accountant(self.profile, self.log, self.started,
+                                       self._before_reading)
 
     def stop(self) -> None:
         synchronize(self.device)
