@@ -227,6 +227,18 @@ class _Recorder:
         if root is not array:  # a view of one (a transposed weight): known by id next time
             self.leaf_roots[id(array)] = weakref.ref(array)
 
+    def _learn_leaves(self, nodes: Any) -> None:
+        """The leaves among an entry's input nodes, learned (a leaf seen before, the usual
+        case, costs a lookup here rather than a call)."""
+        kinds, leaf_roots = self.leaf_kinds, self.leaf_roots
+        for node in nodes:
+            kind = kinds.get(type(node))
+            if kind or (kind is None and self._is_leaf_kind(node)):
+                array = node._data
+                known = leaf_roots.get(id(array))
+                if known is None or known() is not array:
+                    self._learn_leaf(array)
+
     def _is_leaf_kind(self, node: Any) -> bool:
         """Whether an entry's input node of this type is a leaf tensor (remembered per type:
         `leaf_kinds`)."""
@@ -242,15 +254,8 @@ class _Recorder:
         events, or it saved nothing): what its 'pack' and 'record' events would have logged,
         without the events or the entry's slot objects. An entry that saved nothing is only
         counted, unless a buffer waits to be settled (see `unsettled`)."""
-        if self.forward:  # its leaves, learned (`_record`'s, for its one or two inputs)
-            kinds, leaf_roots = self.leaf_kinds, self.leaf_roots
-            for node in (entry._in, entry._in2):
-                kind = kinds.get(type(node))
-                if kind or (kind is None and self._is_leaf_kind(node)):
-                    array = node._data
-                    known = leaf_roots.get(id(array))
-                    if known is None or known() is not array:
-                        self._learn_leaf(array)
+        if self.forward:  # its one or two inputs' leaves
+            self._learn_leaves((entry._in, entry._in2))
         if buffer is None:
             if entry._saved:
                 self._record(entry, leaves=False)
@@ -267,24 +272,13 @@ class _Recorder:
             return
         array = buffer.packed
         key = id(buffer)
-        serial = next(self.counter)
-        t = Tracked(buffer, self._free)  # `_tracked`'s, inline
-        t.key, t.serial, t.stored_id, t.seen = key, serial, None, None
+        t = Tracked(buffer, self._free)  # `_tracked`'s, inline: logged with its entry below
+        t.key, t.serial, t.stored_id, t.facts, t.seen = key, next(self.counter), None, None, None
         self.tracked[key] = t
         original = _original(array) if self.forward else None
         if self.measuring:
             self._sample()
-        by_shape = self.kept_fields.get(array.dtype)  # `_fields`' first lookup, inline
-        fields = by_shape.get(array.shape) if by_shape is not None else None
-        if fields is None:
-            fields = self._fields(buffer, array)
-        t.facts = fields
-        # `_describe`'s, inline
-        root = array if array.base is None else _root(array)
-        known = self.leaf_roots.get(id(root))
-        owned = not ((known is not None and known() is root) or (
-            unedged and root is not array))
-        view = self._view(buffer, root) if owned and root is not array else None
+        serial, role, owned, view, fields = self._describe(buffer, role, unedged)
         self.log.extend((KEPT, serial, id(array), original, fields, entry.op.name, frame, role,
                          owned, view, perf_counter()))
 
@@ -293,13 +287,7 @@ class _Recorder:
         described."""
         self.unsettled = False
         if leaves and self.forward:
-            leaf_roots = self.leaf_roots
-            for node in entry.nodes:  # its leaves: learn them (most are known already)
-                if node is not None and type(node) is not Entry and isinstance(node, TensorBase):
-                    array = node._data
-                    known = leaf_roots.get(id(array))
-                    if known is None or known() is not array:
-                        self._learn_leaf(array)
+            self._learn_leaves(entry.nodes)
         saved: Any = ()
         slots = entry._saved
         if isinstance(slots, SavedBuffer):  # one value kept inline: its slot's facts, unmade
@@ -360,7 +348,6 @@ class _Recorder:
         adopted = self._adopt(fresh) if fresh else ()
         forward = self.forward
         tracked_of, leaf_roots, describe = self.tracked.get, self.leaf_roots, self._describe
-        kept_fields = self.kept_fields
         flat: list[Any] = []
         for i, leaves, described_saved in plan[1]:
             if forward and leaves:
@@ -378,12 +365,8 @@ class _Recorder:
                         known = leaf_roots.get(id(array))
                         if known is None or known() is not array:
                             facts = t.facts
-                            if facts is None:  # `_fields`' first lookup, inline
-                                by_shape = kept_fields.get(array.dtype)
-                                facts = by_shape.get(array.shape) if by_shape else None
-                                if facts is None:
-                                    facts = self._fields(buffer, array)
-                                t.facts = facts
+                            if facts is None:
+                                facts = t.facts = self._fields(buffer, array)
                             flat.extend((t.serial, role, True, None, facts))
                             continue
                 flat.extend(describe(buffer, role, unedged and slot not in made))
@@ -414,13 +397,9 @@ class _Recorder:
     def _replayed_leaves(self, leaves: tuple[int, ...], values: list[Any],
                          made: tuple[int, ...]) -> None:
         """The leaves of a replayed instruction's leaf slots, learned."""
-        leaf_roots = self.leaf_roots
         for slot in leaves:
             if slot not in made:  # a carry the previous step made is no leaf
-                array = values[slot]
-                known = leaf_roots.get(id(array))
-                if known is None or known() is not array:  # else: known already
-                    self._learn_leaf(array)
+                self._learn_leaf(values[slot])
 
     def _free(self, t: Tracked) -> None:
         """A watched buffer died (its reference's callback, in whichever thread the collector
