@@ -91,9 +91,8 @@ class Accountant:
     """Reads a recorder's log into its profile's fields; called with the profile (as its
     `_fill`)."""
 
-    def __init__(self, profile: Any, log: list[Any], started: float,
+    def __init__(self, log: list[Any], started: float,
                  before_reading: Callable[[], None]) -> None:
-        self.profile = profile
         self.log = log
         self.before_reading = before_reading
         self.lock = threading.RLock()
@@ -141,7 +140,7 @@ class Accountant:
             REPLAYING: (self._replaying, 1), REPLAYED: (self._replayed, 4),
             PHASE: (self._phase, 2), EVICT: (self._evict, 2),
             REMATERIALIZE: (self._rematerialize, 2), SETTLE: (self._settled, 1),
-            TRACK: (self._new, 4), END: (self._end, 1), QUIET: (self._quiet, 1),
+            TRACK: (self._new, 4), END: (self._end, 1), QUIET: (self._entries, 1),
             ORIGINAL: (self._original, 3),
         }
 
@@ -318,10 +317,11 @@ class Accountant:
         if extra > 0:
             self.view_bases[str(t.serial)] = extra
 
-    def _entry(self) -> None:
-        self.primitives += 1
+    def _entries(self, count: int) -> None:
+        """`count` primitives run (recorded or not) in the current phase."""
+        self.primitives += count
         if self.phase == "recompute":
-            self.recomputed += 1
+            self.recomputed += count
 
     def _at_peak(self) -> list[tuple[int, int]]:
         """(serial, bytes) of the owned buffers alive at the tape's peak."""
@@ -335,6 +335,7 @@ class Accountant:
 
     # ------------------------------------------------------------- log entries
     def _by_reference(self, serial: int, by_reference: bool, stored: int, where: Any) -> None:
+        """A new buffer stored as is: it waits for its first record to say whose it is."""
         self.pending[serial] = self._new(serial, by_reference, stored, where)
 
     def _packed(self, serial: int, by_reference: bool, stored: int, where: Any) -> None:
@@ -349,14 +350,13 @@ class Accountant:
               op: str, frame: Any, role: str, owned: bool, view: Any, time: float) -> None:
         if original is not None:
             self.originals[serial] = original
-        t = self.buffers[serial] = Buffer(serial, True, fields[3], array_id)
-        self.pending[serial] = t
+        self._by_reference(serial, True, fields[3], array_id)
         self._entry_saving(op, frame, (serial, role, owned, view, fields), time)
 
     def _entry_saving(self, op: str, frame: Any, saved: Any, time: float) -> None:
         if self.packed:
             self._count_packed(time)
-        self._entry()
+        self._entries(1)
         buffers = self.buffers
         for k in range(0, len(saved), 5):
             self._saved(op, saved[k + 1], frame, buffers[saved[k]], saved[k + 2], saved[k + 3],
@@ -365,11 +365,6 @@ class Accountant:
             self._claim_pending(time)
         elif saved:
             self._point(time)
-
-    def _quiet(self, count: int) -> None:
-        self.primitives += count
-        if self.phase == "recompute":
-            self.recomputed += count
 
     def _nothing(self, time: float) -> None:
         self._entry_saving("", None, (), time)
@@ -405,7 +400,7 @@ class Accountant:
 
     def _apply(self, time: float) -> None:
         self._settled(time)
-        self._entry()
+        self._entries(1)
 
     def _phase(self, phase: str, time: float) -> None:
         """The sweep or a recompute began or ended: a point marks where the new phase begins
@@ -453,18 +448,16 @@ class Accountant:
         instruction by instruction (`DescribedStep`, in step_program.py, says what each would
         hold); the values it packed are counted in order with them, each instruction's before
         its record, as recording would have."""
-        buffers, pending = self.buffers, self.pending
-        for k in range(0, len(fresh), 4):  # its new buffers by reference, each waiting for
-            serial = fresh[k]  # its first record
-            buffers[serial] = pending[serial] = Buffer(serial, True, fresh[k + 1], fresh[k + 2])
+        for k in range(0, len(fresh), 4):  # its new buffers by reference
+            serial = fresh[k]
+            self._by_reference(serial, True, fresh[k + 1], fresh[k + 2])
             if fresh[k + 3] is not None:
                 self.originals[serial] = fresh[k + 3]
+        buffers = self.buffers
         packed, self.packed = self.packed, []
         n_packed, at = len(packed), 0
         before, self.before_step = self.before_step, ()
-        self.primitives += step.primitives
-        if self.phase == "recompute":
-            self.recomputed += step.primitives
+        self._entries(step.primitives)
         described = self.described.get(id(step))
         if described is None or described[0] is not step:
             described = self.described[id(step)] = (
@@ -511,7 +504,7 @@ def make_accountant(profile: Any, log: list[Any], started: float,
     """The profile's `_fill`: its fields are accounted for from `log` when first read
     (`before_reading()` called first, while the block runs: the recorder logs what it
     counted without logging)."""
-    accountant = Accountant(profile, log, started, before_reading)
+    accountant = Accountant(log, started, before_reading)
     profile.__dict__["_fill"] = accountant
     return accountant
 
