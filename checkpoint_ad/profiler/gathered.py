@@ -30,20 +30,13 @@ def settle_raw(profile: Any, records: list[Any], points: list[Any], started: flo
     if records:
         raw = iter(records)
         new, names = object.__new__, _RECORD_NAMES
-        dtype_names, origins = _dtype_names, _origins
         made = []
         for (op, role, shape, dtype, logical, stored, frame, serial, phase, owned, level,
              strategy) in zip(*(raw,) * RECORD_FIELDS):
-            dtype_name = dtype_names.get(dtype)
-            if dtype_name is None:
-                dtype_name = _dtype_name(dtype)
-            origin = origins.get(frame)
-            if origin is None:
-                origin = _origin(frame)
             record = new(SavedRecord)
             record.__dict__.update(zip(names, (
-                op, role, shape, dtype_name, logical, stored, origin, serial, phase, owned,
-                level, strategy)))
+                op, role, shape, _dtype_name(dtype), logical, stored, _origin(frame), serial,
+                phase, owned, level, strategy)))
             made.append(record)
         fields["_records"].extend(made)
         records.clear()
