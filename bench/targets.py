@@ -233,6 +233,9 @@ def _profiler(rows: Sequence[Row]) -> list[Target]:
     for row in (r for r in rows if r.bench == "profiler"):
         extras = row.extras
         program, variant = extras.get("program"), extras.get("variant")
+        if extras.get("breakdown"):
+            targets.extend(_profiler_parts(row))
+            continue
         detail = ("median of per-repeat ratios to the plain run, interleaved; gradients "
                   + ("bitwise equal" if extras.get("same_grads") else "NOT equal") + " to plain")
         if variant == "profiled":
@@ -247,6 +250,31 @@ def _profiler(rows: Sequence[Row]) -> list[Target]:
                 f"{program}: with tracemalloc (on by default only if <= 1.25x; opt-in)",
                 extras.get("overhead"), None, "info", detail))
     return targets
+
+
+def _profiler_parts(row: Row) -> list[Target]:
+    """The breakdown's lines: the engine's part of a profile's cost (handlers idle), and the
+    handler paths that take most of the rest, measured where they run."""
+    extras = row.extras
+    program = extras.get("program")
+    variant = extras.get("variant")
+    if variant == "profiled, handlers idle":
+        return [Target(f"{program}: the engine's part (handlers idle)", extras.get("overhead"),
+                       None, "info", "what the engine does for a listener: origin lines, "
+                       "buffers made for the profiler, the calls")]
+    if variant in ("handlers idle, no origin lines",
+                   "handlers idle, replayed steps make no buffers"):
+        return [Target(f"{program}: {variant}", extras.get("overhead"), None, "info",
+                       "the engine's part, less one of its parts (timed only: the profile "
+                       "is wrong)")]
+    handlers = extras.get("handlers") or {}
+    if extras.get("variant") != "profiled" or not handlers:
+        return []
+    most = sorted(handlers.items(), key=lambda kv: -kv[1]["ms_per_run"])[:4]
+    detail = "; ".join(f"{name} {h['calls_per_run']:.0f}x {h['us_each']:.2f} µs"
+                       for name, h in most)
+    return [Target(f"{program}: handlers, ms per run (timed where they run)",
+                   sum(h["ms_per_run"] for h in handlers.values()), None, "info", detail)]
 
 
 def check(rows: Sequence[Row]) -> list[Target]:

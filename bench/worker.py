@@ -23,7 +23,8 @@ from .measure import blas_info, pin_threads
 from .peers import PeerMissing
 
 TASK_MODULES = ("tape_overhead", "rnn", "inference", "models", "quantize_throughput", "planning",
-                "offload", "budgets", "budget_stacked", "profiler_overhead")
+                "offload", "budgets", "budget_stacked", "profiler_overhead",
+                "profiler_breakdown")
 
 
 def run_task(task: str, params: dict, threads: int) -> dict:

@@ -270,6 +270,41 @@ def test_profiler_overhead_rows_and_gradients_at_a_tiny_size():
     assert all(r["extras"]["overhead"] == 1.0 for r in plain)
 
 
+def test_profiler_breakdown_times_each_handler_and_puts_the_recorder_back():
+    """The breakdown's diagnostics swap the recorder class `profile()` builds: its handlers
+    are seen where they run (calls counted per run, the paths of `_kept` apart), the idle
+    variant logs nothing, and the real recorder is back afterwards."""
+    import checkpoint_ad as cad
+    from bench import profiler_breakdown
+    from checkpoint_ad.profiler import recorder
+
+    real = recorder._Recorder
+    tiny = {"imperative RNN": {"steps": 3, "batch": 2, "hidden": 4, "input": 3},
+            "GRU training step": {"steps": 3, "batch": 2, "hidden": 4, "input": 3},
+            "repeats": 2}
+    rows = profiler_breakdown.breakdown(tiny, threads=1)["rows"]
+    assert recorder._Recorder is real
+    assert len(rows) == 2 * len(profiler_breakdown.VARIANTS)
+    handlers = {r["extras"]["program"]: r["extras"]["handlers"] for r in rows
+                if r["extras"]["variant"] == "profiled"}
+    rnn, gru = handlers["imperative RNN"], handlers["GRU training step"]
+    # per step, tanh's output and xs[t] (for U's gradient) are new buffers, h @ W saves two
+    # slots and the sums nothing; the first step's h0 @ W saves W alone, its first buffer
+    assert rnn["_kept: new buffer"]["calls_per_run"] == 2 * 3 + 1
+    assert rnn["_kept: saved slots"]["calls_per_run"] == 3 - 1
+    assert rnn["_free"]["calls_per_run"] > 0
+    assert gru["_replayed"]["calls_per_run"] >= 1
+    assert all(h["us_each"] >= 0 and h["ms_per_run"] >= 0 for h in (*rnn.values(), *gru.values()))
+
+    with profiler_breakdown._recorder_class(profiler_breakdown._idle), cad.profile() as idle:
+        x = cad.tensor([1.0, 2.0], requires_grad=True)
+        cad.tanh(x).sum().backward()
+    assert idle.records == [] and idle.peak_tape_bytes == 0
+    with cad.profile() as heard:
+        cad.tanh(x).sum().backward()
+    assert [r.op for r in heard.records] == ["tanh"]
+
+
 def test_a_paired_ratio_divides_each_round_by_its_own_baseline(monkeypatch):
     """Rounds alternate which call runs first, and each ratio is taken within its round: a
     machine twice as slow in one round changes neither ratio (a clock stands in for time)."""
