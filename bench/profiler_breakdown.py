@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from time import perf_counter
 from typing import Any
 
-from .profiler_overhead import PROGRAMS, _timed
+from .profiler_overhead import PROGRAMS, interleaved
 
 VARIANTS = ("plain", "profiled", "profiled, handlers idle",
             "handlers idle, no origin lines", "handlers idle, replayed steps make no buffers")
@@ -182,13 +182,9 @@ def breakdown(params: dict, threads: int) -> dict[str, Any]:
             with _recorder_class(_idle), _no_step_buffers(), cad.profile():
                 step()
 
-        runs = dict(zip(VARIANTS, (step, profiled, idle, no_origins, no_step_buffers)))
-        for fn in runs.values():  # warm-up
-            fn()
-        times: dict[str, list[float]] = {name: [] for name in runs}
-        for _ in range(params["repeats"]):
-            for name, fn in runs.items():
-                times[name].append(_timed(fn))
+        times = interleaved(
+            dict(zip(VARIANTS, (step, profiled, idle, no_origins, no_step_buffers))),
+            params["repeats"])
         spent: dict[str, list[float]] = {}
         with _recorder_class(_timed_class(spent)):
             for _ in range(params["repeats"]):

@@ -111,6 +111,18 @@ def _timed(fn: Callable[[], None]) -> float:
         gc.unfreeze()
 
 
+def interleaved(runs: dict[str, Callable[[], None]], repeats: int) -> dict[str, list[float]]:
+    """Seconds of each run, `repeats` times, the runs taking turns within each repeat (a busy
+    machine slows them alike), after one warm-up call each."""
+    for fn in runs.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            times[name].append(_timed(fn))
+    return times
+
+
 def overhead(params: dict, threads: int) -> dict[str, Any]:
     """One row per (program, variant): median seconds and the ratio to the plain run."""
     import checkpoint_ad as cad
@@ -126,13 +138,7 @@ def overhead(params: dict, threads: int) -> dict[str, Any]:
         with cad.profile() as prof:
             step(update=False)
         same = all(np.array_equal(a, b) for a, b in zip(plain_grads, grads()))
-        runs = _variants(step)
-        for fn in runs.values():  # warm-up
-            fn()
-        times: dict[str, list[float]] = {name: [] for name in runs}
-        for _ in range(params["repeats"]):
-            for name, fn in runs.items():
-                times[name].append(_timed(fn))
+        times = interleaved(_variants(step), params["repeats"])
         for name, seconds in times.items():
             ratios = [t / p for t, p in zip(seconds, times["plain"])]
             rows.append({
