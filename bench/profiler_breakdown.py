@@ -1,8 +1,9 @@
 """Workload 6, where profiling's cost goes: the engine's part and each handler's.
 
 `profiler_overhead` says what a profile costs; this says what that cost is made of, so that
-a missed target comes with the profile that shows what bounds it. For each program of that
-bench, three variants run interleaved, repeat by repeat:
+a missed target comes with the profile that shows what bounds it. For each program it is
+given sizes for (the suite gives the small ones, where a profile costs most), five variants
+run interleaved, repeat by repeat:
 
 - plain;
 - profiled (`cad.profile()`);
@@ -121,9 +122,7 @@ def _timing(name: str, method: Callable[..., Any], spent: dict[str, list[Any]],
         finally:
             seconds = perf_counter() - start
             depth[0] = 0
-            tally = spent.get(_kept_path(*args) if name == "_kept" else name)
-            if tally is None:
-                tally = spent[_kept_path(*args) if name == "_kept" else name] = [0, 0.0]
+            tally = spent.setdefault(_kept_path(*args) if name == "_kept" else name, [0, 0.0])
             tally[0] += 1
             tally[1] += seconds
 

@@ -268,7 +268,7 @@ def _profiler_parts(row: Row) -> list[Target]:
                        "the engine's part, less one of its parts (timed only: the profile "
                        "is wrong)")]
     handlers = extras.get("handlers") or {}
-    if extras.get("variant") != "profiled" or not handlers:
+    if variant != "profiled" or not handlers:
         return []
     most = sorted(handlers.items(), key=lambda kv: -kv[1]["ms_per_run"])[:4]
     detail = "; ".join(f"{name} {h['calls_per_run']:.0f}x {h['us_each']:.2f} µs"
