@@ -276,17 +276,19 @@ def binomial_online(cost: StepCost) -> Iterator[Candidate]:
             untaped, taped, _ = _speeds(cost, form)
             # a quantized snapshot's plan is priced with a full carry on the tape already
             twice = form.carry_saved_bytes if SNAPSHOT_FORMS[storage_name] is None else 0
-            online = n * cost.online_step_seconds + planner_seconds(cost, s)
+            online = n * cost.online_step_seconds + planner_seconds(
+                n, s, cost.planner_step_seconds, cost.planner_snapshot_seconds)
             yield replace(offline, peak_tape_bytes=offline.peak_tape_bytes + twice,
                           forward_seconds=(offline.forward_seconds + (n - 1) * (taped - untaped)
                                            + online))
 
 
-def planner_seconds(cost: StepCost, s: int) -> float:
-    """The online planner's time over the loop (`overhead._planner_model`): unpriced, a
-    600-step loop's forward under an online `Binomial(293)` read 4x its prediction."""
-    n = cost.n_steps
-    return n * cost.planner_step_seconds + cost.planner_snapshot_seconds * s * max(0, n - s)
+def planner_seconds(n: int, s: int, per_step: float, per_snapshot: float) -> float:
+    """The online planner's time over `n` steps with `s` snapshots, as `per_step` and
+    `per_snapshot` (`StepCost.planner_step_seconds`, `planner_snapshot_seconds`) model it
+    (`overhead._planner_model`): unpriced, a 600-step loop's forward under an online
+    `Binomial(293)` read 4x its prediction."""
+    return n * per_step + per_snapshot * s * max(0, n - s)
 
 
 def keep_every_step_until(cost: StepCost) -> Iterator[Candidate]:

@@ -55,7 +55,7 @@ def replays(loop: StepLoop, trace: bool, until: Any = None, limit: int | None = 
     steps than are traced (with `until`, when it may run more than two: at most `limit`),
     and not itself inside a step being traced (an outer loop replays this one's operations
     as its own)."""
-    steps = loop.n if until is None else limit
+    steps = loop.most_steps(until, limit)
     return (trace and is_grad_enabled() and _state.tracer is None
             and (steps is None or steps > TRACED_STEPS))
 
@@ -64,7 +64,7 @@ def replays_untaped(loop: StepLoop, trace: bool, until: Any = None,
                     limit: int | None = None) -> bool:
     """Whether a loop run without gradients is worth tracing (see `untaped_loop.py`): as
     `replays`, with gradients off (with `until`, when it may run more than two steps)."""
-    steps = loop.n if until is None else limit
+    steps = loop.most_steps(until, limit)
     return (trace and not is_grad_enabled() and _state.tracer is None
             and (steps is None or steps > TRACED_STEPS))
 
@@ -77,7 +77,7 @@ def recorded_because(loop: StepLoop, trace: bool, until: Any = None,
         return "recorded: trace=False"
     if _state.tracer is not None:
         return "recorded: run inside a step being traced (the outer loop replays it)"
-    steps = loop.n if until is None else limit
+    steps = loop.most_steps(until, limit)
     return f"recorded: a loop of {steps} steps has none to replay beyond the {TRACED_STEPS} traced"
 
 

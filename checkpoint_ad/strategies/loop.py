@@ -57,6 +57,11 @@ class StepLoop:
     references to themselves here, so the budget knows when they let go of it (their
     backward sweep, or the graph dropped) and counts their bytes until then."""
 
+    def most_steps(self, until: Any, limit: int | None) -> int | None:
+        """The most steps the loop may run: its length, or with `until`, `limit` (None:
+        `until` alone ends the loop)."""
+        return self.n if until is None else limit
+
     def x_at(self, t: int) -> Any:
         """The scanned input of step t, without history (for re-runs under a plan)."""
         if self.xs_spec is None:

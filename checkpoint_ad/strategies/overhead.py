@@ -37,6 +37,7 @@ from .candidates import (
     binomial_online,
     keep_every_step,
     periodic,
+    planner_seconds,
 )
 from .loop import StepLoop
 from .online import OnlinePlanner
@@ -115,7 +116,7 @@ def executor_overhead() -> Overhead:
     advance = (revolve[1] - fixed - STEPS * reverse - packs * snapshot) / max(restores, 1)
     # a loop stopping on `until` (which never says so here) beside its known-length twin
     until = (excess["keep-all until"][0] - excess["keep-all"][0]) / STEPS
-    planner = STEPS * per_step + per_snapshot * 2 * (STEPS - 2)
+    planner = planner_seconds(STEPS, 2, per_step, per_snapshot)  # "binomial online" is s=2
     online = (excess["binomial online"][0] - planner) / STEPS
     return Overhead(snapshot, reverse, max(0.0, advance),
                     call_seconds=max(0.0, fixed_forward) + max(0.0, fixed),

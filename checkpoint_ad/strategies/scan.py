@@ -201,7 +201,7 @@ def _keep_all(
     if replays_untaped(loop, trace, until, limit):
         return run_untaped(loop, carry_leaves, until, limit)
     loop.mode = recorded_because(loop, trace, until, limit)
-    most = loop.n if until is None else limit  # None: until alone ends the loop
+    most = loop.most_steps(until, limit)
     loop.n = most or 0  # all of xs is split, if there is one
     rows = loop.all_x() if loop.xs_spec is not None else None
     return record_steps(loop, carry_leaves, [], rows, most, until)

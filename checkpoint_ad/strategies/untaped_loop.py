@@ -38,7 +38,7 @@ def run_untaped(loop: StepLoop, carry_leaves: list[Any],
                 limit: int | None = None) -> tuple[Any, Any]:
     """Every step of `loop` without a tape; with `until`, up to the first step after which it
     says stop (at most `limit` steps; None: no bound but `until`). (carry, ys)."""
-    most = loop.n if until is None else limit
+    most = loop.most_steps(until, limit)
     place = find(loop.step, "untaped", carry_leaves, loop.xs_leaves)
     carry, ys, first = traced_call(loop, 0, carry_leaves, loop.x_at(0))
     per_step = [ys]
