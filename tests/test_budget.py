@@ -603,7 +603,11 @@ def test_a_budget_plans_a_loop_that_ends_when_until_says_so():
     assert "until" in budget.last.table()
 
 
-def test_a_budget_plans_a_while_loop_of_unknown_length_with_the_most_snapshots_that_fit():
+def test_a_budget_plans_a_while_loop_of_unknown_length_with_the_fastest_plan_that_fits():
+    """Every binomial plan holds at any length; the budget runs the one priced fastest among
+    those that fit. (Usually the most snapshots: fewer re-runs. Not always, since the online
+    planner's decisions are priced O(s) each: on a busy machine its calibration can make
+    fewer snapshots the faster, and this test asserted the most and failed.)"""
     w, h0, step = _until_loop()
     with cad.profile():
         reference = cad.grad(cad.sum(cad.while_loop(
@@ -617,7 +621,8 @@ def test_a_budget_plans_a_while_loop_of_unknown_length_with_the_most_snapshots_t
     assert table.until == "unknown" and "unknown length" in table.table()
     assert all(r.name.startswith("binomial") for r in table.rows)  # keep-all has no bound
     fitting = [r for r in table.rows if r.peak_tape_bytes <= budget.limit_bytes]
-    assert table.chosen.peak_tape_bytes == max(r.peak_tape_bytes for r in fitting)
+    assert len(fitting) > 1  # a choice to make
+    assert table.chosen.seconds == min(r.seconds for r in fitting)
     assert prof.peak_tape_bytes == table.chosen.peak_tape_bytes <= budget.limit_bytes
     assert np.array_equal(grad, reference)
 
