@@ -4,8 +4,8 @@ profile's accounting is done from its log at the first read, after the run: this
 times both), and under `cad.profile(device_memory=True)` (tracemalloc on top).
 
 Two programs: the imperative RNN (a Python loop of ``h = tanh(h @ W + x_t @ U + b)``, every
-op recorded one by one, loss = sum of all hidden states) and one training step of a small
-`nn.GRU` (forward, mean-square loss, backward, SGD). The three variants of a program run
+op recorded one by one, loss = sum of all hidden states), at two sizes, and one training step
+of a small `nn.GRU` (forward, mean-square loss, backward, SGD). The variants of a program run
 interleaved in one process, repeat by repeat, so a busy machine slows them alike; each ratio
 is the median over repeats of (variant time / plain time of the same repeat). The profiled
 run's gradients are checked bitwise equal to the plain run's: profiling must not change what
