@@ -223,7 +223,7 @@ def _planned_seconds(
         forward = advanced * form.taped_seconds + last * form.taped_seconds
         kept_backward = last * form.backward_seconds
     forward += written * rows
-    return forward, (n - last) * backward + kept_backward + retaped * taped + rerun * untaped
+    return forward, advanced * backward + kept_backward + retaped * taped + rerun * untaped
 
 
 def binomial(cost: StepCost) -> Iterator[Candidate]:
