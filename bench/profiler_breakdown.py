@@ -24,13 +24,12 @@ swap the recorder class that `profile()` builds for a subclass while they run.
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from time import perf_counter
 from typing import Any
 
-from .profiler_overhead import PROGRAMS, interleaved
+from .profiler_overhead import PROGRAMS, interleaved, variant_rows
 
 VARIANTS = ("plain", "profiled", "profiled, handlers idle",
             "handlers idle, no origin lines", "handlers idle, replayed steps make no buffers")
@@ -193,14 +192,9 @@ def breakdown(params: dict, threads: int) -> dict[str, Any]:
                    "us_each": max(seconds / calls - timer, 0.0) * 1e6,
                    "ms_per_run": max(seconds - calls * timer, 0.0) / params["repeats"] * 1e3}
             for name, (calls, seconds) in sorted(spent.items()) if calls}
-        for name, seconds in times.items():
-            ratios = [t / p for t, p in zip(seconds, times["plain"])]
-            extras: dict[str, Any] = {"program": program, "variant": name, "breakdown": True,
-                                      "overhead": statistics.median(ratios), **sizes}
-            if name == "profiled":
-                extras["handlers"] = handlers
-                extras["timer_us"] = timer * 1e6
-            rows.append({"name": f"{program} · {name}", "seconds": statistics.median(seconds),
-                         "spread": [min(seconds), max(seconds)], "repeats": len(seconds),
-                         "extras": extras})
+        program_rows = variant_rows(program, times, {"breakdown": True, **sizes})
+        for row in program_rows:
+            if row["extras"]["variant"] == "profiled":
+                row["extras"].update(handlers=handlers, timer_us=timer * 1e6)
+        rows.extend(program_rows)
     return {"rows": rows}

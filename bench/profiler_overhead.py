@@ -123,6 +123,20 @@ def interleaved(runs: dict[str, Callable[[], None]], repeats: int) -> dict[str, 
     return times
 
 
+def variant_rows(program: str, times: dict[str, list[float]], extras: dict[str, Any],
+                 ) -> list[dict[str, Any]]:
+    """One row per variant of `program` (`times`, `interleaved`'s): median seconds, spread,
+    and its ratio to plain, the median of per-repeat ratios; `extras` added to each row's."""
+    rows = []
+    for name, seconds in times.items():
+        ratios = [t / p for t, p in zip(seconds, times["plain"])]
+        rows.append({"name": f"{program} · {name}", "seconds": statistics.median(seconds),
+                     "spread": [min(seconds), max(seconds)], "repeats": len(seconds),
+                     "extras": {"program": program, "variant": name,
+                                "overhead": statistics.median(ratios), **extras}})
+    return rows
+
+
 def overhead(params: dict, threads: int) -> dict[str, Any]:
     """One row per (program, variant): median seconds and the ratio to the plain run."""
     import checkpoint_ad as cad
@@ -139,20 +153,6 @@ def overhead(params: dict, threads: int) -> dict[str, Any]:
             step(update=False)
         same = all(np.array_equal(a, b) for a, b in zip(plain_grads, grads()))
         times = interleaved(_variants(step), params["repeats"])
-        for name, seconds in times.items():
-            ratios = [t / p for t, p in zip(seconds, times["plain"])]
-            rows.append({
-                "name": f"{program} · {name}",
-                "seconds": statistics.median(seconds),
-                "spread": [min(seconds), max(seconds)],
-                "repeats": len(seconds),
-                "extras": {
-                    "program": program,
-                    "variant": name,
-                    "overhead": statistics.median(ratios),
-                    "records": len(prof.records),
-                    "same_grads": same,
-                    **{k: v for k, v in sizes.items()},
-                },
-            })
+        rows.extend(variant_rows(program, times, {"records": len(prof.records),
+                                                  "same_grads": same, **sizes}))
     return {"rows": rows}
