@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .profiler_overhead import WIDE_RNN
 from .table import Ratio
 
 BENCHMARKS = ("tape", "rnn", "inference", "mlp", "heat", "quantize", "plan", "offload",
@@ -60,8 +61,7 @@ SIZES: dict[str, dict[str, Any]] = {
                                "fractions": (1.0, 0.5, 0.25, 0.15), "repeats": 5}},
         "profiler": {"imperative RNN": {"steps": 256, "batch": 32, "hidden": 128, "input": 128},
                      "GRU training step": {"steps": 32, "batch": 16, "hidden": 64, "input": 32},
-                     "imperative RNN, issue 10's sizes": {"steps": 256, "batch": 64,
-                                                          "hidden": 256, "input": 256},
+                     WIDE_RNN: {"steps": 256, "batch": 64, "hidden": 256, "input": 256},
                      "repeats": 15},
     },
     "quick": {
@@ -84,8 +84,7 @@ SIZES: dict[str, dict[str, Any]] = {
                                "fractions": (1.0, 0.5), "repeats": 2}},
         "profiler": {"imperative RNN": {"steps": 64, "batch": 16, "hidden": 64, "input": 64},
                      "GRU training step": {"steps": 16, "batch": 8, "hidden": 32, "input": 16},
-                     "imperative RNN, issue 10's sizes": {"steps": 32, "batch": 64,
-                                                          "hidden": 256, "input": 256},
+                     WIDE_RNN: {"steps": 32, "batch": 64, "hidden": 256, "input": 256},
                      "repeats": 5},
     },
 }
@@ -151,7 +150,7 @@ class Job:
 def _small_programs(sizes: dict[str, Any]) -> dict[str, Any]:
     """The profiler block's sizes, less the large RNN: the breakdown is for the programs
     whose profile costs most (Python's cost per event weighs most against small arrays)."""
-    return {k: v for k, v in sizes.items() if k != "imperative RNN, issue 10's sizes"}
+    return {k: v for k, v in sizes.items() if k != WIDE_RNN}
 
 
 def _tape(sizes: dict[str, Any]) -> list[Job]:
