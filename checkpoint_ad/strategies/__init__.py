@@ -5,9 +5,9 @@ Saved-value strategies decide how each saved value is kept (`KeepAll`, `StoreInp
 decide how a `scan` is checkpointed (`Binomial`, with a disk level or not, `Periodic`,
 `Recompute`), and a `Budget` picks the fastest of them that fits a memory limit (`estimate`
 shows its table); `Offload` keeps saved values on a storage level (host memory, disk);
-`Recompute` is also the region strategy of `checkpoint`; `Selective` checkpoints only the regions
-code marks with `region` (the attention core: selective recomputation). The kinds and their contracts are in
-`kinds.py`. Apply any of them with ``checkpoint_ad.use(strategy)`` or a ``strategy=``
+`Recompute` is also the region strategy of `checkpoint`; `Selective` checkpoints only the
+regions code marks with `region` (the attention core: selective recomputation). The kinds and
+their contracts are in `kinds.py`. Apply any of them with ``checkpoint_ad.use(strategy)`` or a ``strategy=``
 argument.
 """
 
@@ -27,8 +27,8 @@ from .quantized import Quantized
 from .recompute import Recompute, checkpoint, checkpoint_sequential
 from .revolve import binomial_plan, optimal_evaluations, periodic_plan, simulate_plan
 from .scan import scan, while_loop
-from .selective import Selective, region
 from .scope import current_loop_strategy, use
+from .selective import Selective, region
 
 __all__ = [
     "Binomial",

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import StrategyConfigError
+from ..grad_mode import refuse_trace
 from ..saved import Strategy, current_packer
 from .recompute import checkpoint
 
@@ -54,5 +55,9 @@ def region(name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     is a `Selective` naming `name`, and as it is otherwise."""
     packer = current_packer()
     if isinstance(packer, Selective) and name in packer.regions:
+        # A scan step that checkpoints is recorded, not traced into a step program: a region
+        # traced in steps 0 and 1 re-ran differently from its first run (RecomputeError).
+        # Remove once `checkpoint` itself can run inside traced steps.
+        refuse_trace("checkpoints a region (selective recomputation)")
         return checkpoint(fn, *args, **kwargs)
     return fn(*args, **kwargs)
