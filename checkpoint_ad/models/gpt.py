@@ -55,7 +55,8 @@ LayerParams = tuple[Tensor, ...]
 
 
 class GPT(UnrolledModel):
-    """carry: the residual stream (batch, seq, hidden); x: layer l's parameters; y: None.
+    """carry: the residual stream (batch, seq, hidden); x: layer l's parameters; y: the sum of
+    the layer's output (a probe the loss leaves out; a sum saves nothing for backward).
 
     >>> from checkpoint_ad.models.gpt import GPTConfig, make_gpt
     >>> model = make_gpt(GPTConfig(dtype="float64"))
@@ -97,7 +98,7 @@ class GPT(UnrolledModel):
         return (self.ln1_w, self.ln1_b, self.w_qkv, self.b_qkv, self.w_o, self.b_o,
                 self.ln2_w, self.ln2_b, self.w_fc, self.b_fc, self.w_proj, self.b_proj)
 
-    def step(self, x: Tensor, p: LayerParams) -> tuple[Tensor, None]:
+    def step(self, x: Tensor, p: LayerParams) -> tuple[Tensor, Tensor]:
         ln1_w, ln1_b, w_qkv, b_qkv, w_o, b_o, ln2_w, ln2_b, w_fc, b_fc, w_proj, b_proj = p
         b, s, h = x.shape
         heads = self.config.heads
@@ -107,7 +108,8 @@ class GPT(UnrolledModel):
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # Selective's region
         x = x + ops.reshape(ops.swapaxes(o, 1, 2), (b, s, h)) @ w_o + b_o
         m = ops.gelu(ops.layer_norm(x, -1, ln2_w, ln2_b) @ w_fc + b_fc, "tanh")
-        return x + (m @ w_proj + b_proj), None
+        x = x + (m @ w_proj + b_proj)
+        return x, ops.sum(x)
 
     def loss(self, final_carry: Tensor, ys: Any) -> Tensor:
         logits = ops.layer_norm(final_carry, -1, self.lnf_w, self.lnf_b) @ self.wte.mT

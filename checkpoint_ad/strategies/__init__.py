@@ -7,8 +7,8 @@ decide how a `scan` is checkpointed (`Binomial`, with a disk level or not, `Peri
 shows its table); `Offload` keeps saved values on a storage level (host memory, disk);
 `Recompute` is also the region strategy of `checkpoint`; `Selective` checkpoints only the
 regions code marks with `region` (the attention core: selective recomputation). The kinds and
-their contracts are in `kinds.py`. Apply any of them with ``checkpoint_ad.use(strategy)`` or a ``strategy=``
-argument.
+their contracts are in `kinds.py`. Apply any of them with ``checkpoint_ad.use(strategy)`` or a
+``strategy=`` argument.
 """
 
 from ..errors import RecomputeError
