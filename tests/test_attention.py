@@ -255,10 +255,10 @@ def test_mha_masks_follow_pytorchs_meaning():
     padding = np.array([[False, False, False, True], [False, False, False, False]])
     additive = np.where(blocked, -np.inf, 0.0)[None, None] + np.where(
         padding, -np.inf, 0.0)[:, None, None, :]
-    want, want_w = np_mha(mha, x, x, x, additive)
+    want, _ = np_mha(mha, x, x, x, additive)
     t = cad.tensor(x)
     for need_weights in (True, False):
-        out, w = mha(t, t, t, key_padding_mask=padding, attn_mask=blocked, is_causal=True,
+        out, _ = mha(t, t, t, key_padding_mask=padding, attn_mask=blocked, is_causal=True,
                      need_weights=need_weights)
         np.testing.assert_allclose(out.numpy(), want, rtol=1e-11, atol=1e-13)
     per_head = mha(t, t, t, attn_mask=blocked, average_attn_weights=False)[1]
@@ -272,7 +272,7 @@ def test_mha_unbatched_and_gradcheck():
     mha = MultiheadAttention(4, 2, dtype="float64", seed=3)
     x = rng.standard_normal((3, 4))
     out, w = mha(cad.tensor(x), cad.tensor(x), cad.tensor(x))
-    batched, bw = mha(cad.tensor(x[:, None]), cad.tensor(x[:, None]), cad.tensor(x[:, None]))
+    batched, _ = mha(cad.tensor(x[:, None]), cad.tensor(x[:, None]), cad.tensor(x[:, None]))
     np.testing.assert_allclose(out.numpy(), batched.numpy()[:, 0], rtol=1e-13)
     assert w.shape == (3, 3)
     assert cad.testing.gradcheck(lambda t: mha(t, t, t)[0], [leaf(x)])
