@@ -607,7 +607,8 @@ CHECKED_ELSEWHERE |= {
     "tile", "trace", "unsqueeze", "var",
 }
 # the ops added for transformers: tests/test_attention.py gradchecks them (gelu's tanh form too)
-CHECKED_ELSEWHERE |= {"layer_norm", "tril", "triu"}
+CHECKED_IN_TEST_ATTENTION = {"layer_norm", "tril", "triu"}
+CHECKED_ELSEWHERE |= CHECKED_IN_TEST_ATTENTION
 
 
 def _gradchecked_names() -> set[str]:
