@@ -9,6 +9,7 @@ go through `array_api_compat`.
 from __future__ import annotations
 
 import importlib
+import math
 from types import ModuleType
 from typing import Any
 
@@ -174,3 +175,36 @@ def broadcast_view(array: Any, shape: tuple[int, ...]) -> Any:
         view.setflags(write=False)
         return view
     return namespace(array).broadcast_to(array, shape)
+
+
+_erf_ufuncs: dict[type, Any] = {}
+
+
+def erf(array: Any) -> Any:
+    """The error function of each element, in `array`'s dtype (float32 stays float32).
+
+    The array-API standard has no erf: numpy arrays use scipy's ufunc where scipy is
+    installed (libm's ``math.erf`` per element otherwise: the same values, about ten times
+    slower), cupy arrays cupyx's; other libraries go through numpy and back.
+    """
+    kind = type(array)
+    ufunc = _erf_ufuncs.get(kind)
+    if ufunc is None:
+        ufunc = _erf_ufuncs[kind] = _find_erf(array)
+    return ufunc(array)
+
+
+def _find_erf(array: Any) -> Any:
+    if type(array).__module__.startswith("cupy"):
+        return importlib.import_module("cupyx.scipy.special").erf
+    try:
+        special = importlib.import_module("scipy.special")
+    except ImportError:  # an optional speed-up: scipy is not a dependency
+        by_element = np.frompyfunc(math.erf, 1, 1)
+        numpy_erf = lambda a: np.asarray(by_element(a), dtype=a.dtype)
+    else:
+        numpy_erf = special.erf
+    if isinstance(array, np.ndarray):
+        return numpy_erf
+    xp = namespace(array)
+    return lambda a: xp.asarray(numpy_erf(np.asarray(a)), dtype=a.dtype)

@@ -47,6 +47,7 @@ from .strategies import (
     Periodic,
     Quantized,
     Recompute,
+    Selective,
     StoreInputs,
     StoreOutputs,
     Strategy,
@@ -207,6 +208,7 @@ STORAGE_KINDS: Mapping[str, _Kind] = {
     "store-inputs": _Kind(StoreInputs, {}),
     "store-outputs": _Kind(StoreOutputs, {}),
     "quantized": _Kind(Quantized, _QUANTIZED_KEYS, required=("bits",)),
+    "selective": _Kind(Selective, {}),
     "python": _Kind(_user_strategy, {"class": _import_path, "args": _table}, required=("class",)),
 }
 

@@ -507,6 +507,16 @@ class Tensor(TensorBase, made_by_engine=True):
     def masked_fill(self, mask: Any, value: float) -> Tensor:
         return ops.masked_fill(self, mask, value)
 
+    def contiguous(self) -> Tensor:
+        """This tensor (PyTorch's layout call: every op here accepts any layout)."""
+        return self
+
+    def tril(self, diagonal: int = 0) -> Tensor:
+        return ops.tril(self, diagonal)
+
+    def triu(self, diagonal: int = 0) -> Tensor:
+        return ops.triu(self, diagonal)
+
     def clamp(self, min: float | None = None, max: float | None = None) -> Tensor:
         return ops.clamp(self, min, max)
 

@@ -19,6 +19,7 @@ TINY = {
     "residual_mlp": {"layers": 8, "width": 6, "batch": 4},
     "heat": {"grid": 8, "steps": 30},
     "neural_ode": {"dim": 3, "hidden": 8, "batch": 4, "steps": 8},
+    "gpt": {"layers": 3, "seq": 5, "batch": 2, "hidden": 8, "heads": 2, "vocab": 11},
 }
 SIZE_FIELDS = {
     "rnn": ["steps", "batch", "input_size", "hidden"],
@@ -26,6 +27,7 @@ SIZE_FIELDS = {
     "residual_mlp": ["layers", "width", "batch"],
     "heat": ["grid", "steps"],
     "neural_ode": ["dim", "hidden", "batch", "steps"],
+    "gpt": ["layers", "seq", "batch", "hidden", "heads", "vocab"],
 }
 NAMES = sorted(models.MODELS)
 
@@ -46,7 +48,7 @@ def assert_matches_reference(model, loss, rtol):
 
 
 def test_registry_has_the_expected_models():
-    assert set(models.MODELS) == {"rnn", "lstm", "residual_mlp", "heat", "neural_ode"}
+    assert set(models.MODELS) == {"rnn", "lstm", "residual_mlp", "heat", "neural_ode", "gpt"}
     assert set(SIZE_FIELDS) == set(models.MODELS)
 
 
@@ -185,7 +187,7 @@ def test_python_loop_and_tree_helpers():
 
 # ----------------------------------------------------------------- configuration errors
 def test_unknown_model_lists_the_known_names():
-    with pytest.raises(models.UnknownModelError, match="known models: heat, lstm") as info:
+    with pytest.raises(models.UnknownModelError, match="known models: gpt, heat, lstm") as info:
         models.build("transformer")
     assert isinstance(info.value, ValueError)
     assert all(name in str(info.value) for name in models.MODELS)

@@ -30,6 +30,7 @@ from checkpoint_ad.strategies import (
     Periodic,
     Quantized,
     Recompute,
+    Selective,
     StoreInputs,
     StoreOutputs,
 )
@@ -52,6 +53,8 @@ SHIPPED = {
     "int2": (None, Quantized(2, group_size=128), False),
     "int8-stochastic": (None, Quantized(8, group_size=128, stochastic=True), False),
     "revolve-8-int8": (Binomial(8, storage=Quantized(8, group_size=128)), KeepAll(), False),
+    "selective": (None, Selective(), True),
+    "full": (Recompute(), KeepAll(), True),
 }
 LOSSLESS = [name for name, (_, _, lossless) in SHIPPED.items() if lossless]
 

@@ -13,6 +13,7 @@ makes no numpy-only call) and, where a GPU is present, on cupy.
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 from typing import Any
@@ -235,6 +236,9 @@ UNARY = {
     "sqrt": (cad.sqrt, np.sqrt, "positive"),
     "abs": (cad.abs, np.abs, "kink"),
     "negative": (cad.negative, np.negative, "any"),
+    "erf": (cad.erf, np.vectorize(math.erf), "any"),
+    "gelu": (cad.gelu, lambda x: 0.5 * x * (1.0 + np.vectorize(math.erf)(x / math.sqrt(2.0))),
+             "any"),
     "clip_low": (lambda x: cad.clip(x, low=-0.5), lambda x: np.maximum(x, -0.5), "clip"),
     "clip_high": (lambda x: cad.clip(x, high=0.5), lambda x: np.minimum(x, 0.5), "clip"),
     "clip_both": (lambda x: cad.clip(x, -0.5, 0.5), lambda x: np.clip(x, -0.5, 0.5), "clip"),
@@ -602,6 +606,9 @@ CHECKED_ELSEWHERE |= {
     "roll", "sinh", "sort", "split", "std", "swapaxes", "take_along_axis", "tan", "tensordot",
     "tile", "trace", "unsqueeze", "var",
 }
+# the ops added for transformers: tests/test_attention.py gradchecks them (gelu's tanh form too)
+CHECKED_IN_TEST_ATTENTION = {"layer_norm", "tril", "triu"}
+CHECKED_ELSEWHERE |= CHECKED_IN_TEST_ATTENTION
 
 
 def _gradchecked_names() -> set[str]:

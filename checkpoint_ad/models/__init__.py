@@ -18,6 +18,7 @@ from typing import Any
 
 from ..errors import ModelConfigError, UnknownModelError
 from .base import UnrolledModel, python_loop
+from .gpt import GPTConfig, make_gpt
 from .heat import HeatConfig, make_heat
 from .lstm import LSTMConfig, make_lstm
 from .neural_ode import NeuralODEConfig, make_neural_ode
@@ -39,6 +40,7 @@ MODELS: dict[str, ModelEntry] = {
     "residual_mlp": ModelEntry(ResidualMLPConfig, make_residual_mlp),
     "heat": ModelEntry(HeatConfig, make_heat),
     "neural_ode": ModelEntry(NeuralODEConfig, make_neural_ode),
+    "gpt": ModelEntry(GPTConfig, make_gpt),
 }
 
 
@@ -53,6 +55,7 @@ SWEEP_SIZES: dict[str, dict[str, int]] = {
     "residual_mlp": {"layers": 64, "width": 64, "batch": 64},
     "heat": {"grid": 32, "steps": 128},
     "neural_ode": {"dim": 16, "hidden": 64, "batch": 64, "steps": 64},
+    "gpt": {"layers": 8, "seq": 64, "batch": 8, "hidden": 64, "heads": 4, "vocab": 128},
 }
 
 
@@ -88,6 +91,7 @@ def build(name: str, **overrides: Any) -> UnrolledModel:
 __all__ = [
     "MODELS",
     "SWEEP_SIZES",
+    "GPTConfig",
     "HeatConfig",
     "LSTMConfig",
     "ModelConfigError",
@@ -98,6 +102,7 @@ __all__ = [
     "UnknownModelError",
     "UnrolledModel",
     "build",
+    "make_gpt",
     "make_heat",
     "make_lstm",
     "make_neural_ode",

@@ -3,7 +3,8 @@
 Small files, one job each: `module` (Parameter, Module, Sequential, ModuleList), `layers`
 (Linear, Embedding, LayerNorm, Dropout, activations), `recurrent` (cells and multi-layer
 RNN/GRU/LSTM whose loop runs through `scan`), `losses`, `functional` (stateless forms) and
-`utils` (gradient clipping, ``.npz`` files). Everything the former ``nn.py`` exported is here.
+`utils` (gradient clipping, ``.npz`` files), `transformer` (MultiheadAttention, encoder
+layers). Everything the former ``nn.py`` exported is here.
 """
 
 from . import functional, utils
@@ -18,11 +19,13 @@ from .module import (
     StateDictError,
 )
 from .recurrent import GRU, LSTM, RNN, GRUCell, LSTMCell, RNNCell
+from .transformer import MultiheadAttention, TransformerEncoder, TransformerEncoderLayer
 
 __all__ = [
     "GELU", "GRU", "LSTM", "RNN", "Dropout", "Embedding", "GRUCell", "LSTMCell", "LayerNorm",
-    "Linear", "Module", "ModuleConfigError", "ModuleList", "Parameter", "RNNCell", "ReLU",
-    "Sequential", "SiLU", "Sigmoid", "StateDictError", "Tanh",
+    "Linear", "Module", "ModuleConfigError", "ModuleList", "MultiheadAttention", "Parameter",
+    "RNNCell", "ReLU", "Sequential", "SiLU", "Sigmoid", "StateDictError", "Tanh",
+    "TransformerEncoder", "TransformerEncoderLayer",
     "binary_cross_entropy_with_logits", "cross_entropy", "functional", "mse_loss", "nll_loss",
     "utils",
 ]

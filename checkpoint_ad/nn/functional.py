@@ -16,13 +16,14 @@ import numpy as np
 from .. import ops, random
 from ..backend import to_device
 from ..errors import ShapeError
+from ..strategies.selective import ATTENTION, region
 from ..tensor import Tensor
 from .losses import binary_cross_entropy_with_logits, cross_entropy, mse_loss, nll_loss
 
 __all__ = [
     "binary_cross_entropy_with_logits", "cross_entropy", "dropout", "embedding", "gelu",
     "layer_norm", "linear", "log_softmax", "mse_loss", "nll_loss", "relu", "sigmoid", "silu",
-    "softmax", "tanh",
+    "scaled_dot_product_attention", "softmax", "tanh",
 ]
 
 relu = ops.relu
@@ -63,36 +64,16 @@ def silu(x: Tensor) -> Tensor:
     return x * ops.sigmoid(x)
 
 
-_ERF = (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429, 0.3275911)
-
-
-def _erf(x: Tensor) -> Tensor:
-    """erf from Abramowitz & Stegun 7.1.26 (absolute error below 1.5e-7), made of primitives."""
-    a1, a2, a3, a4, a5, p = _ERF
-    z = ops.abs(x)
-    t = 1.0 / (1.0 + p * z)
-    poly = t * (a1 + t * (a2 + t * (a3 + t * (a4 + t * a5))))
-    return ops.where(x >= 0, 1.0, -1.0) * (1.0 - poly * ops.exp(-z * z))
-
-
 def gelu(x: Tensor, approximate: str = "none") -> Tensor:
-    """Gaussian error linear unit, x * Phi(x).
-
-    ``approximate="tanh"`` is the tanh formula; ``"none"`` uses erf, here from a polynomial
-    approximation accurate to 1.5e-7 (we have no erf primitive), so float64 results match
-    PyTorch's to within 1e-7 * |x|, not to the last bit.
+    """Gaussian error linear unit, x * Phi(x); ``approximate="tanh"`` is the tanh formula.
+    One primitive (`checkpoint_ad.gelu`): it saves its input only and keeps its dtype.
 
     >>> import checkpoint_ad as cad
     >>> from checkpoint_ad.nn import functional as F
     >>> round(F.gelu(cad.tensor([1.0], dtype="float64")).item(), 5)
     0.84134
     """
-    if approximate == "tanh":
-        inner = math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x)
-        return 0.5 * x * (1.0 + ops.tanh(inner))
-    if approximate != "none":
-        raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
-    return 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)))
+    return ops.gelu(x, approximate)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -172,7 +153,8 @@ def embedding(indices: Any, weight: Tensor, padding_idx: int | None = None) -> T
 def layer_norm(x: Tensor, normalized_shape: int | Sequence[int], weight: Tensor | None = None,
                bias: Tensor | None = None, eps: float = 1e-5) -> Tensor:
     """(x - mean) / sqrt(var + eps) over the trailing `normalized_shape` axes (biased variance,
-    as PyTorch), then scaled by `weight` and shifted by `bias`.
+    as PyTorch), then scaled by `weight` and shifted by `bias`. One primitive
+    (`checkpoint_ad.layer_norm`): it saves x, per-row mean and 1/std, and the weight.
 
     >>> import checkpoint_ad as cad
     >>> from checkpoint_ad.nn import functional as F
@@ -187,12 +169,69 @@ def layer_norm(x: Tensor, normalized_shape: int | Sequence[int], weight: Tensor 
             f"{list(shape)}"
         )
     axes = tuple(range(x.ndim - len(shape), x.ndim))
-    centred = x - ops.mean(x, axis=axes, keepdims=True)
-    variance = ops.mean(centred * centred, axis=axes, keepdims=True)
-    out = centred / ops.sqrt(variance + eps)
-    if weight is not None:
-        out = out * weight
-    if bias is not None:
-        out = out + bias
-    return out
+    return ops.layer_norm(x, axes, weight, bias, eps)
 
+
+
+def scaled_dot_product_attention(
+    query: Tensor, key: Tensor, value: Tensor, attn_mask: Any = None, dropout_p: float = 0.0,
+    is_causal: bool = False, scale: float | None = None,
+) -> Tensor:
+    """softmax(query @ key^T * scale + mask) @ value over the last two axes, PyTorch's function:
+    query (..., L, E), key (..., S, E), value (..., S, Ev); `scale` defaults to 1/sqrt(E).
+
+    `attn_mask` broadcasts to (..., L, S): booleans say which positions take part (True), a
+    float mask is added to the scores; ``is_causal=True`` lets position i see positions <= i
+    (the top-left triangle, as PyTorch). Dropout (always applied when `dropout_p` > 0, as in
+    PyTorch) draws from the engine's generator. The whole core is one `region` named
+    "attention": under `strategies.Selective` it keeps only q, k, v and is re-run in backward.
+
+    >>> import checkpoint_ad as cad
+    >>> from checkpoint_ad.nn import functional as F
+    >>> q = cad.randn(2, 3, 5, 4, generator=0)
+    >>> F.scaled_dot_product_attention(q, q, q, is_causal=True).shape
+    (2, 3, 5, 4)
+    """
+    if query.ndim < 2 or key.ndim < 2 or value.ndim < 2 or query.shape[-1] != key.shape[-1] or (
+        key.shape[-2] != value.shape[-2]
+    ):
+        raise ShapeError(
+            f"scaled_dot_product_attention: query {list(query.shape)}, key {list(key.shape)} "
+            f"and value {list(value.shape)} do not fit; expected (..., L, E), (..., S, E) and "
+            "(..., S, Ev)"
+        )
+    if is_causal and attn_mask is not None:
+        raise ShapeError("scaled_dot_product_attention: pass attn_mask or is_causal=True, "
+                         "not both (as in PyTorch); fold the causal triangle into the mask")
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"scaled_dot_product_attention: dropout_p must lie in [0, 1], got "
+                         f"{dropout_p!r}")
+    factor = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    keep, added = _attention_mask(attn_mask, is_causal, query.shape[-2], key.shape[-2], query)
+
+    def core(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        scores = ops.matmul(q, ops.matrix_transpose(k)) * factor
+        if keep is not None:
+            scores = ops.masked_fill(scores, ops.logical_not(keep), -math.inf)
+        if added is not None:
+            scores = scores + added
+        weights = ops.softmax(scores, -1)
+        if dropout_p > 0.0:
+            weights = dropout(weights, dropout_p)
+        return ops.matmul(weights, v)
+
+    return region(ATTENTION, core, query, key, value)
+
+
+def _attention_mask(mask: Any, is_causal: bool, rows: int, cols: int,
+                    like: Tensor) -> tuple[Any, Any]:
+    """(where positions take part, as a boolean array, or None; a float mask to add, or None).
+    A boolean mask is a constant: the re-run of a checkpointed core reads the same one."""
+    if is_causal:
+        return to_device(np.tril(np.ones((rows, cols), dtype=bool)), like.device), None
+    if mask is None:
+        return None, None
+    data = mask._data if isinstance(mask, Tensor) else mask
+    if "bool" in str(data.dtype):
+        return data, None
+    return None, mask

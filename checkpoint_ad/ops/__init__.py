@@ -20,6 +20,8 @@ from .composite import (
     tensordot,
     tile,
     trace,
+    tril,
+    triu,
     unsqueeze,
     var,
 )
@@ -35,8 +37,10 @@ from .elementwise import (
     cosh,
     divide,
     equal,
+    erf,
     exp,
     expm1,
+    gelu,
     greater,
     greater_equal,
     isfinite,
@@ -68,7 +72,7 @@ from .elementwise import (
     zeros_like,
 )
 from .linalg import einsum, matmul, norm
-from .normalizing import log_softmax, logsumexp, softmax
+from .normalizing import layer_norm, log_softmax, logsumexp, softmax
 from .reductions import argmax, argmin, cumsum, max, mean, min, prod, sum
 from .shape import (
     ValuesIndices,
@@ -105,4 +109,6 @@ __all__ = [
     "masked_fill", "norm", "outer", "pad", "permute", "prod", "repeat", "repeat_interleave",
     "roll", "sinh", "sort", "split", "std", "swapaxes", "take_along_axis", "tan", "tensordot",
     "tile", "trace", "unsqueeze", "var",
+    # added for transformers
+    "erf", "gelu", "layer_norm", "tril", "triu",
 ]

@@ -38,7 +38,7 @@ from .shape import (
 __all__ = [
     "cat", "chunk", "clamp", "diag", "dot", "expand", "flatten", "masked_fill", "outer", "pad",
     "permute", "repeat", "repeat_interleave", "split", "std", "tensordot", "tile", "trace",
-    "unsqueeze", "var",
+    "tril", "triu", "unsqueeze", "var",
 ]
 
 
@@ -287,6 +287,41 @@ def masked_fill(x: Any, mask: Any, value: float) -> Any:
     x = as_tensor(x)
     fill = as_tensor(value, like=(x,))
     return where(getattr(mask, "_data", mask), fill, x)
+
+
+def _band(x: Any, diagonal: int, lower: bool) -> Any:
+    """x where column - row <= diagonal (lower) or >= diagonal (upper) in its last two axes,
+    zero elsewhere; the mask is made on x's device and passes no gradient."""
+    data = getattr(x, "_data", x)
+    if data.ndim < 2:
+        raise ShapeError(f"{'tril' if lower else 'triu'}: needs at least 2 axes, got shape "
+                         f"{list(data.shape)}")
+    xp = namespace(data)
+    rows, cols = data.shape[-2:]
+    offset = xp.arange(cols)[None, :] - xp.arange(rows)[:, None]
+    keep = offset <= diagonal if lower else offset >= diagonal
+    x = as_tensor(x)
+    return where(keep, x, as_tensor(0.0, like=(x,)))
+
+
+def tril(x: Any, diagonal: int = 0) -> Any:
+    """The lower triangle of the last two axes (on and below `diagonal`), zeros above.
+
+    >>> import checkpoint_ad as cad
+    >>> cad.tril(cad.ones(2, 3)).tolist()
+    [[1.0, 0.0, 0.0], [1.0, 1.0, 0.0]]
+    """
+    return _band(x, diagonal, lower=True)
+
+
+def triu(x: Any, diagonal: int = 0) -> Any:
+    """The upper triangle of the last two axes (on and above `diagonal`), zeros below.
+
+    >>> import checkpoint_ad as cad
+    >>> cad.triu(cad.ones(2, 3), 1).tolist()
+    [[0.0, 1.0, 1.0], [0.0, 0.0, 1.0]]
+    """
+    return _band(x, diagonal, lower=False)
 
 
 # ------------------------------------------------------------------ statistics

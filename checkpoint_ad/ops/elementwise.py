@@ -7,9 +7,11 @@ Broadcasting is undone by the engine for primitives marked ``broadcasts=True``.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ..backend import device_name, namespace, resolve_dtype
+from ..backend import erf as _erf_array
 from ..backend import to_device as _move
 from ..tape import define, vjp
 
@@ -359,3 +361,57 @@ def cosh(x: Any) -> Any:
 
 
 atan = arctan
+
+
+# ------------------------------------------------------------------ for transformers
+# gelu is one primitive (not x * Phi(x) composed) so that it saves its input only and computes
+# in the input's dtype: composed, the erf form kept about a dozen arrays of the input's size
+_SQRT_HALF = math.sqrt(0.5)
+_TWO_OVER_SQRT_PI = 2.0 / math.sqrt(math.pi)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+_TANH_SCALE = math.sqrt(2.0 / math.pi)  # the tanh form: tanh(c * (x + 0.044715 x^3))
+_TANH_CUBIC = 0.044715
+
+
+def _gelu(xp: Any, x: Any, *, approximate: str) -> Any:
+    if approximate == "tanh":
+        return 0.5 * x * (1.0 + xp.tanh(_TANH_SCALE * (x + _TANH_CUBIC * x * x * x)))
+    return 0.5 * x * (1.0 + _erf_array(x * _SQRT_HALF))
+
+
+def _gelu_rule(g: Any, x: Any, *, approximate: str) -> Any:
+    if approximate == "tanh":
+        t = tanh(_TANH_SCALE * (x + _TANH_CUBIC * x * x * x))
+        slope = _TANH_SCALE * (1.0 + 3.0 * _TANH_CUBIC * x * x)
+        return g * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * slope)
+    return g * (0.5 * (1.0 + erf(x * _SQRT_HALF)) + x * exp(-0.5 * x * x) * _INV_SQRT_2PI)
+
+
+ERF = define("erf", lambda xp, x: _erf_array(x), "x", [
+    {"x": vjp("x", lambda g, x: g * _TWO_OVER_SQRT_PI * exp(-(x * x)))},
+])
+GELU = define("gelu", _gelu, "x", [{"x": vjp("x", _gelu_rule)}])
+
+
+def erf(x: Any) -> Any:
+    """The error function, 2/sqrt(pi) times the integral of exp(-t^2) from 0 to x.
+
+    >>> import checkpoint_ad as cad
+    >>> round(cad.erf(cad.tensor(1.0, dtype="float64")).item(), 6)
+    0.842701
+    """
+    return ERF(x)
+
+
+def gelu(x: Any, approximate: str = "none") -> Any:
+    """Gaussian error linear unit x * Phi(x) (Phi the standard normal CDF, through erf), or
+    with ``approximate="tanh"`` 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). One
+    primitive: it saves its input only, and its result has the input's dtype.
+
+    >>> import checkpoint_ad as cad
+    >>> round(cad.gelu(cad.tensor(1.0, dtype="float64")).item(), 6)
+    0.841345
+    """
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+    return GELU(x, approximate=approximate)

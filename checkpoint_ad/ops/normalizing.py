@@ -1,4 +1,4 @@
-"""Normalising primitives used by networks: softmax, log_softmax, logsumexp."""
+"""Normalising primitives used by networks: softmax, log_softmax, logsumexp, layer_norm."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..tape import define, vjp
-from .elementwise import exp
-from .reductions import SUM, axis_keywords, kept_shape, unreduce
+from ..tensor_base import TensorBase
+from .elementwise import exp, sqrt
+from .reductions import SUM, axis_keywords, kept_shape, mean, unreduce
 from .shape import normalize_axes, reshape
 
 
@@ -91,3 +92,61 @@ def log_softmax(
 
 def _last_by_default(axis: Any) -> Any:
     return -1 if axis is None else axis
+
+
+# ------------------------------------------------------------------ layer_norm
+# One primitive with the scale inside (the shift, which saves nothing, is added after): it
+# saves its input, the per-row statistics (mean and 1/std, stacked: shape (2, rows...)) and
+# the scale, as PyTorch's kernel does; composed of means and divisions it kept three arrays of
+# the input's size. The statistics come from a primitive without gradient: the rules below
+# are the total derivative through them.
+def _statistics(xp: Any, x: Any, *, axis: tuple[int, ...], eps: float) -> Any:
+    centre = xp.mean(x, axis=axis, keepdims=True)
+    centred = x - centre
+    rstd = 1.0 / xp.sqrt(xp.mean(centred * centred, axis=axis, keepdims=True) + eps)
+    return xp.stack([centre, rstd])
+
+
+def _normalized(x: Any, stats: Any, axis: tuple[int, ...], eps: float) -> tuple[Any, Any]:
+    """(x - mean) * rstd and rstd. Under create_graph (tensors) the statistics are computed
+    again from x with differentiable ops, so that higher derivatives see how they depend on x;
+    the saved ones would be constants there."""
+    if isinstance(x, TensorBase):
+        centred = x - mean(x, axis, keepdims=True)
+        rstd = 1.0 / sqrt(mean(centred * centred, axis, keepdims=True) + eps)
+        return centred * rstd, rstd
+    return (x - stats[0]) * stats[1], stats[1]
+
+
+def _layer_norm_x(g: Any, x: Any, stats: Any, weight: Any, *, axis: Any, eps: Any) -> Any:
+    y, rstd = _normalized(x, stats, axis, eps)
+    gy = g * weight
+    return rstd * (gy - mean(gy, axis, keepdims=True) - y * mean(gy * y, axis, keepdims=True))
+
+
+LAYER_NORM_STATISTICS = define("layer_norm_statistics", _statistics, differentiable=False)
+LAYER_NORM = define(
+    "layer_norm", lambda xp, x, stats, weight, *, axis, eps: (x - stats[0]) * stats[1] * weight,
+    "x stats weight", [
+        {"x": vjp("x stats weight", _layer_norm_x),
+         "weight": vjp("x stats", lambda g, x, stats, *, axis, eps:
+                       g * _normalized(x, stats, axis, eps)[0])},
+    ], broadcasts=True)
+
+
+def layer_norm(
+    x: Any, axis: int | Sequence[int] = -1, weight: Any = None, bias: Any = None,
+    eps: float = 1e-5,
+) -> Any:
+    """(x - mean) / sqrt(var + eps) over `axis` (biased variance, as PyTorch), times `weight`,
+    plus `bias`. Saves x, per-row mean and 1/std, and the weight; computes in x's dtype.
+
+    >>> import checkpoint_ad as cad
+    >>> y = cad.layer_norm(cad.tensor([[1.0, 3.0]]))
+    >>> [round(v, 3) for v in y.tolist()[0]]
+    [-1.0, 1.0]
+    """
+    axes, _ = _axes(x, axis, "layer_norm")
+    stats = LAYER_NORM_STATISTICS(x, axis=axes, eps=float(eps))
+    out = LAYER_NORM(x, stats, 1.0 if weight is None else weight, axis=axes, eps=float(eps))
+    return out if bias is None else out + bias

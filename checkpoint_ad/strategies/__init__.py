@@ -5,9 +5,10 @@ Saved-value strategies decide how each saved value is kept (`KeepAll`, `StoreInp
 decide how a `scan` is checkpointed (`Binomial`, with a disk level or not, `Periodic`,
 `Recompute`), and a `Budget` picks the fastest of them that fits a memory limit (`estimate`
 shows its table); `Offload` keeps saved values on a storage level (host memory, disk);
-`Recompute` is also the region strategy of `checkpoint`. The kinds and their contracts are in
-`kinds.py`. Apply any of them with ``checkpoint_ad.use(strategy)`` or a ``strategy=``
-argument.
+`Recompute` is also the region strategy of `checkpoint`; `Selective` checkpoints only the
+regions code marks with `region` (the attention core: selective recomputation). The kinds and
+their contracts are in `kinds.py`. Apply any of them with ``checkpoint_ad.use(strategy)`` or a
+``strategy=`` argument.
 """
 
 from ..errors import RecomputeError
@@ -27,6 +28,7 @@ from .recompute import Recompute, checkpoint, checkpoint_sequential
 from .revolve import binomial_plan, optimal_evaluations, periodic_plan, simulate_plan
 from .scan import scan, while_loop
 from .scope import current_loop_strategy, use
+from .selective import Selective, region
 
 __all__ = [
     "Binomial",
@@ -45,6 +47,7 @@ __all__ = [
     "RecomputeError",
     "RegionStrategy",
     "Rematerializing",
+    "Selective",
     "Strategy",
     "StoreInputs",
     "StoreOutputs",
@@ -58,6 +61,7 @@ __all__ = [
     "jax_policies",
     "multilevel_plan",
     "periodic_plan",
+    "region",
     "remat",
     "revolve",
     "scan",
