@@ -18,11 +18,22 @@ from typing import Any
 import numpy as np
 
 from .. import events, random
+from ..backend import nbytes as array_nbytes
 from ..backend import to_device
+from ..entry import Entry
 from ..errors import RecomputeError
-from ..grad_mode import enable_grad, is_grad_enabled
+from ..grad_mode import enable_grad, is_grad_enabled, refuse_trace
 from ..origins import caller_origin, rerun_boundary, rerunning_from
-from ..saved import SavedSlot, Strategy, buffer_for, current_packer, use_packer
+from ..pytree import flatten
+from ..saved import (
+    PackedBuffer,
+    SavedSlot,
+    Strategy,
+    buffer_for,
+    current_packer,
+    use_packer,
+)
+from ..tape import next_sequence
 from ..tensor import Tensor
 from .kinds import LoopStrategy, RegionStrategy
 from .policy import as_strategy
@@ -58,8 +69,24 @@ class _Handle:
         self.index = index
 
 
+class _Late:
+    """A value packed after the region's first run ended: a loop inside the region re-tapes
+    its steps for its own backward, when the region has already been re-run. Such a value
+    belongs to that backward, not to the region's first run: it is kept as it is."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: Any) -> None:
+        self.array = array
+
+
 class RegionPacker(Strategy):
-    """Stands in for the saved values of one re-runnable region (or one step of a loop)."""
+    """Stands in for the saved values of one re-runnable region.
+
+    A re-run serves one backward sweep: each value is handed out as often as the region's
+    entries hold it (counted when the first run ends, `close`) and let go after its last read,
+    so the region runs again only for a value the sweep reads after that (a second sweep
+    with `retain_graph`, or an entry the count could not see)."""
 
     lossless = True
 
@@ -69,31 +96,65 @@ class RegionPacker(Strategy):
         self.meta: list[tuple[tuple[int, ...], Any]] = []
         self.originals: list[Any] | None = [] if region.debug else None
         self.values: list[Any] | None = None
-        self.unread = 0
+        self.reads: list[int] = []  # per value: how many saved slots hold its handle
+        self.left: list[int] = []  # per value: reads left before it is let go
+        self.unread = 0  # values not yet let go
+        self.closed = False
         self._choose = choose
 
     def choose_form(self, prim: Any) -> Any:
         return self._choose(prim) if self._choose is not None else prim.forms[0]
 
-    def pack(self, array: Any) -> _Handle:
+    def pack(self, array: Any) -> _Handle | _Late:
+        if self.closed:
+            return _Late(array)
         self.meta.append((tuple(array.shape), array.dtype))
         if self.originals is not None:
             self.originals.append(array.copy())
         return _Handle(self, len(self.meta) - 1)
 
-    def unpack(self, handle: _Handle) -> Any:
-        if self.values is None:
-            self.region.materialize(self.key)
+    def close(self, outputs: Any, seq_before: int) -> None:
+        """The first run returned `outputs`: count the reads of each value by the entries it
+        made (those after `seq_before` that lead to an output), and take no more values."""
+        self.closed = True
+        reads = [0] * len(self.meta)
+        stack = [t._entry for t in flatten(outputs)[0]
+                 if isinstance(t, Tensor) and t._entry is not None]
+        seen: set[int] = set()
+        while stack:
+            entry = stack.pop()
+            if entry.seq <= seq_before or id(entry) in seen:
+                continue
+            seen.add(id(entry))
+            for slot in entry.slots or ():
+                buffer = slot.buffer
+                if type(buffer) is PackedBuffer and buffer.packer is self:
+                    reads[buffer.packed.index] += 1
+            stack.extend(node for node in entry.nodes if type(node) is Entry)
+        self.reads = [max(1, n) for n in reads]  # unseen: read once, as a slot of its own
+
+    def unpack(self, handle: _Handle | _Late) -> Any:
+        if type(handle) is _Late:
+            return handle.array
+        values = self.values
+        if values is None or values[handle.index] is None:
+            self.region.materialize(self)
+            values = self.values
+            self.left = list(self.reads) if self.closed else [1] * len(self.meta)
             self.unread = len(self.meta)
-        assert self.values is not None
-        value = self.values[handle.index]
-        self.unread -= 1
-        if self.unread <= 0:
-            self.values = None  # everything read: drop until a later sweep asks again
+        assert values is not None
+        i = handle.index
+        value = values[i]
+        self.left[i] -= 1
+        if self.left[i] <= 0:  # its last read in this sweep: let go of it
+            values[i] = None
+            self.unread -= 1
+            if self.unread <= 0:
+                self.values = None
         return value
 
-    def stored_nbytes(self, handle: _Handle) -> int:
-        return 0
+    def stored_nbytes(self, handle: _Handle | _Late) -> int:
+        return array_nbytes(handle.array) if type(handle) is _Late else 0
 
     def accept(self, values: list[Any], what: str) -> None:
         """Take the values a re-run saved, after checking they match the first run."""
@@ -124,7 +185,11 @@ def _same(a: Any, b: Any) -> bool:
 
 
 class Collector(Strategy):
-    """A packer that keeps values and remembers them in order (used while re-running)."""
+    """A packer that keeps values and remembers them in order (used while re-running): kept
+    by reference, so the profiler counts a parameter or region input saved again as the
+    caller's or the region's, not as new tape bytes."""
+
+    watches_only = True
 
     def __init__(self, choose: Any) -> None:
         self.values: list[Any] = []
@@ -166,7 +231,10 @@ class _Region:
         self.kwargs = {k: self._keep(v, keep_with) for k, v in kwargs.items()}
         self.rng = _random_state()
         self.engine_state = random.get_state()
-        self.packer = RegionPacker(self, 0, outer.choose_form)
+        # how the region's primitives choose their forms; the region holds no reference to
+        # its packer (the packer holds it): no cycle, so it dies with the last entry of the
+        # region the sweep releases, and with it the inputs it kept
+        self.choose = outer.choose_form
         self.origin = caller_origin()  # what entries of `fn` re-run name, if it is ours
 
     def _keep(self, value: Any, packer: Strategy) -> Any:
@@ -187,11 +255,11 @@ class _Region:
         return t
 
     @rerun_boundary
-    def materialize(self, key: int) -> None:
+    def materialize(self, packer: RegionPacker) -> None:
         with events.recomputing(self.name), rerunning_from(self.origin):
             args = [self._restore(a) for a in self.args]
             kwargs = {k: self._restore(v) for k, v in self.kwargs.items()}
-            collector = Collector(self.packer._choose)
+            collector = Collector(self.choose)
             if not self.replay_rng:
                 with enable_grad(), use_packer(collector):
                     self.fn(*args, **kwargs)
@@ -205,7 +273,7 @@ class _Region:
                         self.fn(*args, **kwargs)
                 finally:
                     np.random.set_state(outer_rng)
-            self.packer.accept(collector.values, f"checkpointed function {self.name!r}")
+            packer.accept(collector.values, f"checkpointed function {self.name!r}")
 
 
 def checkpoint(
@@ -263,8 +331,14 @@ def checkpoint(
     if debug and not strategy.debug:
         strategy = replace(strategy, debug=True)
     region = _Region(fn, args, kwargs, strategy, bool(preserve_rng_state))
-    with use_packer(region.packer):
-        return fn(*args, **kwargs)
+    packer = RegionPacker(region, 0, region.choose)
+    refuse_trace("opens a checkpointed region (checkpoint, or remat without a saving "
+                 "policy), which a replay would not re-run")
+    seq_before = next_sequence()
+    with use_packer(packer):
+        outputs = fn(*args, **kwargs)
+    packer.close(outputs, seq_before)
+    return outputs
 
 
 def checkpoint_sequential(
