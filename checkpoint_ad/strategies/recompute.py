@@ -26,6 +26,7 @@ from ..grad_mode import enable_grad, is_grad_enabled, refuse_trace
 from ..origins import caller_origin, rerun_boundary, rerunning_from
 from ..pytree import flatten
 from ..saved import (
+    KEEP,
     PackedBuffer,
     SavedSlot,
     Strategy,
@@ -36,7 +37,7 @@ from ..saved import (
 from ..tape import next_sequence
 from ..tensor import Tensor
 from .kinds import LoopStrategy, RegionStrategy
-from .policy import as_strategy
+from .policy import NamesPolicy, as_strategy
 from .revolve import Plan, periodic_plan
 
 
@@ -69,15 +70,19 @@ class _Handle:
         self.index = index
 
 
-class _Late:
-    """A value packed after the region's first run ended: a loop inside the region re-tapes
-    its steps for its own backward, when the region has already been re-run. Such a value
-    belongs to that backward, not to the region's first run: it is kept as it is."""
+class _Kept:
+    """A value the region keeps rather than recomputes, in `strategy`'s stored form: one its
+    policy names (`checkpoint_policies.save_only_these_names`, ...), or one packed after the
+    first run ended (a loop inside the region re-tapes its steps for its own backward, when
+    the region was already re-run: the value belongs to that backward, kept as it is)."""
 
-    __slots__ = ("array",)
+    __slots__ = ("nbytes", "stored", "strategy")
 
-    def __init__(self, array: Any) -> None:
-        self.array = array
+    def __init__(self, strategy: Strategy, array: Any) -> None:
+        self.strategy = strategy
+        self.stored = strategy.pack(array)
+        measured = strategy.stored_nbytes(self.stored)
+        self.nbytes = array_nbytes(array) if measured is None else int(measured)
 
 
 class RegionPacker(Strategy):
@@ -90,9 +95,10 @@ class RegionPacker(Strategy):
 
     lossless = True
 
-    def __init__(self, region: Any, key: int, choose: Any) -> None:
+    def __init__(self, region: Any, choose: Any, keep: Any = None) -> None:
         self.region = region
-        self.key = key
+        self.keep = keep  # array -> the strategy keeping it from the first run, or None
+        self.kept: set[int] = set()  # values kept so: no re-run needed for them
         self.meta: list[tuple[tuple[int, ...], Any]] = []
         self.originals: list[Any] | None = [] if region.debug else None
         self.values: list[Any] | None = None
@@ -105,12 +111,16 @@ class RegionPacker(Strategy):
     def choose_form(self, prim: Any) -> Any:
         return self._choose(prim) if self._choose is not None else prim.forms[0]
 
-    def pack(self, array: Any) -> _Handle | _Late:
+    def pack(self, array: Any) -> _Handle | _Kept:
         if self.closed:
-            return _Late(array)
+            return _Kept(KEEP, array)
         self.meta.append((tuple(array.shape), array.dtype))
         if self.originals is not None:
             self.originals.append(array.copy())
+        storage = self.keep(array) if self.keep is not None else None
+        if storage is not None:
+            self.kept.add(len(self.meta) - 1)
+            return _Kept(storage, array)
         return _Handle(self, len(self.meta) - 1)
 
     def close(self, outputs: Any, seq_before: int) -> None:
@@ -128,20 +138,24 @@ class RegionPacker(Strategy):
             seen.add(id(entry))
             for slot in entry.slots or ():
                 buffer = slot.buffer
-                if type(buffer) is PackedBuffer and buffer.packer is self:
+                if type(buffer) is PackedBuffer and buffer.packer is self and (
+                        type(buffer.packed) is _Handle):
                     reads[buffer.packed.index] += 1
             stack.extend(node for node in entry.nodes if type(node) is Entry)
         self.reads = [max(1, n) for n in reads]  # unseen: read once, as a slot of its own
 
-    def unpack(self, handle: _Handle | _Late) -> Any:
-        if type(handle) is _Late:
-            return handle.array
+    def unpack(self, handle: _Handle | _Kept) -> Any:
+        if type(handle) is _Kept:
+            return handle.strategy.unpack(handle.stored)
         values = self.values
         if values is None or values[handle.index] is None:
             self.region.materialize(self)
             values = self.values
+            assert values is not None
             self.left = list(self.reads) if self.closed else [1] * len(self.meta)
-            self.unread = len(self.meta)
+            for i in self.kept:  # read from what the first run kept
+                values[i] = None
+            self.unread = len(self.meta) - len(self.kept)
         assert values is not None
         i = handle.index
         value = values[i]
@@ -153,8 +167,11 @@ class RegionPacker(Strategy):
                 self.values = None
         return value
 
-    def stored_nbytes(self, handle: _Handle | _Late) -> int:
-        return array_nbytes(handle.array) if type(handle) is _Late else 0
+    def stored_nbytes(self, handle: _Handle | _Kept) -> int:
+        return handle.nbytes if type(handle) is _Kept else 0
+
+    def stored_level(self, handle: _Handle | _Kept) -> str:
+        return handle.strategy.stored_level(handle.stored) if type(handle) is _Kept else "device"
 
     def accept(self, values: list[Any], what: str) -> None:
         """Take the values a re-run saved, after checking they match the first run."""
@@ -312,6 +329,7 @@ def checkpoint(
     """
     if not callable(fn):
         raise TypeError(f"checkpoint needs a function to re-run, got {type(fn).__name__}")
+    names = policy if isinstance(policy, NamesPolicy) else None
     saving = as_strategy(policy)
     if saving is not None:
         if strategy is not None:
@@ -331,7 +349,7 @@ def checkpoint(
     if debug and not strategy.debug:
         strategy = replace(strategy, debug=True)
     region = _Region(fn, args, kwargs, strategy, bool(preserve_rng_state))
-    packer = RegionPacker(region, 0, region.choose)
+    packer = RegionPacker(region, region.choose, names.storage if names is not None else None)
     refuse_trace("opens a checkpointed region (checkpoint, or remat without a saving "
                  "policy), which a replay would not re-run")
     seq_before = next_sequence()
@@ -341,14 +359,37 @@ def checkpoint(
     return outputs
 
 
+_SEQUENTIAL_KEYWORDS = frozenset({"preserve_rng_state", "debug"})
+
+
 def checkpoint_sequential(
-    functions: Sequence[Callable[[Any], Any]], segments: int | None = None, input: Any = None
+    functions: Sequence[Callable[[Any], Any]] | Any,
+    segments: int | None = None,
+    input: Any = None,
+    use_reentrant: bool | None = None,
+    **kwargs: Any,
 ) -> Any:
     """Run ``functions`` in order, checkpointing each of `segments` groups but the last.
 
-    The default of round(sqrt(n)) segments keeps about 2*sqrt(n) layers' values at a time for
-    one extra forward pass.
+    PyTorch's signature: `functions` is a list of callables or an `nn.Sequential`;
+    `use_reentrant` is accepted and ignored (see `checkpoint`), and `preserve_rng_state=`
+    (and `debug=`) are passed on to each group's `checkpoint`. The default of
+    round(sqrt(n)) segments keeps about 2*sqrt(n) layers' values at a time for one extra
+    forward pass.
+
+    >>> import checkpoint_ad as cad
+    >>> layers = [lambda v: v * 2, cad.tanh, lambda v: v + 1]
+    >>> x = cad.tensor([0.5, 1.0], requires_grad=True)
+    >>> cad.checkpoint_sequential(layers, 2, x, use_reentrant=False).sum().backward()
+    >>> x.grad.shape
+    (2,)
     """
+    unknown = sorted(set(kwargs) - _SEQUENTIAL_KEYWORDS)
+    if unknown:
+        raise TypeError(
+            f"checkpoint_sequential got unexpected keyword arguments {unknown}; it takes "
+            "use_reentrant, preserve_rng_state and debug"
+        )
     functions = list(functions)
     if not functions:
         raise ValueError("checkpoint_sequential needs at least one function")
@@ -367,6 +408,5 @@ def checkpoint_sequential(
 
     value = input
     for group in groups[:-1]:
-        value = checkpoint(run, group, value)
+        value = checkpoint(run, group, value, **kwargs)
     return run(groups[-1], value)
-
