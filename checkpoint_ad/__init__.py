@@ -43,6 +43,7 @@ from .profiler import Profile, profile
 from .saved import Packer, saved_values_hooks, use_packer
 from .strategies import (
     checkpoint,
+    checkpoint_name,
     checkpoint_policies,
     checkpoint_sequential,
     estimate,
@@ -80,6 +81,7 @@ __all__ = [
     "Tensor",
     "backward",
     "checkpoint",
+    "checkpoint_name",
     "checkpoint_policies",
     "checkpoint_sequential",
     "detect_anomaly",

@@ -74,6 +74,10 @@ class Strategy:
     # Storage levels (see strategies/offload.py): where a stored form's bytes live, and a hint
     # that lets a slow level read ahead of the backward sweep.
     reads_ahead: ClassVar[bool] = False  # True: prefetch hints help (a disk level)
+    # True: `pack` only looks at the array, and the array itself is the stored form (a
+    # region's re-run collecting its values): kept by reference, as `stores_as_is` keeps
+    # them, so a parameter or an input it saves again is still known for the caller's memory
+    watches_only: ClassVar[bool] = False
 
     def stored_level(self, stored: Any) -> str:
         """Where the stored form's bytes live: 'device' (the memory the value was computed
@@ -297,6 +301,9 @@ def pack_value(array: Any, packer: Strategy, made: list[Any] | None = None) -> S
     if type(packer) is KeepAll:
         buffer: SavedBuffer = KeptBuffer(array)
     elif stores_as_is(packer):
+        buffer = KeptByStrategy(array, packer)
+    elif packer.watches_only:
+        packer.pack(array)
         buffer = KeptByStrategy(array, packer)
     else:
         buffer = PackedBuffer(array, packer)

@@ -12,12 +12,11 @@ their contracts are in `kinds.py`. Apply any of them with ``checkpoint_ad.use(st
 """
 
 from ..errors import RecomputeError
-from . import jax_policies, revolve
-from . import jax_policies as checkpoint_policies
+from . import checkpoint_policies, jax_policies, revolve
 from .base import StoreInputs, StoreOutputs
 from .budget import Budget, Estimate, estimate
 from .dtr import Rematerializing
-from .jax_policies import remat
+from .jax_policies import checkpoint_name, remat
 from .kinds import KeepAll, LoopPlanner, LoopStrategy, RegionStrategy, Strategy
 from .loop_strategies import Binomial, Periodic
 from .multilevel import MultiLevel, MultiLevelPlan, multilevel_plan
@@ -53,6 +52,7 @@ __all__ = [
     "StoreOutputs",
     "binomial_plan",
     "checkpoint",
+    "checkpoint_name",
     "checkpoint_policies",
     "checkpoint_sequential",
     "current_loop_strategy",

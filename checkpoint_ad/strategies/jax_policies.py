@@ -11,6 +11,12 @@ Each named policy maps onto a strategy this library already has:
   JAX, an elementwise chain is not re-derived from the products alone: each of its primitives
   keeps the inputs its rule needs.
 
+- `save_only_these_names(*names)`, `save_any_names_but_these(*names)`,
+  `save_and_offload_only_these_names(...)`: values named with `checkpoint_name(x, name)` are
+  kept (or stored through `Offload`), the region keeps its inputs, and any other value is
+  recomputed. As the region re-runs the whole function (Python, not a jaxpr), keeping names
+  saves the re-run only where the backward reads nothing else; it never changes a gradient.
+
 A policy may also be any callable taking a `Primitive` and answering True (save) / False
 (recompute) or one of `Policy`'s answers, or any storage strategy object.
 """
@@ -23,10 +29,15 @@ from typing import Any
 
 from .policy import (
     NamedPolicy,
+    NamesPolicy,
     as_strategy,
+    checkpoint_name,
     dots_saveable,
     everything_saveable,
     nothing_saveable,
+    save_and_offload_only_these_names,
+    save_any_names_but_these,
+    save_only_these_names,
     save_products,
 )
 from .recompute import checkpoint
@@ -34,11 +45,16 @@ from .scope import use
 
 __all__ = [
     "NamedPolicy",
+    "NamesPolicy",
     "as_strategy",
+    "checkpoint_name",
     "dots_saveable",
     "everything_saveable",
     "nothing_saveable",
     "remat",
+    "save_and_offload_only_these_names",
+    "save_any_names_but_these",
+    "save_only_these_names",
     "save_products",
 ]
 
@@ -65,7 +81,7 @@ def remat(fn: Callable[..., Any], *, policy: Any = None, prevent_cse: bool = Tru
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         if strategy is None:
-            return checkpoint(fn, *args, **kwargs)
+            return checkpoint(fn, *args, policy=policy, **kwargs)
         with use(strategy):
             return fn(*args, **kwargs)
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ..tape import Form, Primitive
 from .base import KeepAll, StoreInputs, Strategy
+from .offload import Offload
 from .quantized import Quantized
 
 Answer = Any  # "save", "recompute", "quantize", or a Strategy
@@ -96,6 +98,8 @@ def as_strategy(policy: Any) -> Strategy | None:
         return None
     if isinstance(policy, NamedPolicy):
         return policy.strategy()
+    if isinstance(policy, NamesPolicy):
+        return None  # a region (`checkpoint` keeps the named values it says)
     if isinstance(policy, Strategy):
         return policy
     if callable(policy):
@@ -110,3 +114,103 @@ def as_strategy(policy: Any) -> Strategy | None:
         f"policy must be one of checkpoint_policies (e.g. dots_saveable), a callable "
         f"taking a primitive, or a strategy; got {type(policy).__name__}"
     )
+
+
+# ------------------------------------------------------------------ named values
+_names: dict[int, tuple[weakref.ref, str]] = {}  # id(array) -> (the array, weakly; its name)
+
+
+def checkpoint_name(x: Any, name: str) -> Any:
+    """JAX's ``checkpoint_name``: `x` itself, its value named `name` for the policies
+    `save_only_these_names`, `save_any_names_but_these` and `save_and_offload_only_these_names`
+    (outside a region with such a policy the name does nothing).
+
+    >>> import checkpoint_ad as cad
+    >>> h = cad.checkpoint_name(cad.ones(2), "h")
+    >>> h.shape
+    (2,)
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"checkpoint_name: the name must be a str, got {type(name).__name__}")
+    array = x._data
+    key = id(array)
+    _names[key] = (weakref.ref(array, lambda _, key=key: _names.pop(key, None)), name)
+    return x
+
+
+def name_of(array: Any) -> str | None:
+    """The name `checkpoint_name` gave `array` (None: none)."""
+    found = _names.get(id(array))
+    return found[1] if found is not None and found[0]() is array else None
+
+
+@dataclass(frozen=True)
+class NamesPolicy:
+    """A JAX policy over named values: a region that keeps only its inputs and the values
+    named (`checkpoint_name`) as `saved` says (in memory) or `offloaded` says (through
+    `Offload(level)`), and re-runs for any other value its backward reads."""
+
+    kind: str
+    names: tuple[str, ...]
+    offloaded: tuple[str, ...] = ()
+    level: str = "host"
+
+    def __repr__(self) -> str:
+        if self.kind == "save_and_offload_only_these_names":
+            return (f"checkpoint_policies.{self.kind}(names_which_can_be_saved={self.names!r}, "
+                    f"names_which_can_be_offloaded={self.offloaded!r}, level={self.level!r})")
+        return f"checkpoint_policies.{self.kind}{self.names!r}"
+
+    def storage(self, array: Any) -> Strategy | None:
+        """How a value the region's first run saves is kept (None: recomputed)."""
+        name = name_of(array)
+        if name is None:
+            return None
+        if self.kind == "save_any_names_but_these":
+            return _SAVE if name not in self.names else None
+        if name in self.names:
+            return _SAVE
+        if name in self.offloaded:
+            return Offload(self.level)
+        return None
+
+
+def _names_of(names: Any, what: str) -> tuple[str, ...]:
+    names = tuple(names)
+    if not all(isinstance(n, str) for n in names):
+        raise TypeError(f"{what} takes names (str), got {names!r}")
+    return names
+
+
+def save_only_these_names(*names: str) -> NamesPolicy:
+    """JAX's policy: keep the values named one of `names`, recompute everything else."""
+    return NamesPolicy("save_only_these_names", _names_of(names, "save_only_these_names"))
+
+
+def save_any_names_but_these(*names: str) -> NamesPolicy:
+    """JAX's policy: keep every named value but those named one of `names`; recompute the
+    rest."""
+    return NamesPolicy("save_any_names_but_these", _names_of(names, "save_any_names_but_these"))
+
+
+_OFFLOAD_LEVELS = {"pinned_host": "host", "host": "host", "disk": "disk"}
+
+
+def save_and_offload_only_these_names(
+    *, names_which_can_be_saved: Any, names_which_can_be_offloaded: Any,
+    offload_src: str = "device", offload_dst: str = "pinned_host",
+) -> NamesPolicy:
+    """JAX's policy: keep values named one of `names_which_can_be_saved`, store those named
+    one of `names_which_can_be_offloaded` through `Offload` (`offload_dst` "pinned_host" or
+    "host": host memory; "disk": the disk level), recompute the rest. `offload_src` is
+    where the values are (JAX's "device"; accepted for source compatibility)."""
+    level = _OFFLOAD_LEVELS.get(offload_dst)
+    if level is None:
+        raise ValueError(
+            f"save_and_offload_only_these_names: offload_dst={offload_dst!r}; use "
+            f"{', '.join(map(repr, _OFFLOAD_LEVELS))}"
+        )
+    return NamesPolicy(
+        "save_and_offload_only_these_names",
+        _names_of(names_which_can_be_saved, "names_which_can_be_saved"),
+        _names_of(names_which_can_be_offloaded, "names_which_can_be_offloaded"), level)

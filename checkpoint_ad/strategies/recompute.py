@@ -18,14 +18,26 @@ from typing import Any
 import numpy as np
 
 from .. import events, random
+from ..backend import nbytes as array_nbytes
 from ..backend import to_device
+from ..entry import Entry
 from ..errors import RecomputeError
-from ..grad_mode import enable_grad, is_grad_enabled
+from ..grad_mode import enable_grad, is_grad_enabled, refuse_trace
 from ..origins import caller_origin, rerun_boundary, rerunning_from
-from ..saved import SavedSlot, Strategy, buffer_for, current_packer, use_packer
+from ..pytree import flatten
+from ..saved import (
+    KEEP,
+    PackedBuffer,
+    SavedSlot,
+    Strategy,
+    buffer_for,
+    current_packer,
+    use_packer,
+)
+from ..tape import next_sequence
 from ..tensor import Tensor
 from .kinds import LoopStrategy, RegionStrategy
-from .policy import as_strategy
+from .policy import NamesPolicy, as_strategy
 from .revolve import Plan, periodic_plan
 
 
@@ -58,42 +70,108 @@ class _Handle:
         self.index = index
 
 
+class _Kept:
+    """A value the region keeps rather than recomputes, in `strategy`'s stored form: one its
+    policy names (`checkpoint_policies.save_only_these_names`, ...), or one packed after the
+    first run ended (a loop inside the region re-tapes its steps for its own backward, when
+    the region was already re-run: the value belongs to that backward, kept as it is)."""
+
+    __slots__ = ("nbytes", "stored", "strategy")
+
+    def __init__(self, strategy: Strategy, array: Any) -> None:
+        self.strategy = strategy
+        self.stored = strategy.pack(array)
+        measured = strategy.stored_nbytes(self.stored)
+        self.nbytes = array_nbytes(array) if measured is None else int(measured)
+
+
 class RegionPacker(Strategy):
-    """Stands in for the saved values of one re-runnable region (or one step of a loop)."""
+    """Stands in for the saved values of one re-runnable region.
+
+    A re-run serves one backward sweep: each value is handed out as often as the region's
+    entries hold it (counted when the first run ends, `close`) and let go after its last read,
+    so the region runs again only for a value the sweep reads after that (a second sweep
+    with `retain_graph`, or an entry the count could not see)."""
 
     lossless = True
 
-    def __init__(self, region: Any, key: int, choose: Any) -> None:
+    def __init__(self, region: Any, choose: Any, keep: Any = None) -> None:
         self.region = region
-        self.key = key
+        self.keep = keep  # array -> the strategy keeping it from the first run, or None
+        self.kept: set[int] = set()  # values kept so: no re-run needed for them
         self.meta: list[tuple[tuple[int, ...], Any]] = []
         self.originals: list[Any] | None = [] if region.debug else None
         self.values: list[Any] | None = None
-        self.unread = 0
+        self.reads: list[int] = []  # per value: how many saved slots hold its handle
+        self.left: list[int] = []  # per value: reads left before it is let go
+        self.unread = 0  # values not yet let go
+        self.closed = False
         self._choose = choose
 
     def choose_form(self, prim: Any) -> Any:
         return self._choose(prim) if self._choose is not None else prim.forms[0]
 
-    def pack(self, array: Any) -> _Handle:
+    def pack(self, array: Any) -> _Handle | _Kept:
+        if self.closed:
+            return _Kept(KEEP, array)
         self.meta.append((tuple(array.shape), array.dtype))
         if self.originals is not None:
             self.originals.append(array.copy())
+        storage = self.keep(array) if self.keep is not None else None
+        if storage is not None:
+            self.kept.add(len(self.meta) - 1)
+            return _Kept(storage, array)
         return _Handle(self, len(self.meta) - 1)
 
-    def unpack(self, handle: _Handle) -> Any:
-        if self.values is None:
-            self.region.materialize(self.key)
-            self.unread = len(self.meta)
-        assert self.values is not None
-        value = self.values[handle.index]
-        self.unread -= 1
-        if self.unread <= 0:
-            self.values = None  # everything read: drop until a later sweep asks again
+    def close(self, outputs: Any, seq_before: int) -> None:
+        """The first run returned `outputs`: count the reads of each value by the entries it
+        made (those after `seq_before` that lead to an output), and take no more values."""
+        self.closed = True
+        reads = [0] * len(self.meta)
+        stack = [t._entry for t in flatten(outputs)[0]
+                 if isinstance(t, Tensor) and t._entry is not None]
+        seen: set[int] = set()
+        while stack:
+            entry = stack.pop()
+            if entry.seq <= seq_before or id(entry) in seen:
+                continue
+            seen.add(id(entry))
+            for slot in entry.slots or ():
+                buffer = slot.buffer
+                if type(buffer) is PackedBuffer and buffer.packer is self and (
+                        type(buffer.packed) is _Handle):
+                    reads[buffer.packed.index] += 1
+            stack.extend(node for node in entry.nodes if type(node) is Entry)
+        self.reads = [max(1, n) for n in reads]  # unseen: read once, as a slot of its own
+
+    def unpack(self, handle: _Handle | _Kept) -> Any:
+        if type(handle) is _Kept:
+            return handle.strategy.unpack(handle.stored)
+        values = self.values
+        if values is None or values[handle.index] is None:
+            self.region.materialize(self)
+            values = self.values
+            assert values is not None
+            self.left = list(self.reads) if self.closed else [1] * len(self.meta)
+            for i in self.kept:  # read from what the first run kept
+                values[i] = None
+            self.unread = len(self.meta) - len(self.kept)
+        assert values is not None
+        i = handle.index
+        value = values[i]
+        self.left[i] -= 1
+        if self.left[i] <= 0:  # its last read in this sweep: let go of it
+            values[i] = None
+            self.unread -= 1
+            if self.unread <= 0:
+                self.values = None
         return value
 
-    def stored_nbytes(self, handle: _Handle) -> int:
-        return 0
+    def stored_nbytes(self, handle: _Handle | _Kept) -> int:
+        return handle.nbytes if type(handle) is _Kept else 0
+
+    def stored_level(self, handle: _Handle | _Kept) -> str:
+        return handle.strategy.stored_level(handle.stored) if type(handle) is _Kept else "device"
 
     def accept(self, values: list[Any], what: str) -> None:
         """Take the values a re-run saved, after checking they match the first run."""
@@ -124,7 +202,11 @@ def _same(a: Any, b: Any) -> bool:
 
 
 class Collector(Strategy):
-    """A packer that keeps values and remembers them in order (used while re-running)."""
+    """A packer that keeps values and remembers them in order (used while re-running): kept
+    by reference, so the profiler counts a parameter or region input saved again as the
+    caller's or the region's, not as new tape bytes."""
+
+    watches_only = True
 
     def __init__(self, choose: Any) -> None:
         self.values: list[Any] = []
@@ -166,7 +248,10 @@ class _Region:
         self.kwargs = {k: self._keep(v, keep_with) for k, v in kwargs.items()}
         self.rng = _random_state()
         self.engine_state = random.get_state()
-        self.packer = RegionPacker(self, 0, outer.choose_form)
+        # how the region's primitives choose their forms; the region holds no reference to
+        # its packer (the packer holds it): no cycle, so it dies with the last entry of the
+        # region the sweep releases, and with it the inputs it kept
+        self.choose = outer.choose_form
         self.origin = caller_origin()  # what entries of `fn` re-run name, if it is ours
 
     def _keep(self, value: Any, packer: Strategy) -> Any:
@@ -187,11 +272,11 @@ class _Region:
         return t
 
     @rerun_boundary
-    def materialize(self, key: int) -> None:
+    def materialize(self, packer: RegionPacker) -> None:
         with events.recomputing(self.name), rerunning_from(self.origin):
             args = [self._restore(a) for a in self.args]
             kwargs = {k: self._restore(v) for k, v in self.kwargs.items()}
-            collector = Collector(self.packer._choose)
+            collector = Collector(self.choose)
             if not self.replay_rng:
                 with enable_grad(), use_packer(collector):
                     self.fn(*args, **kwargs)
@@ -205,7 +290,7 @@ class _Region:
                         self.fn(*args, **kwargs)
                 finally:
                     np.random.set_state(outer_rng)
-            self.packer.accept(collector.values, f"checkpointed function {self.name!r}")
+            packer.accept(collector.values, f"checkpointed function {self.name!r}")
 
 
 def checkpoint(
@@ -244,6 +329,7 @@ def checkpoint(
     """
     if not callable(fn):
         raise TypeError(f"checkpoint needs a function to re-run, got {type(fn).__name__}")
+    names = policy if isinstance(policy, NamesPolicy) else None
     saving = as_strategy(policy)
     if saving is not None:
         if strategy is not None:
@@ -263,18 +349,47 @@ def checkpoint(
     if debug and not strategy.debug:
         strategy = replace(strategy, debug=True)
     region = _Region(fn, args, kwargs, strategy, bool(preserve_rng_state))
-    with use_packer(region.packer):
-        return fn(*args, **kwargs)
+    packer = RegionPacker(region, region.choose, names.storage if names is not None else None)
+    refuse_trace("opens a checkpointed region (checkpoint, or remat without a saving "
+                 "policy), which a replay would not re-run")
+    seq_before = next_sequence()
+    with use_packer(packer):
+        outputs = fn(*args, **kwargs)
+    packer.close(outputs, seq_before)
+    return outputs
+
+
+_SEQUENTIAL_KEYWORDS = frozenset({"preserve_rng_state", "debug"})
 
 
 def checkpoint_sequential(
-    functions: Sequence[Callable[[Any], Any]], segments: int | None = None, input: Any = None
+    functions: Sequence[Callable[[Any], Any]] | Any,
+    segments: int | None = None,
+    input: Any = None,
+    use_reentrant: bool | None = None,
+    **kwargs: Any,
 ) -> Any:
     """Run ``functions`` in order, checkpointing each of `segments` groups but the last.
 
-    The default of round(sqrt(n)) segments keeps about 2*sqrt(n) layers' values at a time for
-    one extra forward pass.
+    PyTorch's signature: `functions` is a list of callables or an `nn.Sequential`;
+    `use_reentrant` is accepted and ignored (see `checkpoint`), and `preserve_rng_state=`
+    (and `debug=`) are passed on to each group's `checkpoint`. The default of
+    round(sqrt(n)) segments keeps about 2*sqrt(n) layers' values at a time for one extra
+    forward pass.
+
+    >>> import checkpoint_ad as cad
+    >>> layers = [lambda v: v * 2, cad.tanh, lambda v: v + 1]
+    >>> x = cad.tensor([0.5, 1.0], requires_grad=True)
+    >>> cad.checkpoint_sequential(layers, 2, x, use_reentrant=False).sum().backward()
+    >>> x.grad.shape
+    (2,)
     """
+    unknown = sorted(set(kwargs) - _SEQUENTIAL_KEYWORDS)
+    if unknown:
+        raise TypeError(
+            f"checkpoint_sequential got unexpected keyword arguments {unknown}; it takes "
+            "use_reentrant, preserve_rng_state and debug"
+        )
     functions = list(functions)
     if not functions:
         raise ValueError("checkpoint_sequential needs at least one function")
@@ -293,6 +408,5 @@ def checkpoint_sequential(
 
     value = input
     for group in groups[:-1]:
-        value = checkpoint(run, group, value)
+        value = checkpoint(run, group, value, **kwargs)
     return run(groups[-1], value)
-

@@ -1,0 +1,260 @@
+"""checkpoint/remat composed with scan, and JAX's and PyTorch's checkpoint API (issue 38).
+
+Each composition's gradients are compared bitwise with keeping everything, recorded
+(`trace=False`, no region): the regions and plans here are lossless."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import checkpoint_ad as cad
+from checkpoint_ad.strategies import Binomial, Periodic, Recompute
+
+P = cad.checkpoint_policies
+STRATEGIES = [None, Binomial(2), Periodic(2), Recompute()]
+B = 8
+
+
+def _weights() -> cad.Tensor:
+    return cad.tensor(np.random.default_rng(0).normal(0, 0.3, (B, B)), requires_grad=True)
+
+
+def _scan_grads(remat, strategy=None, trace=False, reverse=False, n=5):
+    """(w.grad, h0.grad, xs.grad) of a scan whose step body is wrapped by `remat`."""
+    w = _weights()
+    h0 = cad.tensor(np.linspace(-1, 1, B), requires_grad=True)
+    xs = cad.tensor(np.random.default_rng(1).normal(size=(n, B)), requires_grad=True)
+
+    def inner(v, x):
+        return cad.tanh(cad.tanh(v @ w + x) @ w)
+
+    def body(h, x):
+        h2 = remat(inner)(h, x)
+        return h2, (h2 * h2).sum()
+
+    h, ys = cad.scan(body, h0, xs, strategy=strategy, trace=trace, reverse=reverse)
+    (ys.sum() + h.sum()).backward()
+    return [np.asarray(t.grad) for t in (w, h0, xs)]
+
+
+def _plain(f):
+    return f
+
+
+REMATS = {
+    "checkpoint": lambda f: (lambda *a: cad.checkpoint(f, *a)),
+    "remat": lambda f: cad.remat(f),
+    "remat_nothing_saveable": lambda f: cad.remat(f, policy=P.nothing_saveable),
+    "remat_dots_saveable": lambda f: cad.remat(f, policy=P.dots_saveable),
+}
+
+
+@pytest.mark.parametrize("remat", sorted(REMATS))
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=repr)
+@pytest.mark.parametrize("trace", [True, False])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_scan_of_remat_body_matches_jax(remat, strategy, trace, reverse):
+    """JAX's `scan(remat(body))`: the gradients of keeping every step, in every loop mode."""
+    expected = _scan_grads(_plain, reverse=reverse)
+    got = _scan_grads(REMATS[remat], strategy, trace, reverse)
+    for a, b in zip(expected, got):
+        assert np.array_equal(a, b)
+
+
+def test_scan_of_checkpointed_body_says_it_recorded_its_steps():
+    w = _weights()
+    body = lambda h, x: (cad.checkpoint(lambda v: cad.tanh(v @ w + x), h),) * 2
+    with cad.inspect.loops() as ran:
+        cad.scan(body, cad.ones(B, dtype="float64"), cad.ones((4, B), dtype="float64"),
+                 strategy=Binomial(2))[1].sum().backward()
+    assert "checkpointed region" in ran[0].mode
+
+
+def _peak(remat, strategy):
+    w = _weights()
+
+    def inner(v, x):
+        return cad.tanh(cad.tanh(cad.tanh(v @ w + x) @ w) @ w)
+
+    def body(h, x):
+        h2 = remat(inner)(h, x)
+        return h2, h2.sum()
+
+    with cad.profile() as prof:
+        h, ys = cad.scan(body, cad.ones((B, B), dtype="float64"),
+                         cad.ones((12, B, B), dtype="float64"), strategy=strategy)
+        (ys.sum() + h.sum()).backward()
+    return prof.peak_tape_bytes
+
+
+def test_remat_inside_a_kept_scan_lowers_the_peak_tape_like_jax():
+    """A region in a step keeps only its inputs: the peak of a loop keeping every step drops."""
+    assert _peak(REMATS["checkpoint"], None) < 0.8 * _peak(_plain, None)
+
+
+@pytest.mark.parametrize("strategy", [Binomial(3), Recompute()], ids=repr)
+def test_remat_inside_a_planned_scan_adds_at_most_its_inputs(strategy):
+    """Under a plan one step is taped at a time: the region adds its inputs (one carry and one
+    row here), not a step's values per step (regions die with their entries, not with the
+    cyclic collector, and a re-run's parameters are not counted as tape)."""
+    one = B * B * 8
+    assert _peak(REMATS["checkpoint"], strategy) <= _peak(_plain, strategy) + 2 * one
+
+
+@pytest.mark.parametrize("strategy", [None, Binomial(2), Periodic(3), Recompute()], ids=repr)
+@pytest.mark.parametrize("trace", [True, False])
+def test_remat_of_scan_matches_jax(strategy, trace):
+    """JAX's `remat(scan)`: a planned (or kept) scan inside a checkpointed region."""
+    def grads(wrap):
+        w = _weights()
+
+        def f(h0):
+            _, ys = cad.scan(lambda h, x: (cad.tanh(h @ w + x),) * 2, h0,
+                             cad.ones((6, B), dtype="float64"), strategy=strategy, trace=trace)
+            return (ys * ys).sum()
+
+        h0 = cad.tensor(np.linspace(0, 1, B), requires_grad=True)
+        wrap(f, h0).backward()
+        return np.asarray(w.grad), np.asarray(h0.grad)
+
+    expected = grads(lambda f, h0: f(h0))
+    for wrap in (cad.checkpoint, lambda f, h0: cad.remat(f)(h0)):
+        for a, b in zip(expected, grads(wrap)):
+            assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("retain", [False, True])
+def test_checkpoint_reruns_once_per_backward_like_pytorch(retain):
+    calls = []
+    x = cad.tensor(np.arange(3.0), requires_grad=True)
+
+    def f(v):
+        calls.append(1)
+        return (v * v).sum() + cad.tanh(v).sum()
+
+    y = cad.checkpoint(f, x)
+    y.backward(retain_graph=retain)
+    assert len(calls) == 2
+    if retain:  # a second sweep re-runs once more
+        y.backward()
+        assert len(calls) == 3
+        assert np.allclose(np.asarray(x.grad), 2 * (2 * np.arange(3.0) + 1 - np.tanh(
+            np.arange(3.0)) ** 2))
+
+
+def test_remat_nothing_saveable_reruns_once_per_backward_like_jax():
+    calls = []
+    x = cad.tensor(np.arange(3.0), requires_grad=True)
+
+    def f(v):
+        calls.append(1)
+        return (v * v).sum()
+
+    cad.remat(f, policy=P.nothing_saveable)(x).backward()
+    assert len(calls) == 2
+    assert np.array_equal(np.asarray(x.grad), 2 * np.arange(3.0))
+
+
+def test_checkpoint_releases_recomputed_values_after_their_reads():
+    x = cad.tensor(np.arange(4.0), requires_grad=True)
+    packers = []
+
+    def f(v):
+        from checkpoint_ad.saved import current_packer
+        packers.append(current_packer())
+        return cad.tanh(v * v).sum()
+
+    cad.checkpoint(f, x).backward()
+    assert packers[0].values is None  # nothing left held once the sweep read every value
+
+
+def test_checkpoint_sequential_takes_pytorchs_signature():
+    layers = [lambda v: v * 2, cad.tanh, lambda v: v + 1, cad.sin]
+    x = cad.tensor(np.linspace(0, 1, 3), requires_grad=True)
+    y = cad.checkpoint_sequential(layers, 2, x, use_reentrant=False,
+                                  preserve_rng_state=False)
+    y.sum().backward()
+    expected = cad.tensor(np.linspace(0, 1, 3), requires_grad=True)
+    v = expected
+    for f in layers:
+        v = f(v)
+    v.sum().backward()
+    assert np.array_equal(np.asarray(x.grad), np.asarray(expected.grad))
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        cad.checkpoint_sequential(layers, 2, x, context=None)
+
+
+def test_checkpoint_sequential_takes_an_nn_sequential_like_pytorch():
+    model = cad.nn.Sequential(cad.nn.Linear(3, 4, seed=0), cad.nn.Tanh(),
+                              cad.nn.Linear(4, 2, seed=1))
+    x = cad.ones(2, 3)
+    cad.checkpoint_sequential(model, 2, x, use_reentrant=True).sum().backward()
+    got = np.asarray(model[0].weight.grad).copy()
+    model.zero_grad()
+    model(x).sum().backward()
+    assert np.array_equal(got, np.asarray(model[0].weight.grad))
+
+
+def test_checkpoint_takes_pytorchs_keywords():
+    x = cad.tensor([0.5, 1.5], requires_grad=True)
+    y = cad.checkpoint(lambda v, scale=1.0: (v * scale).sum(), x, use_reentrant=False,
+                       preserve_rng_state=False, scale=3.0)
+    y.backward()
+    assert np.array_equal(np.asarray(x.grad), np.array([3.0, 3.0]))
+
+
+def test_checkpoint_policies_lists_policies_only_like_jax():
+    names = [n for n in dir(cad.checkpoint_policies) if not n.startswith("_")]
+    assert names == ["dots_saveable", "everything_saveable", "nothing_saveable",
+                     "save_and_offload_only_these_names", "save_any_names_but_these",
+                     "save_only_these_names"]
+
+
+def _named_grads(policy):
+    w = _weights()
+    calls = []
+
+    def f(x):
+        calls.append(1)
+        h = cad.checkpoint_name(cad.tanh(x @ w), "h")
+        g = cad.checkpoint_name(cad.sin(h * h), "g")
+        return (g * h).sum()
+
+    x = cad.tensor(np.linspace(-1, 1, B), requires_grad=True)
+    y = cad.remat(f, policy=policy)(x) if policy is not None else f(x)
+    y.backward()
+    return np.asarray(w.grad), np.asarray(x.grad), len(calls)
+
+
+@pytest.mark.parametrize("policy", [
+    P.save_only_these_names("h"), P.save_only_these_names("h", "g"),
+    P.save_any_names_but_these("h"), P.save_any_names_but_these(),
+    P.save_and_offload_only_these_names(names_which_can_be_saved=["g"],
+                                        names_which_can_be_offloaded=["h"],
+                                        offload_src="device", offload_dst="pinned_host"),
+], ids=repr)
+def test_checkpoint_name_policies_match_jax_gradients(policy):
+    w_ref, x_ref, _ = _named_grads(None)
+    w_grad, x_grad, calls = _named_grads(policy)
+    assert np.array_equal(w_grad, w_ref) and np.array_equal(x_grad, x_ref)
+    assert calls == 2
+
+
+def test_checkpoint_name_is_the_identity_like_jax():
+    x = cad.tensor([1.0, 2.0])
+    assert cad.checkpoint_name(x, "x") is x
+    with pytest.raises(TypeError, match="str"):
+        cad.checkpoint_name(x, 3)
+
+
+def test_named_policies_print_and_check_like_jax():
+    assert repr(P.save_only_these_names("a", "b")) == (
+        "checkpoint_policies.save_only_these_names('a', 'b')")
+    assert P.save_any_names_but_these("a") == P.save_any_names_but_these("a")
+    with pytest.raises(ValueError, match="offload_dst"):
+        P.save_and_offload_only_these_names(names_which_can_be_saved=[],
+                                            names_which_can_be_offloaded=["a"],
+                                            offload_dst="tpu")
+    with pytest.raises(TypeError, match="names"):
+        P.save_only_these_names(1)
