@@ -59,13 +59,17 @@ class _Handle:
 
 
 class RegionPacker(Strategy):
-    """Stands in for the saved values of one re-runnable region (or one step of a loop)."""
+    """Stands in for the saved values of one re-runnable region (or one step of a loop).
+
+    References point one way, handle -> packer -> region, never back: the region's inputs are
+    then freed by reference counting as soon as the backward sweep has dropped the last entry
+    that saved through this packer, not later by the cyclic collector.
+    """
 
     lossless = True
 
-    def __init__(self, region: Any, key: int, choose: Any) -> None:
+    def __init__(self, region: Any, choose: Any) -> None:
         self.region = region
-        self.key = key
         self.meta: list[tuple[tuple[int, ...], Any]] = []
         self.originals: list[Any] | None = [] if region.debug else None
         self.values: list[Any] | None = None
@@ -83,7 +87,7 @@ class RegionPacker(Strategy):
 
     def unpack(self, handle: _Handle) -> Any:
         if self.values is None:
-            self.region.materialize(self.key)
+            self.region.materialize(self)
             self.unread = len(self.meta)
         assert self.values is not None
         value = self.values[handle.index]
@@ -166,7 +170,7 @@ class _Region:
         self.kwargs = {k: self._keep(v, keep_with) for k, v in kwargs.items()}
         self.rng = _random_state()
         self.engine_state = random.get_state()
-        self.packer = RegionPacker(self, 0, outer.choose_form)
+        self.choose = outer.choose_form
         self.origin = caller_origin()  # what entries of `fn` re-run name, if it is ours
 
     def _keep(self, value: Any, packer: Strategy) -> Any:
@@ -187,11 +191,12 @@ class _Region:
         return t
 
     @rerun_boundary
-    def materialize(self, key: int) -> None:
+    def materialize(self, packer: RegionPacker) -> None:
+        """Re-run the region and hand the values it saves to ``packer``."""
         with events.recomputing(self.name), rerunning_from(self.origin):
             args = [self._restore(a) for a in self.args]
             kwargs = {k: self._restore(v) for k, v in self.kwargs.items()}
-            collector = Collector(self.packer._choose)
+            collector = Collector(self.choose)
             if not self.replay_rng:
                 with enable_grad(), use_packer(collector):
                     self.fn(*args, **kwargs)
@@ -205,7 +210,7 @@ class _Region:
                         self.fn(*args, **kwargs)
                 finally:
                     np.random.set_state(outer_rng)
-            self.packer.accept(collector.values, f"checkpointed function {self.name!r}")
+            packer.accept(collector.values, f"checkpointed function {self.name!r}")
 
 
 def checkpoint(
@@ -263,7 +268,7 @@ def checkpoint(
     if debug and not strategy.debug:
         strategy = replace(strategy, debug=True)
     region = _Region(fn, args, kwargs, strategy, bool(preserve_rng_state))
-    with use_packer(region.packer):
+    with use_packer(RegionPacker(region, region.choose)):
         return fn(*args, **kwargs)
 
 
