@@ -182,3 +182,36 @@ def test_memory_returns_to_parameters_and_gradients_without_the_cyclic_collector
     assert after_drop - base < SLACK, (
         f"{name}: {after_drop - base} B more once the output is dropped")
     assert in_cycles < STEP_BYTES, f"{name}: {in_cycles} B were held only by reference cycles"
+
+
+def test_checkpointed_chain_backward_peak_is_no_higher_than_plain_like_pytorch_non_reentrant():
+    """A memory-saving strategy never measures more than keeping everything (issue 37)."""
+    rng = np.random.default_rng(0)
+    weights = [cad.tensor(rng.standard_normal((WIDTH, WIDTH)).astype("float32") * 0.1,
+                          requires_grad=True) for _ in range(16)]
+    x = cad.tensor(rng.standard_normal((32 * BATCH, WIDTH)).astype("float32"))
+
+    def run(checkpointed: bool) -> cad.Tensor:
+        h = x
+        for w in weights:
+            block = lambda v, w=w: v + cad.tanh(cad.tanh(v @ w) * 2)
+            h = cad.checkpoint(block, h, use_reentrant=False) if checkpointed else block(h)
+        return h.sum()
+
+    peaks = {}
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for checkpointed in (False, True, False, True):
+            for w in weights:
+                w.grad = None
+            tracemalloc.start()
+            loss = run(checkpointed)
+            tracemalloc.reset_peak()
+            loss.backward()
+            peaks[checkpointed] = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+    finally:
+        if was_enabled:
+            gc.enable()
+    assert peaks[True] <= peaks[False] + SLACK, peaks
