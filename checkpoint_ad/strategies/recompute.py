@@ -91,7 +91,11 @@ class RegionPacker(Strategy):
     A re-run serves one backward sweep: each value is handed out as often as the region's
     entries hold it (counted when the first run ends, `close`) and let go after its last read,
     so the region runs again only for a value the sweep reads after that (a second sweep
-    with `retain_graph`, or an entry the count could not see)."""
+    with `retain_graph`, or an entry the count could not see).
+
+    References point one way, handle -> packer -> region, never back: the region's inputs are
+    freed by reference counting once the sweep has dropped the last entry that saved through
+    this packer, not later by the cyclic collector."""
 
     lossless = True
 
