@@ -235,6 +235,7 @@ class PlannedLoop:
         self._fixed_keys: Any = None  # see `_segment_keys`
         self.state: _ForwardState | None = None
         self.consumed = False
+        self.reruns = True  # whether the backward runs steps again (`_reruns`, found in run())
         self.tracks_numpy = False  # set when the steps draw from numpy's global random state
         self.last_engine_state: random.GeneratorState | None = None  # see `_pack`
         # steps 0 and 1 are traced; when they give one program, later steps are replayed
@@ -576,7 +577,8 @@ class PlannedLoop:
         captured (leaf or not, needing a gradient or not) again. The description is finished
         only for an error (a dtype's name costs more than a short loop's bookkeeping)."""
         program = self.program
-        saved = program.saved_slots if program is not None and not self._reruns() else None
+        self.reruns = self._reruns()
+        saved = program.saved_slots if program is not None and not self.reruns else None
         named: list[tuple[Any, str, bool]] = []  # (tensor or counter, what, read by backward)
         for k, t in enumerate(carry_leaves):
             named.append((t, f"the initial carry's leaf {k}",
@@ -843,7 +845,7 @@ class PlannedLoop:
         if self.consumed:
             raise freed_error(entry.describe())
         self._check_versions(entry, self.guards)
-        if create_graph or self.state is None or self._reruns():
+        if create_graph or self.state is None or self.reruns:
             self._check_versions(entry, self.input_guards)
         outer_numpy_state = np.random.get_state()
         try:
