@@ -25,7 +25,7 @@ from ..grad_mode import _state, is_grad_enabled
 from ..ops import concatenate, stack
 from ..pytree import flatten, unflatten
 from ..tensor import Tensor
-from .loop import StepLoop, stack_outputs
+from .loop import StepLoop, as_row, stack_outputs
 from .loop_strategies import Periodic
 from .output_rows import join_rows
 from .plan_executor import PlannedLoop, stops
@@ -179,7 +179,7 @@ def _split_xs(leaves: list[Any], loop: StepLoop, count: int,
               ) -> tuple[list[list[Any]] | None, list[Any] | None]:
     """The first `count` rows of every xs leaf (per step: a list of leaves), and the rest of
     each leaf as one tensor; a leaf that needs a gradient is split by one differentiable
-    operation."""
+    operation. The parts behave as views of the leaf (`as_row`)."""
     if loop.xs_spec is None:
         return None, None
     heads: list[list[Any]] = [[] for _ in range(count)]
@@ -192,8 +192,8 @@ def _split_xs(leaves: list[Any], loop: StepLoop, count: int,
         else:
             parts = _head_and_rest(x, count)
         for t in range(count):
-            heads[t].append(parts[t])
-        rest.append(parts[count])
+            heads[t].append(as_row(parts[t], x, t))
+        rest.append(as_row(parts[count], x, slice(count, None)))
     return heads, rest
 
 

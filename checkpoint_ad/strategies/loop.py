@@ -18,8 +18,47 @@ from ..errors import ShapeError
 from ..function import Function
 from ..grad_mode import is_grad_enabled
 from ..ops import stack
+from ..ops.shape import GETITEM
 from ..pytree import flatten, unflatten
+from ..saved import VersionCounter
 from ..tensor import Tensor
+
+
+class RowCounter(VersionCounter):
+    """The version counter of rows split off a scanned input: it moves when the row is
+    changed in place (alone: its sibling rows keep theirs) and whenever the input it was split
+    from is. So a value a step saved from its row is caught as modified when the caller changes
+    `xs` in place before the backward (as PyTorch catches it through a view's shared counter),
+    while a step that changes its own row in place leaves the other steps' saved rows valid."""
+
+    __slots__ = ("own", "parent")
+
+    def __init__(self, parent: VersionCounter) -> None:
+        self.parent = parent
+        self.own = 0
+
+    @property  # type: ignore[override]
+    def value(self) -> int:
+        return self.own + self.parent.value
+
+    @value.setter
+    def value(self, value: int) -> None:
+        self.own = value - self.parent.value
+
+
+def as_row(part: Tensor, x: Tensor, index: Any) -> Tensor:
+    """`part`, row(s) `index` of the scanned input `x`, made to behave as PyTorch's view of
+    it: its version follows `x`'s (`RowCounter`), and where `x` is a leaf that requires grad,
+    an in-place op on it raises `InplaceError` as on any view of such a leaf (it would change
+    the caller's `xs`), as a planned loop's rows do."""
+    part._version = RowCounter(x._version)
+    base, chain = x, ()
+    if x._base is not None:  # (`reverse=True` scans a reversed view of the caller's xs)
+        base, chain = x._base, x._view[0]  # type: ignore[index]
+    if base._entry is None and base._requires_grad:
+        part._base = base
+        part._view = ((*chain, (GETITEM, {"index": index, "source": tuple(x.shape)})), None)
+    return part
 
 
 class _Unstack(Function):
@@ -83,9 +122,9 @@ class StepLoop:
             if x is None:
                 per_leaf.append([None] * self.n)
             elif x.requires_grad and is_grad_enabled():
-                per_leaf.append(list(_Unstack.apply(x)))
+                per_leaf.append([as_row(part, x, t) for t, part in enumerate(_Unstack.apply(x))])
             else:
-                per_leaf.append([Tensor._wrap(x._data[t]) for t in range(self.n)])
+                per_leaf.append([as_row(Tensor._wrap(x._data[t]), x, t) for t in range(self.n)])
         rows = zip(*per_leaf)  # a loop stopped by `until` may end before xs does
         return [unflatten(self.xs_spec, iter(row)) for _, row in zip(range(self.n), rows)]
 

@@ -59,6 +59,8 @@ from ..saved import (
 )
 from ..tape import Entry, add_entry, edge_of, next_sequence
 from ..tensor import Tensor
+from ..tensor_base import make_tensor
+from .grad_flow import Deps, deps_of_program, deps_of_tensors, outputs_requiring_grad
 from .kinds import LoopStrategy
 from .loop import StepLoop, columns
 from .offload import Offload
@@ -233,11 +235,16 @@ class PlannedLoop:
         self._fixed_keys: Any = None  # see `_segment_keys`
         self.state: _ForwardState | None = None
         self.consumed = False
+        self.reruns = True  # whether the backward runs steps again (`_reruns`, found in run())
         self.tracks_numpy = False  # set when the steps draw from numpy's global random state
         self.last_engine_state: random.GeneratorState | None = None  # see `_pack`
         # steps 0 and 1 are traced; when they give one program, later steps are replayed
         self.traces: dict[int, Trace] | None = {} if trace else None
         self.place: Place | None = None  # where an earlier call's program may wait (run())
+        # version counters of the tensors from outside the loop that step 0 read (found by
+        # its trace, also a refused one): what a re-run reads again (see `_guards`)
+        self.outside: dict[int, tuple[Any, Any, Any]] | None = None
+        self.step_deps: tuple[list[Deps], list[Deps]] | None = None  # a recorded step 0's
         self.program: StepProgram | None = None
         self.mode = "recorded: trace=False" if not trace else "recorded: not traced yet"
         self.carry_made = program is not None  # the carry is a recorded step's output
@@ -279,7 +286,7 @@ class PlannedLoop:
             final_arrays = arrays
         else:
             final_arrays = _arrays(final)
-        self.guards = self._guards(carry_leaves)
+        self.guards, self.input_guards = self._guards(carry_leaves)
         if not _same_numpy_state(np.random.get_state(), self.initial_numpy_state):
             # the steps draw from numpy's global state (rare, and costly to keep: 40 us a
             # get or set): take the forward part of the plan again, keeping it this time
@@ -439,8 +446,15 @@ class PlannedLoop:
         it fits the program an earlier call of this loop made: see `program_cache.py`)."""
         traces = self.traces
         if traces is None or t > 1 or t in traces:
+            if t == 0 and self.outside is None and self.program is None and (
+                    _state.tracer is None):  # trace=False: step 0 traced for what it reads
+                new, ys, trace = traced_call(self.loop, t, carry, x, refused=self.mode)
+                self.outside = trace.outside
+                return new, ys
             return self.loop.call(t, carry, x)
         new, ys, traces[t] = traced_call(self.loop, t, carry, x)
+        if t == 0:
+            self.outside = traces[0].outside
         place = self.place
         if t == 0 and place is not None and place.expected:
             program = place.reuse(traces[0])
@@ -484,6 +498,8 @@ class PlannedLoop:
         self.externals = self._discover(produced, inputs, segment.seq_before)
         if new is None:  # the carry step 0 made is not in hand: find aliases by position
             return
+        self.step_deps = deps_of_tensors(segment.carry_in, inputs[len(segment.carry_in):],
+                                         new, ys, segment.seq_before)
         # outputs that are the new carry itself (RNNs return h, h): their adjoints are added
         # to the carry's, in the order a plain tape would add them
         self.same = {k: j for k, y in enumerate(ys) for j, c in enumerate(new)
@@ -552,19 +568,74 @@ class PlannedLoop:
                     found[(id(node), index)] = edge
         return found
 
-    def _guards(self, carry_leaves: list[Any]) -> list[tuple[Any, int, str, Any, Any]]:
+    def _guards(self, carry_leaves: list[Any]) -> tuple[list[Any], list[Any]]:
         """(version counter, version, description, dtype, shape) of every value the backward
-        re-reads; the description is finished only for an error (a dtype's name costs more
-        than the rest of a short loop's bookkeeping)."""
-        guards = []
-        named = [(t, f"the initial carry's leaf {k}") for k, t in enumerate(carry_leaves)]
-        named += [(x, f"xs leaf {k}") for k, x in enumerate(self.loop.xs_leaves)]
-        named += [(node, "a tensor the step captures") for node, _ in self.externals.values()
-                  if type(node) is not Entry]
-        for t, what in named:
-            if t is not None:
-                guards.append((t._version, t._version.value, what, t.dtype, t.shape))
-        return guards
+        reads from outside the loop, as (those it reads, those only a re-run of the steps
+        reads): a plan that keeps every step reads only what its steps saved, and so is
+        guarded where recording every step is; one that re-runs steps (or a backward with a
+        graph, which re-runs them all) reads the initial carry, `xs` and every tensor the step
+        captured (leaf or not, needing a gradient or not) again. The description is finished
+        only for an error (a dtype's name costs more than a short loop's bookkeeping)."""
+        program = self.program
+        self.reruns = self._reruns()
+        saved = program.saved_slots if program is not None and not self.reruns else None
+        named: list[tuple[Any, str, bool]] = []  # (tensor or counter, what, read by backward)
+        for k, t in enumerate(carry_leaves):
+            named.append((t, f"the initial carry's leaf {k}",
+                          saved is None or program.carry_in[k] in saved))  # type: ignore[union-attr]
+        for k, x in enumerate(self.loop.xs_leaves):
+            named.append((x, f"xs leaf {k}",
+                          saved is None or program.x_in[k] in saved))  # type: ignore[union-attr]
+        captured = "a tensor the step captures"
+        if program is not None:
+            for slot, t in program.constant_tensors.items():
+                named.append((t, captured, saved is None or slot in saved))
+        else:
+            named += [(node, captured, True) for node, _ in self.externals.values()
+                      if type(node) is not Entry]
+            named += [(found, captured, True) for found in (self.outside or {}).values()]
+        guards: list[Any] = []
+        rerun: list[Any] = []
+        seen: set[int] = set()
+        for t, what, read in named:
+            if t is None:
+                continue
+            counter, dtype, shape = (t if type(t) is tuple else (t._version, t.dtype, t.shape))
+            if id(counter) in seen:
+                continue
+            seen.add(id(counter))
+            (guards if read else rerun).append((counter, counter.value, what, dtype, shape))
+        return guards, rerun
+
+    def _reruns(self) -> bool:
+        """Whether the backward runs steps again: not when the plan's first reverse action
+        (taped in the forward) is its only one and nothing is advanced (`Periodic(n)`, a loop
+        keeping every step), whose backward reads only what the steps saved."""
+        state = self.state
+        if state is None or state.kept is None:
+            return True
+        kinds = np.frombuffer(plan_codes(self.plan), dtype=np.int64)[state.cursor + 1:]
+        kinds = kinds & _KIND_MASK
+        return bool(((kinds == _ADVANCE) | (kinds == _REVERSE)
+                     | (kinds == _REVERSE_SEGMENT)).any())
+
+    def _guard_final_carry(self, carry: list[Any]) -> None:
+        """Guard the loop's final carry where its last step's backward reads it (as recording
+        would: a loss on `tanh`'s output, changed in place after the loop, is caught): a
+        recorded last step shares its tensors' version counters with the entry's outputs, so
+        its own saved values catch the change; a replayed one is guarded by the entry."""
+        kept = self.state.kept if self.state is not None else None
+        if isinstance(kept, _TapedSegment):
+            for tensor, made in zip(carry, kept.carry_out):
+                if tensor is not None and made is not None:
+                    tensor._version = made._version
+        elif isinstance(kept, _ReplayedSegment) and self.program is not None:
+            saved = self.program.saved_slots
+            for k, (tensor, slot) in enumerate(zip(carry, self.program.carry_out)):
+                if tensor is not None and slot in saved:
+                    self.guards.append((tensor._version, tensor._version.value,
+                                        f"its final carry's leaf {k}", tensor.dtype,
+                                        tensor.shape))
 
     def _pack(
         self,
@@ -689,11 +760,31 @@ class PlannedLoop:
         # the entry says how the loop ran ("replayed", or "recorded: <why>"), for inspection
         results = add_entry(self, tuple(edges), outputs, {"mode": self.mode},
                             self._snapshot_slots)
+        results = self._detach_constant_outputs(results, n_carry)
         self._share_packed_carry(results[:n_carry])
+        self._guard_final_carry(results[:n_carry])
         results = self._last_rows_from_carry(results, n_carry, rows)
         carry = unflatten(loop.carry_spec, iter(results[:n_carry]))
         ys = unflatten(loop.y_spec, iter(results[n_carry:])) if loop.y_spec is not None else None
         return carry, ys
+
+    def _detach_constant_outputs(self, results: list[Any], n_carry: int) -> list[Any]:
+        """The entry's outputs, those that depend on nothing requiring grad made tensors
+        without history, as recording every step makes them (`grad_flow.py`); unchanged
+        where the step's dependencies are not known (a step 0 not taped alone)."""
+        program = self.program
+        if program is not None:
+            xs_rg = [x is not None and x.requires_grad for x in self.loop.xs_leaves]
+            deps = deps_of_program(program, xs_rg)
+        elif self.step_deps is not None:
+            deps = self.step_deps
+        else:
+            return results
+        carry_rg, ys_rg = outputs_requiring_grad(self.carry_rg, *deps, self.loop.n)
+        flags = [*carry_rg, *ys_rg]
+        if len(carry_rg) != n_carry or len(flags) != len(results):
+            return results
+        return [t if t is None or rg else make_tensor(t._data) for t, rg in zip(results, flags)]
 
     def _share_packed_carry(self, carry: list[Any]) -> None:
         """The final carry's tensors point at the buffers the last kept replayed step packed
@@ -753,7 +844,9 @@ class PlannedLoop:
         would add them: the results replace those sums, and are bitwise the plain tape's."""
         if self.consumed:
             raise freed_error(entry.describe())
-        self._check_versions(entry)
+        self._check_versions(entry, self.guards)
+        if create_graph or self.state is None or self.reruns:
+            self._check_versions(entry, self.input_guards)
         outer_numpy_state = np.random.get_state()
         try:
             if create_graph:
@@ -770,8 +863,8 @@ class PlannedLoop:
         finally:
             np.random.set_state(outer_numpy_state)
 
-    def _check_versions(self, entry: Entry) -> None:
-        for counter, version, what, dtype, shape in self.guards:
+    def _check_versions(self, entry: Entry, guards: list[Any]) -> None:
+        for counter, version, what, dtype, shape in guards:
             if counter.value != version:
                 raise SavedValueModifiedError(
                     f"{entry.describe()} re-reads {what} ({dtype}{list(shape)}) in its "

@@ -117,6 +117,11 @@ class Trace:
     # per slot, once finished: (requires grad, a leaf of the step, dtype, a leaf of the graph)
     facts: list[tuple[bool, bool, Any, bool]] = field(default_factory=list)
     n_slots: int = 0
+    # the version counters of every tensor from outside the step that a primitive read, found
+    # also after a refusal (the loop then records, and a plan re-running its steps must still
+    # catch such a tensor changed in place before its backward): id -> (counter, dtype, shape)
+    outside: dict[int, tuple[Any, Any, tuple[int, ...]]] = field(default_factory=dict)
+    input_ids: frozenset[int] = frozenset()
 
     # ------------------------------------------------------------- called by the engine
     def refuse(self, reason: str) -> None:
@@ -126,6 +131,10 @@ class Trace:
     def note(self, prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any],
              result: Any) -> None:
         """`tape.record` ran `prim` on `tensors` giving `result`."""
+        for t in tensors:
+            entry = t._entry
+            if (entry is None or entry.seq <= self.seq_before) and id(t) not in self.input_ids:
+                self.outside.setdefault(id(t._version), (t._version, t.dtype, t.shape))
         if self.refused is not None:
             return
         inputs = tuple(self._slot(t) for t in tensors)
@@ -214,6 +223,7 @@ class Trace:
         """The step's carry leaves, then its scanned inputs' leaves: slots 0, 1, ..."""
         for t in tensors:
             self._new_slot(t)
+        self.input_ids = frozenset(id(t) for t in tensors if t is not None)
 
     def finish(self, outputs: list[Any], ys: list[Any]) -> None:
         """The step returned: note its outputs, and refuse if it changed a tensor in place."""
@@ -343,6 +353,7 @@ class StepProgram:
                  for ins in self.instructions if ins.taped for s in ins.saved}
         self.tape_frees = tuple(
             tuple(s for s in f if s not in saved and not trace.facts[s][1]) for f in frees)
+        self.saved_slots = frozenset(saved)  # what a loop keeping every step guards
         self.backward_order = tuple(
             i for i in reversed(range(len(self.instructions))) if self.instructions[i].taped
         )
@@ -985,10 +996,15 @@ def _describe(program: StepProgram, ins: Instruction) -> Described:
     )
 
 
-def traced_call(loop: Any, t: int, carry: list[Any], x: Any) -> tuple[list[Any], list[Any], Trace]:
+def traced_call(loop: Any, t: int, carry: list[Any], x: Any, refused: str | None = None,
+                ) -> tuple[list[Any], list[Any], Trace]:
     """Run step `t` of `loop` (a `StepLoop`) recorded, tracing it: (new carry, outputs, trace).
-    The one way a step is traced, by the executor and by a budget's dry run alike."""
+    The one way a step is traced, by the executor and by a budget's dry run alike. A trace
+    `refused` from the start makes no program: it only finds the tensors from outside the
+    step that it reads (`Trace.outside`)."""
     trace = Trace(len(carry) + len(loop.xs_leaves), next_sequence())
+    if refused is not None:
+        trace.refuse(refused)
     trace.add_inputs(list(carry) + (flatten(x)[0] if x is not None else []))
     previous = tracing(trace)
     try:
