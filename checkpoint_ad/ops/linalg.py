@@ -8,7 +8,7 @@ from typing import Any
 from ..errors import ShapeError
 from ..tape import define, vjp
 from ..tensor_base import TensorBase, as_tensor_like
-from .elementwise import abs, power, sqrt
+from .elementwise import abs, equal, ones_like, power, sqrt, where, zeros_like
 from .reductions import axis_keywords
 from .reductions import max as reduce_max
 from .reductions import min as reduce_min
@@ -98,8 +98,8 @@ def norm(x: Any, ord: float | str | None = None, axis: int | Sequence[int] | Non
 
     Vector norms (one axis, or a 1-d x): `ord` None or 2, 1, inf, -inf, or any p > 0. Matrix
     norms (two axes, or a 2-d x with no axis): None or 'fro' only. With no axis and more than 2
-    dimensions, the 2-norm of the flattened tensor. At x = 0 the 2-norm's gradient is undefined
-    (division by 0), as with sqrt.
+    dimensions, the 2-norm of the flattened tensor. Where the norm is 0 its gradient is 0 (the
+    subgradient PyTorch picks), for every ord, rather than 0/0 = nan.
 
     >>> import checkpoint_ad as cad
     >>> cad.linalg.norm(cad.tensor([3.0, 4.0])).item()
@@ -114,7 +114,7 @@ def norm(x: Any, ord: float | str | None = None, axis: int | Sequence[int] | Non
     axes = (axis,) if isinstance(axis, int) else (tuple(axis) if axis is not None else None)
     matrix = (axes is not None and len(axes) == 2) or (axes is None and ndim == 2)
     if ord is None or (ord == "fro" and matrix):
-        return sqrt(reduce_sum(x * x, axis=axis, keepdims=keepdims))
+        return safe_root(reduce_sum(x * x, axis=axis, keepdims=keepdims), 2)
     if matrix:
         raise ShapeError(
             f"norm: matrix norm ord={ord!r} is not available (it needs an SVD); use None or 'fro'"
@@ -130,5 +130,20 @@ def norm(x: Any, ord: float | str | None = None, axis: int | Sequence[int] | Non
     if ord == 1:
         return reduce_sum(abs(x), axis=axis, keepdims=keepdims)
     if ord == 2:
-        return sqrt(reduce_sum(x * x, axis=axis, keepdims=keepdims))
-    return power(reduce_sum(power(abs(x), ord), axis=axis, keepdims=keepdims), 1.0 / ord)
+        return safe_root(reduce_sum(x * x, axis=axis, keepdims=keepdims), 2)
+    return safe_root(reduce_sum(_zero_safe(abs(x), lambda a: power(a, ord)), axis=axis,
+                                keepdims=keepdims), ord)
+
+
+def _zero_safe(a: Any, fn: Any) -> Any:
+    """fn(a) for a >= 0 whose gradient is taken as 0 where a == 0: fn sees 1 there and the
+    result is 0, so the infinite slope of a root at 0 never meets a zero factor (0 * inf)."""
+    zero = equal(a, zeros_like(a))
+    value = fn(where(zero, ones_like(a), a))
+    return where(zero, zeros_like(value), value)
+
+
+def safe_root(total: Any, p: float) -> Any:
+    """The p-th root of a sum of |x|^p (>= 0), with gradient 0 where it is 0 (x = 0), as
+    PyTorch's norms and std take it."""
+    return _zero_safe(total, sqrt if p == 2 else lambda s: power(s, 1.0 / p))
