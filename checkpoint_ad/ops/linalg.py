@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import string
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,7 +20,7 @@ from .shape import broadcast_to, expand_dims, matrix_transpose, reshape, squeeze
 def _parse(subscripts: str, count: int) -> tuple[list[str], str]:
     spec = subscripts.replace(" ", "")
     if "." in spec:
-        raise ShapeError("einsum: '...' (ellipsis) is not supported; name every axis")
+        raise ShapeError(f"einsum: {subscripts!r}: a '.' outside one '...' per operand")
     inputs, arrow, output = spec.partition("->")
     terms = inputs.split(",")
     if len(terms) != count:
@@ -85,9 +86,87 @@ def matmul(a: Any, b: Any) -> Any:
 
 
 def einsum(subscripts: str, *operands: Any) -> Any:
-    """Einstein summation (no ellipsis or repeated indices within one operand)."""
+    """Einstein summation, numpy's rules: ``...`` stands for leading, broadcast axes, and
+    without ``->`` the output is ``...`` then the indices used once, sorted. An index may not
+    repeat within one operand (take a diagonal with indexing first).
+
+    >>> import checkpoint_ad as cad
+    >>> cad.einsum("...ij,...jk->...ik", cad.ones(2, 3, 4), cad.ones(4, 5)).shape
+    (2, 3, 5)
+    """
+    if "..." in subscripts:
+        shapes = [tuple(getattr(getattr(x, "_data", x), "shape", ())) for x in operands]
+        subscripts = _name_ellipsis(subscripts, shapes)
     _parse(subscripts, len(operands))
     return EINSUM(list(operands), subscripts=subscripts)
+
+
+def _name_ellipsis(subscripts: str, shapes: Sequence[tuple[int, ...]]) -> str:
+    """`subscripts` with each ``...`` replaced by letters of its own, so the primitive and its
+    rule see named axes only. The ellipsis axes broadcast right-aligned, as in numpy; a size-1
+    axis against a longer one gets a letter of its own, summed away (a sum of one term), so
+    the gradient rule gives it back its size 1."""
+    spec = subscripts.replace(" ", "")
+    inputs, arrow, output = spec.partition("->")
+    terms = inputs.split(",")
+    if len(terms) != len(shapes):
+        raise ShapeError(f"einsum: {subscripts!r} names {len(terms)} operands, got {len(shapes)}")
+    unused = iter(c for c in string.ascii_letters if c not in spec)
+    ranks = [_ellipsis_rank(subscripts, t, len(s)) for t, s in zip(terms, shapes)]
+    width = max(ranks)
+    sizes = _broadcast_sizes(subscripts, terms, shapes, ranks, width)
+    shared = [next(unused) for _ in range(width)]
+    named = []
+    for term, shape, rank in zip(terms, shapes, ranks):
+        if "..." not in term:
+            named.append(term)
+            continue
+        start = term.index("...")
+        letters = [shared[width - rank + j] if d == sizes[width - rank + j] else next(unused)
+                   for j, d in enumerate(shape[start:start + rank])]
+        named.append(term.replace("...", "".join(letters)))
+    if not arrow:
+        used = "".join(t.replace("...", "") for t in terms)
+        output = "..." + "".join(sorted(c for c in set(used) if used.count(c) == 1))
+    if "..." not in output and width:
+        raise ShapeError(
+            f"einsum: {subscripts!r}: the output leaves out the axes '...' stands for ({width}); "
+            "put '...' in the output (or sum those axes first)"
+        )
+    return ",".join(named) + "->" + output.replace("...", "".join(shared))
+
+
+def _ellipsis_rank(subscripts: str, term: str, ndim: int) -> int:
+    """How many axes ``...`` stands for in one operand (0 if it has none)."""
+    named = len(term.replace("...", ""))
+    if "..." not in term:
+        return 0
+    if term.count("...") > 1 or "." in term.replace("...", "", 1):
+        raise ShapeError(f"einsum: {subscripts!r}: an operand may hold one '...' at most")
+    if named > ndim:
+        raise ShapeError(
+            f"einsum: {subscripts!r}: {term!r} names {named} axes of an operand with {ndim}"
+        )
+    return ndim - named
+
+
+def _broadcast_sizes(subscripts: str, terms: Sequence[str], shapes: Sequence[tuple[int, ...]],
+                     ranks: Sequence[int], width: int) -> list[int]:
+    """The size of each ``...`` axis once broadcast (right-aligned, size 1 stretches)."""
+    sizes = [1] * width
+    for term, shape, rank in zip(terms, shapes, ranks):
+        if "..." not in term:
+            continue
+        start = term.index("...")
+        for j, d in enumerate(shape[start:start + rank]):
+            k = width - rank + j
+            if d != 1 and sizes[k] not in (1, d):
+                raise ShapeError(
+                    f"einsum: {subscripts!r}: the axes '...' stands for do not broadcast "
+                    f"(sizes {sizes[k]} and {d}); operand shapes {[list(s) for s in shapes]}"
+                )
+            sizes[k] = max(sizes[k], d)
+    return sizes
 
 
 # ------------------------------------------------------------------ added for PyTorch/JAX users
