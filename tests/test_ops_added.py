@@ -399,10 +399,10 @@ def test_factory_refusals() -> None:
 
 # ================================================================= coverage
 ADDED_DIFFERENTIABLE = {
-    "amax", "amin", "arctan", "atan", "cat", "chunk", "clamp", "cosh", "cumsum", "diag", "dot", "expand",
-    "expm1", "flatten", "flip", "log1p", "masked_fill", "norm", "outer", "pad", "permute",
-    "prod", "repeat", "repeat_interleave", "roll", "sinh", "softplus", "sort", "split", "std",
-    "swapaxes", "take_along_axis", "tan", "tensordot", "tile", "trace", "unsqueeze", "var",
+    "amax", "amin", "arctan", "atan", "cat", "chunk", "clamp", "cosh", "cumsum", "diag", "dot",
+    "expand", "expm1", "flatten", "flip", "log1p", "masked_fill", "norm", "outer", "pad",
+    "permute", "prod", "repeat", "repeat_interleave", "roll", "sinh", "softplus", "sort", "split",
+    "std", "swapaxes", "take_along_axis", "tan", "tensordot", "tile", "trace", "unsqueeze", "var",
 }
 ADDED_OTHER = {"ValuesIndices", "argmax", "argmin", "argsort", "linalg"}
 
