@@ -5,9 +5,9 @@ storage strategies (store inputs/outputs, recompute, quantize, binomial checkpoi
 decide how each is kept, and the profiler can measure it.
 """
 
-from . import factories, nn, optim, strategies, testing
+from . import factories, func, nn, optim, strategies, testing
 from . import random as random  # cad.random; left out of __all__: it would shadow the stdlib module
-from .autograd import backward, grad
+from .autograd import backward
 from .errors import (
     AnomalyError,
     BackwardError,
@@ -23,6 +23,7 @@ from .errors import (
 )
 from .factories import *  # noqa: F403 - zeros, ones, rand... are public API
 from .factories import __all__ as _factory_names
+from .func import grad, value_and_grad
 from .function import Function, FunctionCtx, once_differentiable
 from .grad_mode import (
     detect_anomaly,
@@ -105,10 +106,12 @@ __all__ = [
     "testing",
     "use",
     "use_packer",
+    "value_and_grad",
     "while_loop",
     *_op_names,
     *_factory_names,
     "factories",
+    "func",
     "linalg",
     "nn",
     "optim",

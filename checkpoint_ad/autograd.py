@@ -590,17 +590,19 @@ def grad(
     retain_graph: bool | None = None,
     create_graph: bool = False,
     allow_unused: bool = False,
-) -> Any:
-    """Gradients of `outputs` with respect to `inputs`, returned (no `.grad` is filled).
+) -> tuple[Any, ...]:
+    """Gradients of `outputs` with respect to `inputs`, returned as a tuple with one entry per
+    input, also when `inputs` is a single tensor, as ``torch.autograd.grad`` (no `.grad` is
+    filled).
 
     >>> import checkpoint_ad as cad
     >>> x = cad.tensor(3.0, requires_grad=True)
-    >>> (dx,) = cad.grad(x * x, [x])
+    >>> (dx,) = cad.grad(x * x, x)
     >>> dx.item()
     6.0
     """
     outs, _ = _as_list(outputs)
-    ins, single = _as_list(inputs)
+    ins, _ = _as_list(inputs)
     if not ins or not outs:
         raise ValueError("grad() needs at least one output and one input tensor")
     seeds = _seeds_for(outs, grad_outputs, "grad_outputs")
@@ -628,4 +630,4 @@ def grad(
             results.append(value)
         else:
             results.append(make_tensor(value))
-    return results[0] if single else results
+    return tuple(results)

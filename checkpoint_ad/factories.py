@@ -75,8 +75,8 @@ def _like(x: Any, dtype: Any, device: str | None) -> tuple[tuple[int, ...], Any,
 
 
 def manual_seed(seed: int) -> None:
-    """Seed the calling thread's engine generator (what random factories and `nn.Dropout` draw
-    from by default) and numpy's global random state.
+    """Seed the calling thread's engine generator (what random factories, `nn.Dropout` and the
+    initialisation of `nn` layers draw from by default) and numpy's global random state.
 
     >>> import checkpoint_ad as cad
     >>> cad.manual_seed(0); a = cad.rand(3)

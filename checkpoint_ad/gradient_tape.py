@@ -83,7 +83,9 @@ class GradientTape:
         )
         if not self.persistent:
             self.release()
-        return result
+        if isinstance(sources, Tensor):  # TensorFlow's: shaped like `sources`
+            return result[0]
+        return result if isinstance(sources, tuple) else list(result)
 
     def release(self) -> None:
         """Free every saved value this tape recorded."""

@@ -112,7 +112,7 @@ def _forward_backward(model: Any, preset: Any) -> list[Any]:
 
     with use(preset.storage_strategy):
         loss = model.run(loop)
-    return autograd.grad(loss, model.params)
+    return list(autograd.grad(loss, model.params))
 
 
 def run_one(model: Any, preset: Any, device: str, meta: dict[str, Any]) -> tuple[Profile, list]:

@@ -540,6 +540,75 @@ class Tensor(TensorBase, made_by_engine=True):
     def norm(self, p: float | str | None = None, dim: Any = None, keepdim: bool = False) -> Tensor:
         return ops.norm(self, p, dim=dim, keepdim=keepdim)
 
+    amax = ops.amax
+    amin = ops.amin
+
+    def var(self, dim: Any = None, unbiased: bool | None = None, keepdim: bool = False, *,
+            correction: int | None = None, axis: Any = None, ddof: int | None = None,
+            keepdims: bool = False) -> Tensor:
+        """Variance over `dim`, PyTorch's method: dividing by n - 1 unless `correction=` (or
+        `unbiased=False`, or numpy's `ddof=`) says otherwise. The function `cad.var` keeps
+        numpy's default of n.
+
+        >>> import checkpoint_ad as cad
+        >>> x = cad.tensor([1.0, 2.0, 3.0, 4.0])
+        >>> round(x.var().item(), 4), x.var(correction=0).item()
+        (1.6667, 1.25)
+        """
+        return _torch_statistic(ops.var, self, dim, unbiased, keepdim, correction, axis, ddof,
+                                keepdims)
+
+    def std(self, dim: Any = None, unbiased: bool | None = None, keepdim: bool = False, *,
+            correction: int | None = None, axis: Any = None, ddof: int | None = None,
+            keepdims: bool = False) -> Tensor:
+        """Standard deviation, the square root of `var` (same keywords and PyTorch's default
+        correction of 1); its gradient is 0 where it is 0, as PyTorch's.
+
+        >>> import checkpoint_ad as cad
+        >>> cad.tensor([1.0, 3.0]).std(correction=0).item()
+        1.0
+        """
+        return _torch_statistic(ops.std, self, dim, unbiased, keepdim, correction, axis, ddof,
+                                keepdims)
+
+    def detach_(self) -> Tensor:
+        """Detach in place, as PyTorch's ``detach_``: this tensor becomes a leaf that does not
+        require grad (its storage, values and ``.grad`` are kept). Refused on a view, as in
+        PyTorch (its base would still carry the history); use ``detach()`` there.
+
+        >>> import checkpoint_ad as cad
+        >>> x = cad.tensor([1.0, 2.0], requires_grad=True)
+        >>> y = (x * 2).detach_()
+        >>> y.is_leaf, y.requires_grad, y.grad_fn
+        (True, False, None)
+        """
+        if self._base is not None:
+            raise InplaceError(
+                f"detach_() on a view ({self.dtype}{list(self.shape)}) cannot detach it in "
+                "place: it shares its base's storage and history; use .detach() instead"
+            )
+        refuse_trace("detaches a tensor in place (detach_)")
+        entry = self._entry
+        if entry is not None and entry.retained:
+            entry.retained.pop(self._index, None)
+        self._entry = None
+        self._index = 0
+        self._requires_grad = False
+        self._leaf_target = None
+        self._saved_ref = None
+        return self
+
+
+def _torch_statistic(fn: Any, x: Tensor, dim: Any, unbiased: bool | None, keepdim: bool,
+                     correction: int | None, axis: Any, ddof: int | None, keepdims: bool) -> Any:
+    """`fn` (ops.var or ops.std) with PyTorch's method arguments and default correction 1."""
+    if isinstance(dim, bool):  # PyTorch's older x.var(unbiased)
+        dim, unbiased = None, dim
+    if correction is None and unbiased is None and ddof is None:
+        correction = 1
+    return fn(x, axis, 0 if ddof is None else ddof, keepdims, dim=dim, keepdim=keepdim or None,
+              correction=correction, unbiased=unbiased)
+
 
 def _shares_storage(a: Any, b: Any) -> bool:
     """Whether two arrays may overlap in memory (True where the library cannot say)."""

@@ -136,6 +136,25 @@ def test_reductions_take_torch_keywords() -> None:
         cad.mean(cad.tensor(x), keepdims=True, keepdim=True)
 
 
+@pytest.mark.parametrize("keepdim", [False, True])
+@pytest.mark.parametrize("dim", [None, 0, -1, (0, 2)], ids=str)
+@pytest.mark.parametrize("name", ["amax", "amin"])
+def test_amax_amin(name: str, dim: Any, keepdim: bool) -> None:
+    x = RNG.permutation(24).reshape(2, 3, 4) / 7.0  # no ties: finite differences are exact
+    fn = {"amax": cad.amax, "amin": cad.amin}[name]
+    same(lambda t: fn(t, dim, keepdim), lambda v: getattr(np, name)(v, axis=dim,
+                                                                 keepdims=keepdim), x)
+    check(lambda t: fn(t, dim=dim, keepdim=keepdim), x)
+
+
+@pytest.mark.parametrize("beta", [1.0, 2.5])
+def test_softplus(beta: float) -> None:
+    x = np.array([-30.0, -2.0, -0.3, 0.4, 3.0, 30.0])
+    same(lambda t: cad.softplus(t, beta, threshold=None),
+         lambda v: np.logaddexp(0.0, beta * v) / beta, x)
+    check(lambda t: cad.softplus(t, beta), x)
+
+
 def test_max_with_dim_returns_values_and_indices_like_pytorch() -> None:
     x = np.array([[1.0, 9.0, 3.0], [4.0, 2.0, 8.0]])
     values, indices = cad.max(cad.tensor(x), dim=1)
@@ -380,10 +399,10 @@ def test_factory_refusals() -> None:
 
 # ================================================================= coverage
 ADDED_DIFFERENTIABLE = {
-    "arctan", "atan", "cat", "chunk", "clamp", "cosh", "cumsum", "diag", "dot", "expand",
-    "expm1", "flatten", "flip", "log1p", "masked_fill", "norm", "outer", "pad", "permute",
-    "prod", "repeat", "repeat_interleave", "roll", "sinh", "sort", "split", "std", "swapaxes",
-    "take_along_axis", "tan", "tensordot", "tile", "trace", "unsqueeze", "var",
+    "amax", "amin", "arctan", "atan", "cat", "chunk", "clamp", "cosh", "cumsum", "diag", "dot",
+    "expand", "expm1", "flatten", "flip", "log1p", "masked_fill", "norm", "outer", "pad",
+    "permute", "prod", "repeat", "repeat_interleave", "roll", "sinh", "softplus", "sort", "split",
+    "std", "swapaxes", "take_along_axis", "tan", "tensordot", "tile", "trace", "unsqueeze", "var",
 }
 ADDED_OTHER = {"ValuesIndices", "argmax", "argmin", "argsort", "linalg"}
 

@@ -600,11 +600,11 @@ NOT_DIFFERENTIABLE = {
 CHECKED_ELSEWHERE = {"astype"}
 # the ops added for PyTorch/JAX users: tests/test_ops_added.py gradchecks each and checks this list
 CHECKED_ELSEWHERE |= {
-    "ValuesIndices", "arctan", "argmax", "argmin", "argsort", "atan", "cat", "chunk", "clamp",
-    "cosh", "cumsum", "diag", "dot", "expm1", "flatten", "flip", "linalg", "log1p",
-    "masked_fill", "norm", "outer", "pad", "permute", "prod", "repeat", "repeat_interleave",
-    "roll", "sinh", "sort", "split", "std", "swapaxes", "take_along_axis", "tan", "tensordot",
-    "tile", "trace", "unsqueeze", "var",
+    "ValuesIndices", "amax", "amin", "arctan", "argmax", "argmin", "argsort", "atan", "cat",
+    "chunk", "clamp", "cosh", "cumsum", "diag", "dot", "expm1", "flatten", "flip", "linalg",
+    "log1p", "masked_fill", "norm", "outer", "pad", "permute", "prod", "repeat",
+    "repeat_interleave", "roll", "sinh", "softplus", "sort", "split", "std", "swapaxes",
+    "take_along_axis", "tan", "tensordot", "tile", "trace", "unsqueeze", "var",
 }
 # the ops added for transformers: tests/test_attention.py gradchecks them (gelu's tanh form too)
 CHECKED_IN_TEST_ATTENTION = {"layer_norm", "tril", "triu"}

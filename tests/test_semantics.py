@@ -151,9 +151,16 @@ def test_grad_with_respect_to_an_intermediate():
     np.testing.assert_allclose(gh.numpy(), 2 * h.numpy())
 
 
-def test_grad_single_tensor_input_returns_single_gradient():
-    x = leaf(2.0)
-    assert cad.grad(x * x, x).item() == 4.0
+def test_grad_of_a_single_tensor_returns_a_tuple_like_torch_autograd_grad():
+    """torch.autograd.grad always returns a tuple, so `(g,) = grad(loss, x)` unpacks it; a bare
+    tensor would unpack along its first axis instead (a (1, 3) x gave g of shape (3,))."""
+    x = cad.tensor(np.ones((1, 3)), requires_grad=True)
+    result = cad.grad((x * x).sum(), x)
+    assert isinstance(result, tuple) and len(result) == 1
+    (g,) = result
+    assert g.shape == (1, 3)
+    np.testing.assert_array_equal(g.numpy(), 2 * np.ones((1, 3)))
+    assert isinstance(cad.grad((x * x).sum(), [x]), tuple)
 
 
 def test_grad_unused_input():

@@ -23,11 +23,12 @@ from .losses import binary_cross_entropy_with_logits, cross_entropy, mse_loss, n
 __all__ = [
     "binary_cross_entropy_with_logits", "cross_entropy", "dropout", "embedding", "gelu",
     "layer_norm", "linear", "log_softmax", "mse_loss", "nll_loss", "relu", "sigmoid", "silu",
-    "scaled_dot_product_attention", "softmax", "tanh",
+    "scaled_dot_product_attention", "softmax", "softplus", "tanh",
 ]
 
 relu = ops.relu
 sigmoid = ops.sigmoid
+softplus = ops.softplus
 tanh = ops.tanh
 
 

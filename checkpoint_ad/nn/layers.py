@@ -1,7 +1,8 @@
 """Layers with PyTorch's parameter names, shapes and initialisation.
 
 Every layer takes ``dtype=``, ``device=`` and, for reproducible initialisation, ``seed=`` or a
-numpy ``rng=`` (not both).
+numpy ``rng=`` (not both); with neither, parameters are drawn from the engine's generator, so
+``cad.manual_seed(s)`` makes them repeatable, as ``torch.manual_seed`` does.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import ops
+from .. import ops, random
 from ..errors import ModuleConfigError
 from ..tensor import Tensor
 from . import functional as F
@@ -20,9 +21,13 @@ from .module import Module, Parameter, check_last_axis, check_size
 
 
 def make_rng(layer: str, rng: np.random.Generator | None, seed: int | None) -> Any:
+    """Where a layer's initial parameters come from: `rng`, a generator seeded with `seed`, or
+    else the engine's generator (which `manual_seed` seeds)."""
     if rng is not None and seed is not None:
         raise ModuleConfigError(f"{layer}: pass either rng or seed, not both")
-    return rng if rng is not None else np.random.default_rng(seed)
+    if rng is not None:
+        return rng
+    return random.generator() if seed is None else np.random.default_rng(seed)
 
 
 class Linear(Module):

@@ -15,6 +15,7 @@ from .composite import (
     permute,
     repeat,
     repeat_interleave,
+    softplus,
     split,
     std,
     tensordot,
@@ -73,7 +74,7 @@ from .elementwise import (
 )
 from .linalg import einsum, matmul, norm
 from .normalizing import layer_norm, log_softmax, logsumexp, softmax
-from .reductions import argmax, argmin, cumsum, max, mean, min, prod, sum
+from .reductions import amax, amin, argmax, argmin, cumsum, max, mean, min, prod, sum
 from .shape import (
     ValuesIndices,
     argsort,
@@ -104,11 +105,11 @@ __all__ = [
     "sigmoid", "sign", "sin", "softmax", "sqrt", "squeeze", "stack", "subtract", "sum",
     "sum_to", "tanh", "to_device", "transpose", "where", "zeros_like",
     # added for PyTorch/JAX users
-    "ValuesIndices", "arctan", "argmax", "argmin", "argsort", "atan", "cat", "chunk", "clamp",
-    "cosh", "cumsum", "diag", "dot", "expand", "expm1", "flatten", "flip", "linalg", "log1p",
-    "masked_fill", "norm", "outer", "pad", "permute", "prod", "repeat", "repeat_interleave",
-    "roll", "sinh", "sort", "split", "std", "swapaxes", "take_along_axis", "tan", "tensordot",
-    "tile", "trace", "unsqueeze", "var",
+    "ValuesIndices", "amax", "amin", "arctan", "argmax", "argmin", "argsort", "atan", "cat",
+    "chunk", "clamp", "cosh", "cumsum", "diag", "dot", "expand", "expm1", "flatten", "flip",
+    "linalg", "log1p", "masked_fill", "norm", "outer", "pad", "permute", "prod", "repeat",
+    "repeat_interleave", "roll", "sinh", "softplus", "sort", "split", "std", "swapaxes",
+    "take_along_axis", "tan", "tensordot", "tile", "trace", "unsqueeze", "var",
     # added for transformers
     "erf", "gelu", "layer_norm", "tril", "triu",
 ]

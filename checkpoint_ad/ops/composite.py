@@ -20,8 +20,8 @@ import numpy as np
 from ..backend import namespace
 from ..errors import ShapeError
 from ..tensor_base import as_tensor
-from .elementwise import clip, multiply, sqrt, where
-from .linalg import einsum, matmul
+from .elementwise import clip, exp, log1p, multiply, where, zeros_like
+from .linalg import einsum, matmul, safe_root
 from .reductions import axis_keywords, mean
 from .reductions import sum as reduce_sum
 from .shape import (
@@ -37,8 +37,8 @@ from .shape import (
 
 __all__ = [
     "cat", "chunk", "clamp", "diag", "dot", "expand", "flatten", "masked_fill", "outer", "pad",
-    "permute", "repeat", "repeat_interleave", "split", "std", "tensordot", "tile", "trace",
-    "tril", "triu", "unsqueeze", "var",
+    "permute", "repeat", "repeat_interleave", "softplus", "split", "std", "tensordot", "tile",
+    "trace", "tril", "triu", "unsqueeze", "var",
 ]
 
 
@@ -324,6 +324,28 @@ def triu(x: Any, diagonal: int = 0) -> Any:
     return _band(x, diagonal, lower=False)
 
 
+def softplus(x: Any, beta: float = 1.0, threshold: float | None = 20.0) -> Any:
+    """log(1 + exp(beta * x)) / beta, without overflow (PyTorch's ``F.softplus``, JAX's
+    ``jax.nn.softplus``); where beta * x > `threshold` the result is x itself, as PyTorch's
+    (None: never).
+
+    Written as log1p(exp(-|z|)) + max(z, 0) with the kinks of |z| and max at z = 0 taken from
+    one branch (z <= 0 is log1p(exp(z)) whole), so the gradient is sigmoid(beta * x)
+    everywhere, 0.5 at 0 included, rather than a mix of two subgradients.
+
+    >>> import checkpoint_ad as cad
+    >>> round(cad.softplus(cad.tensor(0.0, dtype="float64")).item(), 6)
+    0.693147
+    """
+    z = x * beta if beta != 1.0 else x
+    positive = z > 0
+    smooth = log1p(exp(where(positive, -z, z))) + where(positive, z, zeros_like(z))
+    out = smooth / beta if beta != 1.0 else smooth
+    if threshold is None:
+        return out
+    return where(z > threshold, x, out)
+
+
 # ------------------------------------------------------------------ statistics
 def var(x: Any, axis: int | Sequence[int] | None = None, ddof: int = 0, keepdims: bool = False,
         *, dim: Any = None, keepdim: bool | None = None, correction: int | None = None,
@@ -353,14 +375,15 @@ def var(x: Any, axis: int | Sequence[int] | None = None, ddof: int = 0, keepdims
 def std(x: Any, axis: int | Sequence[int] | None = None, ddof: int = 0, keepdims: bool = False,
         *, dim: Any = None, keepdim: bool | None = None, correction: int | None = None,
         unbiased: bool | None = None) -> Any:
-    """Standard deviation: sqrt of `var` (same keywords).
+    """Standard deviation: sqrt of `var` (same keywords); where it is 0 its gradient is 0,
+    as PyTorch's, rather than 0/0.
 
     >>> import checkpoint_ad as cad
     >>> cad.std(cad.tensor([1.0, 3.0])).item()
     1.0
     """
-    return sqrt(var(x, axis, ddof, keepdims, dim=dim, keepdim=keepdim, correction=correction,
-                    unbiased=unbiased))
+    return safe_root(var(x, axis, ddof, keepdims, dim=dim, keepdim=keepdim,
+                         correction=correction, unbiased=unbiased), 2)
 
 
 # ------------------------------------------------------------------ products

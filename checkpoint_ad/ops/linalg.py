@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import string
 from collections.abc import Sequence
 from typing import Any
 
 from ..errors import ShapeError
 from ..tape import define, vjp
 from ..tensor_base import TensorBase, as_tensor_like
-from .elementwise import abs, power, sqrt
+from .elementwise import abs, equal, ones_like, power, sqrt, where, zeros_like
 from .reductions import axis_keywords
 from .reductions import max as reduce_max
 from .reductions import min as reduce_min
@@ -19,7 +20,7 @@ from .shape import broadcast_to, expand_dims, matrix_transpose, reshape, squeeze
 def _parse(subscripts: str, count: int) -> tuple[list[str], str]:
     spec = subscripts.replace(" ", "")
     if "." in spec:
-        raise ShapeError("einsum: '...' (ellipsis) is not supported; name every axis")
+        raise ShapeError(f"einsum: {subscripts!r}: a '.' outside one '...' per operand")
     inputs, arrow, output = spec.partition("->")
     terms = inputs.split(",")
     if len(terms) != count:
@@ -85,9 +86,87 @@ def matmul(a: Any, b: Any) -> Any:
 
 
 def einsum(subscripts: str, *operands: Any) -> Any:
-    """Einstein summation (no ellipsis or repeated indices within one operand)."""
+    """Einstein summation, numpy's rules: ``...`` stands for leading, broadcast axes, and
+    without ``->`` the output is ``...`` then the indices used once, sorted. An index may not
+    repeat within one operand (take a diagonal with indexing first).
+
+    >>> import checkpoint_ad as cad
+    >>> cad.einsum("...ij,...jk->...ik", cad.ones(2, 3, 4), cad.ones(4, 5)).shape
+    (2, 3, 5)
+    """
+    if "..." in subscripts:
+        shapes = [tuple(getattr(getattr(x, "_data", x), "shape", ())) for x in operands]
+        subscripts = _name_ellipsis(subscripts, shapes)
     _parse(subscripts, len(operands))
     return EINSUM(list(operands), subscripts=subscripts)
+
+
+def _name_ellipsis(subscripts: str, shapes: Sequence[tuple[int, ...]]) -> str:
+    """`subscripts` with each ``...`` replaced by letters of its own, so the primitive and its
+    rule see named axes only. The ellipsis axes broadcast right-aligned, as in numpy; a size-1
+    axis against a longer one gets a letter of its own, summed away (a sum of one term), so
+    the gradient rule gives it back its size 1."""
+    spec = subscripts.replace(" ", "")
+    inputs, arrow, output = spec.partition("->")
+    terms = inputs.split(",")
+    if len(terms) != len(shapes):
+        raise ShapeError(f"einsum: {subscripts!r} names {len(terms)} operands, got {len(shapes)}")
+    unused = iter(c for c in string.ascii_letters if c not in spec)
+    ranks = [_ellipsis_rank(subscripts, t, len(s)) for t, s in zip(terms, shapes)]
+    width = max(ranks)
+    sizes = _broadcast_sizes(subscripts, terms, shapes, ranks, width)
+    shared = [next(unused) for _ in range(width)]
+    named = []
+    for term, shape, rank in zip(terms, shapes, ranks):
+        if "..." not in term:
+            named.append(term)
+            continue
+        start = term.index("...")
+        letters = [shared[width - rank + j] if d == sizes[width - rank + j] else next(unused)
+                   for j, d in enumerate(shape[start:start + rank])]
+        named.append(term.replace("...", "".join(letters)))
+    if not arrow:
+        used = "".join(t.replace("...", "") for t in terms)
+        output = "..." + "".join(sorted(c for c in set(used) if used.count(c) == 1))
+    if "..." not in output and width:
+        raise ShapeError(
+            f"einsum: {subscripts!r}: the output leaves out the axes '...' stands for ({width}); "
+            "put '...' in the output (or sum those axes first)"
+        )
+    return ",".join(named) + "->" + output.replace("...", "".join(shared))
+
+
+def _ellipsis_rank(subscripts: str, term: str, ndim: int) -> int:
+    """How many axes ``...`` stands for in one operand (0 if it has none)."""
+    named = len(term.replace("...", ""))
+    if "..." not in term:
+        return 0
+    if term.count("...") > 1 or "." in term.replace("...", "", 1):
+        raise ShapeError(f"einsum: {subscripts!r}: an operand may hold one '...' at most")
+    if named > ndim:
+        raise ShapeError(
+            f"einsum: {subscripts!r}: {term!r} names {named} axes of an operand with {ndim}"
+        )
+    return ndim - named
+
+
+def _broadcast_sizes(subscripts: str, terms: Sequence[str], shapes: Sequence[tuple[int, ...]],
+                     ranks: Sequence[int], width: int) -> list[int]:
+    """The size of each ``...`` axis once broadcast (right-aligned, size 1 stretches)."""
+    sizes = [1] * width
+    for term, shape, rank in zip(terms, shapes, ranks):
+        if "..." not in term:
+            continue
+        start = term.index("...")
+        for j, d in enumerate(shape[start:start + rank]):
+            k = width - rank + j
+            if d != 1 and sizes[k] not in (1, d):
+                raise ShapeError(
+                    f"einsum: {subscripts!r}: the axes '...' stands for do not broadcast "
+                    f"(sizes {sizes[k]} and {d}); operand shapes {[list(s) for s in shapes]}"
+                )
+            sizes[k] = max(sizes[k], d)
+    return sizes
 
 
 # ------------------------------------------------------------------ added for PyTorch/JAX users
@@ -98,8 +177,8 @@ def norm(x: Any, ord: float | str | None = None, axis: int | Sequence[int] | Non
 
     Vector norms (one axis, or a 1-d x): `ord` None or 2, 1, inf, -inf, or any p > 0. Matrix
     norms (two axes, or a 2-d x with no axis): None or 'fro' only. With no axis and more than 2
-    dimensions, the 2-norm of the flattened tensor. At x = 0 the 2-norm's gradient is undefined
-    (division by 0), as with sqrt.
+    dimensions, the 2-norm of the flattened tensor. Where the norm is 0 its gradient is 0 (the
+    subgradient PyTorch picks), for every ord, rather than 0/0 = nan.
 
     >>> import checkpoint_ad as cad
     >>> cad.linalg.norm(cad.tensor([3.0, 4.0])).item()
@@ -114,7 +193,7 @@ def norm(x: Any, ord: float | str | None = None, axis: int | Sequence[int] | Non
     axes = (axis,) if isinstance(axis, int) else (tuple(axis) if axis is not None else None)
     matrix = (axes is not None and len(axes) == 2) or (axes is None and ndim == 2)
     if ord is None or (ord == "fro" and matrix):
-        return sqrt(reduce_sum(x * x, axis=axis, keepdims=keepdims))
+        return safe_root(reduce_sum(x * x, axis=axis, keepdims=keepdims), 2)
     if matrix:
         raise ShapeError(
             f"norm: matrix norm ord={ord!r} is not available (it needs an SVD); use None or 'fro'"
@@ -130,5 +209,20 @@ def norm(x: Any, ord: float | str | None = None, axis: int | Sequence[int] | Non
     if ord == 1:
         return reduce_sum(abs(x), axis=axis, keepdims=keepdims)
     if ord == 2:
-        return sqrt(reduce_sum(x * x, axis=axis, keepdims=keepdims))
-    return power(reduce_sum(power(abs(x), ord), axis=axis, keepdims=keepdims), 1.0 / ord)
+        return safe_root(reduce_sum(x * x, axis=axis, keepdims=keepdims), 2)
+    return safe_root(reduce_sum(_zero_safe(abs(x), lambda a: power(a, ord)), axis=axis,
+                                keepdims=keepdims), ord)
+
+
+def _zero_safe(a: Any, fn: Any) -> Any:
+    """fn(a) for a >= 0 whose gradient is taken as 0 where a == 0: fn sees 1 there and the
+    result is 0, so the infinite slope of a root at 0 never meets a zero factor (0 * inf)."""
+    zero = equal(a, zeros_like(a))
+    value = fn(where(zero, ones_like(a), a))
+    return where(zero, zeros_like(value), value)
+
+
+def safe_root(total: Any, p: float) -> Any:
+    """The p-th root of a sum of |x|^p (>= 0), with gradient 0 where it is 0 (x = 0), as
+    PyTorch's norms and std take it."""
+    return _zero_safe(total, sqrt if p == 2 else lambda s: power(s, 1.0 / p))

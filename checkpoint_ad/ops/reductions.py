@@ -17,10 +17,12 @@ from .shape import (
     kept_shape,
     normalize_axes,
     reshape,
+    squeeze,
+    take_along_axis,
     unreduce,
 )
 
-__all__ = ["SUM", "kept_shape", "max", "mean", "min", "sum", "unreduce"]
+__all__ = ["SUM", "amax", "amin", "kept_shape", "max", "mean", "min", "sum", "unreduce"]
 
 
 def _extreme_rule(g: Any, x: Any, out: Any, *, axis: Any, keepdims: Any, source: Any) -> Any:
@@ -64,9 +66,11 @@ def mean(x: Any, axis: int | Sequence[int] | None = None, keepdims: bool = False
 
 def max(x: Any, axis: int | Sequence[int] | None = None, keepdims: bool = False, *,
         dim: int | None = None, keepdim: bool | None = None) -> Any:
-    """Maximum over `axis`; ties share the gradient evenly.
+    """Maximum over `axis`; ties share the gradient evenly (as PyTorch's ``amax`` and its
+    ``max()`` of the whole tensor, and JAX's ``max``).
 
-    Spelled PyTorch's way, ``max(x, dim=d)`` returns ``(values, indices)`` as PyTorch does.
+    Spelled PyTorch's way, ``max(x, dim=d)`` returns ``(values, indices)`` as PyTorch does, and
+    as there the whole gradient goes to the entry at the returned index.
     """
     if dim is not None:
         return _extreme_with_indices("max", x, dim, bool(keepdim))
@@ -76,9 +80,11 @@ def max(x: Any, axis: int | Sequence[int] | None = None, keepdims: bool = False,
 
 def min(x: Any, axis: int | Sequence[int] | None = None, keepdims: bool = False, *,
         dim: int | None = None, keepdim: bool | None = None) -> Any:
-    """Minimum over `axis`; ties share the gradient evenly.
+    """Minimum over `axis`; ties share the gradient evenly (as PyTorch's ``amin`` and its
+    ``min()`` of the whole tensor, and JAX's ``min``).
 
-    Spelled PyTorch's way, ``min(x, dim=d)`` returns ``(values, indices)`` as PyTorch does.
+    Spelled PyTorch's way, ``min(x, dim=d)`` returns ``(values, indices)`` as PyTorch does, and
+    as there the whole gradient goes to the entry at the returned index.
     """
     if dim is not None:
         return _extreme_with_indices("min", x, dim, bool(keepdim))
@@ -86,8 +92,35 @@ def min(x: Any, axis: int | Sequence[int] | None = None, keepdims: bool = False,
     return _reduce(MIN, x, axis, keepdims)
 
 
-
 # ------------------------------------------------------------------ added for PyTorch/JAX users
+def amax(x: Any, dim: int | Sequence[int] | None = None, keepdim: bool | None = None, *,
+         axis: int | Sequence[int] | None = None, keepdims: bool | None = None) -> Any:
+    """Maximum over `dim` (every axis by default) without indices; ties share the gradient
+    evenly, as PyTorch's ``amax`` and numpy's/JAX's ``amax``.
+
+    >>> import checkpoint_ad as cad
+    >>> x = cad.tensor([[1.0, 3.0, 3.0]], requires_grad=True)
+    >>> cad.amax(x, dim=1).sum().backward()
+    >>> x.grad.tolist()
+    [[0.0, 0.5, 0.5]]
+    """
+    axis, keepdims = axis_keywords("amax", axis, bool(keepdims), dim, keepdim)
+    return _reduce(MAX, x, axis, keepdims)
+
+
+def amin(x: Any, dim: int | Sequence[int] | None = None, keepdim: bool | None = None, *,
+         axis: int | Sequence[int] | None = None, keepdims: bool | None = None) -> Any:
+    """Minimum over `dim` (every axis by default) without indices; ties share the gradient
+    evenly, as PyTorch's ``amin`` and numpy's/JAX's ``amin``.
+
+    >>> import checkpoint_ad as cad
+    >>> cad.amin(cad.tensor([[4.0, 2.0], [1.0, 5.0]]), dim=0).tolist()
+    [1.0, 2.0]
+    """
+    axis, keepdims = axis_keywords("amin", axis, bool(keepdims), dim, keepdim)
+    return _reduce(MIN, x, axis, keepdims)
+
+
 def axis_keywords(op: str, axis: Any, keepdims: Any, dim: Any, keepdim: Any) -> tuple[Any, bool]:
     """One (axis, keepdims) pair from numpy's and PyTorch's spellings, refusing both at once."""
     if dim is not None:
@@ -195,8 +228,13 @@ def argmin(x: Any, axis: int | None = None, keepdims: bool = False, *, dim: int 
 
 
 def _extreme_with_indices(op: str, x: Any, dim: Any, keepdim: bool) -> ValuesIndices:
+    """(values, indices) with the values picked at the indices, so that, as in PyTorch, the
+    gradient goes to the returned entry alone when several tie."""
     if not isinstance(dim, int):
         raise ShapeError(f"{op}(dim=...) takes one dimension (an int), got {dim!r}")
-    values = _reduce(MAX if op == "max" else MIN, x, dim, keepdim)
-    indices = (argmax if op == "max" else argmin)(x, dim, keepdim)
-    return ValuesIndices(values, indices)
+    (axis,) = normalize_axes(dim, len(getattr(x, "_data", x).shape), op)
+    kept = (argmax if op == "max" else argmin)(x, axis, True)
+    values = take_along_axis(x, kept, axis)
+    if keepdim:
+        return ValuesIndices(values, kept)
+    return ValuesIndices(squeeze(values, axis), squeeze(kept, axis))

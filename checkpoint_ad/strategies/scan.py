@@ -226,7 +226,7 @@ def while_loop(
     >>> x = cad.tensor(1.5, requires_grad=True)
     >>> y = cad.while_loop(lambda v: v.item() < 100.0, lambda v: v * x, x,
     ...                    strategy=cad.strategies.Binomial(2))
-    >>> y.item(), cad.grad(y, x).item()  # x**12 and 12 * x**11
+    >>> y.item(), cad.grad(y, x)[0].item()  # x**12 and 12 * x**11
     (129.746337890625, 1037.970703125)
     """
     if not callable(cond) or not callable(step):
