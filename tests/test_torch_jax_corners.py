@@ -335,6 +335,8 @@ def _layers() -> dict[str, Any]:
         "GRU": lambda: nn.GRU(3, 4),
         "LSTM": lambda: nn.LSTM(3, 4, num_layers=2),
         "Sequential": lambda: nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)),
+        "MultiheadAttention": lambda: nn.MultiheadAttention(8, 2),
+        "TransformerEncoderLayer": lambda: nn.TransformerEncoderLayer(8, 2, dim_feedforward=16),
     }
 
 
