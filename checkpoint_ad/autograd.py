@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -72,6 +73,76 @@ def _accumulate_into(t: TensorBase, g: Any, create_graph: bool) -> None:
     else:
         g = g._data if isinstance(g, TensorBase) else g
         t.grad = make_tensor(g if t.grad is None else t.grad._data + g)
+
+
+class _Grads:
+    """The `.grad` a backward sweep gives each tensor (leaves, retained non-leaves), written
+    into the tensors only when the sweep completes (`commit`): a sweep that fails (a rule or
+    hook raising, a loop's re-run failing) leaves every `.grad` as it was, so a retry with
+    `retain_graph` gives exactly the gradients of one pass.
+
+    Each sum is made as accumulating into `.grad` would make it, in the same order (the old
+    `.grad` first, then each gradient as it arrives): the same arrays, bitwise. A tensor
+    whose `.grad` is None takes its first gradient by reference; one that has a `.grad`
+    keeps it until the commit, beside the new sum (the one array more a transaction costs).
+    """
+
+    __slots__ = ("graph", "sums")
+
+    def __init__(self, graph: bool) -> None:
+        self.graph = graph  # create_graph: sums are Tensors with a history
+        self.sums: dict[int, list[Any]] = {}  # id(tensor) -> [tensor, its new `.grad`]
+
+    def value(self, t: TensorBase) -> Any:
+        """`t`'s `.grad` as this sweep has it so far (an array, or a Tensor under
+        create_graph); None where it has none."""
+        item = self.sums.get(id(t))
+        if item is not None:
+            return item[1]
+        grad = t.grad
+        return grad if grad is None or self.graph else grad._data
+
+    def put(self, t: TensorBase, value: Any) -> None:
+        """Make `value` (a sum that includes `value(t)`) `t`'s new `.grad`."""
+        item = self.sums.get(id(t))
+        if item is None:
+            self.sums[id(t)] = [t, value]
+        else:
+            item[1] = value
+
+    def add(self, t: TensorBase, g: Any) -> None:
+        if self.graph:
+            g = g if isinstance(g, TensorBase) else make_tensor(g)
+        elif isinstance(g, TensorBase):
+            g = g._data
+        previous = self.value(t)
+        self.put(t, g if previous is None else previous + g)
+
+    def commit(self) -> None:
+        graph = self.graph
+        for t, value in self.sums.values():
+            t.grad = value if graph else make_tensor(value)
+        self.sums.clear()
+
+
+class _Sweeps(threading.local):
+    """This thread's backward sweeps now running, innermost last: each one's `_Grads`, or
+    None for a sweep that fills no `.grad` (a `grad()`, a loop's own pull-back for one)."""
+
+    def __init__(self) -> None:
+        self.grads: list[_Grads | None] = []
+
+
+_sweeps = _Sweeps()
+
+
+def fills_grads() -> bool:
+    """Whether the innermost backward sweep running in this thread fills `.grad` (a
+    `backward()`, not a `grad()`): a loop entry's backward asks, so that its own pull-back
+    through a re-run step fills the `.grad` of tensors retained there (`retain_grad`) as
+    the sweep around it would have on a plain tape."""
+    grads = _sweeps.grads
+    return bool(grads) and grads[-1] is not None
 
 
 def _as_tensor(grad: Any) -> Any:
@@ -161,7 +232,9 @@ class Capture:
     are then added into in place, so a gradient accumulated over many passes is allocated
     once. Only entries on a path to a captured node are run; with `newer_than`, only entries
     recorded after that sequence number (a loop's own steps: what lies before them is the
-    outer tape's business, and its gradients are the caller's to pass on).
+    outer tape's business, and its gradients are the caller's to pass on). With
+    `fills_retained` (a loop's pull-back on behalf of a `backward()`), retained non-leaves
+    reached get their `.grad` too, committed with that sweep's.
     """
 
     def __init__(
@@ -170,11 +243,13 @@ class Capture:
         initial: list[Any] | None = None,
         owned: dict[int, Any] | None = None,
         newer_than: int = -1,
+        fills_retained: bool = False,
     ) -> None:
         self.keys = keys
         self.values: list[Any] = list(initial) if initial is not None else [None] * len(keys)
         self.owned = owned
         self.newer_than = newer_than
+        self.fills_retained = fills_retained
         self.needed: set[Entry] = set()
 
     def add(self, position: int, grad: Any) -> None:
@@ -203,20 +278,20 @@ class Capture:
 
 
 class _LeafGrad:
-    """A leaf's `.grad` seen as a one-item container of arrays (for `_running_sums`)."""
+    """A leaf's `.grad`, as the sweep has it so far, seen as a one-item container (for
+    `_running_sums`)."""
 
-    __slots__ = ("graph", "leaf")
+    __slots__ = ("grads", "leaf")
 
-    def __init__(self, leaf: TensorBase, graph: bool) -> None:
+    def __init__(self, leaf: TensorBase, grads: _Grads) -> None:
         self.leaf = leaf
-        self.graph = graph  # create_graph: sums are Tensors with a history, kept as they are
+        self.grads = grads
 
     def __getitem__(self, _: int) -> Any:
-        grad = self.leaf.grad
-        return grad if grad is None or self.graph else grad._data
+        return self.grads.value(self.leaf)
 
     def __setitem__(self, _: int, value: Any) -> None:
-        self.leaf.grad = value if self.graph else make_tensor(value)
+        self.grads.put(self.leaf, value)
 
 
 def _running_sums(
@@ -284,7 +359,8 @@ def backpropagate(
 
     Entries are visited newest first; each one's op turns its output gradients into input
     gradients (`op.backward`). Without `capture`, gradients accumulate into leaf `.grad` (and
-    retained non-leaves); with it, into `capture.values`.
+    retained non-leaves), written when the sweep completes (see `_Grads`); with it, into
+    `capture.values`.
     """
     pending: dict[Entry, list[Any]] = {}
     heap: list[tuple[int, int, Entry]] = []
@@ -297,6 +373,14 @@ def backpropagate(
     plain = capture is None and not anomaly  # the sweep's common case: see the loop
     heappop, heappush = heapq.heappop, heapq.heappush
     held: dict[int, list[Any]] = {}  # leaves with hooks: [leaf, summed grad, capture position]
+    # the `.grad` this sweep gives: its own, or (a loop's pull-back for a `backward()`) the
+    # enclosing sweep's, for the tensors retained in the loop's steps; None: fills none
+    if capture is None:
+        made: _Grads | None = _Grads(create_graph)
+    elif capture.fills_retained and _sweeps.grads:
+        made = _sweeps.grads[-1]
+    else:
+        made = None
 
     def hold(leaf: TensorBase, grad: Any, position: int | None) -> None:
         """Sum a hooked leaf's gradient over the pass: its hooks see the total, once."""
@@ -325,7 +409,7 @@ def backpropagate(
             if node._hooks:
                 hold(node, grad, None)
             else:
-                _accumulate_into(node, grad, create_graph)
+                made.add(node, grad)  # type: ignore[union-attr]
             return
         grads = _pending(node)
         grads[index] = grad if grads[index] is None else grads[index] + grad
@@ -349,7 +433,7 @@ def backpropagate(
             if node._hooks:
                 item = held.get(id(node))
                 return None if item is None else (item, 1)
-            return _LeafGrad(node, create_graph), 0
+            return _LeafGrad(node, made), 0  # type: ignore[arg-type]
         grads = pending.get(node)
         return None if grads is None else (grads, index)
 
@@ -360,11 +444,12 @@ def backpropagate(
             heapq.heappush(heap, (-node.seq, id(node), node))
         return grads
 
-    for (node, index), grad in roots:
-        deliver(node, index, grad)
+    _sweeps.grads.append(made)
     if events.listeners:
         events.emit("backward_begin", None)
     try:
+        for (node, index), grad in roots:
+            deliver(node, index, grad)
         with enable_grad() if create_graph else no_grad():
             while heap:
                 entry = heappop(heap)[2]
@@ -393,13 +478,13 @@ def backpropagate(
                                 capture.values[position] = (
                                     grad if previous is None else previous + grad
                                 )
-                        if entry not in capture.needed:
-                            continue
-                    elif extra is not None and extra.retained:
+                    if made is not None and extra is not None and extra.retained:
                         for index, ref in extra.retained.items():
                             t = ref()
                             if t is not None and grads[index] is not None:
-                                _accumulate_into(t, grads[index], create_graph)
+                                made.add(t, grads[index])
+                    if capture is not None and entry not in capture.needed:
+                        continue
                     running = None
                     adds_onto = None if type(op) is Primitive else getattr(op, "adds_onto", None)
                     if adds_onto is not None and not anomaly and (
@@ -457,8 +542,11 @@ def backpropagate(
                 if position is not None:
                     capture.add(position, grad)  # type: ignore[union-attr]
                 else:
-                    _accumulate_into(leaf, grad, create_graph)
+                    made.add(leaf, grad)  # type: ignore[union-attr]
+        if capture is None:  # the sweep completed: its `.grad` are written now
+            made.commit()  # type: ignore[union-attr]
     finally:
+        _sweeps.grads.pop()
         if events.listeners:
             events.emit("backward_end", None)
 
