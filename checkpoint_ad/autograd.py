@@ -26,7 +26,7 @@ import numpy as np
 from . import events
 from .backend import namespace
 from .entry import _NDARRAY, _ONE_INPUT_ONLY, _SEE_FIRST, EntryExtra
-from .errors import AnomalyError, BackwardError, DeviceError, ShapeError
+from .errors import AnomalyError, BackwardError, DeviceError, ShapeError, StepNeedsTapeError
 from .grad_mode import _state, enable_grad, no_grad
 from .ops import astype
 from .tape import Entry, Primitive, edge_of
@@ -232,7 +232,8 @@ class Capture:
     are then added into in place, so a gradient accumulated over many passes is allocated
     once. Only entries on a path to a captured node are run; with `newer_than`, only entries
     recorded after that sequence number (a loop's own steps: what lies before them is the
-    outer tape's business, and its gradients are the caller's to pass on). With
+    outer tape's business, and its gradients are the caller's to pass on; so are the hooks
+    of captured leaves, which the sweep around runs once, on the leaf's total). With
     `fills_retained` (a loop's pull-back on behalf of a `backward()`), retained non-leaves
     reached get their `.grad` too, committed with that sweep's.
     """
@@ -381,6 +382,9 @@ def backpropagate(
         made = _sweeps.grads[-1]
     else:
         made = None
+    # a loop's pull-back hands its leaves' gradients to the sweep around it, which runs their
+    # hooks once on the total (run here too, they would fire once per reversed segment)
+    leaf_hooks = capture is None or capture.newer_than < 0
 
     def hold(leaf: TensorBase, grad: Any, position: int | None) -> None:
         """Sum a hooked leaf's gradient over the pass: its hooks see the total, once."""
@@ -395,7 +399,7 @@ def backpropagate(
             position = keys.get((id(node), index))  # type: ignore[union-attr]
             if type(node) is not Entry or (node not in capture.needed and position is None):
                 if position is not None:
-                    if type(node) is not Entry and node._hooks:
+                    if type(node) is not Entry and node._hooks and leaf_hooks:
                         hold(node, grad, position)
                     else:
                         capture.add(position, grad)
@@ -423,7 +427,7 @@ def backpropagate(
             if type(node) is not Entry or (node not in capture.needed and position is None):
                 if position is None:
                     return None
-                if type(node) is not Entry and node._hooks:
+                if type(node) is not Entry and node._hooks and leaf_hooks:
                     item = held.get(id(node))
                     return None if item is None else (item, 1)
                 return capture.values, position
@@ -579,12 +583,26 @@ def _root_edge(output: TensorBase, position: str) -> Any:
         raise TypeError(f"{position} must be a Tensor, got {type(output).__name__}")
     edge = edge_of(output._current())
     if edge is None:
+        _refuse_untaped_step()
         raise BackwardError(
             f"{position} does not require grad: it was computed only from tensors with "
             "requires_grad=False, or under no_grad(); set requires_grad=True on the inputs you "
             "want gradients for"
         )
     return edge
+
+
+def _refuse_untaped_step() -> None:
+    """Raise `StepNeedsTapeError` where a checkpointed loop runs a step without a tape:
+    a gradient the step takes finds no graph there."""
+    scope = _state.step_scope
+    if scope is not None and scope.untaped:
+        raise StepNeedsTapeError(
+            "a step of a checkpointed loop takes a gradient inside it (grad/backward), but "
+            "this run of the step has no tape: the loop runs its steps with one where step 0 "
+            "took a gradient, so take it in every step (as step 0), or run the loop keeping "
+            "every step (strategy=None)"
+        )
 
 
 def _seed_value(seed: Any, create_graph: bool) -> Any:
@@ -612,6 +630,7 @@ def backward(
     >>> x.grad.item(), w.grad
     (9.0, None)
     """
+    _state.gradients_taken += 1
     outs, single = _as_list(tensors)
     if not outs:
         raise ValueError("backward() needs at least one output tensor")
@@ -657,6 +676,7 @@ def _capture_keys(ins: list[Any], name: str) -> dict[tuple[int, int], int]:
             raise TypeError(f"{name}[{i}] must be a Tensor, got {type(t).__name__}")
         edge = edge_of(t._current())
         if edge is None:
+            _refuse_untaped_step()
             raise BackwardError(
                 f"{name}[{i}] ({t.dtype}{list(t.shape)}) does not require grad, so it has no "
                 "gradient; set requires_grad=True on it before computing the outputs"
@@ -687,6 +707,7 @@ def grad(
     >>> dx.item()
     6.0
     """
+    _state.gradients_taken += 1
     outs, _ = _as_list(outputs)
     ins, single = _as_list(inputs)
     if not ins or not outs:
