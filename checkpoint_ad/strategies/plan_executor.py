@@ -24,7 +24,11 @@ What makes the loop's gradients the same as keeping every step's tape:
   an exception in a re-run leaves the loop rebuildable (the next backward re-runs the forward
   part of the plan from the initial carry), so a retry works;
 - under `create_graph` the loop is re-run once with a tape from its real inputs (higher-order
-  gradients need every step's graph anyway) and differentiated like a plain loop.
+  gradients need every step's graph anyway) and differentiated like a plain loop;
+- a step run for its values alone drops the hooks it registers (the run its reverse pulls back
+  registers them again, and they fire there), a re-run's `retain_grad()` fills the tensor the
+  forward made, and a step that takes a gradient inside it runs with a tape even then
+  (`loop.PlannedStep`).
 """
 
 from __future__ import annotations
