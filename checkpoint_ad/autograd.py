@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,7 +26,7 @@ import numpy as np
 from . import events
 from .backend import namespace
 from .entry import _NDARRAY, _ONE_INPUT_ONLY, _SEE_FIRST, EntryExtra
-from .errors import AnomalyError, BackwardError, DeviceError, ShapeError
+from .errors import AnomalyError, BackwardError, DeviceError, ShapeError, StepNeedsTapeError
 from .grad_mode import _state, enable_grad, no_grad
 from .ops import astype
 from .tape import Entry, Primitive, edge_of
@@ -72,6 +73,76 @@ def _accumulate_into(t: TensorBase, g: Any, create_graph: bool) -> None:
     else:
         g = g._data if isinstance(g, TensorBase) else g
         t.grad = make_tensor(g if t.grad is None else t.grad._data + g)
+
+
+class _Grads:
+    """The `.grad` a backward sweep gives each tensor (leaves, retained non-leaves), written
+    into the tensors only when the sweep completes (`commit`): a sweep that fails (a rule or
+    hook raising, a loop's re-run failing) leaves every `.grad` as it was, so a retry with
+    `retain_graph` gives exactly the gradients of one pass.
+
+    Each sum is made as accumulating into `.grad` would make it, in the same order (the old
+    `.grad` first, then each gradient as it arrives): the same arrays, bitwise. A tensor
+    whose `.grad` is None takes its first gradient by reference; one that has a `.grad`
+    keeps it until the commit, beside the new sum (the one array more a transaction costs).
+    """
+
+    __slots__ = ("graph", "sums")
+
+    def __init__(self, graph: bool) -> None:
+        self.graph = graph  # create_graph: sums are Tensors with a history
+        self.sums: dict[int, list[Any]] = {}  # id(tensor) -> [tensor, its new `.grad`]
+
+    def value(self, t: TensorBase) -> Any:
+        """`t`'s `.grad` as this sweep has it so far (an array, or a Tensor under
+        create_graph); None where it has none."""
+        item = self.sums.get(id(t))
+        if item is not None:
+            return item[1]
+        grad = t.grad
+        return grad if grad is None or self.graph else grad._data
+
+    def put(self, t: TensorBase, value: Any) -> None:
+        """Make `value` (a sum that includes `value(t)`) `t`'s new `.grad`."""
+        item = self.sums.get(id(t))
+        if item is None:
+            self.sums[id(t)] = [t, value]
+        else:
+            item[1] = value
+
+    def add(self, t: TensorBase, g: Any) -> None:
+        if self.graph:
+            g = g if isinstance(g, TensorBase) else make_tensor(g)
+        elif isinstance(g, TensorBase):
+            g = g._data
+        previous = self.value(t)
+        self.put(t, g if previous is None else previous + g)
+
+    def commit(self) -> None:
+        graph = self.graph
+        for t, value in self.sums.values():
+            t.grad = value if graph else make_tensor(value)
+        self.sums.clear()
+
+
+class _Sweeps(threading.local):
+    """This thread's backward sweeps now running, innermost last: each one's `_Grads`, or
+    None for a sweep that fills no `.grad` (a `grad()`, a loop's own pull-back for one)."""
+
+    def __init__(self) -> None:
+        self.grads: list[_Grads | None] = []
+
+
+_sweeps = _Sweeps()
+
+
+def fills_grads() -> bool:
+    """Whether the innermost backward sweep running in this thread fills `.grad` (a
+    `backward()`, not a `grad()`): a loop entry's backward asks, so that its own pull-back
+    through a re-run step fills the `.grad` of tensors retained there (`retain_grad`) as
+    the sweep around it would have on a plain tape."""
+    grads = _sweeps.grads
+    return bool(grads) and grads[-1] is not None
 
 
 def _as_tensor(grad: Any) -> Any:
@@ -161,7 +232,10 @@ class Capture:
     are then added into in place, so a gradient accumulated over many passes is allocated
     once. Only entries on a path to a captured node are run; with `newer_than`, only entries
     recorded after that sequence number (a loop's own steps: what lies before them is the
-    outer tape's business, and its gradients are the caller's to pass on).
+    outer tape's business, and its gradients are the caller's to pass on; so are the hooks
+    of captured leaves, which the sweep around runs once, on the leaf's total). With
+    `fills_retained` (a loop's pull-back on behalf of a `backward()`), retained non-leaves
+    reached get their `.grad` too, committed with that sweep's.
     """
 
     def __init__(
@@ -170,11 +244,13 @@ class Capture:
         initial: list[Any] | None = None,
         owned: dict[int, Any] | None = None,
         newer_than: int = -1,
+        fills_retained: bool = False,
     ) -> None:
         self.keys = keys
         self.values: list[Any] = list(initial) if initial is not None else [None] * len(keys)
         self.owned = owned
         self.newer_than = newer_than
+        self.fills_retained = fills_retained
         self.needed: set[Entry] = set()
 
     def add(self, position: int, grad: Any) -> None:
@@ -203,20 +279,20 @@ class Capture:
 
 
 class _LeafGrad:
-    """A leaf's `.grad` seen as a one-item container of arrays (for `_running_sums`)."""
+    """A leaf's `.grad`, as the sweep has it so far, seen as a one-item container (for
+    `_running_sums`)."""
 
-    __slots__ = ("graph", "leaf")
+    __slots__ = ("grads", "leaf")
 
-    def __init__(self, leaf: TensorBase, graph: bool) -> None:
+    def __init__(self, leaf: TensorBase, grads: _Grads) -> None:
         self.leaf = leaf
-        self.graph = graph  # create_graph: sums are Tensors with a history, kept as they are
+        self.grads = grads
 
     def __getitem__(self, _: int) -> Any:
-        grad = self.leaf.grad
-        return grad if grad is None or self.graph else grad._data
+        return self.grads.value(self.leaf)
 
     def __setitem__(self, _: int, value: Any) -> None:
-        self.leaf.grad = value if self.graph else make_tensor(value)
+        self.grads.put(self.leaf, value)
 
 
 def _running_sums(
@@ -284,7 +360,8 @@ def backpropagate(
 
     Entries are visited newest first; each one's op turns its output gradients into input
     gradients (`op.backward`). Without `capture`, gradients accumulate into leaf `.grad` (and
-    retained non-leaves); with it, into `capture.values`.
+    retained non-leaves), written when the sweep completes (see `_Grads`); with it, into
+    `capture.values`.
     """
     pending: dict[Entry, list[Any]] = {}
     heap: list[tuple[int, int, Entry]] = []
@@ -297,6 +374,17 @@ def backpropagate(
     plain = capture is None and not anomaly  # the sweep's common case: see the loop
     heappop, heappush = heapq.heappop, heapq.heappush
     held: dict[int, list[Any]] = {}  # leaves with hooks: [leaf, summed grad, capture position]
+    # the `.grad` this sweep gives: its own, or (a loop's pull-back for a `backward()`) the
+    # enclosing sweep's, for the tensors retained in the loop's steps; None: fills none
+    if capture is None:
+        made: _Grads | None = _Grads(create_graph)
+    elif capture.fills_retained and _sweeps.grads:
+        made = _sweeps.grads[-1]
+    else:
+        made = None
+    # a loop's pull-back hands its leaves' gradients to the sweep around it, which runs their
+    # hooks once on the total (run here too, they would fire once per reversed segment)
+    leaf_hooks = capture is None or capture.newer_than < 0
 
     def hold(leaf: TensorBase, grad: Any, position: int | None) -> None:
         """Sum a hooked leaf's gradient over the pass: its hooks see the total, once."""
@@ -311,7 +399,7 @@ def backpropagate(
             position = keys.get((id(node), index))  # type: ignore[union-attr]
             if type(node) is not Entry or (node not in capture.needed and position is None):
                 if position is not None:
-                    if type(node) is not Entry and node._hooks:
+                    if type(node) is not Entry and node._hooks and leaf_hooks:
                         hold(node, grad, position)
                     else:
                         capture.add(position, grad)
@@ -325,7 +413,7 @@ def backpropagate(
             if node._hooks:
                 hold(node, grad, None)
             else:
-                _accumulate_into(node, grad, create_graph)
+                made.add(node, grad)  # type: ignore[union-attr]
             return
         grads = _pending(node)
         grads[index] = grad if grads[index] is None else grads[index] + grad
@@ -339,7 +427,7 @@ def backpropagate(
             if type(node) is not Entry or (node not in capture.needed and position is None):
                 if position is None:
                     return None
-                if type(node) is not Entry and node._hooks:
+                if type(node) is not Entry and node._hooks and leaf_hooks:
                     item = held.get(id(node))
                     return None if item is None else (item, 1)
                 return capture.values, position
@@ -349,7 +437,7 @@ def backpropagate(
             if node._hooks:
                 item = held.get(id(node))
                 return None if item is None else (item, 1)
-            return _LeafGrad(node, create_graph), 0
+            return _LeafGrad(node, made), 0  # type: ignore[arg-type]
         grads = pending.get(node)
         return None if grads is None else (grads, index)
 
@@ -360,11 +448,12 @@ def backpropagate(
             heapq.heappush(heap, (-node.seq, id(node), node))
         return grads
 
-    for (node, index), grad in roots:
-        deliver(node, index, grad)
+    _sweeps.grads.append(made)
     if events.listeners:
         events.emit("backward_begin", None)
     try:
+        for (node, index), grad in roots:
+            deliver(node, index, grad)
         with enable_grad() if create_graph else no_grad():
             while heap:
                 entry = heappop(heap)[2]
@@ -393,13 +482,13 @@ def backpropagate(
                                 capture.values[position] = (
                                     grad if previous is None else previous + grad
                                 )
-                        if entry not in capture.needed:
-                            continue
-                    elif extra is not None and extra.retained:
+                    if made is not None and extra is not None and extra.retained:
                         for index, ref in extra.retained.items():
                             t = ref()
                             if t is not None and grads[index] is not None:
-                                _accumulate_into(t, grads[index], create_graph)
+                                made.add(t, grads[index])
+                    if capture is not None and entry not in capture.needed:
+                        continue
                     running = None
                     adds_onto = None if type(op) is Primitive else getattr(op, "adds_onto", None)
                     if adds_onto is not None and not anomaly and (
@@ -457,8 +546,11 @@ def backpropagate(
                 if position is not None:
                     capture.add(position, grad)  # type: ignore[union-attr]
                 else:
-                    _accumulate_into(leaf, grad, create_graph)
+                    made.add(leaf, grad)  # type: ignore[union-attr]
+        if capture is None:  # the sweep completed: its `.grad` are written now
+            made.commit()  # type: ignore[union-attr]
     finally:
+        _sweeps.grads.pop()
         if events.listeners:
             events.emit("backward_end", None)
 
@@ -491,12 +583,26 @@ def _root_edge(output: TensorBase, position: str) -> Any:
         raise TypeError(f"{position} must be a Tensor, got {type(output).__name__}")
     edge = edge_of(output._current())
     if edge is None:
+        _refuse_untaped_step()
         raise BackwardError(
             f"{position} does not require grad: it was computed only from tensors with "
             "requires_grad=False, or under no_grad(); set requires_grad=True on the inputs you "
             "want gradients for"
         )
     return edge
+
+
+def _refuse_untaped_step() -> None:
+    """Raise `StepNeedsTapeError` where a checkpointed loop runs a step without a tape:
+    a gradient the step takes finds no graph there."""
+    scope = _state.step_scope
+    if scope is not None and scope.untaped:
+        raise StepNeedsTapeError(
+            "a step of a checkpointed loop takes a gradient inside it (grad/backward), but "
+            "this run of the step has no tape: the loop runs its steps with one where step 0 "
+            "took a gradient, so take it in every step (as step 0), or run the loop keeping "
+            "every step (strategy=None)"
+        )
 
 
 def _seed_value(seed: Any, create_graph: bool) -> Any:
@@ -524,6 +630,7 @@ def backward(
     >>> x.grad.item(), w.grad
     (9.0, None)
     """
+    _state.gradients_taken += 1
     outs, single = _as_list(tensors)
     if not outs:
         raise ValueError("backward() needs at least one output tensor")
@@ -569,6 +676,7 @@ def _capture_keys(ins: list[Any], name: str) -> dict[tuple[int, int], int]:
             raise TypeError(f"{name}[{i}] must be a Tensor, got {type(t).__name__}")
         edge = edge_of(t._current())
         if edge is None:
+            _refuse_untaped_step()
             raise BackwardError(
                 f"{name}[{i}] ({t.dtype}{list(t.shape)}) does not require grad, so it has no "
                 "gradient; set requires_grad=True on it before computing the outputs"
@@ -601,6 +709,7 @@ def grad(
     >>> dx.item()
     6.0
     """
+    _state.gradients_taken += 1
     outs, _ = _as_list(outputs)
     ins, _ = _as_list(inputs)
     if not ins or not outs:

@@ -11,6 +11,11 @@ class BackwardError(CheckpointADError, RuntimeError):
     """The backward sweep cannot run as asked (freed tape, missing seed, no graph)."""
 
 
+class StepNeedsTapeError(BackwardError):
+    """A step of a checkpointed loop, run without a tape for its values alone, takes a
+    gradient inside it (`grad`, `backward`), which needs the step's graph."""
+
+
 class SavedValueModifiedError(CheckpointADError, RuntimeError):
     """A value saved for the backward sweep was changed in place after it was saved."""
 

@@ -16,6 +16,9 @@ class _ModeState(threading.local):
     traces: the recording fast path then asks one thread-local question, not three."""
 
     anomaly: bool = False
+    step_scope: StepScope | None = None  # the checkpointed loop's step running now
+    gradients_taken: int = 0  # backward()/grad() calls so far (a step that takes any: see
+    # `StepLoop.takes_gradients`)
     origins: bool = False  # inside record_origins() or detect_anomaly(): entries keep their line
     plain: bool = True
     _grad_enabled: bool = True
@@ -56,6 +59,57 @@ class _ModeState(threading.local):
 
 
 _state = _ModeState()
+
+
+class StepScope:
+    """A step of a checkpointed loop running now (set by the loop, see `step_scope`): how
+    a hook, `retain_grad()` or a gradient taken inside the step behaves where the step runs
+    for its values alone (without a tape, or with one nobody pulls back), or runs again.
+
+    A plan runs a step's tape for the reverse once per backward; its other runs keep no
+    tape. `register_hook` is dropped where `drops_hooks` (it is registered again by the run
+    that is pulled back, and fires there); a gradient taken where `untaped` raises
+    `StepNeedsTapeError` (the loop runs such steps with a tape); `retain` may take over a
+    `retain_grad()` (see `strategies/loop.py`'s `PlannedStep`).
+    """
+
+    __slots__ = ()
+    untaped: bool = False
+    drops_hooks: bool = False
+
+    def retain(self, tensor: Any) -> bool:
+        """Deal with `tensor.retain_grad()`; False: retain it as usual."""
+        return False
+
+
+class _Dropping(StepScope):
+    """A run of a step whose hooks and retained tensors nobody sees (a budget's dry run)."""
+
+    __slots__ = ()
+    drops_hooks = True
+
+    def retain(self, tensor: Any) -> bool:
+        return True
+
+
+DRY_RUN = _Dropping()
+
+
+class step_scope:
+    """Run the block as (part of) a step of a checkpointed loop, `scope` saying how hooks,
+    `retain_grad()` and gradients inside it behave; the enclosing scope comes back after."""
+
+    __slots__ = ("_saved", "scope")
+
+    def __init__(self, scope: StepScope | None) -> None:
+        self.scope = scope
+
+    def __enter__(self) -> None:
+        self._saved = _state.step_scope
+        _state.step_scope = self.scope
+
+    def __exit__(self, *exc: object) -> None:
+        _state.step_scope = self._saved
 
 # one item per record_origins/detect_anomaly block open in any thread: while it is empty (the
 # common case) the tape asks no thread-local question before skipping the origin line

@@ -189,6 +189,11 @@ class Tensor(TensorBase, made_by_engine=True):
         >>> handle.remove()
         """
         refuse_trace("registers a tensor hook")
+        scope = _state.step_scope
+        if scope is not None and scope.drops_hooks:
+            # a checkpointed loop's step run for its values alone: the run of the step that
+            # the reverse pulls back registers the hook again, and it fires there
+            return add_hook({}, hook)
         if not self._current()._requires_grad:
             raise BackwardError(
                 f"cannot register a hook on a tensor that does not require grad ({self.dtype}"

@@ -177,6 +177,9 @@ class TensorBase:
     def retain_grad(self) -> Any:
         """Fill `.grad` of this non-leaf tensor during `backward()` as for leaves."""
         refuse_trace("calls retain_grad()")
+        scope = _state.step_scope
+        if scope is not None and scope.retain(self._current()):  # a checkpointed loop's step
+            return self
         if self._current()._entry is None:
             if not self._requires_grad:
                 raise BackwardError(

@@ -38,6 +38,7 @@ from typing import Any
 
 from .. import events, loop_log
 from ..errors import BudgetError, BudgetWarning, StrategyConfigError
+from ..grad_mode import DRY_RUN, step_scope
 from ..origins import user_frame_from_caller
 from ..pytree import flatten, unflatten
 from ..saved import KEEP, Strategy
@@ -612,7 +613,7 @@ def dry_run(loop: StepLoop, carry_leaves: list[Any], lossy: bool,
     # is profiled), `inspect.loops` does not list its loops, and one 'planned' event tells
     # its time and tape instead (the executor's calibration, on a process's first, within)
     began = time.perf_counter()
-    with events.muted(), loop_log.muted():
+    with events.muted(), loop_log.muted(), step_scope(DRY_RUN):  # the step's hooks dropped
         cost = with_overhead(measure(loop, carry_leaves, forms, snapshots, disk=disk))
     if events.listeners:
         events.emit("planned", (time.perf_counter() - began, cost.dry_run_bytes))

@@ -7,6 +7,7 @@ Both the plain (keep-every-step) loop and the plan executor run steps through `S
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -14,9 +15,10 @@ from typing import Any
 import numpy as np
 
 from .. import events
-from ..errors import ShapeError
+from ..backend import is_floating
+from ..errors import ShapeError, StepNeedsTapeError
 from ..function import Function
-from ..grad_mode import is_grad_enabled
+from ..grad_mode import StepScope, _state, enable_grad, is_grad_enabled, no_grad, step_scope
 from ..ops import stack
 from ..ops.shape import GETITEM
 from ..pytree import flatten, unflatten
@@ -95,6 +97,10 @@ class StepLoop:
     """Given by a budget that planned the loop: the executors holding its tape add weak
     references to themselves here, so the budget knows when they let go of it (their
     backward sweep, or the graph dropped) and counts their bytes until then."""
+    takes_gradients: bool = False
+    """A call of the step took a gradient inside it (`grad`, `backward`: a step that
+    descends an energy), which needs the step's graph: a plan then runs with a tape (let go
+    at once) the steps it runs for their values alone."""
 
     def most_steps(self, until: Any, limit: int | None) -> int | None:
         """The most steps the loop may run: its length, or with `until`, `limit` (None:
@@ -139,6 +145,7 @@ class StepLoop:
         """Run step `t` on a carry (its leaves) and scanned input; (new carry leaves, y leaves)."""
         self.count()
         carry_in = unflatten(self.carry_spec, iter(carry_leaves))
+        taken = _state.gradients_taken
         if self.planned_by_budget:
             _planned_steps.depth = getattr(_planned_steps, "depth", 0) + 1
             try:
@@ -147,6 +154,8 @@ class StepLoop:
                 _planned_steps.depth -= 1
         else:
             result = self.step(carry_in, x)
+        if _state.gradients_taken != taken:
+            self.takes_gradients = True
         carry, y = self._checked(result, t)
         new_leaves, spec = flatten(carry)
         if spec != self.carry_spec:
@@ -171,11 +180,71 @@ class StepLoop:
                              f"step 0 as {self.y_spec}; every step must return the same structure")
         return new_leaves, y_leaves
 
+    def call_for_values(self, t: int, carry_leaves: list[Any], x: Any,
+                        ) -> tuple[list[Any], list[Any]]:
+        """Step t run for its values alone, no tape kept (a budget's dry run, a disk level's
+        timing), from a carry and scanned input without history: without a tape, or with one
+        let go where the step takes a gradient inside it (`takes_gradients`; learned here if
+        an untaped run finds it, and the step run again). Hooks and retain_grad() in it are
+        dropped."""
+        if not self.takes_gradients:
+            try:
+                with no_grad(), step_scope(PlannedStep(None, t, first=False, untaped=True)):
+                    return self.call(t, carry_leaves, x)
+            except StepNeedsTapeError:
+                self.takes_gradients = True
+        leaves, spec = flatten(x)
+        with enable_grad(), step_scope(PlannedStep(None, t, first=False, drops_hooks=True)):
+            return self.call(t, _with_graph(carry_leaves), unflatten(spec, _with_graph(leaves)))
+
     @staticmethod
     def _checked(result: Any, t: int) -> tuple[Any, Any]:
         if not isinstance(result, tuple) or len(result) != 2:
             raise TypeError(f"scan: step must return (carry, y); step {t} returned {result!r:.80}")
         return result
+
+
+class PlannedStep(StepScope):
+    """One run of step `t` of a loop under a plan (see `grad_mode.StepScope`). The plan runs
+    a step for its values alone (`untaped`, or with a tape let go: `drops_hooks`) and, in
+    each backward, once with the tape its reverse pulls back, where hooks registered in the
+    step fire. `retain_grad()` in the step's first run (`first`: the loop's forward, whose
+    tensors the caller may keep) notes the tensor in `retained` (step -> tensors, in call
+    order); in a later run, the tensor made by the same call hands its gradient to the
+    noted one, so `.grad` fills on the tensor the caller holds, as keeping every step would
+    (PyTorch's non-reentrant checkpoint fills it the same way)."""
+
+    __slots__ = ("calls", "drops_hooks", "first", "retained", "t", "untaped")
+
+    def __init__(self, retained: dict[int, list[Any]] | None, t: int, first: bool,
+                 untaped: bool = False, drops_hooks: bool = False) -> None:
+        self.retained = retained
+        self.t = t
+        self.first = first
+        self.untaped = untaped
+        outer = _state.step_scope  # a dry run's drops every hook of the steps within
+        self.drops_hooks = untaped or drops_hooks or (outer is not None and outer.drops_hooks)
+        self.calls = 0
+
+    def retain(self, tensor: Any) -> bool:
+        k = self.calls
+        self.calls += 1
+        retained = self.retained
+        if retained is None:
+            return self.drops_hooks
+        if self.first:
+            retained.setdefault(self.t, []).append(weakref.ref(tensor))
+            return self.drops_hooks  # a run pulled back retains it as usual
+        if self.drops_hooks or tensor._entry is None:
+            return self.drops_hooks  # (no graph in a run pulled back: refused as usual)
+        noted = retained.get(self.t, ())
+        original = noted[k]() if k < len(noted) else None
+        if original is None or original is tensor:
+            return False
+        if tensor._entry.retained is None:
+            tensor._entry.retained = {}
+        tensor._entry.retained[tensor._index] = weakref.ref(original)
+        return True
 
 
 _planned_steps = threading.local()  # .depth: steps of budget-planned loops running now
@@ -186,6 +255,17 @@ def inside_planned_step() -> bool:
     such a loop from its steps' whole tape, a nested loop's included, so a `scan` in it
     keeps every step (planning it again, with the whole budget, would spend it twice)."""
     return getattr(_planned_steps, "depth", 0) > 0
+
+
+def _with_graph(leaves: list[Any]) -> list[Any]:
+    """The leaves (tensors or None) as leaves of a graph: floating ones require grad."""
+    out = []
+    for leaf in leaves:
+        if leaf is not None:
+            leaf = Tensor._wrap(leaf._data)
+            leaf._requires_grad = is_floating(leaf.dtype)
+        out.append(leaf)
+    return out
 
 
 def row(array: Any, t: int) -> Any:

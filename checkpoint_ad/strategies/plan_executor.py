@@ -24,7 +24,11 @@ What makes the loop's gradients the same as keeping every step's tape:
   an exception in a re-run leaves the loop rebuildable (the next backward re-runs the forward
   part of the plan from the initial carry), so a retry works;
 - under `create_graph` the loop is re-run once with a tape from its real inputs (higher-order
-  gradients need every step's graph anyway) and differentiated like a plain loop.
+  gradients need every step's graph anyway) and differentiated like a plain loop;
+- a step run for its values alone drops the hooks it registers (the run its reverse pulls back
+  registers them again, and they fire there), a re-run's `retain_grad()` fills the tensor the
+  forward made, and a step that takes a gradient inside it runs with a tape even then
+  (`loop.PlannedStep`).
 """
 
 from __future__ import annotations
@@ -39,10 +43,10 @@ from typing import Any
 import numpy as np
 
 from .. import events, random
-from ..autograd import Capture, backpropagate
+from ..autograd import Capture, backpropagate, fills_grads
 from ..backend import is_floating, namespace
 from ..errors import BackwardError, SavedValueModifiedError
-from ..grad_mode import _state, enable_grad, no_grad
+from ..grad_mode import _state, enable_grad, no_grad, step_scope
 from ..ops import concatenate, expand_dims, stack
 from ..origins import rerun_boundary, rerunning_from
 from ..pytree import flatten, unflatten
@@ -62,7 +66,7 @@ from ..tensor import Tensor
 from ..tensor_base import make_tensor
 from .grad_flow import Deps, deps_of_program, deps_of_tensors, outputs_requiring_grad
 from .kinds import LoopStrategy
-from .loop import StepLoop, columns
+from .loop import PlannedStep, StepLoop, columns
 from .offload import Offload
 from .output_rows import OutputRows, join_rows
 from .program_cache import REUSED, Place, find
@@ -248,6 +252,10 @@ class PlannedLoop:
         self.program: StepProgram | None = None
         self.mode = "recorded: trace=False" if not trace else "recorded: not traced yet"
         self.carry_made = program is not None  # the carry is a recorded step's output
+        # the loop's first forward runs now (its tensors are the caller's); the tensors its
+        # steps called retain_grad() on, per step (see `PlannedStep`)
+        self.first_run = True
+        self.retained: dict[int, list[Any]] = {}
         if program is not None:
             self.traces = None
             self.program = program
@@ -287,6 +295,7 @@ class PlannedLoop:
         else:
             final_arrays = _arrays(final)
         self.guards, self.input_guards = self._guards(carry_leaves)
+        self.first_run = False
         if not _same_numpy_state(np.random.get_state(), self.initial_numpy_state):
             # the steps draw from numpy's global state (rare, and costly to keep: 40 us a
             # get or set): take the forward part of the plan again, keeping it this time
@@ -430,18 +439,39 @@ class PlannedLoop:
     ) -> tuple[list[Any], list[Any]]:
         loop = self.loop
         if t == 0 and discover:  # step 0 runs with a tape once, to find what it captures
-            segment = self._tape_steps(0, 1, arrays)
+            segment = self._tape_steps(0, 1, arrays, pulled_back=False)
             self._discover_from(segment)
             return _arrays(segment.carry_out), _arrays(segment.y_out[0][1])
         if self.program is not None:
             loop.count()
             return self.program.run(arrays, loop.x_arrays(t))
-        with no_grad():
-            new, ys = self._call(t, self._as_tensors(arrays, grad=False), loop.x_at(t))
+        return self._values_step(t, arrays)
+
+    def _values_step(self, t: int, arrays: list[Any]) -> tuple[list[Any], list[Any]]:
+        """Step t run (recorded) from the carry `arrays` for its new carry and outputs alone
+        (arrays): without a tape, or with one let go at once where the step takes a gradient
+        inside it, which needs the step's graph (`StepLoop.takes_gradients`, seen in step 0,
+        which runs with a tape). Hooks registered in it are dropped: the run the reverse
+        pulls back registers them again."""
+        if self.loop.takes_gradients:
+            with enable_grad():
+                new, ys = self._call(t, self._as_tensors(arrays, grad=True), self._x_tensors(t),
+                                     drops_hooks=True)
+        else:
+            with no_grad():
+                new, ys = self._call(t, self._as_tensors(arrays, grad=False),
+                                     self.loop.x_at(t), untaped=True)
         return _arrays(new), _arrays(ys)
 
     # ------------------------------------------------------------- tracing
-    def _call(self, t: int, carry: list[Any], x: Any) -> tuple[list[Any], list[Any]]:
+    def _call(self, t: int, carry: list[Any], x: Any, untaped: bool = False,
+              drops_hooks: bool = False) -> tuple[list[Any], list[Any]]:
+        """Run step `t` (recorded) as a run of the loop's plan (`PlannedStep`: `untaped`,
+        without a tape; `drops_hooks`, with one nobody pulls back)."""
+        with step_scope(PlannedStep(self.retained, t, self.first_run, untaped, drops_hooks)):
+            return self._traced_call(t, carry, x)
+
+    def _traced_call(self, t: int, carry: list[Any], x: Any) -> tuple[list[Any], list[Any]]:
         """Run step `t` (recorded); steps 0 and 1 are traced on the way (step 0 alone when
         it fits the program an earlier call of this loop made: see `program_cache.py`)."""
         traces = self.traces
@@ -671,9 +701,9 @@ class PlannedLoop:
         step = float("inf")
         try:
             for _ in range(2):
-                with no_grad(), random.replaying(random.get_state()):
+                with random.replaying(random.get_state()):
                     started = time.perf_counter()
-                    loop.call(0, tensors, loop.x_at(0))
+                    loop.call_for_values(0, tensors, loop.x_at(0))
                     step = min(step, time.perf_counter() - started)
         finally:
             np.random.set_state(numpy_state)
@@ -930,8 +960,7 @@ class PlannedLoop:
                         arrays = self._advance_replayed(step, stop, arrays)
                     else:
                         for t in range(step, stop):
-                            new, _ = loop.call(t, self._as_tensors(arrays, False), loop.x_at(t))
-                            arrays = _arrays(new)
+                            arrays, _ = self._values_step(t, arrays)
             elif kind == _SNAPSHOT:
                 with random.using(stream):
                     snapshots[step] = self._pack(arrays)
@@ -988,11 +1017,13 @@ class PlannedLoop:
     @rerun_boundary
     def _tape_steps(
         self, start: int, stop: int | None, arrays: list[Any], replayable: bool | None = None,
-        until: Callable[[list[Any]], bool] | None = None,
+        until: Callable[[list[Any]], bool] | None = None, pulled_back: bool = True,
     ) -> _TapedSegment | _ReplayedSegment:
         """Run steps start..stop-1 from the carry `arrays` with a tape (or replayed, keeping
         what the tape would keep; `replayable` says so when the caller knows); `until(carry
-        arrays)`, asked after each step, ends the segment early (`stop` None: only it does)."""
+        arrays)`, asked after each step, ends the segment early (`stop` None: only it does).
+        `pulled_back=False`: no reverse pulls an adjoint back through the tape (hooks
+        registered in the steps are dropped: see `PlannedStep`)."""
         loop = self.loop
         if replayable if replayable is not None else self._replayable():
             program = self.program
@@ -1011,7 +1042,7 @@ class PlannedLoop:
         with enable_grad(), rerunning_from(loop.origin):
             while stop is None or t < stop:
                 x = self._x_tensors(t)
-                carry, ys = self._call(t, carry, x)
+                carry, ys = self._call(t, carry, x, drops_hooks=not pulled_back)
                 x_parts.append((t, flatten(x)[0] if x is not None else []))
                 y_out.append((t, ys))
                 t += 1
@@ -1091,7 +1122,8 @@ class PlannedLoop:
                     initial[position] = g if initial[position] is None else initial[position] + g
         for key in self.externals:
             initial[keys[key]] = adj_ext.pop(key, None)  # the sink's alone: see below
-        sink = Capture(keys, initial=initial, owned=owned, newer_than=segment.seq_before)
+        sink = Capture(keys, initial=initial, owned=owned, newer_than=segment.seq_before,
+                       fills_retained=fills_grads())
         del initial  # the sink holds its own list of the sums
         if roots:
             backpropagate(roots, retain_graph=retain_graph, create_graph=False, capture=sink)
@@ -1266,7 +1298,8 @@ class PlannedLoop:
             carry = list(self.carry_inputs)
             per_step = []
             for t, x in enumerate(loop.all_x()):
-                carry, ys = loop.call(t, carry, x)
+                with step_scope(PlannedStep(self.retained, t, first=False)):
+                    carry, ys = loop.call(t, carry, x)
                 per_step.append(ys)
             outputs = carry + [
                 None if rows is None else stack(rows, axis=0)
@@ -1284,7 +1317,7 @@ class PlannedLoop:
         for edge, total in zip(entry.edges, onto or ()):
             if edge is not None and total is not None:
                 initial[keys[(id(edge[0]), edge[1])]] = total
-        sink = Capture(keys, initial=initial, newer_than=entry.seq)
+        sink = Capture(keys, initial=initial, newer_than=entry.seq, fills_retained=fills_grads())
         backpropagate(roots, retain_graph=True, create_graph=True, capture=sink)
         return [
             None if edge is None else sink.values[keys[(id(edge[0]), edge[1])]]

@@ -42,7 +42,7 @@ from .. import random
 from ..autograd import Capture, backpropagate
 from ..backend import device_name, is_floating, namespace
 from ..backend import nbytes as array_nbytes
-from ..grad_mode import enable_grad, no_grad
+from ..grad_mode import enable_grad
 from ..object_bytes import added_bytes
 from ..profiler.memory import CupyHookProbe, TracemallocProbe, probe_for
 from ..profiler.recorder import profile
@@ -606,10 +606,10 @@ def _untaped(
 ) -> float:
     np.random.set_state(numpy_state)
     carry = _carry_tensors(carry_leaves, grad=False)
-    with no_grad(), random.replaying(engine_state):
+    with random.replaying(engine_state):
         start = time.perf_counter()
         for t in range(_steps(loop)):
-            carry, _ = loop.call(t, carry, loop.x_at(t))
+            carry, _ = loop.call_for_values(t, carry, loop.x_at(t))
         return (time.perf_counter() - start) / _steps(loop)
 
 
@@ -617,8 +617,8 @@ def _row_seconds(loop: StepLoop, carry_leaves: list[Any], engine_state: Any) -> 
     """Seconds per step writing one step's outputs into rows as a plan's forward does
     (`OutputRows`), the median of `_repeating()`, each over `REPLAYED_STEPS` rows."""
     carry = _carry_tensors(carry_leaves, grad=False)
-    with no_grad(), random.replaying(engine_state):
-        _, ys = loop.call(0, carry, loop.x_at(0))
+    with random.replaying(engine_state):
+        _, ys = loop.call_for_values(0, carry, loop.x_at(0))
     arrays = [None if y is None else y._data for y in ys]
     if not any(a is not None for a in arrays):
         return 0.0
