@@ -195,7 +195,7 @@ def sweep(
     >>> [r.preset for r in result.rows]
     ['keep-all', 'revolve-4']
     """
-    from .models import build, sizes_of
+    from .models import build, check_memory, sizes_of
     from .presets import DEFAULT_SWEEP, load_preset
 
     if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
@@ -208,6 +208,8 @@ def sweep(
     chosen += [BudgetRun(limit) for limit in budgets]
     reference = load_preset("keep-all")
     order = [reference] + [p for p in chosen if p.name != reference.name]
+    if client is None:  # keep-all runs as the reference: refuse what cannot fit here
+        check_memory(model, **sizes)
     # built here also when the runs happen elsewhere: bad sizes fail before any run starts
     first = build(model, device=None if device == "cpu" else device, **sizes)
     meta = {"model": model, **sizes_of(first), **sizes}  # every size, the defaults included

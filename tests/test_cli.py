@@ -59,6 +59,10 @@ def _run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     (["sweep", "--size", "steps", "--no-plots"], "key=value"),
     (["sweep", "--out", "/proc/forbidden", "--no-plots"], "cannot write"),
     (["plot", "/no/such/path"], "no such file"),
+    (["profile", "--size", "device=cuda"], "--device cuda"),
+    (["sweep", "--size", "widht=3", "--no-plots"], "its sizes are steps, batch"),
+    (["sweep", "--budgets", "1.5B", "--no-plots"], "whole number of bytes"),
+    (["sweep", "--budgets", "1e400B", "--no-plots"], "2**63"),
 ])
 def test_bad_input_exits_nonzero_with_one_line(args, words):
     result = _run(*args)
@@ -167,6 +171,26 @@ def test_too_large_a_size_is_one_line_that_names_it():
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "out of memory" in result.stderr and "hidden=200000" in result.stderr
     assert "smaller" in result.stderr
+
+
+def test_the_size_keys_named_in_an_error_leave_out_the_device():
+    result = _run("profile", "--size", "nope=1")
+    assert result.returncode == 2 and "device" not in result.stderr.split("its sizes are")[1]
+
+
+@pytest.mark.parametrize("model", ["rnn", "lstm", "residual_mlp", "heat", "neural_ode"])
+def test_a_run_too_large_for_memory_is_refused_before_it_allocates(model):
+    key = "layers" if model == "residual_mlp" else "steps"
+    for command in (["sweep", "--no-plots", "--out", os.devnull + "-unused"], ["profile"]):
+        result = subprocess.run(
+            [sys.executable, "-c", "import resource, sys\n"
+             "from checkpoint_ad.cli import main\n"  # 2 GiB of address space at most: an
+             "resource.setrlimit(resource.RLIMIT_AS, (2**31, 2**31))\n"  # allocation fails
+             f"sys.exit(main({[*command, '--model', model, '--size', f'{key}=100000000']!r}))"],
+            capture_output=True, text=True, check=False, env=_child_env(), timeout=120)
+        assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+        assert "out of memory ahead" in result.stderr and "available" in result.stderr
+        assert f"{key}=100000000" in result.stderr and "GiB" in result.stderr
 
 
 @pytest.mark.parametrize(("raised", "code", "words"), [
