@@ -126,6 +126,9 @@ class SweepResult:
             data = json.loads(Path(path).read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise SweepFormatError(f"cannot read sweep table {str(path)!r}: {exc}") from exc
+        except RecursionError:  # a table nests a few levels; this is not one
+            raise SweepFormatError(f"cannot read sweep table {str(path)!r}: nested too deeply; "
+                                   "was the file made by another tool?") from None
         try:
             return cls.from_dict(data)
         except SweepFormatError as exc:
