@@ -18,6 +18,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from . import __version__
 from .errors import CheckpointADError, OutputError, SweepRunError, UsageError
 from .safe_files import check_writable, child
 
@@ -168,7 +169,7 @@ def _cluster_options(args: argparse.Namespace) -> tuple[int | None, str | None]:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from .models import build, check_memory
+    from .models import build, check_memory, sizes_of
     from .presets import load_preset
     from .sweep import run_one
 
@@ -183,6 +184,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     with _output_folder(save.parent) if save is not None else nullcontext():
         model = build(args.model, device=None if args.device == "cpu" else args.device, **sizes)
         prof, _ = run_one(model, preset, args.device, {"model": args.model, **sizes})
+        shown = ", ".join(f"{k}={v}" for k, v in sizes_of(model).items())
+        print(f"{args.model} ({shown}) on {args.device}, strategy {preset.name}")
         print(prof.summary())
         if save is not None:
             print(f"profile written to {prof.save(save)}")
@@ -238,6 +241,7 @@ def _parser() -> argparse.ArgumentParser:
         "AD storage strategies on deep unrolled models.",
         epilog=EXIT_CODES,
     )
+    parser.add_argument("--version", action="version", version=f"checkpoint-ad {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     def common(sub: argparse.ArgumentParser) -> None:

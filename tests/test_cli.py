@@ -246,3 +246,31 @@ def test_python_presets_need_the_flag(tmp_path):
     allowed = _run("strategies", "--presets-dir", str(tmp_path / "mine"),
                    "--allow-python-presets")
     assert allowed.returncode == 0 and "mine" in allowed.stdout
+
+
+# ----------------------------------------------------------------- the first hour
+def test_version_and_python_dash_m_run_the_command_line():
+    from checkpoint_ad import __version__
+
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - Python 3.10
+        import tomli as tomllib
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert __version__ == project["project"]["version"]
+    result = subprocess.run([sys.executable, "-m", "checkpoint_ad", "--version"],
+                            capture_output=True, text=True, check=False, env=_child_env())
+    assert result.returncode == 0 and result.stdout == f"checkpoint-ad {__version__}\n"
+
+
+def test_profile_names_the_model_its_sizes_and_credits_the_models_own_lines():
+    result = subprocess.run([sys.executable, "-m", "checkpoint_ad", "profile", "--strategy",
+                             "revolve-2", *TINY], capture_output=True, text=True, check=False,
+                            env=_child_env())
+    assert result.returncode == 0, result.stderr
+    first = result.stdout.splitlines()[0]
+    assert first.startswith("rnn (steps=6, batch=2, input_size=3, hidden=4")
+    assert "revolve-2" in first
+    origins = result.stdout.split("origin")[-1].splitlines()[1:]
+    assert origins and all("checkpoint_ad/models/" in line for line in origins if line.strip())
+    assert "runpy" not in result.stdout and "cli.py" not in result.stdout
