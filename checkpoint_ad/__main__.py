@@ -3,4 +3,5 @@ PATH (a venv not activated, a user install)."""
 
 from .cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # not when imported (pytest's doctest collection imports it)
+    raise SystemExit(main())
