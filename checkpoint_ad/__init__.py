@@ -41,6 +41,7 @@ from .ops import *  # noqa: F403 - the op functions are the public API
 from .ops import __all__ as _op_names
 from .ops import linalg
 from .profiler import Profile, profile
+from .progress_bar import progress
 from .saved import Packer, saved_values_hooks, use_packer
 from .strategies import (
     checkpoint,
@@ -95,6 +96,7 @@ __all__ = [
     "no_grad",
     "once_differentiable",
     "profile",
+    "progress",
     "record_origins",
     "remat",
     "saved_values_hooks",

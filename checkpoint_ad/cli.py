@@ -18,6 +18,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from . import __version__
 from .errors import CheckpointADError, OutputError, SweepRunError, UsageError
 from .safe_files import check_writable, child
 
@@ -30,14 +31,21 @@ __all__ = ["UsageError", "main"]  # UsageError lives in errors.py; kept importab
 
 
 def _sizes(model: str, pairs: Sequence[str]) -> dict[str, Any]:
-    """The main job's sizes for `model` (`models.SWEEP_SIZES`), with --size pairs over them."""
-    from .models import SWEEP_SIZES
+    """The main job's sizes for `model` (`models.SWEEP_SIZES`), with --size pairs over them;
+    each key checked against the model's options (the device is --device, not a size)."""
+    from .models import SWEEP_SIZES, config_of
 
     sizes: dict[str, Any] = dict(SWEEP_SIZES.get(model, {}))
+    keys = _size_keys(model)
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise UsageError(f"--size takes key=value (e.g. --size steps=128), got {pair!r}")
+        if key == "device":
+            raise UsageError(f"--size {pair}: the device is not a size; give --device {value}")
+        if key not in keys:
+            raise UsageError(f"--size {pair}: model {model!r} has no size {key!r}; its sizes "
+                             f"are {', '.join(keys)}")
         try:
             sizes[key] = int(value)
         except ValueError:
@@ -45,7 +53,19 @@ def _sizes(model: str, pairs: Sequence[str]) -> dict[str, Any]:
                 sizes[key] = float(value)
             except ValueError:
                 sizes[key] = value
+    config_of(model, **sizes)  # bad values fail here, before any folder or run
     return sizes
+
+
+def _size_keys(model: str) -> list[str]:
+    """What --size may set for `model`: its config's fields but the device."""
+    from dataclasses import fields
+
+    from .models import MODELS, config_of
+
+    if model not in MODELS:
+        config_of(model)  # raises UnknownModelError naming the known models
+    return [f.name for f in fields(MODELS[model].config) if f.name != "device"]
 
 
 def _run_folder(model: str) -> Path:
@@ -149,7 +169,7 @@ def _cluster_options(args: argparse.Namespace) -> tuple[int | None, str | None]:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from .models import build
+    from .models import build, check_memory, sizes_of
     from .presets import load_preset
     from .sweep import run_one
 
@@ -159,9 +179,13 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if save is not None and (save.is_symlink() or save.is_dir()):
         raise UsageError(f"--save {str(save)!r} is a link or a folder; give a new file path")
     # the place to save is checked before the run, not after it
+    if preset.loop_strategy(1) is None:  # every step kept: refuse what cannot fit
+        check_memory(args.model, **sizes)
     with _output_folder(save.parent) if save is not None else nullcontext():
         model = build(args.model, device=None if args.device == "cpu" else args.device, **sizes)
         prof, _ = run_one(model, preset, args.device, {"model": args.model, **sizes})
+        shown = ", ".join(f"{k}={v}" for k, v in sizes_of(model).items())
+        print(f"{args.model} ({shown}) on {args.device}, strategy {preset.name}")
         print(prof.summary())
         if save is not None:
             print(f"profile written to {prof.save(save)}")
@@ -217,6 +241,7 @@ def _parser() -> argparse.ArgumentParser:
         "AD storage strategies on deep unrolled models.",
         epilog=EXIT_CODES,
     )
+    parser.add_argument("--version", action="version", version=f"checkpoint-ad {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     def common(sub: argparse.ArgumentParser) -> None:

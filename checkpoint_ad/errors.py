@@ -101,6 +101,19 @@ class UnknownModelError(ModelConfigError):
     """`build` was given a name that is not in `MODELS`."""
 
 
+class ModelTooLargeError(ModelConfigError, MemoryError):
+    """A model's run would not fit in memory: said before anything is allocated, with the
+    estimate (`needed`) and what was `available`, in bytes."""
+
+    def __init__(self, message: str, needed: int, available: int) -> None:
+        super().__init__(message)
+        self.needed = needed
+        self.available = available
+
+    def __reduce__(self) -> tuple:  # keep every field when pickled (e.g. by Dask)
+        return type(self), (str(self), self.needed, self.available)
+
+
 class PresetError(CheckpointADError, ValueError):
     """A preset cannot be found, parsed, trusted, or turned into strategies."""
 

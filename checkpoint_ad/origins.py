@@ -30,6 +30,8 @@ _MAX_ORIGINS = 100_000
 NO_ORIGIN: tuple[Any, int] = (None, 0)  # the origin of an entry recorded where no one asked
 
 
+_user_dirs: tuple[str, ...] = ()  # folders of this package whose code counts as the user's now
+
 BOUNDARY: Any = object()  # the kind of a re-run boundary's code: internal (truthy), marked
 _boundaries: dict[int, Any] = {}  # id(code) -> code of the functions `rerun_boundary` marks
 _rerun = threading.local()  # .origin: the origin the innermost re-run names, per thread
@@ -42,9 +44,35 @@ def _is_internal(code: Any) -> Any:
             _code_kinds.clear()
             _codes_seen.clear()
         _codes_seen.append(code)
+        name = code.co_filename
         internal = _code_kinds[id(code)] = BOUNDARY if id(code) in _boundaries else (
-            code.co_filename.startswith(_PACKAGE_DIR))
+            name.startswith(_PACKAGE_DIR) and not name.startswith(_user_dirs))
     return internal
+
+
+@contextmanager
+def as_user_code(folder: str) -> Iterator[None]:
+    """In this block, entries recorded by code under `folder` (a folder of this package, such
+    as its built-in models) name their own lines. Where a person runs this package's own
+    model (`checkpoint-ad profile`, a sweep), its lines are the user's: without this, the walk
+    would pass them, and the sweep's and the command line's frames, and name the console
+    script or runpy. The classification is the process's, for the block's duration."""
+    global _user_dirs
+    previous = _user_dirs
+    _user_dirs = (*previous, os.path.abspath(folder))
+    _forget_kinds()
+    try:
+        yield
+    finally:
+        _user_dirs = previous
+        _forget_kinds()
+
+
+def _forget_kinds() -> None:
+    """Classify every code object again (which folders count as the user's changed)."""
+    _code_kinds.clear()
+    _codes_seen.clear()
+    _call_sites.clear()
 
 
 def rerun_boundary(function: Callable[..., Any]) -> Callable[..., Any]:

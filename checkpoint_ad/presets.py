@@ -380,6 +380,9 @@ def _read(path: Path, allow_python: bool = False) -> Preset:
         ) from None
     except (OSError, UnicodeDecodeError) as err:
         raise PresetError(f"{path}: cannot be read ({err}); check the file") from err
+    except RecursionError:  # a preset nests two tables deep; this is not one
+        raise PresetError(f"{path}: nested too deeply to read; a preset has at most "
+                          "[loop.storage] tables (schema: strategies/README.md)") from None
     try:
         preset = _parse(data, path)
         classes = _python_classes(preset)

@@ -126,6 +126,9 @@ class SweepResult:
             data = json.loads(Path(path).read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise SweepFormatError(f"cannot read sweep table {str(path)!r}: {exc}") from exc
+        except RecursionError:  # a table nests a few levels; this is not one
+            raise SweepFormatError(f"cannot read sweep table {str(path)!r}: nested too deeply; "
+                                   "was the file made by another tool?") from None
         try:
             return cls.from_dict(data)
         except SweepFormatError as exc:
@@ -195,7 +198,7 @@ def sweep(
     >>> [r.preset for r in result.rows]
     ['keep-all', 'revolve-4']
     """
-    from .models import build, sizes_of
+    from .models import build, check_memory, sizes_of
     from .presets import DEFAULT_SWEEP, load_preset
 
     if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
@@ -208,6 +211,8 @@ def sweep(
     chosen += [BudgetRun(limit) for limit in budgets]
     reference = load_preset("keep-all")
     order = [reference] + [p for p in chosen if p.name != reference.name]
+    if client is None:  # keep-all runs as the reference: refuse what cannot fit here
+        check_memory(model, **sizes)
     # built here also when the runs happen elsewhere: bad sizes fail before any run starts
     first = build(model, device=None if device == "cpu" else device, **sizes)
     meta = {"model": model, **sizes_of(first), **sizes}  # every size, the defaults included

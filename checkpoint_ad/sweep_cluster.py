@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import signal
 import threading
 import traceback
@@ -48,6 +49,12 @@ from .sweep_runs import RunOutcome, SweepRun, measure, progress, warm_up
 INSTALL_HINT = "python3 -m pip install 'checkpoint-ad[dask]'"
 NO_FRAME_SAMPLING = {"distributed.worker.profile.enabled": False}
 """Dask configuration without the worker profiler (see the module's docstring)."""
+
+LOOPBACK = "127.0.0.1"  # where a local cluster's scheduler, nannies and workers listen
+CONNECT_TIMEOUT_S = 10
+"""How long to wait for a scheduler given by address before saying it cannot be reached."""
+SCHEMES = ("tcp", "tls", "ws", "wss", "ucx")
+_ADDRESS = re.compile(rf"({'|'.join(SCHEMES)})://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{{1,5}})")
 
 _alone = threading.Lock()  # one run at a time in a worker process (see the module's docstring)
 _warmed: set[tuple[str, str, str]] = set()  # the problems this worker process has warmed up
@@ -77,6 +84,18 @@ def check_cluster_options(workers: int | None, client: Any) -> None:
     if client is not None and not isinstance(client, (str, distributed.Client)):
         raise SweepConfigError("sweep: client must be a distributed.Client or a scheduler "
                                f"address such as 'tcp://host:8786', got {type(client).__name__}")
+    if isinstance(client, str):
+        check_address(client)
+
+
+def check_address(address: str) -> None:
+    """Refuse a scheduler address not of the form ``scheme://host:port`` before connecting
+    (Dask would look a bare word up as a host name, then wait for it)."""
+    match = _ADDRESS.fullmatch(address)
+    if match is None or not 0 < int(match.group(3)) < 65536:
+        raise SweepConfigError(
+            f"sweep: {address!r} is not a scheduler address; give scheme://host:port, e.g. "
+            f"tcp://127.0.0.1:8786 (schemes: {', '.join(SCHEMES)})")
 
 
 def _require_dask() -> Any:
@@ -104,7 +123,7 @@ def connect(workers: int | None = None, client: Any = None) -> Iterator[Any]:
         return
     if isinstance(client, str):
         try:
-            own = distributed.Client(client, set_as_default=False)
+            own = distributed.Client(client, timeout=CONNECT_TIMEOUT_S, set_as_default=False)
         except (OSError, ValueError, TypeError) as exc:  # TimeoutError is an OSError
             raise ClusterError(
                 f"cannot reach a Dask scheduler at {client!r} ({type(exc).__name__}: {exc}); "
@@ -120,7 +139,9 @@ def connect(workers: int | None = None, client: Any = None) -> Iterator[Any]:
         with _children_ignore_ctrl_c(), dask.config.set(NO_FRAME_SAMPLING):
             cluster = distributed.LocalCluster(
                 n_workers=workers or 1, threads_per_worker=1, processes=True,
-                dashboard_address=":0",  # a free port: another cluster may hold the usual one
+                # every port on loopback, and no dashboard: nobody reads a sweep's, and it
+                # listened on every interface
+                host=LOOPBACK, dashboard_address=None,
                 # a run's own errors come back as its result; what workers log while being
                 # closed mid-run (a scheduler gone before their heartbeat) is noise
                 silence_logs=logging.CRITICAL)

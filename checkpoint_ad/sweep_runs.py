@@ -5,6 +5,8 @@ process, or a Dask cluster in `sweep_cluster`) measures a run with the very same
 
 from __future__ import annotations
 
+import inspect
+import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -12,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from .origins import as_user_code
 from .profiler import Profile, profile
 from .strategies import Budget, KeepAll, Strategy
 
@@ -116,8 +119,11 @@ def _forward_backward(model: Any, preset: Any) -> list[Any]:
 
 
 def run_one(model: Any, preset: Any, device: str, meta: dict[str, Any]) -> tuple[Profile, list]:
-    """Run `model` forward and backward under `preset`, profiled; return profile and grads."""
-    with profile(device=device, device_memory=True, strategy=preset.name, **meta) as prof:
+    """Run `model` forward and backward under `preset`, profiled; return profile and grads.
+    Saved values name the lines of the model that saved them (`origins.as_user_code`)."""
+    folder = os.path.dirname(inspect.getfile(type(model)))
+    with as_user_code(folder), profile(device=device, device_memory=True,
+                                       strategy=preset.name, **meta) as prof:
         grads = _forward_backward(model, preset)
     return prof, [np.asarray(g.numpy(), dtype=np.float64) for g in grads]
 

@@ -48,6 +48,22 @@ def test_a_limit_that_is_not_a_size_is_refused_when_built(limit):
         Budget(limit)
 
 
+@pytest.mark.parametrize("limit", ["1e400B", "1e30GiB", 2**70])
+def test_a_limit_beyond_any_machine_is_refused_not_overflowed(limit):
+    with pytest.raises(StrategyConfigError, match="2\\*\\*63"):
+        Budget(limit)
+
+
+@pytest.mark.parametrize("limit", ["1.5B", "0.5", "1.0000001KiB"])
+def test_a_fractional_number_of_bytes_is_refused_not_rounded(limit):
+    with pytest.raises(StrategyConfigError, match="whole number of bytes"):
+        Budget(limit)
+
+
+def test_decimal_fractions_of_a_unit_are_exact():
+    assert parse_bytes("0.1MB") == 100_000 and parse_bytes("1.1KB") == 1100
+
+
 @pytest.mark.parametrize("options", [{"lossy": "yes"}, {"max_rel_error": 0},
                                      {"max_rel_error": float("nan")}, {"max_rel_error": True}])
 def test_bad_lossy_options_are_refused(options):

@@ -59,6 +59,10 @@ def _run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     (["sweep", "--size", "steps", "--no-plots"], "key=value"),
     (["sweep", "--out", "/proc/forbidden", "--no-plots"], "cannot write"),
     (["plot", "/no/such/path"], "no such file"),
+    (["profile", "--size", "device=cuda"], "--device cuda"),
+    (["sweep", "--size", "widht=3", "--no-plots"], "its sizes are steps, batch"),
+    (["sweep", "--budgets", "1.5B", "--no-plots"], "whole number of bytes"),
+    (["sweep", "--budgets", "1e400B", "--no-plots"], "2**63"),
 ])
 def test_bad_input_exits_nonzero_with_one_line(args, words):
     result = _run(*args)
@@ -169,6 +173,26 @@ def test_too_large_a_size_is_one_line_that_names_it():
     assert "smaller" in result.stderr
 
 
+def test_the_size_keys_named_in_an_error_leave_out_the_device():
+    result = _run("profile", "--size", "nope=1")
+    assert result.returncode == 2 and "device" not in result.stderr.split("its sizes are")[1]
+
+
+@pytest.mark.parametrize("model", ["rnn", "lstm", "residual_mlp", "heat", "neural_ode"])
+def test_a_run_too_large_for_memory_is_refused_before_it_allocates(model):
+    key = "layers" if model == "residual_mlp" else "steps"
+    for command in (["sweep", "--no-plots", "--out", os.devnull + "-unused"], ["profile"]):
+        result = subprocess.run(
+            [sys.executable, "-c", "import resource, sys\n"
+             "from checkpoint_ad.cli import main\n"  # 2 GiB of address space at most: an
+             "resource.setrlimit(resource.RLIMIT_AS, (2**31, 2**31))\n"  # allocation fails
+             f"sys.exit(main({[*command, '--model', model, '--size', f'{key}=100000000']!r}))"],
+            capture_output=True, text=True, check=False, env=_child_env(), timeout=120)
+        assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+        assert "out of memory ahead" in result.stderr and "available" in result.stderr
+        assert f"{key}=100000000" in result.stderr and "GiB" in result.stderr
+
+
 @pytest.mark.parametrize(("raised", "code", "words"), [
     (KeyboardInterrupt(), 130, "interrupted"),
     (MemoryError(), 2, "out of memory running rnn with steps=6"),
@@ -222,3 +246,31 @@ def test_python_presets_need_the_flag(tmp_path):
     allowed = _run("strategies", "--presets-dir", str(tmp_path / "mine"),
                    "--allow-python-presets")
     assert allowed.returncode == 0 and "mine" in allowed.stdout
+
+
+# ----------------------------------------------------------------- the first hour
+def test_version_and_python_dash_m_run_the_command_line():
+    from checkpoint_ad import __version__
+
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - Python 3.10
+        import tomli as tomllib
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert __version__ == project["project"]["version"]
+    result = subprocess.run([sys.executable, "-m", "checkpoint_ad", "--version"],
+                            capture_output=True, text=True, check=False, env=_child_env())
+    assert result.returncode == 0 and result.stdout == f"checkpoint-ad {__version__}\n"
+
+
+def test_profile_names_the_model_its_sizes_and_credits_the_models_own_lines():
+    result = subprocess.run([sys.executable, "-m", "checkpoint_ad", "profile", "--strategy",
+                             "revolve-2", *TINY], capture_output=True, text=True, check=False,
+                            env=_child_env())
+    assert result.returncode == 0, result.stderr
+    first = result.stdout.splitlines()[0]
+    assert first.startswith("rnn (steps=6, batch=2, input_size=3, hidden=4")
+    assert "revolve-2" in first
+    origins = result.stdout.split("origin")[-1].splitlines()[1:]
+    assert origins and all("checkpoint_ad/models/" in line for line in origins if line.strip())
+    assert "runpy" not in result.stdout and "cli.py" not in result.stdout

@@ -114,6 +114,31 @@ def test_a_wrong_profile_names_the_key_and_what_was_expected(change, words):
     assert "\n" not in str(caught.value)
 
 
+@pytest.mark.parametrize(("change", "where"), [
+    (lambda d: d.update(peak_tape_bytes=-5), "profile.peak_tape_bytes"),
+    (lambda d: d.update(forward_seconds=-0.5), "profile.forward_seconds"),
+    (lambda d: d.update(primitives=-1), "profile.primitives"),
+    (lambda d: d.update(device_peak_bytes=-1), "profile.device_peak_bytes"),
+    (lambda d: d.update(timeline_bytes=[0, -8]), "profile.timeline_bytes"),
+    (lambda d: d.update(level_peak_bytes={"host": -2}), "profile.level_peak_bytes"),
+    (lambda d: d["records"][0].update(stored_bytes=-4), r"profile.records\[0\].stored_bytes"),
+    (lambda d: d.update(backward_seconds=float("nan")), "profile.backward_seconds"),
+])
+def test_a_negative_count_in_a_profile_is_refused_on_load(change, where):
+    with pytest.raises(ProfileFormatError, match=f"{where} must not be negative"):
+        Profile.from_dict(_broken(change))
+
+
+@pytest.mark.parametrize("depth", [5_000, 100_000])
+def test_a_deeply_nested_file_is_refused_as_not_ours(tmp_path, depth):
+    path = tmp_path / "deep.json"
+    path.write_text("[" * depth + "]" * depth)
+    with pytest.raises(ProfileFormatError, match="nested too deeply"):
+        Profile.load(path)
+    with pytest.raises(SweepFormatError, match="nested too deeply"):
+        SweepResult.load(path)
+
+
 def test_profile_load_names_the_file(tmp_path):
     path = tmp_path / "p.json"
     path.write_text(json.dumps(_broken(lambda d: d.pop("records"))))

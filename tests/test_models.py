@@ -454,3 +454,35 @@ def test_models_and_adam_on_the_gpu(name):
     assert_matches_reference(model, loss, rtol=1e-9)
     optim.Adam(model.params, lr=0.01).step()
     assert all(p.device.startswith("cuda") for p in model.params)
+
+
+# ------------------------------------------------------------------ memory, estimated ahead
+@pytest.mark.parametrize("name", sorted(models.MODELS))
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_the_memory_estimate_bounds_a_keep_all_runs_measured_peak(name, dtype):
+    import tracemalloc
+
+    from checkpoint_ad.presets import load_preset
+    from checkpoint_ad.sweep import run_one
+
+    sizes = {**models.SWEEP_SIZES[name], "dtype": dtype}
+    tracemalloc.start()
+    try:
+        model = models.build(name, **sizes)
+        run_one(model, load_preset("keep-all"), "cpu", {})
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    estimate = models.check_memory(name, **sizes).bytes
+    assert peak <= estimate <= 2 * peak
+
+
+def test_a_model_larger_than_memory_is_refused_with_the_estimate_and_the_room():
+    from checkpoint_ad.errors import ModelConfigError, ModelTooLargeError
+    from checkpoint_ad.models.footprint import available_bytes
+
+    with pytest.raises(ModelTooLargeError, match="available") as caught:
+        models.check_memory("heat", steps=10**8)
+    assert isinstance(caught.value, ModelConfigError) and isinstance(caught.value, MemoryError)
+    assert caught.value.needed > caught.value.available > 0
+    assert caught.value.available <= available_bytes() * 2  # the host's, read now

@@ -3,10 +3,11 @@ that makes a figure shows it."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
+
+import checkpoint_ad
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -20,13 +21,21 @@ def test_there_are_notebooks():
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs(path, monkeypatch):
+    """As `jupyter notebook notebooks/` runs it: in notebooks/, with the installed package and
+    nothing on PYTHONPATH (a notebook importing the repository's bench/ would fail here)."""
     monkeypatch.setenv("MPLBACKEND", "Agg")
-    paths = (str(path.parents[1]), os.environ.get("PYTHONPATH"))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in paths if p))
+    monkeypatch.delenv("PYTHONPATH", raising=False)
     book = nbformat.read(path, as_version=4)
+    where = nbformat.v4.new_code_cell("import checkpoint_ad\nprint(checkpoint_ad.__file__)")
+    book.cells.insert(0, where)
     client = nbclient.NotebookClient(book, timeout=300, kernel_name="python3",
                                      resources={"metadata": {"path": str(path.parent)}})
     client.execute()
+    imported = where.outputs[0]["text"] if where.outputs else ""
+    assert str(Path(checkpoint_ad.__file__)) in imported, (
+        f"the notebook's kernel imports another checkpoint_ad ({imported.strip()}) than the "
+        f"tests ({checkpoint_ad.__file__}): install this checkout, pip install -e '.[dev]'")
+    book.cells.remove(where)
     code = [c for c in book.cells if c.cell_type == "code"]
     errors = [o for c in code for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors

@@ -340,6 +340,22 @@ def test_malformed_toml_names_the_file_and_line(tmp_path):
         load_preset(path)
 
 
+def test_a_deeply_nested_preset_is_refused_with_the_file_name(tmp_path):
+    path = preset_file(tmp_path, "[loop]\nkind = 'binomial'\nx = " + "[" * 5000 + "]" * 5000)
+    with pytest.raises(PresetError, match=r"mine\.toml: nested too deeply"):
+        load_preset(path)
+
+
+def test_a_deeply_nested_preset_or_profile_is_one_line_and_exit_2_on_the_command_line(tmp_path):
+    from checkpoint_ad.cli import main
+
+    path = preset_file(tmp_path, "x = " + "[" * 5000 + "]" * 5000)
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    assert main(["profile", "--strategy", str(path)]) == 2
+    assert main(["plot", str(deep)]) == 2
+
+
 ERRORS = [
     ("unknown loop kind",
      '[loop]\nkind = "revolve"\n',

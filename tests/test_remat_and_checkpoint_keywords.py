@@ -48,6 +48,22 @@ def test_checkpoint_replays_dropout_masks() -> None:
     assert not np.array_equal(plain.numpy(), fresh.numpy())
 
 
+@pytest.mark.parametrize("preserve", [True, False])
+def test_preserve_rng_state_false_lets_numpys_re_run_draw_the_next_numbers(preserve) -> None:
+    """As documented (and as PyTorch's flag): True replays numpy's global state for the re-run
+    and restores it after; False leaves it alone, so the re-run draws the next numbers."""
+    x = cad.tensor(np.ones(4), requires_grad=True)
+    region = lambda v: v * cad.tensor(np.random.standard_normal(4))
+    np.random.seed(3)
+    y = cad.checkpoint(region, x, preserve_rng_state=preserve)
+    cad.sum(y).backward()
+    drawn = np.random.standard_normal(4)
+    np.random.seed(3)
+    first, second = np.random.standard_normal(4), np.random.standard_normal(4)
+    np.testing.assert_array_equal(x.grad.numpy(), first if preserve else second)
+    assert np.array_equal(drawn, second if preserve else np.random.standard_normal(4))
+
+
 POLICIES = {
     "default": None,
     "nothing_saveable": cad.checkpoint_policies.nothing_saveable,

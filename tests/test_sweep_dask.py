@@ -10,6 +10,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import psutil
@@ -81,7 +82,7 @@ def client():
 
     with dask.config.set(NO_FRAME_SAMPLING):  # peaks that do not depend on frame sampling
         cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                                           dashboard_address=":0")
+                                           host="127.0.0.1", dashboard_address=None)
     with cluster, distributed.Client(cluster, set_as_default=False) as dask_client:
         yield dask_client
 
@@ -210,9 +211,55 @@ def test_a_bad_scheduler_address_is_a_clear_error():
         with pytest.raises(ClusterError, match=r"tcp://127\.0\.0\.1:9.*check the address"):
             sweep("rnn", ["keep-all"], sizes=SIZES, progress=False, repeats=1,
                   client="tcp://127.0.0.1:9")
-        with pytest.raises(ClusterError, match="not-a-scheme://x"):
+        with pytest.raises(SweepConfigError, match="'not-a-scheme://x' is not a scheduler"):
             sweep("rnn", ["keep-all"], sizes=SIZES, progress=False, repeats=1,
                   client="not-a-scheme://x")
+
+
+@pytest.mark.parametrize("address", ["garbage", "localhost:8786", "tcp://host", "tcp://h:0",
+                                     "tcp://h:70000", "tcp://h:1/path"])
+def test_a_malformed_scheduler_address_is_refused_before_connecting(address, monkeypatch):
+    distributed = pytest.importorskip("distributed")
+
+    def must_not_connect(*args, **kwargs):
+        raise AssertionError("a connection was tried")
+
+    monkeypatch.setattr(distributed, "Client", must_not_connect)
+    with pytest.raises(SweepConfigError, match="scheme://host:port"):
+        sweep_cluster.check_cluster_options(None, address)
+
+
+def test_the_cli_refuses_a_garbage_scheduler_at_once_in_one_line(tmp_path):
+    pytest.importorskip("distributed")
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "checkpoint_ad.cli", "sweep", "--scheduler",
+                             "garbage", "--quiet", "--no-plots", "--out", str(tmp_path / "o")],
+                            capture_output=True, text=True, check=False, timeout=120)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "'garbage' is not a scheduler address" in result.stderr
+    assert time.monotonic() - started < 30  # it waited 60 s for a host named garbage
+
+
+def _listening() -> set[tuple[int, Any]]:
+    """(pid, address) of every listening socket of this process and its children."""
+    found = set()
+    for process in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+        try:
+            found |= {(process.pid, c.laddr) for c in process.net_connections(kind="inet")
+                      if c.status == psutil.CONN_LISTEN}
+        except psutil.NoSuchProcess:  # ended while listed
+            continue
+    return found
+
+
+def test_a_local_cluster_listens_on_loopback_only():
+    pytest.importorskip("distributed")
+    before = _listening()  # another test's cluster may still be up: not this one's
+    with sweep_cluster.connect(workers=2) as dask_client:
+        assert len(dask_client.scheduler_info()["workers"]) == 2
+        listening = [address for _, address in _listening() - before]
+    assert len(listening) >= 5  # the scheduler, and a nanny and a worker each
+    assert {address.ip for address in listening} <= {"127.0.0.1", "::1"}, listening
 
 
 def test_the_cli_reports_a_bad_scheduler_in_one_line_and_writes_nothing(tmp_path, capsys):

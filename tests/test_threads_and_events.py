@@ -210,3 +210,44 @@ def test_a_muted_block_reaches_none_of_its_threads_listeners_and_then_all_again(
         stop_a()
     assert heard == [("other", 20), ("a", 2)]
     assert not any(s.handlers and "step" in s.handlers for s in events.listeners)
+
+
+# ------------------------------------------------------------------ progress bars
+def test_a_progress_bar_counts_every_step_a_plan_evaluates_and_leaves_no_listener():
+    import io
+
+    from checkpoint_ad import events
+    from checkpoint_ad.strategies import Binomial
+
+    w = cad.tensor(0.5, requires_grad=True)
+    step = lambda h, x: (cad.tanh(h * w + x),) * 2
+    xs = cad.tensor(np.linspace(0.0, 1.0, 20), dtype="float32")
+    out = io.StringIO()
+    with cad.progress(total=Binomial(3).plan(20).evaluations, file=out) as bar:
+        _, ys = cad.scan(step, cad.tensor(0.0), xs, strategy=Binomial(3))
+        ys.sum().backward()
+    assert bar.n == Binomial(3).plan(20).evaluations > 20  # the backward's re-runs included
+    assert "step" in out.getvalue() and not events.listeners  # nothing costs after the block
+
+
+def test_scan_progress_shows_the_forwards_steps_and_costs_nothing_when_off(monkeypatch):
+    import tqdm
+
+    from checkpoint_ad import events
+
+    made = []
+
+    class Bar(tqdm.tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "file": __import__("io").StringIO()})
+            made.append(self)
+
+    monkeypatch.setattr("checkpoint_ad.progress_bar.tqdm", Bar)
+    heard = []
+    monkeypatch.setattr(events, "emit", lambda kind, payload: heard.append(kind))
+    cad.scan(lambda h, x: (h + x, h), cad.tensor(0.0), cad.tensor([1.0] * 7))
+    assert made == [] and heard == []  # off: no bar, no events at all
+    monkeypatch.undo()
+    monkeypatch.setattr("checkpoint_ad.progress_bar.tqdm", Bar)
+    cad.scan(lambda h, x: (h + x, h), cad.tensor(0.0), cad.tensor([1.0] * 7), progress=True)
+    assert [(bar.total, bar.n) for bar in made] == [(7, 7)]

@@ -18,6 +18,7 @@ from typing import Any
 
 from ..errors import ModelConfigError, UnknownModelError
 from .base import UnrolledModel, python_loop
+from .footprint import Footprint, check_fits
 from .gpt import GPTConfig, make_gpt
 from .heat import HeatConfig, make_heat
 from .lstm import LSTMConfig, make_lstm
@@ -67,8 +68,8 @@ def sizes_of(model: UnrolledModel) -> dict[str, Any]:
             if f.name != "seed" and isinstance(getattr(config, f.name), int)}
 
 
-def build(name: str, **overrides: Any) -> UnrolledModel:
-    """The model registered as `name`, with its config's defaults replaced by `overrides`.
+def config_of(name: str, **overrides: Any) -> Any:
+    """The config `build(name, **overrides)` would use, checked, with nothing allocated.
 
     Raises UnknownModelError (a ValueError) naming the known models for an unknown name, and
     ModelConfigError naming the valid fields for an unknown option or a bad size.
@@ -85,11 +86,30 @@ def build(name: str, **overrides: Any) -> UnrolledModel:
             f"model {name!r} has no option(s) {', '.join(unknown)}; its options are "
             f"{', '.join(known)}"
         )
-    return entry.make(entry.config(**overrides))
+    return entry.config(**overrides)
+
+
+def build(name: str, **overrides: Any) -> UnrolledModel:
+    """The model registered as `name`, with its config's defaults replaced by `overrides`
+    (checked as `config_of` checks them)."""
+    config = config_of(name, **overrides)
+    return MODELS[name].make(config)
+
+
+def check_memory(name: str, **overrides: Any) -> Footprint:
+    """The estimated peak of a keep-all run of the model (`models.footprint`); raises
+    ModelTooLargeError (a ModelConfigError and a MemoryError) when it is more than the host's
+    available memory. Nothing is allocated.
+
+    >>> check_memory("rnn", steps=8).bytes < 2**20
+    True
+    """
+    return check_fits(name, config_of(name, **overrides))
 
 
 __all__ = [
     "MODELS",
+    "Footprint",
     "SWEEP_SIZES",
     "GPTConfig",
     "HeatConfig",
@@ -103,6 +123,8 @@ __all__ = [
     "UnrolledModel",
     "build",
     "make_gpt",
+    "check_memory",
+    "config_of",
     "make_heat",
     "make_lstm",
     "make_neural_ode",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from collections import defaultdict
@@ -292,7 +293,7 @@ class Profile:
         if unknown:
             raise ProfileFormatError(f"unknown profile fields {sorted(unknown)}; this version "
                                      "writes none of them: was the file made by another tool?")
-        return from_plain(cls, fields, "profile", ProfileFormatError)
+        return _counted(from_plain(cls, fields, "profile", ProfileFormatError))
 
     @classmethod
     def from_json(cls, text: str) -> Profile:
@@ -300,6 +301,10 @@ class Profile:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ProfileFormatError(f"profile JSON is malformed: {exc}") from exc
+        except RecursionError:  # a profile nests a few levels; this is not one
+            raise ProfileFormatError("profile JSON is nested too deeply to read; a profile "
+                                     "nests a few levels: was the file made by another "
+                                     "tool?") from None
         if not isinstance(data, dict):
             raise ProfileFormatError("profile JSON must be an object")
         return cls.from_dict(data)
@@ -321,6 +326,33 @@ class Profile:
 
 
 # ------------------------------------------------------------- checked loading
+COUNTS = frozenset({"primitives", "recomputed_primitives", "evictions", "rematerializations",
+                    "plans", "kept_by_caller", "originals_kept", "also_kept"})
+"""Profile fields besides the ``*_bytes`` and ``*_seconds`` ones that count something."""
+
+
+def _counted(profile: Profile) -> Profile:
+    """`profile`, once every byte count, second count and count in it is a finite number not
+    below zero (a file with ``peak_tape_bytes: -5`` is not one this version wrote)."""
+    for f in dataclasses.fields(profile):
+        if f.name.endswith(("_bytes", "_seconds")) or f.name in COUNTS:
+            _not_negative(getattr(profile, f.name), f"profile.{f.name}")
+    for i, record in enumerate(profile.records):
+        for name in ("logical_bytes", "stored_bytes", "buffer"):
+            _not_negative(getattr(record, name), f"profile.records[{i}].{name}")
+    return profile
+
+
+def _not_negative(value: Any, where: str) -> None:
+    values = (value.values() if isinstance(value, dict)
+              else value if isinstance(value, (list, tuple)) else [value])
+    for item in values:
+        if item is not None and not (math.isfinite(item) and item >= 0):
+            raise ProfileFormatError(f"{where} must not be negative (it counts bytes, seconds "
+                                     f"or things); got {item!r}: the file is damaged or was "
+                                     "written by another tool")
+
+
 def _kind(value: Any) -> str:
     shown = repr(value)
     return f"{type(value).__name__} {shown if len(shown) <= 40 else shown[:37] + '...'}"

@@ -34,6 +34,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from fractions import Fraction
 from typing import Any
 
 from .. import events, loop_log
@@ -68,6 +69,7 @@ __all__ = ["Budget", "BudgetError", "Estimate", "PlanRow", "estimate", "forget_d
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+MAX_BYTES = 2**63  # a budget above this is a typo, not a machine
 _SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*")
 
 
@@ -76,13 +78,16 @@ def parse_bytes(limit: int | str) -> int:
 
     >>> parse_bytes("1.5KiB"), parse_bytes("2MB"), parse_bytes(100)
     (1536, 2000000, 100)
+
+    A size that is not a whole number of bytes (``"1.5B"``) or larger than any machine's
+    memory (``"1e400B"``) is refused, not rounded or overflowed.
     """
     if isinstance(limit, bool) or not isinstance(limit, (int, str)):
         raise StrategyConfigError(
             f"Budget(limit={limit!r}): give the budget in bytes (an int) or as a string such "
             "as '64MiB' or '1.5GB'")
     if isinstance(limit, int):
-        value = limit
+        value = _whole_bytes(limit, Fraction(limit))
     else:
         match = _SIZE.fullmatch(limit)
         unit = match.group(2).lower() if match else None
@@ -90,10 +95,23 @@ def parse_bytes(limit: int | str) -> int:
             raise StrategyConfigError(
                 f"Budget(limit={limit!r}): not a size; write a number and a unit such as "
                 f"'64MiB' or '1.5GB' (units: {', '.join(u for u in _UNITS if u)})")
-        value = int(float(match.group(1)) * _UNITS[unit])
+        value = _whole_bytes(limit, Fraction(match.group(1)) * _UNITS[unit])
     if value < 1:
         raise StrategyConfigError(f"Budget(limit={limit!r}): a budget must be at least 1 byte")
     return value
+
+
+def _whole_bytes(limit: int | str, value: Fraction) -> int:
+    """`value` (exact) as an int, or StrategyConfigError: a budget counts whole bytes."""
+    if value > MAX_BYTES:
+        raise StrategyConfigError(
+            f"Budget(limit={limit!r}): more than {MAX_BYTES} bytes (2**63); give a size a "
+            "machine can have, such as '64MiB' or '16GiB'")
+    if value.denominator != 1:
+        raise StrategyConfigError(
+            f"Budget(limit={limit!r}) is not a whole number of bytes ({float(value):g}); give "
+            "whole bytes or a larger unit, e.g. '2B' or '1.5KiB'")
+    return int(value)
 
 
 def format_bytes(count: float) -> str:

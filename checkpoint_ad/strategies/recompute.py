@@ -250,8 +250,9 @@ class _Region:
         keep_with = strategy.storage or outer
         self.args = [self._keep(a, keep_with) for a in args]
         self.kwargs = {k: self._keep(v, keep_with) for k, v in kwargs.items()}
-        self.rng = _random_state()
-        self.engine_state = random.get_state()
+        # the generators' states, for the re-run to draw what the first run drew
+        self.rng = _random_state() if replay_rng else None
+        self.engine_state = random.get_state() if replay_rng else None
         # how the region's primitives choose their forms; the region holds no reference to
         # its packer (the packer holds it): no cycle, so it dies with the last entry of the
         # region the sweep releases, and with it the inputs it kept
@@ -318,10 +319,12 @@ def checkpoint(
     PyTorch's keywords are accepted and never passed to `fn`: `use_reentrant` is ignored (a
     region here always behaves like PyTorch's non-reentrant checkpoint: it works under
     `grad()`, with keyword arguments, and when no input requires grad);
-    ``preserve_rng_state=False`` skips the replay (faster, for functions that draw nothing,
-    or whose re-run may draw other numbers). JAX's `policy` (`checkpoint_policies.
-    dots_saveable`, ..., a callable answering per primitive, or a saved-value strategy)
-    runs `fn` with the saved-value strategy the policy means instead of recomputing it
+    ``preserve_rng_state=False`` neither saves nor replays the generators' states (faster,
+    for functions that draw nothing, or whose re-run may draw other numbers: it draws the
+    next ones, and numpy's global state moves on past them, as in PyTorch). JAX's `policy`
+    (`checkpoint_policies.dots_saveable`, ..., a callable answering per primitive, or a
+    saved-value strategy) runs `fn` with the saved-value strategy the policy means instead of
+    recomputing it
     (`nothing_saveable`, the default, recomputes); see `checkpoint_ad.strategies.jax_policies`.
 
     >>> import checkpoint_ad as cad

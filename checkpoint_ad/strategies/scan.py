@@ -19,6 +19,7 @@ from .. import loop_log, random
 from ..backend import namespace
 from ..grad_mode import is_grad_enabled, no_grad
 from ..origins import caller_origin
+from ..progress_bar import progress as progress_bar
 from ..pytree import flatten, unflatten
 from ..saved import Strategy, use_packer
 from ..tensor_base import make_tensor
@@ -46,6 +47,7 @@ def scan(
     unroll: int | bool = 1,
     trace: bool = True,
     until: Callable[[Any], Any] | None = None,
+    progress: bool = False,
 ) -> tuple[Any, Any]:
     """Run ``carry, y = step(carry, x)`` over the leading axis of `xs`; return (carry, ys).
 
@@ -84,6 +86,9 @@ def scan(
     must plan loops of unknown length: `Binomial(s)` places its at most s snapshots online
     (see `online.py`), with gradients bitwise equal to keeping every step.
 
+    `progress=True` shows a tqdm bar over the forward's steps; ``with cad.progress():`` around
+    the forward and the backward also counts the steps a plan runs again.
+
     >>> import checkpoint_ad as cad
     >>> w = cad.tensor(0.5, requires_grad=True)
     >>> carry, ys = cad.scan(lambda h, x: (cad.tanh(h * w + x),) * 2, cad.tensor(0.0),
@@ -95,6 +100,10 @@ def scan(
     >>> carry.item(), ys.shape
     (32.0, (5,))
     """
+    if progress:  # a bar over the forward's steps; `with cad.progress():` counts re-runs too
+        xs_length = None if xs is None or until is not None else flatten(xs)[0][0].shape[0]
+        with progress_bar(total=length if length is not None else xs_length, desc="scan"):
+            return scan(step, init, xs, length, strategy, reverse, unroll, trace, until)
     if not isinstance(unroll, bool) and (not isinstance(unroll, int) or unroll < 1):
         raise ValueError(f"scan: unroll must be an int >= 1 or a bool, got {unroll!r}")
     if strategy is None:
