@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CheckpointADError, OutputError, SweepRunError, UsageError
-from .safe_files import check_writable, child
+from .safe_files import check_writable, child, staged
 
 RUNS_DIR = Path("profiles") / "runs"  # where a sweep writes when no --out is given
 EXIT_OK, EXIT_BUG, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -122,12 +122,13 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         result = sweep(args.model, presets, device=args.device, sizes=sizes,
                        progress=not args.quiet, repeats=args.repeats, workers=workers,
                        client=scheduler, budgets=budgets)
-        result.save(folder)
-        written = []
-        if not args.no_plots:
-            from .plots import plot_sweep
+        with staged(folder) as staging:  # every file of this run, or none of them
+            result.save(staging)
+            written = []
+            if not args.no_plots:
+                from .plots import plot_sweep
 
-            written = plot_sweep(result, folder)
+                written = plot_sweep(result, staging)
     sizes = ", ".join(f"{k}={v}" for k, v in result.meta.items() if k != "model")
     print(f"{args.model} ({sizes}) on {args.device}")
     print(result.table())
