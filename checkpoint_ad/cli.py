@@ -246,8 +246,9 @@ def _parser() -> argparse.ArgumentParser:
                      "--presets only the budgets run, keep-all as the reference")
     run.add_argument("--out", help="output folder (default: a new profiles/runs/<model>-<date>-"
                      "<time> under the current directory)")
-    run.add_argument("--repeats", type=int, default=3,
-                     help="timed runs per preset; the median is reported (default 3)")
+    run.add_argument("--repeats", type=int, default=5,
+                     help="timed runs per preset, interleaved across presets; the median and "
+                     "min-max are reported (default 5)")
     run.add_argument("--no-plots", action="store_true", help="write the table and profiles only")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.add_argument("--workers", type=int, metavar="N",
