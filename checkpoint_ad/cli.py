@@ -20,7 +20,7 @@ from typing import Any
 
 from . import __version__
 from .errors import CheckpointADError, OutputError, SweepRunError, UsageError
-from .safe_files import check_writable, child
+from .safe_files import check_writable, child, staged
 
 RUNS_DIR = Path("profiles") / "runs"  # where a sweep writes when no --out is given
 EXIT_OK, EXIT_BUG, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -142,12 +142,13 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         result = sweep(args.model, presets, device=args.device, sizes=sizes,
                        progress=not args.quiet, repeats=args.repeats, workers=workers,
                        client=scheduler, budgets=budgets)
-        result.save(folder)
-        written = []
-        if not args.no_plots:
-            from .plots import plot_sweep
+        with staged(folder) as staging:  # every file of this run, or none of them
+            result.save(staging)
+            written = []
+            if not args.no_plots:
+                from .plots import plot_sweep
 
-            written = plot_sweep(result, folder)
+                written = plot_sweep(result, staging)
     sizes = ", ".join(f"{k}={v}" for k, v in result.meta.items() if k != "model")
     print(f"{args.model} ({sizes}) on {args.device}")
     print(result.table())
@@ -270,8 +271,9 @@ def _parser() -> argparse.ArgumentParser:
                      "--presets only the budgets run, keep-all as the reference")
     run.add_argument("--out", help="output folder (default: a new profiles/runs/<model>-<date>-"
                      "<time> under the current directory)")
-    run.add_argument("--repeats", type=int, default=3,
-                     help="timed runs per preset; the median is reported (default 3)")
+    run.add_argument("--repeats", type=int, default=5,
+                     help="timed runs per preset, interleaved across presets; the median and "
+                     "min-max are reported (default 5)")
     run.add_argument("--no-plots", action="store_true", help="write the table and profiles only")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     run.add_argument("--workers", type=int, metavar="N",

@@ -127,8 +127,10 @@ def _measure(table: dict[str, _Measure], name: str, which: str) -> _Measure:
     return table[name]
 
 
-def _values(rows: Sequence[SweepRow], measure: _Measure, name: str) -> tuple[np.ndarray, str]:
-    """The column as floats in display units, and the axis label."""
+def _values(rows: Sequence[SweepRow], measure: _Measure,
+            name: str) -> tuple[np.ndarray, str, float]:
+    """The column as floats in display units, the axis label, and the display unit's size
+    (bytes per unit; 1 for columns shown as they are)."""
     raw = [measure.get(r) for r in rows]
     missing = [r.preset for r, v in zip(rows, raw) if v is None]
     if missing:
@@ -136,9 +138,49 @@ def _values(rows: Sequence[SweepRow], measure: _Measure, name: str) -> tuple[np.
                         "'peak_tape_bytes') or re-run the sweep where the device can be probed")
     values = np.asarray(raw, dtype=np.float64)
     if measure.unit != "bytes":
-        return values, f"{measure.title} ({measure.unit})"
+        return values, f"{measure.title} ({measure.unit})", 1.0
     unit, size = _byte_unit(float(values.max()))
-    return values / size, f"{measure.title} ({unit})"
+    return values / size, f"{measure.title} ({unit})", float(size)
+
+
+WIDE_RANGE = 10.0
+"""An axis whose values span more than this factor is drawn on a log scale: on a linear one,
+a point far off (revolve's 50x less memory, a slow lossy run) squashes the rest together."""
+
+
+def _log_scale(values: np.ndarray) -> bool:
+    """Whether an axis of these values reads better on a log scale (all positive, wide)."""
+    return bool(values.size and (values > 0).all()
+                and values.max() / values.min() > WIDE_RANGE)
+
+
+def _time_spread(rows: Sequence[SweepRow], y: str) -> tuple[np.ndarray, np.ndarray,
+                                                             np.ndarray] | None:
+    """(which rows, low, high) of the timed runs' min-max in the y axis's units, for rows that
+    have a spread; None when y is no time or no row has one."""
+    if y not in ("seconds", "time_ratio"):
+        return None
+    which = np.array([r.seconds_min is not None and r.seconds_max is not None
+                      and r.seconds > 0 and r.time_ratio > 0 for r in rows])
+    if not which.any():
+        return None
+    chosen = [r for r, w in zip(rows, which) if w]
+    scale = [r.seconds / r.time_ratio if y == "time_ratio" else 1.0 for r in chosen]
+    low = np.array([r.seconds_min / k for r, k in zip(chosen, scale)], dtype=np.float64)
+    high = np.array([r.seconds_max / k for r, k in zip(chosen, scale)], dtype=np.float64)
+    return which, low, high
+
+
+def _budget_text(row: SweepRow, x: str, scale: float, unit: str) -> str | None:
+    """A budget point's limit in the x axis's unit ('limit 4 MiB', 'limit 0.25x'), or None."""
+    if row.budget_bytes is None:
+        return None
+    if x == "memory_ratio":
+        keep = row.peak_tape_bytes / row.memory_ratio if row.memory_ratio > 0 else 0.0
+        return f"limit {row.budget_bytes / keep:.3g}{TIMES}" if keep else None
+    if X_MEASURES[x].unit == "bytes":
+        return f"limit {row.budget_bytes / scale:.3g} {unit}"
+    return None
 
 
 # ------------------------------------------------------------------ Pareto front
@@ -417,10 +459,15 @@ def tradeoff(result: SweepResult, x: str = "peak_tape_bytes", y: str = "time_rat
     """The memory/compute trade-off of a sweep: one labelled point per strategy.
 
     Circles are lossless strategies, diamonds lossy ones, coloured by their gradient error
-    (also written under the name). The step line is the Pareto front (least memory for the
-    time, both minimised) and its points are ringed; dashed lines cross at keep-all, the
-    reference. A budget's run (`sweep(budgets=...)`) also shows, as a hollow square joined to
-    its measured point, what its plan was predicted to cost (on tape-bytes and time axes).
+    (also written under the name). The step line is the Pareto front of the lossless points
+    (least memory for the time, both minimised; a lossy point trades accuracy too, so it is
+    shown beside the front, never on it) and its points are ringed; dashed lines cross at
+    keep-all, the reference. On a time axis each point's bar spans the min-max of its timed
+    runs, and a point whose time cannot be told from keep-all's says "within noise". An axis
+    whose values span more than `WIDE_RANGE` is logarithmic. A budget's run
+    (`sweep(budgets=...)`) names its limit in the x axis's unit and also shows, as a hollow
+    square joined to its measured point, what its plan was predicted to cost (on tape-bytes
+    and time axes).
     `x` is one of `X_MEASURES` (bytes are shown in KiB/MiB/GiB, whichever reads
     best), `y` one of `Y_MEASURES`.
 
@@ -436,12 +483,14 @@ def tradeoff(result: SweepResult, x: str = "peak_tape_bytes", y: str = "time_rat
     if not rows:
         raise PlotError(f"sweep of {result.model!r} has no rows to plot; run sweep() with at "
                         "least one preset")
-    xs, xlabel = _values(rows, mx, x)
-    ys, ylabel = _values(rows, my, y)
+    xs, xlabel, xscale = _values(rows, mx, x)
+    ys, ylabel, _ = _values(rows, my, y)
     names = [r.preset for r in rows]
     lossless = np.array([r.lossless for r in rows])
     errors = np.array([r.grad_error for r in rows], dtype=np.float64)
-    front = pareto_front(list(zip(xs, ys)))
+    exact = [i for i in range(len(rows)) if lossless[i]]  # the front: lossless points only
+    front = [exact[k] for k in pareto_front([(xs[i], ys[i]) for i in exact])]
+    log_x, log_y = _log_scale(xs), _log_scale(ys)
 
     with mpl.rc_context(STYLE):
         fig, ax = _figure(ax, (8.0, 5.5))
@@ -454,17 +503,31 @@ def tradeoff(result: SweepResult, x: str = "peak_tape_bytes", y: str = "time_rat
             handles.append(Line2D([], [], color="0.6", ls="--", lw=0.8,
                                   label="keep-all (reference)"))
 
-        fx, fy = xs[front], ys[front]
-        if xs.max() > fx[-1]:  # the last front point is also the best beyond it
-            fx, fy = np.append(fx, xs.max()), np.append(fy, fy[-1])
-        # the steps drawn as plain vertices, so the labels can avoid the very same segments
-        step_x = np.repeat(fx, 2)[1:]
-        step_y = np.repeat(fy, 2)[:-1]
-        ax.plot(step_x, step_y, color="0.25", lw=1.4, zorder=2)
-        ax.scatter(xs[front], ys[front], s=190, facecolors="none", edgecolors="0.15",
-                   linewidths=1.4, zorder=3)
-        handles.append(Line2D([], [], color="0.25", lw=1.4, marker="o", markersize=11,
-                              markerfacecolor="none", label="Pareto front"))
+        if log_x:
+            ax.set_xscale("log")
+        if log_y:
+            ax.set_yscale("log")
+        step_x = step_y = np.empty(0)
+        if front:
+            fx, fy = xs[front], ys[front]
+            if xs.max() > fx[-1]:  # the last front point is also the best beyond it
+                fx, fy = np.append(fx, xs.max()), np.append(fy, fy[-1])
+            # the steps drawn as plain vertices, so the labels can avoid the very same segments
+            step_x = np.repeat(fx, 2)[1:]
+            step_y = np.repeat(fy, 2)[:-1]
+            ax.plot(step_x, step_y, color="0.25", lw=1.4, zorder=2)
+            ax.scatter(xs[front], ys[front], s=190, facecolors="none", edgecolors="0.15",
+                       linewidths=1.4, zorder=3)
+            handles.append(Line2D([], [], color="0.25", lw=1.4, marker="o", markersize=11,
+                                  markerfacecolor="none", label="Pareto front (lossless)"))
+
+        spread = _time_spread(rows, y)
+        if spread is not None:
+            which, low, high = spread
+            ax.errorbar(xs[which], ys[which], yerr=[ys[which] - low, high - ys[which]],
+                        fmt="none", ecolor="0.35", elinewidth=1.0, capsize=3, zorder=3)
+            handles.append(Line2D([], [], color="0.35", lw=1.0, marker="_", markersize=7,
+                                  label="min-max of the timed runs"))
 
         if lossless.any():
             ax.scatter(xs[lossless], ys[lossless], s=60, marker="o", color=LOSSLESS_COLOUR,
@@ -482,7 +545,7 @@ def tradeoff(result: SweepResult, x: str = "peak_tape_bytes", y: str = "time_rat
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.margins(x=0.12, y=0.14)
-        if x != "memory_ratio" and xs.min() >= 0:
+        if x != "memory_ratio" and xs.min() >= 0 and not log_x:
             ax.set_xlim(left=0)  # memory from zero, so distances read as ratios
         sizes = _sizes_text(result.meta)
         ax.set_title(_title("memory/compute trade-off", f"{result.model}"
@@ -493,8 +556,16 @@ def tradeoff(result: SweepResult, x: str = "peak_tape_bytes", y: str = "time_rat
         corner = ax.transAxes.inverted().transform(legend.get_window_extent().p0)
         legend = ax.legend(handles=handles, loc=tuple(corner), framealpha=0.9)
 
-        texts = [n if ok else f"{n}\nerr {_short_sci(e)}"
-                 for n, ok, e in zip(names, lossless, errors)]
+        unit = xlabel.rsplit("(", 1)[-1].rstrip(")")
+        texts = []
+        for r, ok, e in zip(rows, lossless, errors):
+            lines = [r.preset] if ok else [r.preset, f"err {_short_sci(e)}"]
+            budget = _budget_text(r, x, xscale, unit)
+            if budget is not None:
+                lines.append(budget)
+            if r.within_noise and y in ("seconds", "time_ratio"):
+                lines.append("(time within noise)")
+            texts.append("\n".join(lines))
         on_front = set(front)
         radii = [7.5 if i in on_front else 5.0 for i in range(len(rows))]
         frame = ax.get_window_extent()
@@ -590,20 +661,27 @@ def timeline(profile: Profile, ax: Axes | None = None) -> Figure:
 
 # ------------------------------------------------------------------ breakdown
 def breakdown(profile: Profile, ax: Axes | None = None, top: int = 10) -> Figure:
-    """Stored bytes per op as horizontal bars, largest first, logical bytes pale behind them.
+    """Stored bytes per op alive at the tape's peak as horizontal bars, largest first, logical
+    bytes pale behind them: what the peak is made of (`Profile.by_op_at_peak()`), which is
+    what a strategy has to cut; bytes saved and freed long before the peak do not count. A
+    profile without the peak's buffers (a version 1 or 2 file) shows every byte ever saved
+    (`Profile.by_op()`), and its axis says so.
 
     Where a strategy compresses (quantized storage), the pale logical bar sticks out past the
     stored one and the label gives the ratio. Ops beyond the `top` largest share one "other"
-    bar. Each buffer counts once, as in `Profile.by_op()`.
+    bar. Each buffer counts once.
 
     >>> from checkpoint_ad.profiler import Profile, SavedRecord
     >>> rec = SavedRecord("tanh", "output", (4, 8), "float32", 128, 32, "demo.py:1", 0, "forward")
-    >>> breakdown(Profile(records=[rec])).axes[0].get_xlabel()
-    'bytes saved over the whole run (KiB)'
+    >>> breakdown(Profile(records=[rec], peak_buffers={"0": 32})).axes[0].get_xlabel()
+    "bytes alive at the tape's peak (KiB)"
     """
     if top < 1:
         raise PlotError(f"top must be at least 1; got {top!r}")
-    table = profile.by_op()
+    table = profile.by_op_at_peak()
+    at_peak = bool(table)
+    if not at_peak:
+        table = profile.by_op()
     if not table:
         raise PlotError("profile saved no values, so there is nothing to break down; profile "
                         "a run that records operations on tensors requiring grad")
@@ -636,8 +714,12 @@ def breakdown(profile: Profile, ax: Axes | None = None, top: int = 10) -> Figure
         ax.grid(axis="y", visible=False)
         widest = float(max(stored.max(), logical.max())) or 1.0
         ax.set_xlim(0, widest * 1.45)  # room for the value labels
-        ax.set_xlabel(f"bytes saved over the whole run ({unit})")
-        ax.set_title(_profile_title("saved bytes per op", profile))
+        if at_peak:
+            ax.set_xlabel(f"bytes alive at the tape's peak ({unit})")
+            ax.set_title(_profile_title("saved bytes per op at the peak", profile))
+        else:
+            ax.set_xlabel(f"bytes saved over the whole run ({unit})")
+            ax.set_title(_profile_title("saved bytes per op", profile))
         if (logical > stored).any():  # otherwise the pale bars are hidden: nothing to explain
             ax.legend(loc="best", framealpha=0.9)
     return fig

@@ -17,6 +17,9 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import shutil
+import signal
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,8 +27,8 @@ from typing import IO
 
 from .errors import OutputError
 
-__all__ = ["check_writable", "child", "safe_name", "write_bytes", "write_text", "write_with",
-           "writing"]
+__all__ = ["check_writable", "child", "safe_name", "staged", "write_bytes", "write_text",
+           "write_with", "writing"]
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._+=-]+")
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # absent on Windows, where links need privileges
@@ -140,3 +143,68 @@ def check_writable(folder: str | Path) -> Path:
     os.close(descriptor)
     probe.unlink()
     return folder
+
+
+@contextmanager
+def staged(folder: str | Path) -> Iterator[Path]:
+    """A set of files written whole or not at all: the block writes into a hidden staging
+    folder beside `folder` (same parent, so moves are renames), and the files go into `folder`
+    only when the block ends without an error. An error or Ctrl-C inside the block removes the
+    staging folder and leaves `folder` as it was.
+
+    An empty `folder` is replaced by the staging folder in one rename; into a folder that has
+    files already (an earlier run's), each file is moved in with `os.replace`, an old file of
+    the same name replaced whole, the others kept. Ctrl-C during the moves is held until they
+    are done, so the set arrives complete.
+    """
+    folder = Path(folder)
+    _make_folder(folder.parent)
+    staging = folder.parent / f".{folder.name}.partial-{secrets.token_hex(4)}"
+    try:
+        staging.mkdir()
+    except OSError as exc:
+        raise OutputError(f"cannot write in {str(folder.parent)!r}: "
+                          f"{exc.strerror or exc}") from exc
+    try:
+        yield staging
+        with _interrupts_held():
+            _move_in(staging, folder)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _move_in(staging: Path, folder: Path) -> None:
+    _refuse_link(folder)
+    try:
+        if folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()  # empty (made to prove it writable): the staging folder takes its place
+        if not folder.exists():
+            os.rename(staging, folder)
+            return
+        items = sorted(staging.iterdir())
+        for item in items:  # every name checked before the first move
+            _refuse_link(folder / item.name)
+        for item in items:
+            os.replace(item, folder / item.name)
+    except OSError as exc:
+        if isinstance(exc, OutputError):
+            raise
+        raise OutputError(f"cannot move the files written into {str(folder)!r}: "
+                          f"{exc.strerror or exc}") from exc
+
+
+@contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """Ctrl-C inside the block is raised after it (in the main thread; elsewhere no signal
+    arrives anyway)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda number, frame: caught.append(number))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt

@@ -18,11 +18,19 @@ from .errors import SweepConfigError, SweepFormatError
 from .profiler import Profile
 from .profiler.records import from_plain
 from .safe_files import child, write_text
+from .strategies.budget import parse_bytes
 from .sweep_cluster import check_cluster_options, run_on_cluster
-from .sweep_runs import BudgetRun, RunOutcome, SweepRun, measure, run_one, time_one, warm_up
-from .sweep_runs import progress as show_progress
+from .sweep_runs import (
+    BudgetRun,
+    RunOutcome,
+    SweepRun,
+    measure_interleaved,
+    run_one,
+    time_one,
+    warm_up,
+)
 
-__all__ = ["SCHEMA", "SweepResult", "SweepRow", "run_one", "sweep", "time_one"]
+__all__ = ["SCHEMA", "SweepResult", "SweepRow", "run_one", "sweep", "time_one", "within_noise"]
 
 SCHEMA = "checkpoint-ad/sweep"
 
@@ -34,6 +42,11 @@ class SweepRow:
     `peak_tape_bytes` is the profile's: the most bytes of saved values the tape *owns* alive
     at once, which is what a strategy can save; saved references to the caller's own arrays
     are in `aliased_bytes`.
+
+    `seconds` is the median of `timed_runs` timed runs, `seconds_min`/`seconds_max` their
+    spread; `within_noise` is True when that spread (or keep-all's) is at least the row's
+    distance from keep-all's median, so the time difference cannot be told from noise (None
+    for keep-all itself, for a single timed run, and in older tables).
     """
 
     preset: str
@@ -56,6 +69,16 @@ class SweepRow:
     plan: str | None = None
     predicted_peak_bytes: int | None = None
     predicted_seconds: float | None = None
+    seconds_min: float | None = None
+    seconds_max: float | None = None
+    timed_runs: int | None = None
+    within_noise: bool | None = None
+    budget_bytes: int | None = None  # a budget's limit (bytes); None for presets
+
+
+# fields added to the table after its first release: absent from older tables, None there
+_ADDED_FIELDS = ("aliased_bytes", "plan", "predicted_peak_bytes", "predicted_seconds",
+                 "seconds_min", "seconds_max", "timed_runs", "within_noise", "budget_bytes")
 
 
 @dataclass
@@ -71,17 +94,24 @@ class SweepResult:
     def table(self) -> str:
         """The table as text, one row per strategy."""
         head = (f"{'strategy':<22}{'peak tape MiB':>14}{'x keep':>8}{'aliased MiB':>12}"
-                f"{'device MiB':>12}{'seconds':>9}{'x keep':>8}{'re-run ops':>11}"
-                f"{'grad error':>12}")
+                f"{'device MiB':>12}{'median s':>9}{'min-max s':>14}{'x keep':>8}"
+                f"{'noise':>8}{'re-run ops':>11}{'grad error':>12}")
         lines = [head, "-" * len(head)]
         for r in self.rows:
             device = "-" if r.device_peak_bytes is None else f"{r.device_peak_bytes / 2**20:.2f}"
             aliased = "-" if r.aliased_bytes is None else f"{r.aliased_bytes / 2**20:.3f}"
+            spread = ("-" if r.seconds_min is None or r.seconds_max is None
+                      else f"{r.seconds_min:.3f}-{r.seconds_max:.3f}")
+            noise = "within" if r.within_noise else ""
             lines.append(
                 f"{r.preset:<22}{r.peak_tape_bytes / 2**20:>14.3f}{r.memory_ratio:>8.2f}"
-                f"{aliased:>12}{device:>12}{r.seconds:>9.3f}{r.time_ratio:>8.2f}"
-                f"{r.recomputed_primitives:>11}{r.grad_error:>12.2e}"
+                f"{aliased:>12}{device:>12}{r.seconds:>9.3f}{spread:>14}{r.time_ratio:>8.2f}"
+                f"{noise:>8}{r.recomputed_primitives:>11}{r.grad_error:>12.2e}"
             )
+        if any(r.timed_runs for r in self.rows):
+            runs = max(r.timed_runs or 0 for r in self.rows)
+            lines.append(f"median and min-max of {runs} timed runs per strategy; "
+                         "noise 'within': the spread is at least the difference from keep-all")
         for r in self.rows:
             if r.plan is not None and r.predicted_peak_bytes is not None:
                 lines.append(
@@ -112,9 +142,8 @@ class SweepResult:
                                    + (" with a 'profiles' key" if isinstance(data, dict) else ""))
         rows = data.get("rows")
         if isinstance(rows, list):  # tables from before owned and aliased bytes were apart,
-            # and before budgets ran in sweeps
-            added = {"aliased_bytes": None, "plan": None, "predicted_peak_bytes": None,
-                     "predicted_seconds": None}
+            # before budgets ran in sweeps, and before times had a spread
+            added = dict.fromkeys(_ADDED_FIELDS)
             data = {**data, "rows": [{**added, **r} if isinstance(r, dict) else r
                                      for r in rows]}
         return from_plain(cls, {**data, "profiles": {}}, "sweep table", SweepFormatError)
@@ -168,7 +197,7 @@ def sweep(
     device: str = "cpu",
     sizes: dict[str, Any] | None = None,
     progress: bool = True,
-    repeats: int = 3,
+    repeats: int = 5,
     *,
     dirs: Sequence[str | Path] = (),
     allow_python: bool = False,
@@ -179,7 +208,9 @@ def sweep(
     """Run `model` under each preset (keep-all first, as the reference) and collect a table.
 
     Each preset runs once profiled (memory, saved values, recompute counts) and `repeats`
-    times unprofiled for its median time. Presets named by string are looked up with
+    times unprofiled for its median time and spread; here the timed runs are interleaved
+    (every preset once, then every preset again, ...), so a slow spell of the machine falls
+    on all presets alike. Presets named by string are looked up with
     `load_preset` (`dirs` and `allow_python` are passed on). Each of `budgets` (bytes, or sizes
     such as ``"16MiB"``) is one more column, every loop run under ``Budget(limit)``; its row
     names the plan the budget chose and what it predicted (`SweepRow.plan`,
@@ -221,7 +252,7 @@ def sweep(
             for preset in order]
     if workers is None and client is None:
         warm_up(runs[0])
-        outcomes = [measure(run) for run in show_progress(runs, progress)]
+        outcomes = measure_interleaved(runs, progress)
     else:
         outcomes = run_on_cluster(runs, workers=workers, client=client,
                                   progress_bar=progress)
@@ -253,5 +284,27 @@ def _merge(result: SweepResult, runs: list[SweepRun], outcomes: list[RunOutcome]
             time_ratio=outcome.seconds / max(base.seconds, 1e-12),
             aliased_bytes=prof.aliased_bytes,
             **outcome.prediction,
+            seconds_min=min(outcome.times) if outcome.times else None,
+            seconds_max=max(outcome.times) if outcome.times else None,
+            timed_runs=len(outcome.times) or None,
+            within_noise=None if run is runs[0] else within_noise(outcome.times, base.times),
+            budget_bytes=(parse_bytes(preset.limit) if isinstance(preset, BudgetRun)
+                          else None),
         ))
     return result
+
+
+def within_noise(times: Sequence[float], reference: Sequence[float]) -> bool | None:
+    """Whether a row's time cannot be told from the reference's: the spread (max - min) of
+    either set of timed runs is at least the distance between their medians. None when a set
+    has fewer than two runs (no spread to judge by).
+
+    >>> within_noise([1.0, 1.2, 1.1], [1.05, 1.0, 1.1])
+    True
+    >>> within_noise([2.0, 2.1, 2.05], [1.0, 1.02, 1.01])
+    False
+    """
+    if len(times) < 2 or len(reference) < 2:
+        return None
+    spread = max(max(times) - min(times), max(reference) - min(reference))
+    return bool(spread >= abs(float(np.median(times)) - float(np.median(reference))))

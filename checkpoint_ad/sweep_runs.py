@@ -32,7 +32,7 @@ class SweepRun:
     device: str = "cpu"
     sizes: dict[str, Any] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)  # written into the run's profile
-    repeats: int = 3
+    repeats: int = 5
     in_table: bool = True  # False: measured only as the reference the other rows are compared to
 
     def build(self) -> Any:
@@ -49,13 +49,15 @@ class SweepRun:
 
 @dataclass
 class RunOutcome:
-    """A run's profile, its parameter gradients (float64), its median time and, for a budget
-    column, the plan its budget chose and what it predicted (made where the run ran)."""
+    """A run's profile, its parameter gradients (float64), its median time and every timed
+    run's seconds (in the order they ran) and, for a budget column, the plan its budget chose
+    and what it predicted (made where the run ran)."""
 
     profile: Profile
     grads: list[np.ndarray]
     seconds: float
     prediction: dict[str, Any] = field(default_factory=dict)
+    times: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -128,30 +130,60 @@ def run_one(model: Any, preset: Any, device: str, meta: dict[str, Any]) -> tuple
     return prof, [np.asarray(g.numpy(), dtype=np.float64) for g in grads]
 
 
-def time_one(model: Any, preset: Any, device: str, repeats: int) -> float:
-    """Median wall time of `repeats` unprofiled forward+backward runs (tracemalloc, which the
-    profile's memory measurement needs, slows allocation-heavy code, so time is taken apart)."""
+def time_once(model: Any, preset: Any, device: str) -> float:
+    """Wall time of one unprofiled forward+backward run (tracemalloc, which the profile's
+    memory measurement needs, slows allocation-heavy code, so time is taken apart)."""
     from .profiler.memory import synchronize
 
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        _forward_backward(model, preset)
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    synchronize(device)
+    start = time.perf_counter()
+    _forward_backward(model, preset)
+    synchronize(device)
+    return time.perf_counter() - start
 
 
-def measure(run: SweepRun) -> RunOutcome:
-    """Build the run's model, run it once profiled and `run.repeats` times for its median time."""
+def time_one(model: Any, preset: Any, device: str, repeats: int) -> float:
+    """Median wall time of `repeats` unprofiled forward+backward runs, one after another."""
+    return float(np.median([time_once(model, preset, device) for _ in range(repeats)]))
+
+
+def profiled(run: SweepRun) -> tuple[Any, RunOutcome]:
+    """Build the run's model and run it once profiled; the outcome's times are still to take
+    (`timed`), with the model returned for them."""
     instance = run.build()
     if isinstance(run.preset, BudgetRun):  # plan in a warm-up run: the timed runs then
         _forward_backward(instance, run.preset)  # time the plan alone, not its dry run
     prof, grads = run_one(instance, run.preset, run.device, run.meta)
-    seconds = time_one(instance, run.preset, run.device, run.repeats)
-    prof.meta["median_seconds"] = seconds
-    return RunOutcome(prof, grads, seconds, _prediction(run.preset))
+    return instance, RunOutcome(prof, grads, 0.0, _prediction(run.preset))
+
+
+def timed(outcome: RunOutcome) -> RunOutcome:
+    """`outcome` with its median time set from its `times`."""
+    outcome.seconds = float(np.median(outcome.times))
+    outcome.profile.meta["median_seconds"] = outcome.seconds
+    return outcome
+
+
+def measure(run: SweepRun) -> RunOutcome:
+    """Build the run's model, run it once profiled and `run.repeats` times for its median time
+    (one run alone, as on a cluster's worker; `measure_interleaved` times a serial sweep)."""
+    instance, outcome = profiled(run)
+    outcome.times = [time_once(instance, run.preset, run.device) for _ in range(run.repeats)]
+    return timed(outcome)
+
+
+def measure_interleaved(runs: list[SweepRun], show: bool = False) -> list[RunOutcome]:
+    """Every run profiled once, then timed in rounds: A, B, C, ..., then A, B, C again, each
+    run `repeats` times. A slow spell of the machine (another program, a clock change) then
+    falls on every preset alike rather than on the one that happened to run during it, and
+    each row's spread shows how far its time can be trusted."""
+    prepared = [profiled(run) for run in progress(runs, show)]
+    schedule = [k for round_ in range(max(run.repeats for run in runs))
+                for k, run in enumerate(runs) if round_ < run.repeats]
+    for k in progress(schedule, show, total=len(schedule)):
+        instance, outcome = prepared[k]
+        outcome.times.append(time_once(instance, runs[k].preset, runs[k].device))
+    return [timed(outcome) for _, outcome in prepared]
 
 
 def warm_up(run: SweepRun) -> None:

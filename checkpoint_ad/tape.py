@@ -626,7 +626,16 @@ def _with_operands(items: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(made)
 
 
-_constants: dict[tuple[type, Any, Any], Any] = {}
+class _Constants(threading.local):
+    """Each thread's constants: a tensor keeps its latest saved buffer, so a constant shared
+    by threads would share that buffer, which one thread's profile then never sees packed and
+    sees die only when the other thread's tape lets it go."""
+
+    def __init__(self) -> None:
+        self.table: dict[tuple[type, Any, Any], Any] = {}
+
+
+_constants = _Constants()
 
 
 def _constant(value: Any, dtype: Any) -> Any:
@@ -635,21 +644,23 @@ def _constant(value: Any, dtype: Any) -> Any:
 
     `y * 1.01` in a loop then makes no tensor, array or saved buffer per step: every entry
     saves the one constant (stored once, like any value saved twice). Read-only, so a rule
-    that hands it on unchanged cannot let anyone modify it in place.
+    that hands it on unchanged cannot let anyone modify it in place. One per thread (see
+    `_Constants`).
     """
     kind = type(value)
     if kind is not float and kind is not int:
         return None
     key = (kind, value, dtype)
-    constant = _constants.get(key)  # only exact ones are ever stored
+    constants = _constants.table
+    constant = constants.get(key)  # only exact ones are ever stored
     if constant is None:
         if dtype.kind != "f" or not value or value != value:
             return None
-        if len(_constants) > 1024:  # a loop over many distinct scalars: keep the cache small
-            _constants.clear()
+        if len(constants) > 1024:  # a loop over many distinct scalars: keep the cache small
+            constants.clear()
         array = np.asarray(value, dtype=dtype)
         array.flags.writeable = False
-        constant = _constants[key] = make_tensor(array)
+        constant = constants[key] = make_tensor(array)
         constant._inference = False  # shared: one made under inference_mode serves all code
     return constant
 

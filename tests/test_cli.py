@@ -141,6 +141,74 @@ def test_a_profile_save_cut_short_leaves_the_old_file_whole(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["p.json"]  # no temporary file left
 
 
+def _interrupt_while_saving(monkeypatch) -> None:
+    """Ctrl-C in the saving step: after the table and profiles, while the plots are drawn."""
+    from checkpoint_ad import plots
+
+    def interrupted(result, folder):
+        (Path(folder) / "rnn-tradeoff.png").write_bytes(b"half a plot")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(plots, "plot_sweep", interrupted)
+
+
+def test_a_sweep_interrupted_while_saving_leaves_no_output_folder(monkeypatch, tmp_path, capsys):
+    _interrupt_while_saving(monkeypatch)
+    out = tmp_path / "runs" / "new"
+    assert main(["sweep", "--presets", "keep-all", "--out", str(out), "--quiet", "--repeats",
+                 "1", *TINY]) == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # no folder, no hidden staging folder
+
+
+def test_a_sweep_interrupted_while_saving_leaves_an_existing_folder_as_it_was(
+    monkeypatch, tmp_path
+):
+    out = _tiny_sweep_folder(tmp_path)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    _interrupt_while_saving(monkeypatch)
+    assert main(["sweep", "--presets", "keep-all,int8", "--out", str(out), "--quiet",
+                 "--repeats", "1", *TINY]) == 130
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]
+
+
+def test_a_sweep_into_an_existing_folder_replaces_its_files_and_keeps_the_others(tmp_path):
+    out = _tiny_sweep_folder(tmp_path)
+    (out / "notes.txt").write_text("mine")
+    old_table = (out / "sweep-rnn.json").read_text()
+    assert main(["sweep", "--presets", "keep-all,int8", "--out", str(out), "--quiet",
+                 "--no-plots", "--repeats", "1", *TINY]) == 0
+    assert (out / "notes.txt").read_text() == "mine" and (out / "rnn-int8.json").is_file()
+    assert (out / "sweep-rnn.json").read_text() != old_table
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]
+
+
+_SIGINT_WHILE_SAVING = """
+import os, signal, sys, time
+from checkpoint_ad import sweep
+from checkpoint_ad.cli import main
+real_save = sweep.SweepResult.save
+def save(self, folder):
+    real_save(self, folder)  # every table and profile file written...
+    os.kill(os.getpid(), signal.SIGINT)  # ...then Ctrl-C, before the plots
+    time.sleep(5)
+sweep.SweepResult.save = save
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.skipif(os.name != "posix", reason="a real SIGINT")
+def test_a_real_ctrl_c_while_saving_leaves_no_output_folder(tmp_path):
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [sys.executable, "-c", _SIGINT_WHILE_SAVING, "sweep", "--presets", "keep-all,revolve-4",
+         "--out", str(out), "--quiet", "--repeats", "1", *TINY],
+        capture_output=True, text=True, check=False, env=_child_env(), timeout=300)
+    assert result.returncode == 130, result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 # ----------------------------------------------------------------- bad input at the door
 def test_profile_save_to_a_read_only_place_fails_before_the_run(monkeypatch, capsys):
     from checkpoint_ad import sweep

@@ -3,12 +3,15 @@ plans executed (Binomial(disk=...)): exact gradients, files cleaned up, I/O meas
 
 from __future__ import annotations
 
+import errno
 import gc
 import os
+import signal
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -256,7 +259,7 @@ def test_a_value_read_before_its_write_is_served_from_memory(
     store.close()
 
 
-def test_a_failed_write_keeps_the_value_and_the_next_put_says_why(
+def test_a_failed_write_is_raised_where_its_value_is_read_not_by_the_next_put(
     monkeypatch, disk_folder: Path
 ) -> None:
     def full_disk(path, value):
@@ -266,10 +269,171 @@ def test_a_failed_write_keeps_the_value_and_the_next_put_says_why(
     store = DiskStore(str(disk_folder))
     array = np.arange(5.0)
     ref = store.put(array, array.nbytes, planned=False)
-    _wait_for(lambda: store.failure is not None, store)
-    assert ref.read() is array  # nothing lost
+    _wait_for(lambda: ref.record.error is not None, store)
+    other = store.put(array, array.nbytes, planned=False)  # another computation's put: no error
     with pytest.raises(OffloadError, match=r"No space left on device.*dir="):
-        store.put(array, array.nbytes, planned=False)
+        ref.read()
+    del other
+    store.close()
+
+
+def _erofs(*args):
+    raise OSError(errno.EROFS, "Read-only file system")
+
+
+def _offload_run(folder: Path) -> np.ndarray:
+    strategy = Offload("disk", dir=folder)
+    x = cad.tensor(np.linspace(-1, 1, 4096), requires_grad=True)
+    with cad.use(strategy):
+        loss = cad.tanh(cad.sin(x) * 2).sum()
+    store = disk_store_module.store_for(str(folder))
+    _wait_for(lambda: not store.pending_bytes, store)  # every write tried before the backward
+    loss.backward()
+    return x.grad.numpy()
+
+
+@pytest.mark.parametrize("fault", ["write", "write and cleanup"])
+def test_a_read_only_disk_fails_the_run_that_wrote_and_the_next_run_writes_again(
+    monkeypatch, disk_folder: Path, fault: str
+) -> None:
+    expected = _grads_of_tanh_sin()
+    store = disk_store_module.store_for(str(disk_folder))
+    writes = []
+    real_write = disk_store_module._write
+    monkeypatch.setattr(disk_store_module, "_write", _erofs)
+    if fault == "write and cleanup":  # the writer's own cleanup fails too: it must not die
+        monkeypatch.setattr(disk_store_module, "_unlink", _erofs)
+    with pytest.raises(OffloadError, match="Read-only file system"):
+        _offload_run(disk_folder)
+    assert store.threads["writer"].is_alive()
+    monkeypatch.undo()
+    monkeypatch.setattr(disk_store_module, "_write",
+                        lambda path, value: writes.append(path) or real_write(path, value))
+    assert np.array_equal(_offload_run(disk_folder), expected)  # no stale error, same grads
+    assert writes and all(Path(p).parent.parent == disk_folder for p in writes)
+    gc.collect()
+    assert store.folder is None and os.listdir(disk_folder) == []
+
+
+def _grads_of_tanh_sin() -> np.ndarray:
+    x = cad.tensor(np.linspace(-1, 1, 4096), requires_grad=True)
+    cad.tanh(cad.sin(x) * 2).sum().backward()
+    return x.grad.numpy()
+
+
+def test_a_dead_writer_is_started_again(monkeypatch, disk_folder: Path) -> None:
+    real_loop = DiskStore._write_loop
+    starts = []
+
+    def dies_the_first_time(self):
+        starts.append(1)
+        if len(starts) == 1:
+            return  # the thread ends as if killed by a bug
+        real_loop(self)
+
+    monkeypatch.setattr(DiskStore, "_write_loop", dies_the_first_time)
+    store = DiskStore(str(disk_folder))
+    first = store.put(np.arange(3.0), 24, planned=False)
+    store.threads["writer"].join(5)
+    second = store.put(np.arange(4.0), 32, planned=False)  # finds the writer dead: restarts
+    _wait_for(lambda: first.record.written and second.record.written, store)
+    assert len(starts) == 2
+    store.close()
+
+
+def test_a_stalled_writer_ends_the_wait_with_what_it_waited_for(
+    monkeypatch, disk_folder: Path
+) -> None:
+    gate = threading.Event()
+    real_write = disk_store_module._write
+
+    def stuck(path, value):
+        gate.wait(30)
+        real_write(path, value)
+
+    monkeypatch.setattr(disk_store_module, "_write", stuck)
+    monkeypatch.setattr(disk_store_module, "WAIT_SECONDS", 0.3)
+    monkeypatch.setattr(disk_store_module, "PENDING_WRITE_BYTES", 100)
+    store = DiskStore(str(disk_folder))
+    ref = store.put(np.arange(10.0), 80, planned=False)
+    started = time.perf_counter()
+    with pytest.raises(OffloadError, match=r"waited 0\.\d s for the disk writer to write the "
+                                           r"80 bytes queued under"):
+        store.put(np.arange(10.0), 80, planned=False)
+    assert time.perf_counter() - started < 5  # bounded by WAIT_SECONDS, not forever
+    gate.set()
+    _wait_for(lambda: ref.record.written, store)
+    store.close()
+
+
+def test_a_stalled_reader_ends_the_wait_with_what_it_waited_for(
+    monkeypatch, disk_folder: Path
+) -> None:
+    store = DiskStore(str(disk_folder))
+    ref = store.put(np.arange(10.0), 80, planned=True)
+    _wait_for(lambda: ref.record.written, store)
+    monkeypatch.setattr(disk_store_module, "WAIT_SECONDS", 0.3)
+    with store.cond:
+        ref.record.reading = True  # a read that never finishes
+    with pytest.raises(OffloadError, match=r"waited 0\.\d s for the disk reader to read"):
+        ref.read()
+    store.close()
+
+
+_KILLED = """
+import sys, numpy as np
+from checkpoint_ad.strategies.disk_store import DiskStore
+store = DiskStore(sys.argv[1])
+ref = store.put(np.arange(1000.0), 8000, planned=False)
+print(store.folder, flush=True)
+sys.stdin.read()  # killed here
+"""
+
+
+@pytest.mark.skipif(os.name != "posix", reason="kill -9 and flock are POSIX")
+def test_a_folder_left_by_a_killed_process_is_removed_by_the_next_store(
+    disk_folder: Path,
+) -> None:
+    killed = subprocess.Popen([sys.executable, "-c", _KILLED, str(disk_folder)], cwd=REPO,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    alive = subprocess.Popen([sys.executable, "-c", _KILLED, str(disk_folder)], cwd=REPO,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        stale = killed.stdout.readline().strip()
+        live = alive.stdout.readline().strip()
+        assert os.path.isdir(stale) and os.path.isdir(live)
+        assert f"checkpoint-ad-{killed.pid}-" in os.path.basename(stale)
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(30)
+        assert os.path.isdir(stale)  # nobody cleaned up after kill -9
+        store = DiskStore(str(disk_folder))
+        ref = store.put(np.arange(3.0), 24, planned=False)  # the next run in this folder
+        assert not os.path.exists(stale)
+        assert os.path.isdir(live)  # a live process's folder is never removed
+        del ref
+        store.close()
+    finally:
+        for process in (killed, alive):
+            process.kill()
+            process.wait(30)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="flock is POSIX")
+def test_a_locked_folder_is_kept_even_when_its_pid_looks_gone(disk_folder: Path) -> None:
+    store = DiskStore(str(disk_folder))
+    ref = store.put(np.arange(3.0), 24, planned=False)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    pid = int(dead.stdout)  # a pid that is gone (as a live process elsewhere may look)
+    disguised = disk_folder / f"checkpoint-ad-{pid}-abc123"
+    os.rename(store.folder, disguised)
+    store.folder = str(disguised)  # still locked by this process
+    unlocked = disk_folder / f"checkpoint-ad-{pid}-def456"
+    unlocked.mkdir()
+    removed = disk_store_module.remove_stale_folders(str(disk_folder))
+    assert removed == [str(unlocked)] and disguised.is_dir()
+    del ref
+    gc.collect()
     store.close()
 
 

@@ -4,6 +4,7 @@ with a PlotError that says what to do."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -193,7 +194,7 @@ def test_tradeoff_labels_every_strategy_and_lossy_errors():
         assert name in texts
     assert "int8\nerr 3e-3" in texts and "int4\nerr 6e-2" in texts
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
-    assert legend == ["keep-all (reference)", "Pareto front", "lossless",
+    assert legend == ["keep-all (reference)", "Pareto front (lossless)", "lossless",
                       "lossy (colour: gradient error)"]
 
 
@@ -284,6 +285,81 @@ def test_breakdown_without_compression_has_no_legend():
     fig = plots.breakdown(prof)
     assert fig.axes[0].get_legend() is None
     assert "586 KiB" in _texts(fig)
+
+
+def _front_points(fig: Figure) -> set[tuple[float, float]]:
+    """The ringed points (the Pareto front's), as (x, y) in data units."""
+    ax = fig.axes[0]
+    rings = [c for c in ax.collections if c.get_sizes().size and c.get_sizes()[0] == 190]
+    assert len(rings) == 1
+    return {(round(float(x), 3), round(float(y), 3)) for x, y in rings[0].get_offsets()}
+
+
+def test_the_pareto_front_is_drawn_over_lossless_points_only():
+    """int4 (0.55 MiB, 1.25x) would beat sqrt-segments on memory; its gradients differ, so it
+    is shown with its error beside the front, not on it."""
+    rows = [_row("keep-all", 2.0, 1.0), _row("sqrt-segments", 0.6, 1.1),
+            _row("int4", 0.4, 1.05, lossless=False, error=6e-2)]
+    fig = plots.tradeoff(SweepResult("rnn", "cpu", {}, rows))
+    assert _front_points(fig) == {(0.6, 1.1), (2.0, 1.0)}
+    assert "int4\nerr 6e-2" in _texts(fig)
+    # over every point, int4 (0.4, 1.05) would have pushed sqrt-segments off the front
+    assert plots.pareto_front([(2.0, 1.0), (0.6, 1.1), (0.4, 1.05)]) == [2, 0]
+
+
+def test_an_axis_spanning_more_than_ten_times_is_logarithmic():
+    narrow = [_row("keep-all", 2.0, 1.0), _row("sqrt-segments", 0.6, 1.1)]
+    fig = plots.tradeoff(SweepResult("rnn", "cpu", {}, narrow))
+    assert (fig.axes[0].get_xscale(), fig.axes[0].get_yscale()) == ("linear", "linear")
+    wide = [*narrow, _row("revolve-4", 0.02, 30.0, recomputed=900)]  # 100x less, 30x slower
+    fig = plots.tradeoff(SweepResult("rnn", "cpu", {}, wide))
+    assert (fig.axes[0].get_xscale(), fig.axes[0].get_yscale()) == ("log", "log")
+
+
+def _timed(row: SweepRow, low: float, high: float, noise: bool | None) -> SweepRow:
+    return dataclasses.replace(row, seconds_min=low, seconds_max=high, timed_runs=5,
+                               within_noise=noise)
+
+
+def test_time_points_carry_their_spread_and_a_noise_flag():
+    rows = [_timed(_row("keep-all", 2.0, 1.0), 0.18, 0.25, None),
+            _timed(_row("store-outputs", 1.9, 1.05), 0.19, 0.26, True),
+            _timed(_row("revolve-4", 0.3, 2.0), 0.39, 0.42, False)]
+    fig = plots.tradeoff(SweepResult("rnn", "cpu", {}, rows))
+    ax = fig.axes[0]
+    bars = [c for c in ax.collections if type(c).__name__ == "LineCollection"]
+    assert len(bars) == 1
+    segments = sorted(tuple(np.round(seg[:, 1], 6)) for seg in bars[0].get_segments())
+    # y is time relative to keep-all's median (0.2 s): min-max / 0.2
+    assert segments == [(0.9, 1.25), (0.95, 1.3), (1.95, 2.1)]
+    texts = _texts(fig)
+    assert "store-outputs\n(time within noise)" in texts and "revolve-4" in texts
+    assert "min-max of the timed runs" in [t.get_text() for t in ax.get_legend().get_texts()]
+
+
+def test_a_budget_point_names_its_limit_in_the_axis_unit():
+    budget = dataclasses.replace(_row("budget-512KiB", 0.45, 1.3), budget_bytes=512 * 2**10)
+    rows = [_row("keep-all", 2.0, 1.0), budget]
+    assert "budget-512KiB\nlimit 0.5 MiB" in _texts(plots.tradeoff(
+        SweepResult("rnn", "cpu", {}, rows)))
+    assert "budget-512KiB\nlimit 0.25\N{MULTIPLICATION SIGN}" in _texts(plots.tradeoff(
+        SweepResult("rnn", "cpu", {}, rows), x="memory_ratio"))
+
+
+def test_the_breakdown_shows_the_bytes_alive_at_the_peak_not_all_ever_saved():
+    """matmul saved 600 kB and tanh 100 kB, but only tanh's buffer (1) and an unrecorded
+    snapshot (9) were alive at the peak: the bars are what the peak is made of."""
+    prof = _profile("revolve-4")
+    prof.peak_buffers = {"1": 100_000, "9": 40_000}
+    prof.peak_tape_bytes = 140_000
+    fig = plots.breakdown(prof)
+    ax = fig.axes[0]
+    assert ax.get_xlabel() == "bytes alive at the tape's peak (KiB)"
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    assert labels == ["tanh (1 saved)", "(no entry: loop snapshots, region inputs) (1 saved)"]
+    table = prof.by_op_at_peak()
+    assert sum(row["stored"] for row in table.values()) == prof.peak_tape_bytes
+    assert table["tanh"]["logical"] == 400_000  # quantized 4x: its logical size beside it
 
 
 # ------------------------------------------------------------------ errors

@@ -34,7 +34,8 @@ TINY = [arg for key, value in SIZES.items() for arg in ("--size", f"{key}={value
 PRESETS = ["keep-all", "revolve-2", "int8", "every-2"]
 # measured, so they differ from run to run (and tracemalloc in a worker also sees the
 # worker's own threads); every other column must be the serial sweep's exactly
-MEASURED = {"seconds", "time_ratio", "recompute_seconds", "device_peak_bytes"}
+MEASURED = {"seconds", "time_ratio", "recompute_seconds", "device_peak_bytes", "seconds_min",
+            "seconds_max"}
 
 
 def _exact(rows: list) -> list[dict]:

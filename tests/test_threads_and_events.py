@@ -12,6 +12,7 @@ import pytest
 
 import checkpoint_ad as cad
 from checkpoint_ad import events
+from checkpoint_ad.models import build
 from checkpoint_ad.nn import functional as F
 
 
@@ -144,6 +145,37 @@ def test_a_buffer_freed_in_another_thread_is_freed_in_its_makers_profile():
         t.join()
     assert prof.peak_tape_bytes == 8000
     assert prof.timeline_bytes[-1] == 0
+
+
+def _profiled_heat() -> tuple[Any, ...]:
+    """The heat model's peak, records and timeline (bytes and phases), profiled here."""
+    model = build("heat")  # `u * 0.5`-style scalars: the engine's shared constants
+    with cad.profile() as prof:
+        model.run(None).backward()
+    return (prof.peak_tape_bytes, tuple(prof.records), tuple(prof.timeline_bytes),
+            tuple(prof.timeline_phase))
+
+
+def test_a_profile_with_a_neighbour_computing_counts_what_it_counts_alone():
+    """Like torch.profiler's per-thread CPU memory events: a neighbour's work never changes
+    this thread's profile. A scalar constant shared by every thread once shared its saved
+    buffer too, so this profile missed its pack or saw it die after the neighbour's backward."""
+    alone = {_profiled_heat() for _ in range(3)}
+    assert len(alone) == 1
+    stop = threading.Event()
+
+    def neighbour() -> None:
+        while not stop.is_set():
+            build("heat").run(None).backward()
+
+    worker = threading.Thread(target=neighbour)
+    worker.start()
+    try:
+        beside = {_profiled_heat() for _ in range(25)}
+    finally:
+        stop.set()
+        worker.join()
+    assert beside == alone
 
 
 def test_a_kind_heard_once_or_twice_reaches_exactly_its_own_threads_handlers():

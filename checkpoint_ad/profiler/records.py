@@ -22,6 +22,7 @@ __all__ = ["Profile", "ProfileFormatError", "SavedRecord", "from_plain"]
 SCHEMA = "checkpoint-ad/profile"
 VERSION = 3  # 3: storage levels and I/O, and what `explain` reads; 2: owned records
 READS = (1, 2, 3)  # version 1 counted every saved value as owned: loaded as such
+UNRECORDED = "(no entry: loop snapshots, region inputs)"  # `by_op_at_peak`'s unrecorded bytes
 T = TypeVar("T")
 
 
@@ -190,6 +191,35 @@ class Profile:
     def by_op(self) -> dict[str, dict[str, int]]:
         """Count, logical and stored bytes of the saved values, per primitive."""
         return self._grouped("op")
+
+    def by_op_at_peak(self) -> dict[str, dict[str, int]]:
+        """Count (records), logical and stored bytes per primitive of the owned buffers alive
+        at the tape's peak (`peak_buffers`, so the stored bytes add up to `peak_tape_bytes`):
+        what made the peak, rather than what was ever saved. Buffers no entry recorded (loop
+        snapshots, region inputs) are under ``UNRECORDED``. Empty for a profile without
+        `peak_buffers` (version 1 and 2 files)."""
+        at_peak = {int(k): v for k, v in self.peak_buffers.items()}
+        table: dict[str, dict[str, int]] = defaultdict(
+            lambda: {"count": 0, "logical": 0, "stored": 0})
+        counted: set[int] = set()
+        for r in self.records:
+            stored = at_peak.get(r.buffer)
+            if stored is None:
+                continue
+            row = table[r.op]
+            row["count"] += 1
+            if r.buffer not in counted:
+                counted.add(r.buffer)
+                row["stored"] += stored
+                row["logical"] += (round(r.logical_bytes * stored / r.stored_bytes)
+                                   if r.stored_bytes else stored)
+        for buffer, stored in at_peak.items():
+            if buffer not in counted:
+                row = table[UNRECORDED]
+                row["count"] += 1
+                row["stored"] += stored
+                row["logical"] += stored
+        return dict(table)
 
     def by_origin(self) -> dict[str, dict[str, int]]:
         """The same totals per line of user code."""

@@ -18,6 +18,14 @@ backward reads it), and a value unpacked before its write finished is served fro
 The folder is made at the first write and removed when its last value is freed (after the
 backward), and at interpreter exit whatever is left; each file is removed when its value dies
 (a tape released, a loop's snapshot freed, or the tensors dropped after an error).
+
+Faults: a write that fails (a full or read-only disk) keeps its value in memory and is raised
+when that value is read back, in the backward sweep of the computation that saved it, never in
+a later one. The I/O threads survive any error, and one found dead is started again. Every wait
+is bounded: with no progress for `WAIT_SECONDS` the wait ends in an `OffloadError` that says
+what it waited for. A process killed outright (``kill -9``) cannot remove its folder: the folder
+carries the pid in its name and is locked (``flock``) while its process lives, so the next
+process that makes a folder in the same parent removes it.
 """
 
 from __future__ import annotations
@@ -27,7 +35,9 @@ import bisect
 import contextlib
 import os
 import pickle
+import re
 import shutil
+import stat
 import struct
 import tempfile
 import threading
@@ -40,10 +50,20 @@ from .. import events
 from ..errors import OffloadError
 from .host_memory import host_arrays
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: folders of killed processes are left to the system
+    fcntl = None  # type: ignore[assignment]
+
 PENDING_WRITE_BYTES = 256 * 2**20
 """Bytes waiting to be written before `put` waits for the writer (memory held by the queue)."""
 READ_AHEAD_BYTES = 64 * 2**20
 """Bytes read ahead of the backward sweep in imperative use (at least two values)."""
+WAIT_SECONDS = 120.0
+"""The longest the calling thread waits for an I/O thread that makes no progress."""
+
+_PREFIX = "checkpoint-ad-"
+_OURS = re.compile(r"checkpoint-ad-(\d+)-[a-z0-9_]+")  # checkpoint-ad-<pid>-<mkdtemp's random>
 
 _HEADER = struct.Struct("<QQ")  # pickle header length, buffer count
 _LENGTH = struct.Struct("<Q")
@@ -99,27 +119,25 @@ class DiskStore:
         self.pending_bytes = 0
         self.probing = 0  # `measure` calls writing a probe file now
         self.closed = False
-        self.threads: list[threading.Thread] = []
-        self.failure: BaseException | None = None
+        self.threads: dict[str, threading.Thread] = {}
+        self.lock_fd: int | None = None  # the folder, locked while this process lives
+        self.swept = False  # folders of killed processes in `parent` removed once
 
     # ------------------------------------------------------------- the calling thread
     def put(self, value: Any, nbytes: int, planned: bool) -> DiskRef:
         """Queue `value` (a stored form) for writing; the returned handle reads it back."""
         stalled = 0.0
         with self.cond:
-            if self.failure is not None:
-                failure, self.failure = self.failure, None
-                raise OffloadError(
-                    f"writing a saved value under {self.folder or self.parent!r} failed "
-                    f"({failure}); the values already written are kept in memory; free some "
-                    "space or pass another folder, e.g. Offload('disk', dir=...)"
-                ) from failure
+            self._start()
             if self.pending_bytes and self.pending_bytes + nbytes > PENDING_WRITE_BYTES:
                 started = time.perf_counter()
-                while self.pending_bytes and self.pending_bytes + nbytes > PENDING_WRITE_BYTES:
-                    self.cond.wait()
+                self._wait(lambda: not (self.pending_bytes
+                                        and self.pending_bytes + nbytes > PENDING_WRITE_BYTES),
+                           lambda: self.pending_bytes,
+                           f"the disk writer to write the {self.pending_bytes} bytes queued "
+                           f"under {self.folder!r}")
                 stalled = time.perf_counter() - started
-            self._start()
+                self._start()  # the folder went if every queued value was freed meanwhile
             self.serial += 1
             path = os.path.join(self.folder, f"{self.serial}.bin")  # type: ignore[arg-type]
             record = _Record(self.serial, path, value, nbytes, planned)
@@ -144,13 +162,21 @@ class DiskStore:
         stalled = 0.0
         from_disk = True
         with self.cond:
-            if record.value is not None:  # not written yet (or the write failed): no read
+            if record.error is not None:
+                raise OffloadError(
+                    f"writing this saved value to {record.path!r} failed ({record.error}), so "
+                    "the computation that saved it stops here; free some space or pass a "
+                    "writable folder, e.g. Offload('disk', dir=...)"
+                ) from record.error
+            if record.value is not None:  # not written yet: served from memory, no read
                 value = record.value
                 from_disk = False
             else:
                 started = time.perf_counter()
-                while record.reading:
-                    self.cond.wait()
+                if record.reading:
+                    self._start()
+                    self._wait(lambda: not record.reading, lambda: record.reading,
+                               f"the disk reader to read {record.path!r} back")
                 value = record.loaded
                 if value is None:
                     value = self._read_now(record)
@@ -205,20 +231,43 @@ class DiskStore:
         if self.closed:
             raise OffloadError("the disk level is closed (the interpreter is exiting)")
         if self.folder is None:
+            if not self.swept:
+                self.swept = True
+                remove_stale_folders(self.parent)
             try:
-                self.folder = tempfile.mkdtemp(prefix="checkpoint-ad-", dir=self.parent)
+                self.folder = tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=self.parent)
             except OSError as exc:
                 raise OffloadError(
                     f"cannot make a temporary folder under {self.parent or tempfile.gettempdir()!r}"
                     f" for offloaded values ({exc}); pass a writable folder: "
                     "Offload('disk', dir=...)"
                 ) from exc
-        if not self.threads:
-            for target, name in ((self._write_loop, "writer"), (self._read_loop, "reader")):
+            self.lock_fd = _lock(self.folder)
+        for target, name in ((self._write_loop, "writer"), (self._read_loop, "reader")):
+            thread = self.threads.get(name)
+            if thread is None or not thread.is_alive():  # first use, or died: start again
                 thread = threading.Thread(target=target, name=f"checkpoint-ad-disk-{name}",
                                           daemon=True)
                 thread.start()
-                self.threads.append(thread)
+                self.threads[name] = thread
+
+    def _wait(self, done: Any, progress: Any, what: str) -> None:
+        """Wait (lock held) until `done()`; `progress()` changing restarts the clock, and
+        `WAIT_SECONDS` without a change raises an `OffloadError` naming `what`."""
+        started = time.perf_counter()
+        last, since = progress(), started
+        while not done():
+            self.cond.wait(min(1.0, WAIT_SECONDS))
+            now = time.perf_counter()
+            if progress() != last:
+                last, since = progress(), now
+            elif now - since >= WAIT_SECONDS and not done():
+                raise OffloadError(
+                    f"waited {now - started:.1f} s for {what}, the last {now - since:.1f} s "
+                    "without progress; the disk is stalled or failing: check it, or pass "
+                    "another folder, e.g. Offload('disk', dir=...)"
+                )
+            self._start()  # an I/O thread that died is started again
 
     def _want(self, record: _Record) -> None:
         if record.freed or record.loaded is not None or record.reading:
@@ -286,8 +335,14 @@ class DiskStore:
         ignored, so the folder goes at once (after backward, not some time after)."""
         if self.live or self.probing or self.folder is None:
             return
-        shutil.rmtree(self.folder, ignore_errors=True)
+        self._remove_folder()
+
+    def _remove_folder(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)  # type: ignore[arg-type]
         self.folder = None
+        if self.lock_fd is not None:
+            os.close(self.lock_fd)
+            self.lock_fd = None
 
     # ------------------------------------------------------------- the I/O threads
     def _write_loop(self) -> None:
@@ -298,19 +353,30 @@ class DiskStore:
                 if self.closed:
                     return
                 record = self.writes.popleft()
-                value = record.value
-            error = None
             try:
-                value = host_arrays(value)  # a device array's copy to pinned memory, done
-                _write(record.path, value)
-            except BaseException as exc:  # reported by the next put; the value stays in memory
-                error = exc
-            with self.cond:
-                self.pending_bytes -= record.nbytes
+                self._write_one(record)
+            except BaseException as exc:  # the thread outlives any error
+                with self.cond:
+                    if record.error is None and not record.written:
+                        record.error = exc
+                    self.cond.notify_all()
+
+    def _write_one(self, record: _Record) -> None:
+        """Write one record; the bookkeeping is done whatever fails (a failed cleanup too)."""
+        value = record.value
+        error = None
+        try:
+            value = host_arrays(value)  # a device array's copy to pinned memory, done
+            _write(record.path, value)
+        except BaseException as exc:  # raised where the value is read; it stays in memory
+            error = exc
+        with self.cond:
+            self.pending_bytes -= record.nbytes
+            try:
                 if record.freed:  # its folder may be gone already: nothing to report
                     _unlink(record.path)
                 elif error is not None:
-                    record.error = self.failure = error
+                    record.error = error
                     _unlink(record.path)
                 else:
                     record.written = True
@@ -318,8 +384,8 @@ class DiskStore:
                         record.loaded = value
                     record.value = None
                 self._maybe_remove_folder()
+            finally:
                 self.cond.notify_all()
-            del value
 
     def _read_loop(self) -> None:
         while True:
@@ -332,28 +398,30 @@ class DiskStore:
                 if record.freed or record.loaded is not None or not record.written:
                     continue
                 record.reading = True
+            value = None
             try:
                 value = _read(record.path)
-            except OSError:
-                value = None  # read again on the calling thread, which reports the error
-            with self.cond:
-                record.reading = False
-                if not record.freed:
-                    record.loaded = value
-                self._maybe_remove_folder()
-                self.cond.notify_all()
+            except BaseException:  # read again on the calling thread, which reports the
+                pass  # error; the thread outlives it
+            finally:
+                with self.cond:
+                    record.reading = False
+                    if not record.freed:
+                        record.loaded = value
+                    self.cond.notify_all()
+                    with contextlib.suppress(OSError):
+                        self._maybe_remove_folder()
 
     def close(self) -> None:
         """Stop the threads and remove the folder with whatever is in it (at exit)."""
         with self.cond:
             self.closed = True
             self.cond.notify_all()
-        for thread in self.threads:
+        for thread in self.threads.values():
             thread.join(timeout=5.0)
         with self.cond:
             if self.folder is not None:
-                shutil.rmtree(self.folder, ignore_errors=True)
-                self.folder = None
+                self._remove_folder()
 
 
 def _write(path: str, value: Any) -> None:
@@ -388,8 +456,79 @@ def _read(path: str) -> Any:
 
 
 def _unlink(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
+    """Remove a file if it can be; one left (a read-only disk) goes with its folder."""
+    with contextlib.suppress(OSError):
         os.unlink(path)
+
+
+def _lock(folder: str) -> int | None:
+    """Lock `folder` for as long as this process lives (the lock dies with the process, even
+    under ``kill -9``); None where locks are not available."""
+    if fcntl is None:
+        return None
+    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # a filesystem without locks: the pid in the name is all there is
+        os.close(fd)
+        return None
+    return fd
+
+
+def _process_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, someone else's
+        return False
+    return False
+
+
+def remove_stale_folders(parent: str | None) -> list[str]:
+    """Remove the folders under `parent` (None: the system's temporary folder) that a killed
+    process of this user left: named ``checkpoint-ad-<pid>-...``, that pid gone, and the
+    folder's lock free (so no live process holds it, whatever its pid namespace). A folder of
+    a live process is never removed. Returns the folders removed."""
+    if fcntl is None:
+        return []  # os.kill(pid, 0) is no liveness check outside POSIX
+    root = parent or tempfile.gettempdir()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        match = _OURS.fullmatch(name)
+        if match is None:
+            continue
+        path = os.path.join(root, name)
+        try:
+            info = os.lstat(path)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+            continue
+        if not _process_gone(int(match[1])):
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
+                         | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # held: a live process (in another pid namespace) owns it
+            os.close(fd)
+            continue
+        except OSError:
+            pass  # no locks on this filesystem: the pid is gone, which is all we can know
+        try:
+            shutil.rmtree(path, ignore_errors=True)
+        finally:
+            os.close(fd)
+        removed.append(path)
+    return removed
 
 
 _stores: dict[str | None, DiskStore] = {}

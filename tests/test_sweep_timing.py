@@ -1,0 +1,91 @@
+"""Sweep times a user can trust: every preset timed several times, interleaved across presets,
+reported as median and min-max, and a row whose difference from keep-all is within its spread
+flagged as noise."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from checkpoint_ad import sweep_runs
+from checkpoint_ad.sweep import SweepResult, sweep, within_noise
+
+TINY = {"steps": 6, "batch": 2, "hidden": 4, "input_size": 3}
+PRESETS = ["keep-all", "store-outputs", "revolve-4"]
+
+
+@pytest.fixture
+def fake_clock(monkeypatch):
+    """Every timed run recorded in order; its 'seconds' a made-up figure per preset and round."""
+    order: list[str] = []
+    base = {"keep-all": 1.0, "store-outputs": 1.02, "revolve-4": 2.0}
+
+    def timed(model, preset, device):
+        order.append(preset.name)
+        round_ = sum(1 for name in order if name == preset.name) - 1
+        return base.get(preset.name, 1.5) + 0.1 * round_  # 1.0, 1.1, ... for keep-all
+    monkeypatch.setattr(sweep_runs, "time_once", timed)
+    return order
+
+
+def test_the_default_sweep_times_each_preset_five_times_interleaved(fake_clock):
+    result = sweep("rnn", PRESETS, sizes=TINY, progress=False)
+    assert fake_clock == PRESETS * 5  # A, B, C, then again: never A five times in a row
+    rows = {r.preset: r for r in result.rows}
+    keep = rows["keep-all"]
+    assert keep.timed_runs == 5
+    assert (keep.seconds_min, keep.seconds, keep.seconds_max) == pytest.approx((1.0, 1.2, 1.4))
+    assert keep.within_noise is None  # the reference itself
+    assert rows["store-outputs"].within_noise is True  # 0.02 s apart, 0.4 s of spread
+    assert rows["revolve-4"].within_noise is False  # 1 s apart
+    assert rows["revolve-4"].time_ratio == pytest.approx(2.2 / 1.2)
+    assert result.profiles["revolve-4"].meta["median_seconds"] == pytest.approx(2.2)
+
+
+def test_the_table_has_median_spread_and_noise_in_text_csv_and_json(fake_clock, tmp_path):
+    result = sweep("rnn", PRESETS, sizes=TINY, progress=False)
+    text = result.table()
+    head = text.splitlines()[0]
+    assert "median s" in head and "min-max s" in head and "noise" in head
+    line = next(row for row in text.splitlines() if row.startswith("store-outputs"))
+    assert "1.020-1.420" in line and "within" in line
+    assert "median and min-max of 5 timed runs" in text
+    csv_head = result.to_csv().splitlines()[0].split(",")
+    assert {"seconds", "seconds_min", "seconds_max", "timed_runs", "within_noise"} <= set(
+        csv_head)
+    result.save(tmp_path)
+    again = SweepResult.load(tmp_path / "sweep-rnn.json")
+    assert again.rows == result.rows
+    row = json.loads((tmp_path / "sweep-rnn.json").read_text())["rows"][1]
+    assert (row["seconds_min"], row["seconds_max"], row["within_noise"]) == (
+        pytest.approx(1.02), pytest.approx(1.42), True)
+
+
+def test_a_table_from_before_the_spread_loads_with_none():
+    old = {"model": "rnn", "device": "cpu", "meta": {}, "rows": [{
+        "preset": "keep-all", "label": "keep-all", "lossless": True, "peak_tape_bytes": 1,
+        "device_peak_bytes": None, "seconds": 0.1, "recompute_seconds": 0.0,
+        "recomputed_primitives": 0, "grad_error": 0.0, "memory_ratio": 1.0, "time_ratio": 1.0,
+        "aliased_bytes": 0, "plan": None, "predicted_peak_bytes": None,
+        "predicted_seconds": None}]}
+    row = SweepResult.from_dict(old).rows[0]
+    assert (row.seconds_min, row.seconds_max, row.timed_runs, row.within_noise) == (
+        None, None, None, None)
+    assert "-" in SweepResult.from_dict(old).table().splitlines()[2]
+
+
+@pytest.mark.parametrize(("times", "reference", "noise"), [
+    ([1.0, 1.3, 1.1], [1.05, 1.0, 1.1], True),  # medians 0.05 apart, spread 0.3
+    ([2.0, 2.1, 2.05], [1.0, 1.02, 1.01], False),  # 1 s apart, spreads of 0.1 and 0.02
+    ([1.2, 1.21, 1.19], [1.0, 1.5, 1.1], True),  # the reference's own spread hides it
+    ([1.0], [1.0, 1.1], None),  # one run: no spread to judge by
+])
+def test_within_noise_on_constructed_cases(times, reference, noise):
+    assert within_noise(times, reference) is noise
+
+
+def test_a_budget_row_carries_its_limit_in_bytes(fake_clock):
+    fake_clock.clear()
+    result = sweep("rnn", [], sizes=TINY, progress=False, repeats=1, budgets=["64KiB"])
+    assert [r.budget_bytes for r in result.rows] == [64 * 2**10]
