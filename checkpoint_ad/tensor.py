@@ -212,6 +212,8 @@ class Tensor(TensorBase, made_by_engine=True):
         see the new values and share the bumped version counter (so values saved before are
         caught at backward), and the history is rebased onto the recorded operation; on a
         view, the base's history is rebased onto an out-of-place write of the view into it."""
+        if _state.inplace_watch is not None:
+            _state.inplace_watch(self)
         self._current()
         if not self._tracked(other):
             with no_grad():

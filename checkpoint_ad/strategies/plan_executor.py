@@ -664,16 +664,23 @@ class PlannedLoop:
     def _measure_costs(self) -> tuple[float, float]:
         """(write, read) cost of one disk snapshot of the initial carry, in forward steps:
         step 0 is timed (twice, the faster counts: the first call warms caches) without a
-        tape, its randomness not kept, and the carry written and read once."""
+        tape, its randomness not kept, and the carry written and read once. The step runs on
+        copies of the carry and of row 0 of xs (a step changing them in place changes
+        nothing of the caller's)."""
         loop = self.loop
         evaluations, numpy_state = loop.evaluations, np.random.get_state()
-        tensors = [None if a is None else Tensor._wrap(a) for a in self.initial]
         step = float("inf")
         try:
             for _ in range(2):
+                tensors = [None if a is None else Tensor._wrap(_copy(a)) for a in self.initial]
+                x = loop.x_at(0)
+                if x is not None:
+                    x = unflatten(loop.xs_spec, iter(
+                        None if p is None else Tensor._wrap(_copy(p._data))
+                        for p in flatten(x)[0]))
                 with no_grad(), random.replaying(random.get_state()):
                     started = time.perf_counter()
-                    loop.call(0, tensors, loop.x_at(0))
+                    loop.call(0, tensors, x)
                     step = min(step, time.perf_counter() - started)
         finally:
             np.random.set_state(numpy_state)
@@ -1320,6 +1327,10 @@ def _move_rows(kept: _TapedSegment | _ReplayedSegment, rows: OutputRows) -> None
     rows.extend(_arrays(ys) for _, ys in kept.y_out)
     if isinstance(kept, _ReplayedSegment):
         kept.y_out = []
+
+
+def _copy(array: Any) -> Any:
+    return namespace(array).array(array, copy=True)
 
 
 def _arrays(tensors: list[Any]) -> list[Any]:
