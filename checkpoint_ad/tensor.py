@@ -223,6 +223,14 @@ class Tensor(TensorBase, made_by_engine=True):
             self._write(op_name, result._data)
             self._version.value += 1
             return self
+        if self._version.scanned_row:
+            raise InplaceError(
+                f"{op_name} on a step's row of a scan's xs ({self.dtype}{list(self.shape)}) "
+                "while recording a gradient through it (the row or the other operand requires "
+                "grad): a step's x is one of the views `for x in xs` gives (PyTorch's unbind), "
+                "which may not be changed in place then, under any loop strategy; use an "
+                "out-of-place op (x = x * 2) or change a copy (x = x.clone())"
+            )
         if self._entry is None and self._requires_grad:
             raise InplaceError(
                 f"{op_name} on a leaf tensor that requires grad ({self.dtype}"

@@ -32,6 +32,7 @@ class RowCounter(VersionCounter):
     while a step that changes its own row in place leaves the other steps' saved rows valid."""
 
     __slots__ = ("own", "parent")
+    scanned_row = True  # an in-place op on the row while recording raises (`Tensor._inplace`)
 
     def __init__(self, parent: VersionCounter) -> None:
         self.parent = parent
@@ -58,6 +59,15 @@ def as_row(part: Tensor, x: Tensor, index: Any) -> Tensor:
     if base._entry is None and base._requires_grad:
         part._base = base
         part._view = ((*chain, (GETITEM, {"index": index, "source": tuple(x.shape)})), None)
+    return part
+
+
+def row_tensor(x: Tensor, t: int, requires_grad: bool = False) -> Tensor:
+    """Row t of the scanned input `x` as a leaf (a plan's re-run reads it so), its version
+    following `x`'s (`RowCounter`): an in-place op on it while recording raises, as on the
+    rows every other mode gives a step."""
+    part = Tensor._wrap(x._data[t], counter=RowCounter(x._version))
+    part._requires_grad = requires_grad
     return part
 
 
@@ -105,7 +115,7 @@ class StepLoop:
         """The scanned input of step t, without history (for re-runs under a plan)."""
         if self.xs_spec is None:
             return None
-        parts = [None if x is None else Tensor._wrap(x._data[t]) for x in self.xs_leaves]
+        parts = [None if x is None else row_tensor(x, t) for x in self.xs_leaves]
         return unflatten(self.xs_spec, iter(parts))
 
     def x_arrays(self, t: int) -> list[Any]:

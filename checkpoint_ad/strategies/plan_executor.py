@@ -41,7 +41,7 @@ import numpy as np
 from .. import events, random
 from ..autograd import Capture, backpropagate
 from ..backend import is_floating, namespace
-from ..errors import BackwardError, SavedValueModifiedError
+from ..errors import BackwardError, InplaceError, SavedValueModifiedError
 from ..grad_mode import _state, enable_grad, no_grad
 from ..ops import concatenate, expand_dims, stack
 from ..origins import rerun_boundary, rerunning_from
@@ -62,7 +62,7 @@ from ..tensor import Tensor
 from ..tensor_base import make_tensor
 from .grad_flow import Deps, deps_of_program, deps_of_tensors, outputs_requiring_grad
 from .kinds import LoopStrategy
-from .loop import StepLoop, columns
+from .loop import StepLoop, columns, row_tensor
 from .offload import Offload
 from .output_rows import OutputRows, join_rows
 from .program_cache import REUSED, Place, find
@@ -244,6 +244,8 @@ class PlannedLoop:
         # version counters of the tensors from outside the loop that step 0 read (found by
         # its trace, also a refused one): what a re-run reads again (see `_guards`)
         self.outside: dict[int, tuple[Any, Any, Any]] | None = None
+        self.step0_trace: Trace | None = None  # its changes in place (see `_changes`)
+        self.changes: str | None = None  # what the steps change in place that re-runs read
         self.step_deps: tuple[list[Deps], list[Deps]] | None = None  # a recorded step 0's
         self.program: StepProgram | None = None
         self.mode = "recorded: trace=False" if not trace else "recorded: not traced yet"
@@ -287,6 +289,7 @@ class PlannedLoop:
         else:
             final_arrays = _arrays(final)
         self.guards, self.input_guards = self._guards(carry_leaves)
+        self.changes = self._changes()
         if not _same_numpy_state(np.random.get_state(), self.initial_numpy_state):
             # the steps draw from numpy's global state (rare, and costly to keep: 40 us a
             # get or set): take the forward part of the plan again, keeping it this time
@@ -449,12 +452,12 @@ class PlannedLoop:
             if t == 0 and self.outside is None and self.program is None and (
                     _state.tracer is None):  # trace=False: step 0 traced for what it reads
                 new, ys, trace = traced_call(self.loop, t, carry, x, refused=self.mode)
-                self.outside = trace.outside
+                self.outside, self.step0_trace = trace.outside, trace
                 return new, ys
             return self.loop.call(t, carry, x)
         new, ys, traces[t] = traced_call(self.loop, t, carry, x)
         if t == 0:
-            self.outside = traces[0].outside
+            self.outside, self.step0_trace = traces[0].outside, traces[0]
         place = self.place
         if t == 0 and place is not None and place.expected:
             program = place.reuse(traces[0])
@@ -525,9 +528,7 @@ class PlannedLoop:
             if x is None:
                 parts.append(None)
                 continue
-            part = Tensor._wrap(x._data[t])
-            part._requires_grad = x.requires_grad
-            parts.append(part)
+            parts.append(row_tensor(x, t, x.requires_grad))
         return unflatten(loop.xs_spec, iter(parts))
 
     def _discover(
@@ -606,6 +607,36 @@ class PlannedLoop:
             seen.add(id(counter))
             (guards if read else rerun).append((counter, counter.value, what, dtype, shape))
         return guards, rerun
+
+    def _changes(self) -> str | None:
+        """What the steps change in place that a re-run of them reads again (None: nothing),
+        found by step 0's trace: its own row of xs or its carry, changed by step 0 itself,
+        or a tensor from outside the loop that step 0 read, changed by a later step (a
+        ``counter.add_(1)`` on a captured tensor). A re-run would run on the changed values
+        and differentiate another loop, so a backward that re-runs steps refuses
+        (`_refuse_changes`); one that keeps every step reads only what the steps saved."""
+        trace = self.step0_trace
+        self.step0_trace = None
+        if trace is None:
+            return None
+        n_carry = len(self.carry_meta)
+        for slot in trace.changed_inputs:
+            if slot >= n_carry:
+                return f"the step changes its row of xs leaf {slot - n_carry} in place"
+            return f"the step changes its carry's leaf {slot} in place"
+        for key, version in trace.outside_versions.items():
+            counter, dtype, shape = trace.outside[key]
+            if counter.value != version:
+                return (f"the step changes a tensor it captures ({dtype}{list(shape)}) in "
+                        "place")
+        return None
+
+    def _refuse_changes(self, entry: Entry) -> None:
+        raise InplaceError(
+            f"{entry.describe()} re-runs steps in its backward, but {self.changes}: a re-run "
+            "would read the changed values and give a wrong gradient. Use an out-of-place "
+            "op (x = x * 2), carry a value that changes from step to step (return it in the "
+            "carry), or keep every step (strategy=None), which runs each step once")
 
     def _reruns(self) -> bool:
         """Whether the backward runs steps again: not when the plan's first reverse action
@@ -854,6 +885,8 @@ class PlannedLoop:
         self._check_versions(entry, self.guards)
         if create_graph or self.state is None or self.reruns:
             self._check_versions(entry, self.input_guards)
+            if self.changes is not None:
+                self._refuse_changes(entry)
         outer_numpy_state = np.random.get_state()
         try:
             if create_graph:

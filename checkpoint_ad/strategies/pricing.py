@@ -52,7 +52,7 @@ from ..pytree import flatten, unflatten
 from ..saved import KEEP, SavedBuffer, Strategy, use_packer
 from ..tape import Entry, edge_of, next_sequence
 from ..tensor import Tensor
-from .loop import StepLoop
+from .loop import StepLoop, row_tensor
 from .loop_strategies import Binomial, Periodic
 from .offload import Offload
 from .output_rows import OutputRows
@@ -337,13 +337,18 @@ def _trial_run(
     for later calls), twice: under `Binomial(1)` and keeping every step (see `Trial`). Only
     where the loop's device can be measured (`_meter`); else None. (A dry run is unheard by
     the caller's profile, see `budget.dry_run`: a profile would otherwise hear a loop the
-    caller did not run, and its own records would be measured as the engine's.)"""
+    caller did not run, and its own records would be measured as the engine's.) None too
+    where the step changes its row or carry in place, which a plan re-running steps refuses
+    (`PlannedLoop._changes`)."""
     meter = _meter(carry_leaves)
     if meter is None:
         return None
     steps = min(loop.n, TRIAL_STEPS)
-    forward, backward, named = _trial_of(meter, loop, carry_leaves, engine_state, steps,
-                                         Binomial(1))
+    try:
+        forward, backward, named = _trial_of(meter, loop, carry_leaves, engine_state, steps,
+                                             Binomial(1))
+    except InplaceError:  # the step changes its x in place: a plan re-running it refuses
+        return None
     _, kept, _ = _trial_of(meter, loop, carry_leaves, engine_state, steps, Periodic(steps))
     return Trial(steps, forward, backward, named, kept)
 
@@ -594,7 +599,7 @@ def _x_tensors(loop: StepLoop, t: int) -> Any:
     xs does."""
     if loop.xs_spec is None:
         return None
-    parts = [None if x is None else _row_tensor(x, x._data[t]) for x in loop.xs_leaves]
+    parts = [None if x is None else row_tensor(x, t, x.requires_grad) for x in loop.xs_leaves]
     return unflatten(loop.xs_spec, iter(parts))
 
 

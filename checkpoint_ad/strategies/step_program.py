@@ -122,6 +122,11 @@ class Trace:
     # catch such a tensor changed in place before its backward): id -> (counter, dtype, shape)
     outside: dict[int, tuple[Any, Any, tuple[int, ...]]] = field(default_factory=dict)
     input_ids: frozenset[int] = frozenset()
+    # once finished: the inputs (by slot: carry leaves, then xs leaves) the step changed in
+    # place, and the versions of `outside`'s counters as the step left them (a plan that
+    # re-runs steps must not re-run one that changes what it reads: see `PlannedLoop`)
+    changed_inputs: tuple[int, ...] = ()
+    outside_versions: dict[int, int] = field(default_factory=dict)
 
     # ------------------------------------------------------------- called by the engine
     def refuse(self, reason: str) -> None:
@@ -230,6 +235,9 @@ class Trace:
         for k, t in enumerate(self.tensors):
             if t is not None and t._version.value != self.versions[k]:
                 self.refuse("modifies a tensor in place")
+                if k < self.n_inputs:
+                    self.changed_inputs += (k,)
+        self.outside_versions = {key: found[0].value for key, found in self.outside.items()}
         if self.refused is None:
             carry = tuple(-1 if t is None else self._slot(t) for t in outputs)
             y = tuple(-1 if t is None else self._slot(t) for t in ys)
