@@ -306,3 +306,138 @@ def test_a_disk_plans_timing_run_leaves_the_callers_xs_as_it_was():
         return xs.numpy()
 
     np.testing.assert_array_equal(run(Binomial(1, disk=1)), run(None))
+
+
+# ----------------------------------------------------------------- in place inside a step, re-run
+def _raises_inplace_or_matches(program, mode):
+    """`program(mode)` gives keep-all's result recorded step by step (``trace=False``), or
+    raises `InplaceError` before a wrong gradient is handed out; True when it raised."""
+    expected = program(("keep-all", False, mode[2], False))
+    try:
+        got = program(mode)
+    except cad.InplaceError as exc:
+        assert "in place" in str(exc)
+        return True
+    for g, e in zip(got, expected):
+        np.testing.assert_array_equal(g, e)
+    return False
+
+
+def _row_changing(mode):
+    w = cad.tensor(0.5, requires_grad=True)
+    xs = cad.tensor(np.linspace(0.1, 1.0, 10).reshape(5, 2).astype(np.float32))
+
+    def step(h, x):
+        x.mul_(2.0)  # xs needs no grad: allowed, as on PyTorch's rows of such an xs
+        return cad.tanh(h * w) * x, h
+
+    h, ys = _scan(step, cad.ones(2), xs, mode)
+    (h.sum() + ys.sum()).backward()
+    return w.grad.numpy(), xs.numpy()
+
+
+@pytest.mark.parametrize("mode", MODES, ids=_mode_id)
+def test_step_changing_its_row_in_place_gives_pytorchs_gradient_or_raises_where_steps_rerun(mode):
+    """PyTorch: ``for x in xs: x.mul_(2)`` (xs needing no grad) changes each row once and
+    differentiates the changed rows. A plan re-running a step would change its row again:
+    it raises instead, naming the loop; keep-all gives PyTorch's gradient and xs."""
+    raised = _raises_inplace_or_matches(_row_changing, mode)
+    if mode[0] == "keep-all":
+        assert not raised
+    elif mode[0] in ("binomial", "periodic", "recompute"):
+        assert raised
+
+
+def _capture_changing(saved):
+    def program(mode):
+        w = cad.tensor(0.5, requires_grad=True)
+        c = cad.tensor(1.0)
+
+        def step(h, x):
+            c.add_(1.0)  # once a step: what a plain loop leaves in c is 1 + steps
+            y = h * w * c if saved else h * w + c
+            return cad.tanh(y + x), h
+
+        h, ys = _scan(step, cad.tensor(0.1), cad.ones(5), mode)
+        (h.sum() + ys.sum()).backward()
+        return w.grad.numpy(), c.numpy()
+    return program
+
+
+@pytest.mark.parametrize("mode", MODES, ids=_mode_id)
+def test_step_changing_a_captured_tensor_it_only_adds_is_pytorchs_loop_or_raises(mode):
+    """PyTorch: a captured ``c.add_(1)`` each step, c only added (not saved): allowed. A plan
+    re-running steps would add to c again and read it changed: it raises (a budget's dry run
+    before running anything, leaving c as it was); keep-all runs each step once."""
+    try:
+        raised = _raises_inplace_or_matches(_capture_changing(saved=False), mode)
+    except cad.InplaceError:
+        raised = True
+    if mode[0] == "keep-all":
+        assert not raised
+    else:
+        assert raised
+
+
+@pytest.mark.parametrize("mode", MODES, ids=_mode_id)
+def test_step_changing_a_captured_tensor_it_saves_raises_in_every_mode(mode):
+    """PyTorch: ``h * c`` saves c, and the next step's ``c.add_(1)`` changes it: the backward
+    raises. Here every mode raises, none hands out a gradient."""
+    with pytest.raises((cad.SavedValueModifiedError, cad.InplaceError)):
+        _capture_changing(saved=True)(mode)
+
+
+def _scratch(mode):
+    w = cad.tensor(0.5, requires_grad=True)
+
+    def step(h, x):
+        z = cad.zeros(2)  # made by the step: changing it in place is the step's own business
+        z.add_(x)
+        z.mul_(3.0)
+        return cad.tanh(h * w + z), h
+
+    h, ys = _scan(step, cad.ones(2), cad.ones((5, 2)), mode)
+    (h.sum() + ys.sum()).backward()
+    return (w.grad.numpy(),)
+
+
+@pytest.mark.parametrize("mode", MODES, ids=_mode_id)
+def test_step_changing_its_own_tensors_in_place_is_allowed_in_every_mode(mode):
+    """PyTorch: in place on a tensor the step made (not saved before) is allowed; re-running
+    such a step makes it anew, so every strategy gives keep-all's gradient bitwise."""
+    assert not _raises_inplace_or_matches(_scratch, mode)
+
+
+@pytest.mark.parametrize("leaf", [True, False], ids=["leaf-xs", "non-leaf-xs"])
+@pytest.mark.parametrize("mode", MODES, ids=_mode_id)
+def test_inplace_on_step_row_requiring_grad_raises_like_pytorch_unbind_views(mode, leaf):
+    """PyTorch: ``for x in xs`` gives unbind's views, which may not be changed in place while
+    a gradient is recorded through them (leaf or not): "a view ... of a function that
+    returns multiple views". One InplaceError in every mode, and xs left as it was."""
+    a = cad.tensor(np.ones((5, 2), np.float32), requires_grad=True)
+    xs = a if leaf else a * 1.0
+    before = xs.detach().numpy().copy()
+
+    def step(h, x):
+        x.mul_(2.0)
+        return h + x, h
+
+    with pytest.raises(cad.InplaceError, match="in place|row"):
+        _scan(step, cad.zeros(2), xs, mode)
+    np.testing.assert_array_equal(xs.detach().numpy(), before)
+
+
+@pytest.mark.parametrize("mode", MODES, ids=_mode_id)
+def test_inplace_on_step_row_with_an_operand_requiring_grad_raises_like_pytorch(mode):
+    """PyTorch: ``x.mul_(w)`` on unbind's view with w requiring grad raises too, though xs
+    needs none (the row would need history its base cannot take)."""
+    w = cad.tensor(2.0, requires_grad=True)
+    xs = cad.ones((5, 2))
+
+    def step(h, x):
+        x.mul_(w)
+        return h + x, h
+
+    with pytest.raises(cad.InplaceError):
+        _scan(step, cad.zeros(2), xs, mode)
+    np.testing.assert_array_equal(xs.numpy(), np.ones((5, 2), np.float32))
