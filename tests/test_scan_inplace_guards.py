@@ -422,7 +422,7 @@ def test_inplace_on_step_row_requiring_grad_raises_like_pytorch_unbind_views(mod
         x.mul_(2.0)
         return h + x, h
 
-    with pytest.raises(cad.InplaceError, match="in place|row"):
+    with pytest.raises(cad.InplaceError, match=r"in place|row"):
         _scan(step, cad.zeros(2), xs, mode)
     np.testing.assert_array_equal(xs.detach().numpy(), before)
 
@@ -441,3 +441,63 @@ def test_inplace_on_step_row_with_an_operand_requiring_grad_raises_like_pytorch(
     with pytest.raises(cad.InplaceError):
         _scan(step, cad.zeros(2), xs, mode)
     np.testing.assert_array_equal(xs.numpy(), np.ones((5, 2), np.float32))
+
+
+def _nested_row_changing(mode):
+    w = cad.tensor(0.5, requires_grad=True)
+    xs = cad.tensor(np.linspace(0.1, 1.2, 24).reshape(4, 3, 2).astype(np.float32))
+
+    def inner(h, x):
+        x.mul_(2.0)  # a row of the outer step's row: the outer row changes
+        return cad.tanh(h * w) * x, h
+
+    def outer(h, row):
+        h2, _ = cad.scan(inner, h, row, trace=mode[1])
+        return h2, h2
+
+    h, ys = _scan(outer, cad.ones(2), xs, mode)
+    (h.sum() + ys.sum()).backward()
+    return w.grad.numpy(), xs.numpy()
+
+
+@pytest.mark.parametrize("mode", MODES, ids=_mode_id)
+def test_nested_scan_changing_the_outer_row_in_place_gives_pytorchs_gradient_or_raises(mode):
+    """PyTorch: nested ``for`` loops over views of views, the inner one doubling its rows:
+    each element doubled once. An outer plan re-running its steps would double them again:
+    it raises (the inner loop's change reaches the outer row's counter)."""
+    raised = _raises_inplace_or_matches(_nested_row_changing, mode)
+    if mode[0] == "keep-all":
+        assert not raised
+    elif mode[0] in ("binomial", "periodic", "recompute"):
+        assert raised
+
+
+def _counting_while(strategy):
+    w = cad.tensor(0.5, requires_grad=True)
+
+    def step(carry):
+        h, k = carry
+        k.add_(1)  # the carry's own counter, changed in place
+        return cad.tanh(h * w) * k.astype("float32"), k * 1
+
+    k0 = cad.tensor(np.array(0, np.int64))
+    h, k = cad.while_loop(lambda carry: carry[1] < 5, step, (cad.tensor(0.1), k0),
+                          strategy=strategy)
+    h.backward()
+    return w.grad.numpy(), k.numpy(), k0.numpy()
+
+
+@pytest.mark.parametrize("strategy", ["keep-all", "binomial", "budget"])
+def test_while_loop_step_changing_its_carry_in_place_is_pytorchs_loop_or_raises(strategy):
+    """PyTorch: ``while``, the step doing ``k.add_(1)`` on its carry: the caller's k0 changes
+    once (step 0's carry is k0), the loop runs as written. A plan re-running steps from
+    stored carries would change them again: it raises rather than differentiate it."""
+    expected = _counting_while(None)
+    try:
+        got = _counting_while(STRATEGIES[strategy]())
+    except cad.InplaceError as exc:
+        assert strategy != "keep-all" and "in place" in str(exc)
+        return
+    for g, e in zip(got, expected):
+        np.testing.assert_array_equal(g, e)
+    assert strategy != "binomial"

@@ -29,14 +29,17 @@ class RowCounter(VersionCounter):
     changed in place (alone: its sibling rows keep theirs) and whenever the input it was split
     from is. So a value a step saved from its row is caught as modified when the caller changes
     `xs` in place before the backward (as PyTorch catches it through a view's shared counter),
-    while a step that changes its own row in place leaves the other steps' saved rows valid."""
+    while a step that changes its own row in place leaves the other steps' saved rows valid.
+    `written` counts changes made through rows split off this row in turn (a `scan` in a
+    step, over its x): the step changed its row all the same (`Trace.finish`)."""
 
-    __slots__ = ("own", "parent")
+    __slots__ = ("own", "parent", "written")
     scanned_row = True  # an in-place op on the row while recording raises (`Tensor._inplace`)
 
     def __init__(self, parent: VersionCounter) -> None:
         self.parent = parent
         self.own = 0
+        self.written = 0
 
     @property  # type: ignore[override]
     def value(self) -> int:
@@ -45,6 +48,10 @@ class RowCounter(VersionCounter):
     @value.setter
     def value(self, value: int) -> None:
         self.own = value - self.parent.value
+        parent = self.parent
+        while type(parent) is RowCounter:
+            parent.written += 1
+            parent = parent.parent
 
 
 def as_row(part: Tensor, x: Tensor, index: Any) -> Tensor:
