@@ -24,6 +24,9 @@ class _ModeState(threading.local):
     _grad_enabled: bool = True
     _inference: bool = False
     _tracer: Any = None
+    # called with each tensor about to be changed in place while a budget's dry run watches
+    # (`pricing._Writes`), None otherwise: in-place ops are rare, so asking costs nothing
+    inplace_watch: Any = None
 
     @property
     def grad_enabled(self) -> bool:

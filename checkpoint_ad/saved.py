@@ -116,6 +116,7 @@ class VersionCounter:
     """Counts in-place changes to one storage; views of it share the counter."""
 
     __slots__ = ("value",)
+    scanned_row = False  # the counter of a step's row of a scan's xs (`loop.RowCounter`)
 
     def __init__(self, value: int = 0) -> None:
         self.value = value

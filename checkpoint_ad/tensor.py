@@ -217,6 +217,8 @@ class Tensor(TensorBase, made_by_engine=True):
         see the new values and share the bumped version counter (so values saved before are
         caught at backward), and the history is rebased onto the recorded operation; on a
         view, the base's history is rebased onto an out-of-place write of the view into it."""
+        if _state.inplace_watch is not None:
+            _state.inplace_watch(self)
         self._current()
         if not self._tracked(other):
             with no_grad():
@@ -226,6 +228,14 @@ class Tensor(TensorBase, made_by_engine=True):
             self._write(op_name, result._data)
             self._version.value += 1
             return self
+        if self._version.scanned_row:
+            raise InplaceError(
+                f"{op_name} on a step's row of a scan's xs ({self.dtype}{list(self.shape)}) "
+                "while recording a gradient through it (the row or the other operand requires "
+                "grad): a step's x is one of the views `for x in xs` gives (PyTorch's unbind), "
+                "which may not be changed in place then, under any loop strategy; use an "
+                "out-of-place op (x = x * 2) or change a copy (x = x.clone())"
+            )
         if self._entry is None and self._requires_grad:
             raise InplaceError(
                 f"{op_name} on a leaf tensor that requires grad ({self.dtype}"

@@ -180,14 +180,11 @@ def test_inplace_on_step_row_of_leaf_xs_requiring_grad_raises_like_pytorch_view_
 
     with pytest.raises(cad.InplaceError):
         _scan(step, cad.zeros(2), xs, mode)
-    if mode[0] != "budget":  # see the xfail below
-        np.testing.assert_array_equal(xs.detach().numpy(), np.ones((5, 2), np.float32))
+    np.testing.assert_array_equal(xs.detach().numpy(), np.ones((5, 2), np.float32))
 
 
-@pytest.mark.xfail(strict=True, reason="a budget's dry run runs the step without gradients "
-                   "on rows of the caller's xs, so a step that changes its row in place "
-                   "changes xs (many times) before the loop runs")
 def test_budget_dry_run_leaves_the_callers_xs_as_it_was():
+    """The dry run runs steps on copies of the rows it reads: xs ends as keep-all leaves it."""
     xs = cad.tensor(np.ones((5, 2), np.float32))
 
     def step(h, x):
@@ -256,3 +253,251 @@ def test_carry_leaves_that_swap_need_grad_as_recording_says(mode, n):
         return a.requires_grad, b.requires_grad, ys.requires_grad
 
     assert run(mode) == run(("keep-all", False, False, False))
+
+
+# ----------------------------------------------------------------- what a budget's dry run touches
+def _counting_step(counter, w):
+    def step(h, x):
+        counter.add_(1.0)
+        return cad.tanh(h * w + x), h
+    return step
+
+
+def test_budget_dry_run_leaves_a_captured_tensor_as_it_was_and_says_why_it_refuses():
+    """A plain PyTorch loop changes a captured ``counter.add_(1)`` once a step; a budget cannot
+    price such a step by re-running it, so it refuses, with the counter as it was."""
+    counter = cad.tensor(0.0)
+    w = cad.tensor(0.5, requires_grad=True)
+    with pytest.raises(cad.InplaceError, match="captures in place") as caught:
+        cad.scan(_counting_step(counter, w), cad.tensor(0.1), cad.ones(5), strategy=Budget(600))
+    assert "float32[]" in str(caught.value) and "strategy=None" in str(caught.value)
+    assert float(counter.numpy()) == 0.0 and counter.version == 0
+
+
+def test_budget_dry_run_leaves_the_callers_initial_carry_as_it_was():
+    """A step changing its carry in place changes the caller's initial carry once, as a plain
+    loop does; the dry run runs it on a copy."""
+    def step(h, x):
+        h.add_(x)
+        return h * 1.0, h * 2.0
+
+    init = cad.ones(2)
+    h, ys = cad.scan(step, init, cad.ones((5, 2)))
+    expected = init.numpy(), h.numpy(), ys.numpy()
+    init = cad.ones(2)
+    try:  # (a plan tapes the step with a carry that requires grad: in place on it raises)
+        h, ys = cad.scan(step, init, cad.ones((5, 2)), strategy=Budget(600))
+    except cad.InplaceError:
+        np.testing.assert_array_equal(init.numpy(), np.ones(2, np.float32))
+        return
+    for got, want in zip((init.numpy(), h.numpy(), ys.numpy()), expected):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_disk_plans_timing_run_leaves_the_callers_xs_as_it_was():
+    """``Binomial(disk=...)`` times step 0 to price its disk snapshots: on copies."""
+    def step(h, x):
+        x.mul_(2.0)
+        return h + x, h
+
+    def run(strategy):
+        xs = cad.ones((5, 2))
+        cad.scan(step, cad.zeros(2), xs, strategy=strategy, trace=False)
+        return xs.numpy()
+
+    np.testing.assert_array_equal(run(Binomial(1, disk=1)), run(None))
+
+
+# ----------------------------------------------------------------- in place inside a step, re-run
+def _raises_inplace_or_matches(program, mode):
+    """`program(mode)` gives keep-all's result recorded step by step (``trace=False``), or
+    raises `InplaceError` before a wrong gradient is handed out; True when it raised."""
+    expected = program(("keep-all", False, mode[2], False))
+    try:
+        got = program(mode)
+    except cad.InplaceError as exc:
+        assert "in place" in str(exc)
+        return True
+    for g, e in zip(got, expected):
+        np.testing.assert_array_equal(g, e)
+    return False
+
+
+def _row_changing(mode):
+    w = cad.tensor(0.5, requires_grad=True)
+    xs = cad.tensor(np.linspace(0.1, 1.0, 10).reshape(5, 2).astype(np.float32))
+
+    def step(h, x):
+        x.mul_(2.0)  # xs needs no grad: allowed, as on PyTorch's rows of such an xs
+        return cad.tanh(h * w) * x, h
+
+    h, ys = _scan(step, cad.ones(2), xs, mode)
+    (h.sum() + ys.sum()).backward()
+    return w.grad.numpy(), xs.numpy()
+
+
+@pytest.mark.parametrize("mode", MODES, ids=_mode_id)
+def test_step_changing_its_row_in_place_gives_pytorchs_gradient_or_raises_where_steps_rerun(mode):
+    """PyTorch: ``for x in xs: x.mul_(2)`` (xs needing no grad) changes each row once and
+    differentiates the changed rows. A plan re-running a step would change its row again:
+    it raises instead, naming the loop; keep-all gives PyTorch's gradient and xs."""
+    raised = _raises_inplace_or_matches(_row_changing, mode)
+    if mode[0] == "keep-all":
+        assert not raised
+    elif mode[0] in ("binomial", "periodic", "recompute"):
+        assert raised
+
+
+def _capture_changing(saved):
+    def program(mode):
+        w = cad.tensor(0.5, requires_grad=True)
+        c = cad.tensor(1.0)
+
+        def step(h, x):
+            c.add_(1.0)  # once a step: what a plain loop leaves in c is 1 + steps
+            y = h * w * c if saved else h * w + c
+            return cad.tanh(y + x), h
+
+        h, ys = _scan(step, cad.tensor(0.1), cad.ones(5), mode)
+        (h.sum() + ys.sum()).backward()
+        return w.grad.numpy(), c.numpy()
+    return program
+
+
+@pytest.mark.parametrize("mode", MODES, ids=_mode_id)
+def test_step_changing_a_captured_tensor_it_only_adds_is_pytorchs_loop_or_raises(mode):
+    """PyTorch: a captured ``c.add_(1)`` each step, c only added (not saved): allowed. A plan
+    re-running steps would add to c again and read it changed: it raises (a budget's dry run
+    before running anything, leaving c as it was); keep-all runs each step once."""
+    try:
+        raised = _raises_inplace_or_matches(_capture_changing(saved=False), mode)
+    except cad.InplaceError:
+        raised = True
+    if mode[0] == "keep-all":
+        assert not raised
+    else:
+        assert raised
+
+
+@pytest.mark.parametrize("mode", MODES, ids=_mode_id)
+def test_step_changing_a_captured_tensor_it_saves_raises_in_every_mode(mode):
+    """PyTorch: ``h * c`` saves c, and the next step's ``c.add_(1)`` changes it: the backward
+    raises. Here every mode raises, none hands out a gradient."""
+    with pytest.raises((cad.SavedValueModifiedError, cad.InplaceError)):
+        _capture_changing(saved=True)(mode)
+
+
+def _scratch(mode):
+    w = cad.tensor(0.5, requires_grad=True)
+
+    def step(h, x):
+        z = cad.zeros(2)  # made by the step: changing it in place is the step's own business
+        z.add_(x)
+        z.mul_(3.0)
+        return cad.tanh(h * w + z), h
+
+    h, ys = _scan(step, cad.ones(2), cad.ones((5, 2)), mode)
+    (h.sum() + ys.sum()).backward()
+    return (w.grad.numpy(),)
+
+
+@pytest.mark.parametrize("mode", MODES, ids=_mode_id)
+def test_step_changing_its_own_tensors_in_place_is_allowed_in_every_mode(mode):
+    """PyTorch: in place on a tensor the step made (not saved before) is allowed; re-running
+    such a step makes it anew, so every strategy gives keep-all's gradient bitwise."""
+    assert not _raises_inplace_or_matches(_scratch, mode)
+
+
+@pytest.mark.parametrize("leaf", [True, False], ids=["leaf-xs", "non-leaf-xs"])
+@pytest.mark.parametrize("mode", MODES, ids=_mode_id)
+def test_inplace_on_step_row_requiring_grad_raises_like_pytorch_unbind_views(mode, leaf):
+    """PyTorch: ``for x in xs`` gives unbind's views, which may not be changed in place while
+    a gradient is recorded through them (leaf or not): "a view ... of a function that
+    returns multiple views". One InplaceError in every mode, and xs left as it was."""
+    a = cad.tensor(np.ones((5, 2), np.float32), requires_grad=True)
+    xs = a if leaf else a * 1.0
+    before = xs.detach().numpy().copy()
+
+    def step(h, x):
+        x.mul_(2.0)
+        return h + x, h
+
+    with pytest.raises(cad.InplaceError, match=r"in place|row"):
+        _scan(step, cad.zeros(2), xs, mode)
+    np.testing.assert_array_equal(xs.detach().numpy(), before)
+
+
+@pytest.mark.parametrize("mode", MODES, ids=_mode_id)
+def test_inplace_on_step_row_with_an_operand_requiring_grad_raises_like_pytorch(mode):
+    """PyTorch: ``x.mul_(w)`` on unbind's view with w requiring grad raises too, though xs
+    needs none (the row would need history its base cannot take)."""
+    w = cad.tensor(2.0, requires_grad=True)
+    xs = cad.ones((5, 2))
+
+    def step(h, x):
+        x.mul_(w)
+        return h + x, h
+
+    with pytest.raises(cad.InplaceError):
+        _scan(step, cad.zeros(2), xs, mode)
+    np.testing.assert_array_equal(xs.numpy(), np.ones((5, 2), np.float32))
+
+
+def _nested_row_changing(mode):
+    w = cad.tensor(0.5, requires_grad=True)
+    xs = cad.tensor(np.linspace(0.1, 1.2, 24).reshape(4, 3, 2).astype(np.float32))
+
+    def inner(h, x):
+        x.mul_(2.0)  # a row of the outer step's row: the outer row changes
+        return cad.tanh(h * w) * x, h
+
+    def outer(h, row):
+        h2, _ = cad.scan(inner, h, row, trace=mode[1])
+        return h2, h2
+
+    h, ys = _scan(outer, cad.ones(2), xs, mode)
+    (h.sum() + ys.sum()).backward()
+    return w.grad.numpy(), xs.numpy()
+
+
+@pytest.mark.parametrize("mode", MODES, ids=_mode_id)
+def test_nested_scan_changing_the_outer_row_in_place_gives_pytorchs_gradient_or_raises(mode):
+    """PyTorch: nested ``for`` loops over views of views, the inner one doubling its rows:
+    each element doubled once. An outer plan re-running its steps would double them again:
+    it raises (the inner loop's change reaches the outer row's counter)."""
+    raised = _raises_inplace_or_matches(_nested_row_changing, mode)
+    if mode[0] == "keep-all":
+        assert not raised
+    elif mode[0] in ("binomial", "periodic", "recompute"):
+        assert raised
+
+
+def _counting_while(strategy):
+    w = cad.tensor(0.5, requires_grad=True)
+
+    def step(carry):
+        h, k = carry
+        k.add_(1)  # the carry's own counter, changed in place
+        return cad.tanh(h * w) * k.astype("float32"), k * 1
+
+    k0 = cad.tensor(np.array(0, np.int64))
+    h, k = cad.while_loop(lambda carry: carry[1] < 5, step, (cad.tensor(0.1), k0),
+                          strategy=strategy)
+    h.backward()
+    return w.grad.numpy(), k.numpy(), k0.numpy()
+
+
+@pytest.mark.parametrize("strategy", ["keep-all", "binomial", "budget"])
+def test_while_loop_step_changing_its_carry_in_place_is_pytorchs_loop_or_raises(strategy):
+    """PyTorch: ``while``, the step doing ``k.add_(1)`` on its carry: the caller's k0 changes
+    once (step 0's carry is k0), the loop runs as written. A plan re-running steps from
+    stored carries would change them again: it raises rather than differentiate it."""
+    expected = _counting_while(None)
+    try:
+        got = _counting_while(STRATEGIES[strategy]())
+    except cad.InplaceError as exc:
+        assert strategy != "keep-all" and "in place" in str(exc)
+        return
+    for g, e in zip(got, expected):
+        np.testing.assert_array_equal(g, e)
+    assert strategy != "binomial"

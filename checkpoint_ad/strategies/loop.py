@@ -31,13 +31,17 @@ class RowCounter(VersionCounter):
     changed in place (alone: its sibling rows keep theirs) and whenever the input it was split
     from is. So a value a step saved from its row is caught as modified when the caller changes
     `xs` in place before the backward (as PyTorch catches it through a view's shared counter),
-    while a step that changes its own row in place leaves the other steps' saved rows valid."""
+    while a step that changes its own row in place leaves the other steps' saved rows valid.
+    `written` counts changes made through rows split off this row in turn (a `scan` in a
+    step, over its x): the step changed its row all the same (`Trace.finish`)."""
 
-    __slots__ = ("own", "parent")
+    __slots__ = ("own", "parent", "written")
+    scanned_row = True  # an in-place op on the row while recording raises (`Tensor._inplace`)
 
     def __init__(self, parent: VersionCounter) -> None:
         self.parent = parent
         self.own = 0
+        self.written = 0
 
     @property  # type: ignore[override]
     def value(self) -> int:
@@ -46,6 +50,10 @@ class RowCounter(VersionCounter):
     @value.setter
     def value(self, value: int) -> None:
         self.own = value - self.parent.value
+        parent = self.parent
+        while type(parent) is RowCounter:
+            parent.written += 1
+            parent = parent.parent
 
 
 def as_row(part: Tensor, x: Tensor, index: Any) -> Tensor:
@@ -60,6 +68,15 @@ def as_row(part: Tensor, x: Tensor, index: Any) -> Tensor:
     if base._entry is None and base._requires_grad:
         part._base = base
         part._view = ((*chain, (GETITEM, {"index": index, "source": tuple(x.shape)})), None)
+    return part
+
+
+def row_tensor(x: Tensor, t: int, requires_grad: bool = False) -> Tensor:
+    """Row t of the scanned input `x` as a leaf (a plan's re-run reads it so), its version
+    following `x`'s (`RowCounter`): an in-place op on it while recording raises, as on the
+    rows every other mode gives a step."""
+    part = Tensor._wrap(x._data[t], counter=RowCounter(x._version))
+    part._requires_grad = requires_grad
     return part
 
 
@@ -111,7 +128,7 @@ class StepLoop:
         """The scanned input of step t, without history (for re-runs under a plan)."""
         if self.xs_spec is None:
             return None
-        parts = [None if x is None else Tensor._wrap(x._data[t]) for x in self.xs_leaves]
+        parts = [None if x is None else row_tensor(x, t) for x in self.xs_leaves]
         return unflatten(self.xs_spec, iter(parts))
 
     def x_arrays(self, t: int) -> list[Any]:

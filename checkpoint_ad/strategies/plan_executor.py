@@ -45,7 +45,7 @@ import numpy as np
 from .. import events, random
 from ..autograd import Capture, backpropagate, fills_grads
 from ..backend import is_floating, namespace
-from ..errors import BackwardError, SavedValueModifiedError
+from ..errors import BackwardError, InplaceError, SavedValueModifiedError
 from ..grad_mode import _state, enable_grad, no_grad, step_scope
 from ..ops import concatenate, expand_dims, stack
 from ..origins import rerun_boundary, rerunning_from
@@ -66,7 +66,7 @@ from ..tensor import Tensor
 from ..tensor_base import make_tensor
 from .grad_flow import Deps, deps_of_program, deps_of_tensors, outputs_requiring_grad
 from .kinds import LoopStrategy
-from .loop import PlannedStep, StepLoop, columns
+from .loop import PlannedStep, StepLoop, columns, row_tensor
 from .offload import Offload
 from .output_rows import OutputRows, join_rows
 from .program_cache import REUSED, Place, find
@@ -248,6 +248,8 @@ class PlannedLoop:
         # version counters of the tensors from outside the loop that step 0 read (found by
         # its trace, also a refused one): what a re-run reads again (see `_guards`)
         self.outside: dict[int, tuple[Any, Any, Any]] | None = None
+        self.step0_trace: Trace | None = None  # its changes in place (see `_changes`)
+        self.changes: str | None = None  # what the steps change in place that re-runs read
         self.step_deps: tuple[list[Deps], list[Deps]] | None = None  # a recorded step 0's
         self.program: StepProgram | None = None
         self.mode = "recorded: trace=False" if not trace else "recorded: not traced yet"
@@ -296,6 +298,7 @@ class PlannedLoop:
             final_arrays = _arrays(final)
         self.guards, self.input_guards = self._guards(carry_leaves)
         self.first_run = False
+        self.changes = self._changes()
         if not _same_numpy_state(np.random.get_state(), self.initial_numpy_state):
             # the steps draw from numpy's global state (rare, and costly to keep: 40 us a
             # get or set): take the forward part of the plan again, keeping it this time
@@ -479,12 +482,12 @@ class PlannedLoop:
             if t == 0 and self.outside is None and self.program is None and (
                     _state.tracer is None):  # trace=False: step 0 traced for what it reads
                 new, ys, trace = traced_call(self.loop, t, carry, x, refused=self.mode)
-                self.outside = trace.outside
+                self.outside, self.step0_trace = trace.outside, trace
                 return new, ys
             return self.loop.call(t, carry, x)
         new, ys, traces[t] = traced_call(self.loop, t, carry, x)
         if t == 0:
-            self.outside = traces[0].outside
+            self.outside, self.step0_trace = traces[0].outside, traces[0]
         place = self.place
         if t == 0 and place is not None and place.expected:
             program = place.reuse(traces[0])
@@ -555,9 +558,7 @@ class PlannedLoop:
             if x is None:
                 parts.append(None)
                 continue
-            part = Tensor._wrap(x._data[t])
-            part._requires_grad = x.requires_grad
-            parts.append(part)
+            parts.append(row_tensor(x, t, x.requires_grad))
         return unflatten(loop.xs_spec, iter(parts))
 
     def _discover(
@@ -637,6 +638,36 @@ class PlannedLoop:
             (guards if read else rerun).append((counter, counter.value, what, dtype, shape))
         return guards, rerun
 
+    def _changes(self) -> str | None:
+        """What the steps change in place that a re-run of them reads again (None: nothing),
+        found by step 0's trace: its own row of xs or its carry, changed by step 0 itself,
+        or a tensor from outside the loop that step 0 read, changed by a later step (a
+        ``counter.add_(1)`` on a captured tensor). A re-run would run on the changed values
+        and differentiate another loop, so a backward that re-runs steps refuses
+        (`_refuse_changes`); one that keeps every step reads only what the steps saved."""
+        trace = self.step0_trace
+        self.step0_trace = None
+        if trace is None:
+            return None
+        n_carry = len(self.carry_meta)
+        for slot in trace.changed_inputs:
+            if slot >= n_carry:
+                return f"the step changes its row of xs leaf {slot - n_carry} in place"
+            return f"the step changes its carry's leaf {slot} in place"
+        for key, version in trace.outside_versions.items():
+            counter, dtype, shape = trace.outside[key]
+            if counter.value != version:
+                return (f"the step changes a tensor it captures ({dtype}{list(shape)}) in "
+                        "place")
+        return None
+
+    def _refuse_changes(self, entry: Entry) -> None:
+        raise InplaceError(
+            f"{entry.describe()} re-runs steps in its backward, but {self.changes}: a re-run "
+            "would read the changed values and give a wrong gradient. Use an out-of-place "
+            "op (x = x * 2), carry a value that changes from step to step (return it in the "
+            "carry), or keep every step (strategy=None), which runs each step once")
+
     def _reruns(self) -> bool:
         """Whether the backward runs steps again: not when the plan's first reverse action
         (taped in the forward) is its only one and nothing is advanced (`Periodic(n)`, a loop
@@ -694,16 +725,23 @@ class PlannedLoop:
     def _measure_costs(self) -> tuple[float, float]:
         """(write, read) cost of one disk snapshot of the initial carry, in forward steps:
         step 0 is timed (twice, the faster counts: the first call warms caches) without a
-        tape, its randomness not kept, and the carry written and read once."""
+        tape, its randomness not kept, and the carry written and read once. The step runs on
+        copies of the carry and of row 0 of xs (a step changing them in place changes
+        nothing of the caller's)."""
         loop = self.loop
         evaluations, numpy_state = loop.evaluations, np.random.get_state()
-        tensors = [None if a is None else Tensor._wrap(a) for a in self.initial]
         step = float("inf")
         try:
             for _ in range(2):
+                tensors = [None if a is None else Tensor._wrap(_copy(a)) for a in self.initial]
+                x = loop.x_at(0)
+                if x is not None:
+                    x = unflatten(loop.xs_spec, iter(
+                        None if p is None else Tensor._wrap(_copy(p._data))
+                        for p in flatten(x)[0]))
                 with random.replaying(random.get_state()):
                     started = time.perf_counter()
-                    loop.call_for_values(0, tensors, loop.x_at(0))
+                    loop.call_for_values(0, tensors, x)
                     step = min(step, time.perf_counter() - started)
         finally:
             np.random.set_state(numpy_state)
@@ -877,6 +915,8 @@ class PlannedLoop:
         self._check_versions(entry, self.guards)
         if create_graph or self.state is None or self.reruns:
             self._check_versions(entry, self.input_guards)
+            if self.changes is not None:
+                self._refuse_changes(entry)
         outer_numpy_state = np.random.get_state()
         try:
             if create_graph:
@@ -1353,6 +1393,10 @@ def _move_rows(kept: _TapedSegment | _ReplayedSegment, rows: OutputRows) -> None
     rows.extend(_arrays(ys) for _, ys in kept.y_out)
     if isinstance(kept, _ReplayedSegment):
         kept.y_out = []
+
+
+def _copy(array: Any) -> Any:
+    return namespace(array).array(array, copy=True)
 
 
 def _arrays(tensors: list[Any]) -> list[Any]:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import gc
 import time
 import tracemalloc
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from statistics import median
@@ -42,7 +43,8 @@ from .. import random
 from ..autograd import Capture, backpropagate
 from ..backend import device_name, is_floating, namespace
 from ..backend import nbytes as array_nbytes
-from ..grad_mode import enable_grad
+from ..errors import InplaceError
+from ..grad_mode import _state, enable_grad
 from ..object_bytes import added_bytes
 from ..profiler.memory import CupyHookProbe, TracemallocProbe, probe_for
 from ..profiler.recorder import profile
@@ -50,7 +52,7 @@ from ..pytree import flatten, unflatten
 from ..saved import KEEP, SavedBuffer, Strategy, use_packer
 from ..tape import Entry, edge_of, next_sequence
 from ..tensor import Tensor
-from .loop import StepLoop
+from .loop import StepLoop, row_tensor
 from .loop_strategies import Binomial, Periodic
 from .offload import Offload
 from .output_rows import OutputRows
@@ -68,6 +70,8 @@ REPLAYED_STEPS = 8
 """Steps the untaped replay is timed over (fewer in a shorter loop)."""
 TRIAL_STEPS = 4
 """Steps of the trial run of the plan executor (`_trial_run`; fewer in a shorter loop)."""
+DRY_ROWS = max(REPLAYED_STEPS, TRIAL_STEPS, 2)
+"""Rows of xs the dry run reads (copied: `_dry_copies`)."""
 
 
 @dataclass(frozen=True)
@@ -229,6 +233,9 @@ def measure(
     caller's profile and loop log: see there.)"""
     numpy_state = np.random.get_state()
     engine_state = random.get_state()
+    caller_loop, xs_bytes = loop, _xs_gradient_bytes(loop)
+    loop, carry_leaves = _dry_copies(loop, carry_leaves)
+    _refuse_captured_writes(loop, carry_leaves, engine_state, numpy_state)
     evaluations = loop.evaluations
     mode, replayed_untaped, replayed_forward = "recorded: not traced", None, None
     replayed_runs: list[float] = []
@@ -243,7 +250,7 @@ def measure(
             for _ in _repeating():
                 np.random.set_state(numpy_state)
                 cost, gradient_bytes, output_bytes, held, nested = _taped(
-                    loop, carry_leaves, storage, engine_state)
+                    loop, carry_leaves, storage, engine_state, xs_bytes)
                 costs.append(cost)
                 dry_run_bytes = max(dry_run_bytes, held)
             priced[name] = _typical(costs)
@@ -278,6 +285,8 @@ def measure(
     finally:
         np.random.set_state(numpy_state)
         loop.evaluations = evaluations
+        if caller_loop.y_spec is None:  # what the steps return, as running them finds
+            caller_loop.y_spec = loop.y_spec
     carry = [c._data for c in carry_leaves if c is not None]
     return StepCost(
         n_steps=loop.n,
@@ -328,13 +337,18 @@ def _trial_run(
     for later calls), twice: under `Binomial(1)` and keeping every step (see `Trial`). Only
     where the loop's device can be measured (`_meter`); else None. (A dry run is unheard by
     the caller's profile, see `budget.dry_run`: a profile would otherwise hear a loop the
-    caller did not run, and its own records would be measured as the engine's.)"""
+    caller did not run, and its own records would be measured as the engine's.) None too
+    where the step changes its row or carry in place, which a plan re-running steps refuses
+    (`PlannedLoop._changes`)."""
     meter = _meter(carry_leaves)
     if meter is None:
         return None
     steps = min(loop.n, TRIAL_STEPS)
-    forward, backward, named = _trial_of(meter, loop, carry_leaves, engine_state, steps,
-                                         Binomial(1))
+    try:
+        forward, backward, named = _trial_of(meter, loop, carry_leaves, engine_state, steps,
+                                             Binomial(1))
+    except InplaceError:  # the step changes its x in place: a plan re-running it refuses
+        return None
     _, kept, _ = _trial_of(meter, loop, carry_leaves, engine_state, steps, Periodic(steps))
     return Trial(steps, forward, backward, named, kept)
 
@@ -585,7 +599,7 @@ def _x_tensors(loop: StepLoop, t: int) -> Any:
     xs does."""
     if loop.xs_spec is None:
         return None
-    parts = [None if x is None else _row_tensor(x, x._data[t]) for x in loop.xs_leaves]
+    parts = [None if x is None else row_tensor(x, t, x.requires_grad) for x in loop.xs_leaves]
     return unflatten(loop.xs_spec, iter(parts))
 
 
@@ -599,6 +613,92 @@ def _carry_tensors(carry_leaves: list[Any], grad: bool) -> list[Any]:
         t._requires_grad = grad and (c.requires_grad or is_floating(c.dtype))
         out.append(t)
     return out
+
+
+def _xs_gradient_bytes(loop: StepLoop) -> int:
+    return sum(array_nbytes(x._data) for x in loop.xs_leaves
+               if x is not None and x.requires_grad)
+
+
+def _copy_of(like: Tensor, array: Any) -> Tensor:
+    """A copy of `array` as a leaf needing a gradient where `like` does."""
+    return _row_tensor(like, namespace(array).array(array, copy=True))
+
+
+def _dry_copies(loop: StepLoop, carry_leaves: list[Any]) -> tuple[StepLoop, list[Any]]:
+    """The loop over copies of the rows of xs its dry run reads (the first `DRY_ROWS`, of
+    however many steps: cheap), and a copy of its carry: a step that changes its `x` or its
+    carry in place then changes nothing of the caller's, however often the dry run runs it
+    (a step doubling its row in place left 524288 in place of 1 in the caller's xs)."""
+    rows = min(loop.n, DRY_ROWS)
+    xs = [None if x is None else _copy_of(x, x._data[:rows]) for x in loop.xs_leaves]
+    carry = [None if c is None else _copy_of(c, c._data) for c in carry_leaves]
+    return replace(loop, xs_leaves=xs, holders=loop.holders), carry
+
+
+class _Writes:
+    """The storages a step changes in place while watched (`_state.inplace_watch`), each
+    with its values and version before the first change, held by weak reference: those
+    still alive once the step's own values are let go of belong to someone else (a tensor
+    the step captures), and are put back as they were."""
+
+    def __init__(self, own: list[Any]) -> None:
+        self.own = {id(_root(t._data)) for t in own if t is not None}
+        self.before: dict[int, tuple[Any, Any, Any, int, str]] = {}
+
+    def __call__(self, tensor: Tensor) -> None:
+        root = _root(tensor._data)
+        if id(root) in self.own or id(root) in self.before:
+            return
+        try:
+            ref = weakref.ref(root)
+        except TypeError:  # an array type without weak references: hold its tensor's
+            ref = weakref.ref(tensor)
+        what = f"{tensor.dtype}{list(tensor.shape)}"
+        self.before[id(root)] = (ref, namespace(root).array(root, copy=True),
+                                 tensor._version, tensor._version.value, what)
+
+    def restore(self) -> list[str]:
+        """Put back every storage still alive; what each is (dtype and shape)."""
+        found = []
+        for ref, values, counter, version, what in self.before.values():
+            alive = ref()
+            if alive is None:
+                continue
+            root = alive if not isinstance(alive, Tensor) else _root(alive._data)
+            root[...] = values
+            counter.value = version
+            found.append(what)
+        self.before.clear()
+        return found
+
+
+def _refuse_captured_writes(
+    loop: StepLoop, carry_leaves: list[Any], engine_state: Any, numpy_state: Any
+) -> None:
+    """Run the dry loop's first steps once, untimed, watching in-place writes: a step that
+    changes a tensor it captures (``counter.add_(1)``) would change it on each of the dry
+    run's few dozen calls, and a plan that re-runs steps reads it changed; such a tensor is
+    put back as it was, and `InplaceError` says so."""
+    own = [*carry_leaves, *loop.xs_leaves]
+    writes = _Writes(own)
+    previous = _state.inplace_watch
+    _state.inplace_watch = writes
+    try:
+        _untaped(loop, carry_leaves, engine_state, numpy_state)
+    finally:
+        _state.inplace_watch = previous
+        np.random.set_state(numpy_state)
+        if any(ref() is not None for ref, *_ in writes.before.values()):
+            gc.collect()  # the step's own values caught in reference cycles go first
+        found = writes.restore()
+    if found:
+        raise InplaceError(
+            f"the step changes a tensor it captures in place ({found[0]}), which a budget "
+            "cannot price by re-running the step (its dry run would change it again on each "
+            "run, and a plan that re-runs steps reads it changed: the tensor is left as it "
+            "was). Carry the value instead (return its new value as part of the carry), or "
+            "run the loop with strategy=None, which runs each step once")
 
 
 def _untaped(
@@ -633,11 +733,14 @@ def _row_seconds(loop: StepLoop, carry_leaves: list[Any], engine_state: Any) -> 
 
 
 def _taped(
-    loop: StepLoop, carry_leaves: list[Any], storage: Strategy, engine_state: Any
+    loop: StepLoop, carry_leaves: list[Any], storage: Strategy, engine_state: Any,
+    xs_bytes: int,
 ) -> tuple[FormCost, int, int, int, bool]:
     """Steps 0 and 1 with a tape under `storage`, then their backward; (cost, gradient bytes,
     one step's output bytes, every byte the two steps saved, whether the steps ran a loop of
-    their own with a tape: its one entry holds values no slot shows, see `_profiled_bytes`)."""
+    their own with a tape: its one entry holds values no slot shows, see `_profiled_bytes`).
+    `xs_bytes`: the gradient bytes of the caller's whole xs (the dry loop holds its first
+    rows only)."""
     carry_in = _carry_tensors(carry_leaves, grad=True)
     x_in = [_x_tensors(loop, t) for t in range(_steps(loop))]
     seq_before = next_sequence()
@@ -665,8 +768,7 @@ def _taped(
     gradient_bytes = sum(_edge_nbytes(node, index) for node, index in externals.values())
     gradient_bytes += sum(array_nbytes(c._data) for c in carry_leaves
                           if c is not None and c.requires_grad)
-    gradient_bytes += sum(array_nbytes(x._data) for x in loop.xs_leaves
-                          if x is not None and x.requires_grad)
+    gradient_bytes += xs_bytes
     n_y = len(outputs) - len(carry)
     y_bytes = sum(array_nbytes(y._data) for y in outputs[: n_y // _steps(loop)] if y is not None)
     cost = FormCost(first, step_bytes, carry_saved, taped, backward)

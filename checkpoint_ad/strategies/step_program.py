@@ -122,6 +122,12 @@ class Trace:
     # catch such a tensor changed in place before its backward): id -> (counter, dtype, shape)
     outside: dict[int, tuple[Any, Any, tuple[int, ...]]] = field(default_factory=dict)
     input_ids: frozenset[int] = frozenset()
+    # once finished: the inputs (by slot: carry leaves, then xs leaves) the step changed in
+    # place, and the versions of `outside`'s counters as the step left them (a plan that
+    # re-runs steps must not re-run one that changes what it reads: see `PlannedLoop`)
+    changed_inputs: tuple[int, ...] = ()
+    input_written: tuple[int, ...] = ()  # rows changed through rows of theirs (`RowCounter`)
+    outside_versions: dict[int, int] = field(default_factory=dict)
 
     # ------------------------------------------------------------- called by the engine
     def refuse(self, reason: str) -> None:
@@ -224,12 +230,19 @@ class Trace:
         for t in tensors:
             self._new_slot(t)
         self.input_ids = frozenset(id(t) for t in tensors if t is not None)
+        self.input_written = tuple(_written(t) for t in tensors)
 
     def finish(self, outputs: list[Any], ys: list[Any]) -> None:
         """The step returned: note its outputs, and refuse if it changed a tensor in place."""
         for k, t in enumerate(self.tensors):
-            if t is not None and t._version.value != self.versions[k]:
+            if t is None:
+                continue
+            if t._version.value != self.versions[k] or (
+                    k < self.n_inputs and _written(t) != self.input_written[k]):
                 self.refuse("modifies a tensor in place")
+                if k < self.n_inputs:
+                    self.changed_inputs += (k,)
+        self.outside_versions = {key: found[0].value for key, found in self.outside.items()}
         if self.refused is None:
             carry = tuple(-1 if t is None else self._slot(t) for t in outputs)
             y = tuple(-1 if t is None else self._slot(t) for t in ys)
@@ -247,6 +260,11 @@ class Trace:
         self.tensors = []
         self.slot_of = {}
         self.drawn = {}
+
+
+def _written(t: Any) -> int:
+    """Changes made to a scanned row through rows split off it (`loop.RowCounter`)."""
+    return 0 if t is None else getattr(t._version, "written", 0)
 
 
 def same_program(a: Trace, b: Trace) -> str | None:
