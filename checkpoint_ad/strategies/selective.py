@@ -26,7 +26,7 @@ from typing import Any
 
 from ..errors import StrategyConfigError
 from ..grad_mode import refuse_trace
-from ..saved import Strategy, current_packer
+from ..saved import KEEP, Strategy, current_packer
 from .recompute import checkpoint
 
 ATTENTION = "attention"
@@ -48,6 +48,14 @@ class Selective(Strategy):
                 f"{self.regions!r}"
             )
         object.__setattr__(self, "regions", regions)
+
+    def for_primitive(self, prim: Any) -> Strategy:
+        """`KeepAll` outside the regions (inside one, `checkpoint`'s own packer is in
+        effect): primitives take the engine's fast path and share keep-all's buffers."""
+        return KEEP
+
+    def for_leaf(self) -> Strategy:
+        return KEEP
 
 
 def region(name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
