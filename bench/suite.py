@@ -15,7 +15,7 @@ from .profiler_overhead import WIDE_RNN
 from .table import Ratio
 
 BENCHMARKS = ("tape", "rnn", "inference", "mlp", "heat", "quantize", "plan", "offload",
-              "budget", "profiler")
+              "budget", "profiler", "transformer")
 
 DESCRIPTIONS = {
     "tape": "tape overhead: a chain of small elementwise ops, forward+backward",
@@ -28,6 +28,8 @@ DESCRIPTIONS = {
     "offload": "heat model, binomial with a disk level: backward time, I/O stall, bytes per level",
     "budget": "Budget(limit): predicted vs measured peak and time, against the best preset",
     "profiler": "what profiling costs: plain, profile(), profile(device_memory=True)",
+    "transformer": "GPT layer activations per layer (Korthikanti et al. 2022): none / "
+                   "selective / full recomputation against the derived formula, and time",
 }
 
 SIZES: dict[str, dict[str, Any]] = {
@@ -63,6 +65,8 @@ SIZES: dict[str, dict[str, Any]] = {
                      "GRU training step": {"steps": 32, "batch": 16, "hidden": 64, "input": 32},
                      WIDE_RNN: {"steps": 256, "batch": 64, "hidden": 256, "input": 256},
                      "repeats": 15},
+        "transformer": {"seqs": (64, 128, 192, 256), "widths": (256, 512), "heads": 8,
+                        "batch": 4, "layers": 4, "repeats": 7},
     },
     "quick": {
         "tape": {"size": 16, "ops": 2000, "repeats": 3},
@@ -86,6 +90,8 @@ SIZES: dict[str, dict[str, Any]] = {
                      "GRU training step": {"steps": 16, "batch": 8, "hidden": 32, "input": 16},
                      WIDE_RNN: {"steps": 32, "batch": 64, "hidden": 256, "input": 256},
                      "repeats": 5},
+        "transformer": {"seqs": (32, 64, 96, 128), "widths": (128,), "heads": 8,
+                        "batch": 4, "layers": 3, "repeats": 3},
     },
 }
 
@@ -131,6 +137,12 @@ EXTRA_COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {
                ("later/budget", "later_pass_over_limit"), ("/keep-all", "over_keep_all")),
     "profiler": (("/plain", "overhead"), ("records", "records"),
                  ("same grads", "same_grads")),
+    "transformer": (("predicted", "formula"), ("pred arrays", "predicted_arrays"),
+                    ("tape arrays", "peak_tape_arrays"), ("tracemalloc arrays",
+                                                          "tracemalloc_arrays"),
+                    ("tape/pred", "peak_tape_over_predicted"),
+                    ("tracemalloc/pred", "tracemalloc_over_predicted"),
+                    ("/none", "over_none")),
 }
 
 
@@ -238,6 +250,14 @@ def _model(bench: str, model: str, sizes: dict[str, Any]) -> list[Job]:
     ]
 
 
+def _transformer(sizes: dict[str, Any]) -> list[Job]:
+    """One job per width: its sequence lengths under the three granularities."""
+    return [Job("transformer", f"h={h}, a={sizes['heads']}, b={sizes['batch']}, float32",
+                f"h={h}", "transformer_memory:table",
+                {k: v for k, v in sizes.items() if k != "widths"} | {"hidden": h})
+            for h in sizes["widths"]]
+
+
 def jobs(quick: bool, only: set[str] | None = None) -> list[Job]:
     """Every job of the selected benchmarks (all when `only` is None), in running order."""
     sizes = SIZES["quick" if quick else "default"]
@@ -263,5 +283,6 @@ def jobs(quick: bool, only: set[str] | None = None) -> list[Job]:
                              Job("profiler", "where the cost goes (small programs)",
                                  "breakdown", "profiler_breakdown:breakdown",
                                  _small_programs(sizes["profiler"]))],
+        "transformer": lambda: _transformer(sizes["transformer"]),
     }
     return [job for name in BENCHMARKS if only is None or name in only for job in makers[name]()]

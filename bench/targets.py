@@ -277,7 +277,60 @@ def _profiler_parts(row: Row) -> list[Target]:
                    sum(h["ms_per_run"] for h in handlers.values()), None, "info", detail)]
 
 
+def _transformer(rows: Sequence[Row]) -> list[Target]:
+    """Korthikanti et al.'s table measured (`bench/transformer_memory.py`): every point
+    within 10% of the derived formula, the non-attention part at most 32 arrays of s·b·h,
+    the s² term gone under selective, and selective's time within 1.10x no recomputation
+    at the longest sequence of each width (where the paper's trade is judged; shorter ones
+    are reported)."""
+    table = [r for r in rows if r.bench == "transformer" and "granularity" in r.extras]
+    if not table:
+        return []
+
+    def off(row: Row) -> float:
+        x = row.extras
+        return max(abs(x["tracemalloc_over_predicted"] - 1), abs(x["peak_tape_over_predicted"] - 1))
+
+    worst = max(table, key=off)
+    selective = [r for r in table if r.extras["granularity"] == "selective"]
+    most = max(selective, key=lambda r: r.extras["peak_tape_arrays"])
+    growth = []  # selective's bytes per layer per token, longest over shortest, per width
+    for width in {r.extras["hidden"] for r in selective}:
+        by_seq = sorted((r for r in selective if r.extras["hidden"] == width),
+                        key=lambda r: r.extras["seq"])
+        first, last = by_seq[0].extras, by_seq[-1].extras
+        growth.append((last["peak_tape_arrays"] / first["peak_tape_arrays"], width))
+    longest = [r for r in table if r.extras["seq"] == max(
+        q.extras["seq"] for q in table if q.extras["hidden"] == r.extras["hidden"])]
+    slow = {g: max((r for r in longest if r.extras["granularity"] == g),
+                   key=lambda r: r.extras.get("over_none") or 0.0, default=None)
+            for g in ("selective", "full")}
+
+    def at(row: Row | None) -> str:
+        return "n/a" if row is None else f"h={row.extras['hidden']} {row.name}"
+
+    return [
+        Target("transformer: per-layer bytes within 10% of the derived formula (worst "
+               "|measured/predicted - 1|)", off(worst), 0.10, "<=",
+               f"{at(worst)}: tracemalloc {worst.extras['tracemalloc_over_predicted']:.3f}, "
+               f"peak tape {worst.extras['peak_tape_over_predicted']:.3f} of "
+               f"{worst.extras['formula']}"),
+        Target("transformer: the non-attention part <= 32 arrays of s·b·h (float32)",
+               most.extras["peak_tape_arrays"], 32.0, "<=",
+               f"selective's peak tape per layer, most at {at(most)} (derived: 16 + 16/h)"),
+        Target("transformer: no s² term under selective (bytes per layer, longest s over "
+               "shortest, per s·b·h)", max(growth)[0], 1.01, "<=",
+               "; ".join(f"h={w}: {g:.4f}" for g, w in sorted(growth, key=lambda t: t[1]))),
+        Target("transformer: selective time <= 1.10x no recomputation (longest s)",
+               slow["selective"] and slow["selective"].extras.get("over_none"), 1.10, "<=",
+               f"worst at {at(slow['selective'])}; paired per round, median"),
+        Target("transformer: full recomputation's time over no recomputation (longest s)",
+               slow["full"] and slow["full"].extras.get("over_none"), None, "info",
+               f"worst at {at(slow['full'])} (the paper: 1.3-1.4x on GPUs)"),
+    ]
+
+
 def check(rows: Sequence[Row]) -> list[Target]:
     """Every target that the rows of this run can speak to."""
     return [*_tape(rows), *_rnn(rows), *_quantize(rows), *_planning(rows), *_budgets(rows),
-            *_profiler(rows)]
+            *_profiler(rows), *_transformer(rows)]

@@ -48,7 +48,7 @@ def test_every_benchmark_has_jobs_and_the_quick_suite_is_small():
     quick = suite.jobs(quick=True)
     assert {j.bench for j in quick} == set(suite.BENCHMARKS)
     assert {j.bench for j in suite.jobs(quick=True, only={"rnn"})} == {"rnn"}
-    assert len(quick) < 45
+    assert len(quick) < 46  # one job more with the transformer table
     assert all(j.params.get("repeats", 3) >= 5 for j in suite.jobs(quick=False))
 
 
@@ -365,3 +365,25 @@ def test_budget_gpu_harness_runs_on_the_cpu(tmp_path):
         assert r["memory_source"] == "tracemalloc"
         assert r["peak_tape_over_predicted"] == 1.0
         assert 0.5 < r["device_over_predicted"] < 2 and r["time_over_predicted"] > 0
+
+
+def test_transformer_table_rows_match_the_derived_formula_and_feed_the_targets():
+    """`bench.transformer_memory` at a tiny size: one row per (s, granularity), the peak tape
+    per layer exactly the derived prediction, and the transformer targets read from them."""
+    from bench import transformer_memory
+
+    params = {"seqs": (8, 16), "hidden": 32, "heads": 4, "batch": 2, "layers": 2, "repeats": 1}
+    rows = transformer_memory.table(params, threads=1)["rows"]
+    assert [r["name"] for r in rows] == [f"s={s} {g}" for s in (8, 16)
+                                         for g in ("none", "selective", "full")]
+    for r in rows:
+        assert r["seconds"] > 0 and r["saved_bytes"] == r["extras"]["predicted_bytes"], r
+    full, none = rows[2]["extras"], rows[3]["extras"]
+    assert full["peak_tape_arrays"] == 1.0 and none["peak_tape_arrays"] > 16 + 4 * 16 / 32
+    targets = {t.name: t for t in check([Row.from_result("transformer", "h=32", r["name"], "", r)
+                                         for r in rows])}
+    s2 = targets["transformer: no s² term under selective (bytes per layer, longest s over "
+                 "shortest, per s·b·h)"]
+    assert s2.status == "met" and s2.measured == 1.0
+    assert targets["transformer: the non-attention part <= 32 arrays of s·b·h (float32)"
+                   ].status == "met"

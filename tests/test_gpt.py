@@ -10,6 +10,7 @@ import pytest
 import checkpoint_ad as cad
 from checkpoint_ad import models
 from checkpoint_ad.cli import main
+from checkpoint_ad.models.gpt import GPTConfig, make_gpt
 from checkpoint_ad.presets import load_preset
 from checkpoint_ad.strategies import Binomial, Recompute, Selective
 
@@ -96,3 +97,73 @@ def test_sweep_of_gpt_over_the_granularities_runs(tmp_path, capsys):
     assert {"keep-all", "selective", "full", "revolve-4"} <= set(rows)
     for name in ("selective", "full", "revolve-4"):
         assert rows[name][-1] == "0.00e+00"  # gradient error against keep-all
+
+
+@pytest.mark.parametrize("granularity", ["none", "selective", "full"])
+def test_per_layer_activation_bytes_are_the_derived_formula(granularity):
+    """Korthikanti et al.'s count for this engine (`models.gpt_memory`): the profiler's peak
+    tape per layer is the prediction exactly, tracemalloc's within 10%; selective has no
+    s² term (the same bytes per s·b·h at two sequence lengths)."""
+    from checkpoint_ad.models.gpt_memory import measure_layer, predicted_arrays
+
+    per_token = []
+    for seq in (32, 64):  # wide enough that arrays outweigh the ~30 KB of a layer's objects
+        m = measure_layer(seq, 2, 128, 4, granularity)
+        assert m.peak_tape_bytes == m.predicted_bytes
+        assert abs(m.tracemalloc_bytes / m.predicted_bytes - 1) < 0.10
+        per_token.append(m.peak_tape_bytes / seq)
+    assert (per_token[0] == per_token[1]) is (granularity != "none")
+    assert predicted_arrays(granularity, 64, 128, 4) == {"none": 18, "selective": 16,
+                                                        "full": 1}[granularity]
+
+
+def _budget_run(config, strategy, model=None):
+    """(peak tape of the layer loop, tracemalloc peak above the start, gradients) under a
+    loss that saves nothing: the budget limits the loop's tape, not the model's loss."""
+    import gc
+    import tracemalloc
+
+    model = make_gpt(config) if model is None else model
+    def run():
+        carry, ys = cad.scan(model.step, model.init_carry(), model.inputs(), strategy=strategy)
+        return cad.grad(cad.sum(carry) + cad.sum(ys), model.params, allow_unused=True)
+
+    with cad.profile() as prof:
+        grads = run()
+    gc.collect()
+    tracemalloc.start()  # apart: the profile's own records would count
+    try:
+        run()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    return prof.peak_tape_bytes, peak, [None if g is None else g.numpy() for g in grads]
+
+
+def test_a_budget_over_the_gpt_prices_selective_and_fits_at_three_limits():
+    """`Budget(limit)` on the GPT's layer scan: selective storage is a candidate (priced from
+    the dry run, its steps recorded), its predicted peak is what it measures; at three
+    limits (keep-all's, selective's, a third of it) the plan's peak tape fits and its
+    predicted device peak holds a later pass's tracemalloc peak (the first one's includes
+    the dry run), and the gradients are keep-all's bitwise."""
+    from checkpoint_ad.strategies import Budget
+
+    config = GPTConfig(layers=5, seq=64, batch=2, hidden=32, heads=4, vocab=16)
+    model = make_gpt(config)
+    table = cad.estimate(model.step, model.init_carry(), model.inputs())
+    rows = {r.name: r for r in table.rows}
+    assert {"keep-all", "selective", "periodic k=1", "binomial s=2"} <= set(rows)
+    selective = rows["selective"]
+    assert selective.storage == Selective() and selective.strategy is None
+    assert selective.peak_tape_bytes < rows["keep-all"].peak_tape_bytes
+    assert _budget_run(config, Selective())[0] == selective.peak_tape_bytes
+    _, _, kept = _budget_run(config, None)
+    for limit in (rows["keep-all"].peak_tape_bytes, selective.peak_tape_bytes,
+                  selective.peak_tape_bytes // 3):
+        budget, model = Budget(limit), make_gpt(config)
+        _budget_run(config, budget, model)  # the first pass: its dry run, traced too
+        tape, traced, grads = _budget_run(config, budget, model)
+        chosen = budget.last.chosen
+        assert tape <= limit, (limit, chosen.name)
+        assert traced <= chosen.device_peak_bytes * 1.1, (chosen.name, traced)
+        assert all(np.array_equal(a, b) for a, b in zip(grads, kept) if a is not None)

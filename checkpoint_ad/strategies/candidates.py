@@ -39,6 +39,7 @@ from .revolve import (
     optimal_evaluations,
     simulate_plan,
 )
+from .selective import Selective
 
 # the saved-value strategies a step's values may go through (lossy ones only when admitted)
 STEP_FORMS: dict[str, Strategy] = {
@@ -47,6 +48,9 @@ STEP_FORMS: dict[str, Strategy] = {
     "store-outputs": StoreOutputs(),
     "int8": Quantized(bits=8),
     "int4": Quantized(bits=4),
+    # the attention core re-run in backward (priced only where the step opens such a region;
+    # its steps are recorded, not replayed: see `_replays`)
+    "selective": Selective(),
 }
 # how stored carries (snapshots) may be kept; None keeps them as they are
 SNAPSHOT_FORMS: dict[str, Strategy | None] = {"keep": None, "int8": Quantized(bits=8),
@@ -91,6 +95,12 @@ class Candidate:
 Family = Callable[[StepCost], Iterable[Candidate]]
 
 
+def _replays(cost: StepCost, form: FormCost) -> bool:
+    """Whether a loop replays its steps under `form` (a form whose step refuses tracing,
+    a `Selective` region's, records them while the others replay)."""
+    return cost.replays and form.replayed_taped_seconds is not None
+
+
 def _tape(form: FormCost, steps: int, stored: int = 0) -> int:
     """Bytes of `steps` consecutive steps on one tape. Its carry-in counts only where no
     snapshot is stored: a plan's peak comes when its forward holds every snapshot and tapes
@@ -103,7 +113,7 @@ def _tape(form: FormCost, steps: int, stored: int = 0) -> int:
 def _engine(cost: StepCost, form: FormCost, taped_steps: int) -> int:
     """Bytes of the engine's objects `taped_steps` replayed taped steps hold, and one step's
     backward temporaries (0 when the loop records its steps: not traced)."""
-    if not cost.replays:
+    if not _replays(cost, form):
         return 0
     return taped_steps * form.step_object_bytes + form.backward_working_bytes
 
@@ -111,7 +121,7 @@ def _engine(cost: StepCost, form: FormCost, taped_steps: int) -> int:
 def _speeds(cost: StepCost, form: FormCost) -> tuple[float, float, float]:
     """Seconds per step a planned loop spends replaying it (or recording it, when the step
     refuses tracing): (without a tape, with one, backward)."""
-    if cost.replays:
+    if _replays(cost, form):
         assert form.replayed_taped_seconds is not None
         assert cost.replayed_untaped_seconds is not None
         assert form.replayed_backward_seconds is not None
@@ -126,14 +136,14 @@ def keep_every_step(cost: StepCost) -> Iterator[Candidate]:
     n = cost.n_steps
     for name, form in cost.forms.items():
         recorded = n
-        if PLAIN_SCAN_REPLAYS and cost.replays:
+        if PLAIN_SCAN_REPLAYS and _replays(cost, form):
             recorded = min(n, 2)
         _, taped, backward = _speeds(cost, form) if recorded < n else (0.0, 0.0, 0.0)
         yield Candidate(
             name=name if name != "keep" else "keep-all",
             loop=None,
             storage=STEP_FORMS[name],
-            peak_tape_bytes=_tape(form, n),
+            peak_tape_bytes=_tape(form, n) + form.rerun_bytes,
             forward_seconds=(recorded * form.taped_seconds + (n - recorded) * taped
                              + n * cost.row_seconds),
             backward_seconds=recorded * form.backward_seconds + (n - recorded) * backward,
@@ -207,7 +217,7 @@ def _planned_seconds(
     untaped, taped, backward = _speeds(cost, form)
     n = advanced + last
     rows = cost.row_seconds  # each forward step writes its outputs into their rows
-    if not cost.replays:
+    if not _replays(cost, form):
         discovery = form.taped_seconds - untaped if advanced else 0.0
         return (advanced * untaped + last * taped + discovery + n * rows,
                 n * backward + retaped * taped + rerun * untaped)

@@ -58,6 +58,7 @@ from .offload import Offload
 from .output_rows import OutputRows
 from .plan_executor import PlannedLoop, replay_forward, snapshot_object_bytes
 from .quantized import Quantized
+from .selective import Selective, regions_run
 from .step_program import StepProgram, program_of, traced_call
 
 REPEATS = 3  # dry runs per strategy priced; each phase's time is the median measured
@@ -101,6 +102,10 @@ class FormCost:
     """The most a replayed step's backward allocates for a while beyond the gradients it
     hands out (its rules' temporaries), traced in the dry run (0: not traced). Reached once,
     in the device peak."""
+    rerun_bytes: int = 0
+    """Tape bytes the backward holds beyond what the forward saved, while it re-runs a
+    checkpointed region of the last step (`Selective`'s attention core: its recomputed
+    values), as the profiler counts them over the dry run's two steps; 0 for other forms."""
 
 
 @dataclass(frozen=True)
@@ -240,12 +245,15 @@ def measure(
     mode, replayed_untaped, replayed_forward = "recorded: not traced", None, None
     replayed_runs: list[float] = []
     forward_runs: list[float] = []
+    opened = regions_run()
     try:
         untaped = median(_untaped(loop, carry_leaves, engine_state, numpy_state)
                          for _ in _repeating())
         priced: dict[str, FormCost] = {}
         gradient_bytes = output_bytes = dry_run_bytes = 0
         for name, storage in forms.items():
+            if isinstance(storage, Selective) and regions_run() == opened:
+                continue  # the step opens no region: selective storage is keep-all here
             costs = []
             for _ in _repeating():
                 np.random.set_state(numpy_state)
@@ -254,17 +262,28 @@ def measure(
                 costs.append(cost)
                 dry_run_bytes = max(dry_run_bytes, held)
             priced[name] = _typical(costs)
-            if nested:  # values inside an inner loop's entry: the walk over slots missed them
-                priced[name] = _with_nested_bytes(
-                    priced[name], *_profiled_bytes(loop, carry_leaves, storage, engine_state),
-                    loop.n)
+            if nested or isinstance(storage, Selective):
+                # values inside an inner loop's entry, or a checkpointed region's inputs: the
+                # walk over slots missed them
+                profiled = _profiled_bytes(loop, carry_leaves, storage, engine_state)
+                priced[name] = _with_nested_bytes(priced[name], *profiled, loop.n)
+                if isinstance(storage, Selective):  # a region re-run in the backward
+                    peak = _backward_peak_bytes(loop, carry_leaves, storage, engine_state)
+                    priced[name] = replace(priced[name], rerun_bytes=max(0, peak - profiled[1]))
         calls: list[float] = []
         anew = False
         for name, storage in forms.items():
+            if name not in priced:
+                continue
             np.random.set_state(numpy_state)
-            program, mode, seconds, anew = _traced(loop, carry_leaves, storage, engine_state)
+            program, traced_mode, seconds, traced_anew = _traced(loop, carry_leaves, storage,
+                                                                 engine_state)
             if program is None:
-                break
+                if not calls:  # the step refuses tracing: every form records its steps
+                    mode = traced_mode
+                    break
+                continue  # this form alone records (a region `Selective` checkpoints)
+            mode, anew = traced_mode, traced_anew
             calls.append(seconds - _steps(loop) * priced[name].taped_seconds)
             run, forward, taped, backward, held = _replayed(program, loop, carry_leaves,
                                                             engine_state)
@@ -796,6 +815,27 @@ def _profiled_bytes(
         held.append(prof.timeline_bytes[-1])
         del carry
     return held[0], held[-1]
+
+
+def _backward_peak_bytes(
+    loop: StepLoop, carry_leaves: list[Any], storage: Strategy, engine_state: Any
+) -> int:
+    """The profiler's peak tape over steps 0 and 1 taped under `storage` and their backward
+    (run apart from the timed steps: a profile slows them). Beyond the tape at the forward's
+    end (`_profiled_bytes`), it is what re-running a checkpointed region holds."""
+    carry = _carry_tensors(carry_leaves, grad=True)
+    outputs = []
+    with profile() as prof:
+        with random.replaying(engine_state), enable_grad(), use_packer(storage):
+            for t in range(_steps(loop)):
+                carry, ys = loop.call(t, carry, _x_tensors(loop, t))
+                outputs.extend(ys)
+            outputs.extend(carry)
+        roots = _ones_at([o for o in outputs if o is not None])
+        if roots:
+            backpropagate(roots, retain_graph=False, create_graph=False,
+                          capture=Capture({}, newer_than=next_sequence()))
+    return prof.peak_tape_bytes
 
 
 def _with_nested_bytes(cost: FormCost, first: int, total: int, n: int) -> FormCost:

@@ -26,10 +26,17 @@ from typing import Any
 
 from ..errors import StrategyConfigError
 from ..grad_mode import refuse_trace
-from ..saved import Strategy, current_packer
+from ..saved import KEEP, Strategy, current_packer
 from .recompute import checkpoint
 
 ATTENTION = "attention"
+_RUN = [0]  # calls of `region`, whatever the strategy: how a dry run tells a step opens one
+
+
+def regions_run() -> int:
+    """How many times `region` has run, in any mode (a budget's dry run compares two counts to
+    learn whether a step opens a region, where `Selective` differs from keeping all)."""
+    return _RUN[0]
 
 
 @dataclass(frozen=True)
@@ -49,10 +56,19 @@ class Selective(Strategy):
             )
         object.__setattr__(self, "regions", regions)
 
+    def for_primitive(self, prim: Any) -> Strategy:
+        """`KeepAll` outside the regions (inside one, `checkpoint`'s own packer is in
+        effect): primitives take the engine's fast path and share keep-all's buffers."""
+        return KEEP
+
+    def for_leaf(self) -> Strategy:
+        return KEEP
+
 
 def region(name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)``, run under `checkpoint` when the saved-value strategy in effect
     is a `Selective` naming `name`, and as it is otherwise."""
+    _RUN[0] += 1
     packer = current_packer()
     if isinstance(packer, Selective) and name in packer.regions:
         # A scan step that checkpoints is recorded, not traced into a step program: a region
