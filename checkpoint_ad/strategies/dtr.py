@@ -152,6 +152,39 @@ def _find(node: _Class) -> _Class:
     return node
 
 
+class _ByArray:
+    """id(array) -> the `_Value` that is that array, weakly (a WeakValueDictionary that also
+    gives its table's room back once the last value is gone: a pool outlives its programs,
+    and a dict keeps the size it grew to)."""
+
+    __slots__ = ("__weakref__", "data", "remove")
+
+    def __init__(self) -> None:
+        self.data: dict[int, weakref.KeyedRef] = {}
+        selfref = weakref.ref(self)
+
+        def remove(ref: weakref.KeyedRef, selfref: weakref.ref[_ByArray] = selfref) -> None:
+            table = selfref()
+            if table is not None:
+                data = table.data
+                if data.get(ref.key) is ref:
+                    del data[ref.key]
+                    if not data:
+                        table.data = {}
+
+        self.remove = remove
+
+    def get(self, key: int) -> _Value | None:
+        ref = self.data.get(key)
+        return ref() if ref is not None else None
+
+    def __setitem__(self, key: int, value: _Value) -> None:
+        self.data[key] = weakref.KeyedRef(value, self.remove, key)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+
 class _Fixed:
     """An input with no recipe, kept as is, with the version it had when it was read."""
 
@@ -239,7 +272,7 @@ class Rematerializing(Strategy):
         self._fresh: list[weakref.ref[_Handle]] = []
         self._shapes: dict[tuple[int, ...], tuple[int, ...]] = {}  # one tuple per shape
         # id(array) -> the value it is (checked by identity: ids of dead arrays are reused)
-        self._by_array: weakref.WeakValueDictionary[int, _Value] = weakref.WeakValueDictionary()
+        self._by_array = _ByArray()
 
     def __repr__(self) -> str:
         return f"Rematerializing(limit_bytes={self.limit_bytes})"
@@ -348,6 +381,7 @@ class Rematerializing(Strategy):
                 moved.index = index
 
     def _let_go(self, handle: _Handle) -> None:
+        self._drop_evictable(handle)
         if handle.array is not None:
             key = id(handle.array)
             holders = self._holders.get(key)
@@ -356,8 +390,14 @@ class Rematerializing(Strategy):
                 if not holders:
                     del self._holders[key]
                     self.held_bytes -= handle.nbytes
-        self._drop_evictable(handle)
+                    if not self._holders:
+                        self._shrink()
         handle.array = None
+
+    def _shrink(self) -> None:
+        """Nothing is held: drop the tables' room (a dict keeps the size it grew to)."""
+        self._holders = {}
+        self._shapes = {}
 
     def _victim(self, locked: _Handle | None) -> _Handle | None:
         """The evictable held handle of lowest score among about sqrt(n) drawn of the n
