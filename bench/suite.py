@@ -15,7 +15,7 @@ from .profiler_overhead import WIDE_RNN
 from .table import Ratio
 
 BENCHMARKS = ("tape", "rnn", "inference", "mlp", "heat", "quantize", "plan", "offload",
-              "budget", "profiler")
+              "budget", "profiler", "dtr")
 
 DESCRIPTIONS = {
     "tape": "tape overhead: a chain of small elementwise ops, forward+backward",
@@ -28,6 +28,7 @@ DESCRIPTIONS = {
     "offload": "heat model, binomial with a disk level: backward time, I/O stall, bytes per level",
     "budget": "Budget(limit): predicted vs measured peak and time, against the best preset",
     "profiler": "what profiling costs: plain, profile(), profile(device_memory=True)",
+    "dtr": "Python-loop heat under Budget(2MiB), 1k-20k steps, and the RNN at 25%: DTR scaling",
 }
 
 SIZES: dict[str, dict[str, Any]] = {
@@ -63,6 +64,9 @@ SIZES: dict[str, dict[str, Any]] = {
                      "GRU training step": {"steps": 32, "batch": 16, "hidden": 64, "input": 32},
                      WIDE_RNN: {"steps": 256, "batch": 64, "hidden": 256, "input": 256},
                      "repeats": 15},
+        "dtr": {"steps": (1000, 2000, 5000, 10000, 20000), "size": 1024, "limit": "2MiB",
+                "traced_up_to": 20000,
+                "rnn": {"steps": 200, "batch": 64, "hidden": 256, "fraction": 0.25}},
     },
     "quick": {
         "tape": {"size": 16, "ops": 2000, "repeats": 3},
@@ -86,6 +90,8 @@ SIZES: dict[str, dict[str, Any]] = {
                      "GRU training step": {"steps": 16, "batch": 8, "hidden": 32, "input": 16},
                      WIDE_RNN: {"steps": 32, "batch": 64, "hidden": 256, "input": 256},
                      "repeats": 5},
+        "dtr": {"steps": (200, 400), "size": 256, "limit": "256KiB", "traced_up_to": 400,
+                "rnn": {"steps": 32, "batch": 16, "hidden": 64, "fraction": 0.25}},
     },
 }
 
@@ -263,5 +269,7 @@ def jobs(quick: bool, only: set[str] | None = None) -> list[Job]:
                              Job("profiler", "where the cost goes (small programs)",
                                  "breakdown", "profiler_breakdown:breakdown",
                                  _small_programs(sizes["profiler"]))],
+        "dtr": lambda: [Job("dtr", "heat in a Python loop under Budget, and the RNN",
+                            "scaling", "dtr_scaling:scaling", sizes["dtr"])],
     }
     return [job for name in BENCHMARKS if only is None or name in only for job in makers[name]()]
