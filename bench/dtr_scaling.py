@@ -78,18 +78,26 @@ def _traced(run: Any) -> tuple[int, int]:
     return peak, arrays[0]
 
 
-def heat_rows(lengths: list[int], size: int, limit: str, traced_up_to: int) -> list[dict]:
+def _median_time(fn: Any, repeats: int) -> tuple[float, Any]:
+    runs = [_timed(fn) for _ in range(repeats)]
+    return float(np.median([t for t, _ in runs])), runs[-1][1]
+
+
+def heat_rows(lengths: list[int], size: int, limit: str, traced_up_to: int,
+              repeats: int = 1, repeated_up_to: int = 5000) -> list[dict]:
+    """Median of `repeats` runs for lengths up to `repeated_up_to`, one run beyond."""
     from checkpoint_ad.strategies import Budget, KeepAll
     from checkpoint_ad.strategies.budget import parse_bytes
 
     rows = []
     _heat(50, KeepAll(), size)  # warm
     for steps in lengths:
-        keep_s, reference = _timed(lambda s=steps: _heat(s, KeepAll(), size))
+        n = repeats if steps <= repeated_up_to else 1
+        keep_s, reference = _median_time(lambda s=steps: _heat(s, KeepAll(), size), n)
         budget = Budget(limit)
-        seconds, grads = _timed(lambda s=steps, b=budget: _heat(s, b, size))
+        seconds, grads = _median_time(lambda s=steps, b=budget: _heat(s, b, size), n)
         pool = budget._pool()  # the thread's eviction pool
-        row = {"name": f"heat {steps} steps", "seconds": seconds, "repeats": 1, "extras": {
+        row = {"name": f"heat {steps} steps", "seconds": seconds, "repeats": n, "extras": {
             "steps": steps, "keep_all_seconds": keep_s, "over_keep_all": seconds / keep_s,
             "same_grads": all(np.array_equal(a, b) for a, b in zip(grads, reference))}}
         if pool is not None:
@@ -166,7 +174,8 @@ def rnn_row(steps: int, batch: int, hidden: int, fraction: float) -> dict:
 def scaling(params: dict, threads: int) -> dict[str, Any]:
     """The suite's job: the heat rows, then the RNN row."""
     rows = heat_rows(list(params["steps"]), params["size"], params["limit"],
-                     params["traced_up_to"])
+                     params["traced_up_to"], params.get("repeats", 1),
+                     params.get("repeated_up_to", 5000))
     rnn = params["rnn"]
     rows.append(rnn_row(rnn["steps"], rnn["batch"], rnn["hidden"], rnn["fraction"]))
     return {"rows": rows}

@@ -65,7 +65,7 @@ SIZES: dict[str, dict[str, Any]] = {
                      WIDE_RNN: {"steps": 256, "batch": 64, "hidden": 256, "input": 256},
                      "repeats": 15},
         "dtr": {"steps": (1000, 2000, 5000, 10000, 20000), "size": 1024, "limit": "2MiB",
-                "traced_up_to": 20000,
+                "traced_up_to": 20000, "repeats": 5, "repeated_up_to": 5000,
                 "rnn": {"steps": 200, "batch": 64, "hidden": 256, "fraction": 0.25}},
     },
     "quick": {
@@ -91,6 +91,7 @@ SIZES: dict[str, dict[str, Any]] = {
                      WIDE_RNN: {"steps": 32, "batch": 64, "hidden": 256, "input": 256},
                      "repeats": 5},
         "dtr": {"steps": (200, 400), "size": 256, "limit": "256KiB", "traced_up_to": 400,
+                "repeats": 3,
                 "rnn": {"steps": 32, "batch": 16, "hidden": 64, "fraction": 0.25}},
     },
 }
