@@ -15,7 +15,7 @@ from .profiler_overhead import WIDE_RNN
 from .table import Ratio
 
 BENCHMARKS = ("tape", "rnn", "inference", "mlp", "heat", "quantize", "plan", "offload",
-              "budget", "profiler", "transformer")
+              "budget", "profiler", "transformer", "dtr")
 
 DESCRIPTIONS = {
     "tape": "tape overhead: a chain of small elementwise ops, forward+backward",
@@ -30,6 +30,7 @@ DESCRIPTIONS = {
     "profiler": "what profiling costs: plain, profile(), profile(device_memory=True)",
     "transformer": "GPT layer activations per layer (Korthikanti et al. 2022): none / "
                    "selective / full recomputation against the derived formula, and time",
+    "dtr": "Python-loop heat under Budget(2MiB), 1k-20k steps, and the RNN at 25%: DTR scaling",
 }
 
 SIZES: dict[str, dict[str, Any]] = {
@@ -67,6 +68,9 @@ SIZES: dict[str, dict[str, Any]] = {
                      "repeats": 15},
         "transformer": {"seqs": (64, 128, 192, 256), "widths": (256, 512), "heads": 8,
                         "batch": 4, "layers": 4, "repeats": 7},
+        "dtr": {"steps": (1000, 2000, 5000, 10000, 20000), "size": 1024, "limit": "2MiB",
+                "traced_up_to": 20000, "repeats": 5, "repeated_up_to": 5000,
+                "rnn": {"steps": 200, "batch": 64, "hidden": 256, "fraction": 0.25}},
     },
     "quick": {
         "tape": {"size": 16, "ops": 2000, "repeats": 3},
@@ -92,6 +96,9 @@ SIZES: dict[str, dict[str, Any]] = {
                      "repeats": 5},
         "transformer": {"seqs": (32, 64, 96, 128), "widths": (128,), "heads": 8,
                         "batch": 4, "layers": 3, "repeats": 3},
+        "dtr": {"steps": (200, 400), "size": 256, "limit": "256KiB", "traced_up_to": 400,
+                "repeats": 3,
+                "rnn": {"steps": 32, "batch": 16, "hidden": 64, "fraction": 0.25}},
     },
 }
 
@@ -284,5 +291,7 @@ def jobs(quick: bool, only: set[str] | None = None) -> list[Job]:
                                  "breakdown", "profiler_breakdown:breakdown",
                                  _small_programs(sizes["profiler"]))],
         "transformer": lambda: _transformer(sizes["transformer"]),
+        "dtr": lambda: [Job("dtr", "heat in a Python loop under Budget, and the RNN",
+                            "scaling", "dtr_scaling:scaling", sizes["dtr"])],
     }
     return [job for name in BENCHMARKS if only is None or name in only for job in makers[name]()]

@@ -12,11 +12,19 @@ for bit those of keeping everything.
 Choices this module makes, where the paper leaves room:
 
 - `c(t)` is a static estimate (elements read and written; multiply-adds for matmul) plus the
-  estimates of the ancestors its recompute would also need because they are not in memory
-  (unsaved intermediate results, and evicted saved values): the ancestor half of the paper's
-  evicted neighbourhood ``e*(t)``, walked over saved values only (at most 32). Staleness
-  counts ticks of a logical clock (one per recorded primitive and per unpack), not wall time,
-  so evictions do not depend on timing noise.
+  estimates of the unsaved intermediate results its recompute needs (never in memory by the
+  time they are needed) and of its evicted neighbourhood ``e*(t)``, as the paper's
+  ``h_DTR-eq`` approximates it: evicted saved values are joined with their evicted
+  neighbours (the saved values they read, and those that read them, at most 8 of each) into
+  classes kept by union-find, each with its members' summed cost, and ``e*(t)`` is the sum
+  over the distinct classes next to `t`. A value brought back leaves its class (whose cost
+  drops by its own; classes are not split). Staleness counts ticks of a logical clock (one
+  per recorded primitive and per unpack), not wall time, so evictions do not depend on
+  timing noise.
+- Choosing what to evict scores a sample of about sqrt(n) of the n evictable held values
+  (as DTR's own implementation does), drawn by a generator seeded per pool, so one eviction
+  costs O(sqrt n) whatever the length of the program, and a run evicts the same values
+  every time. `scored` counts the values scored.
 - Only values that have a recipe can be evicted: results of primitives recorded under this
   pool. Values saved by custom functions or loops, or made before the block, are held until
   their entries are freed. Leaves (parameters, input data) are saved by reference (`KEEP`):
@@ -40,6 +48,8 @@ bytes back on the tape, or None for a value no saved buffer holds). Each re-run 
 
 from __future__ import annotations
 
+import math
+import random
 import warnings
 import weakref
 from collections.abc import Callable
@@ -62,15 +72,16 @@ from ..saved import KEEP, Strategy
 
 __all__ = ["Rematerializing"]
 
-_ANCESTOR_WALK = 32  # the most saved ancestors one cost estimate visits
+_NEIGHBOURS = 8  # the most saved values a value remembers reading, and being read by
+_SAMPLE_FLOOR = 8  # evictions score at least this many candidates (all, if fewer)
 
 
 class _Value:
     """How one primitive result is made again: the primitive, its attributes, its inputs
     (other `_Value`s, or `_Fixed` arrays with no recipe), and where its array is now."""
 
-    __slots__ = ("__weakref__", "attrs", "chain", "counter", "dtype", "frontier", "handle",
-                 "inputs", "pool", "prim", "ref", "shape", "version")
+    __slots__ = ("__weakref__", "attrs", "chain", "cls", "counter", "dtype", "frontier",
+                 "handle", "inputs", "pool", "prim", "ref", "shape", "users", "version")
 
     def __init__(self, pool: Rematerializing, prim: Any, attrs: dict[str, Any],
                  inputs: tuple[Any, ...], result: Any, cost: float) -> None:
@@ -79,7 +90,7 @@ class _Value:
         self.attrs = attrs
         self.inputs = inputs
         array = result._data
-        self.shape = tuple(array.shape)
+        self.shape = pool._shapes.setdefault(array.shape, array.shape)
         self.dtype = array.dtype
         self.ref: Callable[[], Any] = weakref.ref(array)
         self.counter = result._version  # the array is this value while the counter stands
@@ -87,18 +98,24 @@ class _Value:
         self.handle: Callable[[], Any] | None = None  # weakref of the handle that saves it
         # Cost estimates see the graph of saved values only: `chain` is this primitive's cost
         # plus that of the unsaved results it reads (never in memory by the time they are
-        # needed), recursively; `frontier` the saved values those read.
+        # needed), recursively; `frontier` the saved values those read (the nearest
+        # `_NEIGHBOURS`: a running sum's would otherwise grow with every step). `users`: weak
+        # references to the saved values that have this one in their frontier; `cls`: this
+        # value's class of evicted neighbours while it is evicted (see `_Class`).
         self.chain = cost
-        frontier: dict[int, _Value] = {}
+        frontier: list[_Value] = []
         for source in inputs:
             if type(source) is not _Value:
                 continue
             if source.handle is not None:
-                frontier[id(source)] = source
+                _add_neighbour(frontier, source)
             else:
                 self.chain += source.chain
-                frontier.update((id(f), f) for f in source.frontier)
-        self.frontier = tuple(frontier.values())
+                for f in source.frontier:
+                    _add_neighbour(frontier, f)
+        self.frontier = tuple(frontier)
+        self.users: list[weakref.ref[_Value]] | None = None
+        self.cls: _Class | None = None
 
     def present(self) -> Any:
         """The array if it is still in memory unchanged (held, or alive in the caller's
@@ -107,6 +124,65 @@ class _Value:
         if array is None or self.counter.value != self.version:
             return None
         return array
+
+
+def _add_neighbour(frontier: list[_Value], value: _Value) -> None:
+    if len(frontier) < _NEIGHBOURS and value not in frontier:
+        frontier.append(value)
+
+
+class _Class:
+    """A class of evicted values that recompute together (DTR's equivalence classes): a
+    union-find node; the root's `cost` is the summed cost of the members."""
+
+    __slots__ = ("cost", "parent")
+
+    def __init__(self, cost: float) -> None:
+        self.cost = cost
+        self.parent: _Class | None = None
+
+
+def _find(node: _Class) -> _Class:
+    """The root of `node`'s class (path halving: amortized near-constant time)."""
+    while node.parent is not None:
+        parent = node.parent
+        if parent.parent is not None:
+            node.parent = parent.parent
+        node = parent
+    return node
+
+
+class _ByArray:
+    """id(array) -> the `_Value` that is that array, weakly (a WeakValueDictionary that also
+    gives its table's room back once the last value is gone: a pool outlives its programs,
+    and a dict keeps the size it grew to)."""
+
+    __slots__ = ("__weakref__", "data", "remove")
+
+    def __init__(self) -> None:
+        self.data: dict[int, weakref.KeyedRef] = {}
+        selfref = weakref.ref(self)
+
+        def remove(ref: weakref.KeyedRef, selfref: weakref.ref[_ByArray] = selfref) -> None:
+            table = selfref()
+            if table is not None:
+                data = table.data
+                if data.get(ref.key) is ref:
+                    del data[ref.key]
+                    if not data:
+                        table.data = {}
+
+        self.remove = remove
+
+    def get(self, key: int) -> _Value | None:
+        ref = self.data.get(key)
+        return ref() if ref is not None else None
+
+    def __setitem__(self, key: int, value: _Value) -> None:
+        self.data[key] = weakref.KeyedRef(value, self.remove, key)
+
+    def __len__(self) -> int:
+        return len(self.data)
 
 
 class _Fixed:
@@ -124,7 +200,7 @@ class _Handle:
     """What a saved buffer stores under the pool: the array while the pool holds it, and
     the value that makes it again once evicted (None: no recipe, never evicted)."""
 
-    __slots__ = ("__weakref__", "array", "last", "nbytes", "pool", "value")
+    __slots__ = ("__weakref__", "array", "index", "last", "nbytes", "pool", "value")
 
     def __init__(self, pool: Rematerializing, array: Any, nbytes: int, now: int) -> None:
         self.pool = pool
@@ -132,6 +208,7 @@ class _Handle:
         self.nbytes = nbytes
         self.last = now
         self.value: _Value | None = None
+        self.index = -1  # its place among the pool's evictable handles, -1: not there
 
     def __del__(self) -> None:  # the buffer died: its bytes leave the pool
         if self.array is not None:
@@ -183,11 +260,19 @@ class Rematerializing(Strategy):
         self._warned = False  # passed the limit, for the bytes reserved, since `mark()`
         self.evictions = 0
         self.rematerializations = 0  # primitives re-run to bring values back
+        self.scored = 0  # candidates scored to choose evictions (about sqrt(held) each)
         self._clock = 0
-        self._held: dict[int, weakref.ref[_Handle]] = {}  # id -> held handle
-        self._fresh: list[weakref.ref[_Handle]] = []  # packed since the last record
+        # the held handles with a recipe, in no order: a list, so that a sample is drawn and
+        # one is taken out (moving the last into its place) in constant time
+        self._evictable: list[weakref.ref[_Handle]] = []
+        self._random = random.Random(0)
+        # id(array) -> {id(handle): handle} of the held handles that share it (a value saved
+        # by two primitives): its bytes are counted once, and evicting it evicts them all
+        self._holders: dict[int, dict[int, weakref.ref[_Handle]]] = {}
+        self._fresh: list[weakref.ref[_Handle]] = []
+        self._shapes: dict[tuple[int, ...], tuple[int, ...]] = {}  # one tuple per shape
         # id(array) -> the value it is (checked by identity: ids of dead arrays are reused)
-        self._by_array: weakref.WeakValueDictionary[int, _Value] = weakref.WeakValueDictionary()
+        self._by_array = _ByArray()
 
     def __repr__(self) -> str:
         return f"Rematerializing(limit_bytes={self.limit_bytes})"
@@ -199,8 +284,9 @@ class Rematerializing(Strategy):
     def pack(self, array: Any) -> _Handle:
         size = array_nbytes(array)
         self._clock += 1
-        if self.held_bytes + size > self.limit_bytes - self._reserved_bytes():
-            self._make_room(size, locked=None, strict=True)
+        adds = 0 if id(array) in self._holders else size  # held already: counted once
+        if self.held_bytes + adds > self.limit_bytes - self._reserved_bytes():
+            self._make_room(adds, locked=None, strict=True)
         handle = _Handle(self, array, size, self._clock)
         self._hold(handle)
         value = self._by_array.get(id(array))
@@ -209,6 +295,7 @@ class Rematerializing(Strategy):
         else:  # maybe the output of the primitive being recorded: `recorded` will tell
             self._fresh.append(weakref.ref(handle))
         return handle
+
 
     def unpack(self, stored: _Handle) -> Any:
         self._clock += 1
@@ -237,7 +324,9 @@ class Rematerializing(Strategy):
         fresh, self._fresh = self._fresh, []
         for ref in fresh:
             handle = ref()
-            if handle is not None and handle.value is None and handle.array is result._data:
+            if handle is None or handle.value is not None or handle.array is None:
+                continue
+            if handle.array is result._data:
                 _attach(handle, value)
 
     def _value_of(self, entry: Any) -> _Value | None:
@@ -250,8 +339,15 @@ class Rematerializing(Strategy):
 
     # ------------------------------------------------------------- holding and evicting
     def _hold(self, handle: _Handle) -> None:
-        self._held[id(handle)] = weakref.ref(handle)
-        self.held_bytes += handle.nbytes
+        if handle.value is not None:
+            self._add_evictable(handle)
+        key = id(handle.array)
+        holders = self._holders.get(key)
+        if holders is None:
+            self._holders[key] = {id(handle): weakref.ref(handle)}
+            self.held_bytes += handle.nbytes
+        else:
+            holders[id(handle)] = weakref.ref(handle)
         if self.held_bytes > self.peak_since_mark:
             self.peak_since_mark = self.held_bytes
             if self.held_bytes > self.peak_bytes:
@@ -267,25 +363,85 @@ class Rematerializing(Strategy):
         self.peak_since_mark = self.held_bytes
         self._warned = False
 
+    def _add_evictable(self, handle: _Handle) -> None:
+        if handle.index < 0:
+            handle.index = len(self._evictable)
+            self._evictable.append(weakref.ref(handle))
+
+    def _drop_evictable(self, handle: _Handle) -> None:
+        index = handle.index
+        if index < 0:
+            return
+        handle.index = -1
+        last = self._evictable.pop()
+        if index < len(self._evictable):
+            self._evictable[index] = last
+            moved = last()
+            if moved is not None:
+                moved.index = index
+
     def _let_go(self, handle: _Handle) -> None:
-        if self._held.pop(id(handle), None) is not None:
-            self.held_bytes -= handle.nbytes
+        self._drop_evictable(handle)
+        if handle.array is not None:
+            key = id(handle.array)
+            holders = self._holders.get(key)
+            if holders is not None:
+                holders.pop(id(handle), None)
+                if not holders:
+                    del self._holders[key]
+                    self.held_bytes -= handle.nbytes
+                    if not self._holders:
+                        self._shrink()
         handle.array = None
+
+    def _shrink(self) -> None:
+        """Nothing is held: drop the tables' room (a dict keeps the size it grew to)."""
+        self._holders = {}
+        self._shapes = {}
+
+    def _victim(self, locked: _Handle | None) -> _Handle | None:
+        """The evictable held handle of lowest score among about sqrt(n) drawn of the n
+        (all of them when n is small); None when there is none but `locked`."""
+        evictable = self._evictable
+        n = len(evictable)
+        draws = n if n <= _SAMPLE_FLOOR else max(_SAMPLE_FLOOR, math.isqrt(n) + 1)
+        best: _Handle | None = None
+        best_score = math.inf
+        for i in range(draws):
+            handle = evictable[i if draws == n else self._random.randrange(n)]()
+            if handle is None or handle is locked or not self._frees(handle, locked):
+                continue
+            score = self._score(handle)
+            if best is None or score < best_score:
+                best, best_score = handle, score
+        self.scored += draws
+        if best is None and draws < n:  # drew none that frees memory: look at all
+            best = next((h for h in (r() for r in evictable) if h is not None
+                         and h is not locked and self._frees(h, locked)), None)
+        return best
+
+    def _frees(self, handle: _Handle, locked: _Handle | None) -> bool:
+        """Whether evicting `handle` with the others that hold its array frees it: none of
+        them is without a recipe, or `locked`."""
+        holders = self._holders.get(id(handle.array))
+        if holders is None or len(holders) == 1:
+            return True
+        for ref in holders.values():
+            other = ref()
+            if other is not None and (other.value is None or other is locked):
+                return False
+        return True
 
     def _make_room(self, size: int, locked: _Handle | None, strict: bool) -> None:
         """Evict until `size` more bytes fit (DTR: lowest cost / (bytes * staleness) first).
         `strict`: raise `BudgetError` when they cannot; else go over the limit."""
-        candidates = []
-        for ref in list(self._held.values()):
-            handle = ref()
-            if handle is not None and handle.value is not None and handle is not locked:
-                candidates.append(handle)
-        scores = {id(h): self._score(h) for h in candidates}
-        candidates.sort(key=lambda h: scores[id(h)], reverse=True)
         reserved = self._reserved_bytes()
         limit = self.limit_bytes - reserved
-        while self.held_bytes + size > limit and candidates:
-            self._evict(candidates.pop())
+        while self.held_bytes + size > limit:
+            victim = self._victim(locked)
+            if victim is None:
+                break
+            self._evict(victim)
         if self.held_bytes + size > limit and strict and reserved and (
                 self.held_bytes + size <= self.limit_bytes):
             # the budget's loops took the room: over the budget this once (the budget plans
@@ -310,15 +466,29 @@ class Rematerializing(Strategy):
             )
 
     def _score(self, handle: _Handle) -> float:
-        """DTR's h(t) = c(t) / (m(t) * s(t)), with c(t) including the absent ancestors."""
+        """DTR's h(t) = c(t) / (m(t) * s(t)), with c(t) including the evicted
+        neighbourhood (h_DTR-eq)."""
         value = handle.value
         assert value is not None  # only handles with a recipe are scored
-        cost = value.chain + _absent_ancestors_cost(value)
+        cost = value.chain + _neighbourhood_cost(value)
         staleness = self._clock - handle.last + 1
         return cost / (max(handle.nbytes, 1) * staleness)
 
     def _evict(self, handle: _Handle) -> None:
+        holders = self._holders.get(id(handle.array))
+        if holders is not None and len(holders) > 1:  # the others sharing its array go too
+            for ref in list(holders.values()):
+                other = ref()
+                if other is not None and other is not handle:
+                    self._let_go(other)
+                    self._emit_evict(other)
         self._let_go(handle)
+        self._emit_evict(handle)
+        value = handle.value
+        if value is not None and value.cls is None and value.present() is None:
+            _join_evicted(value)
+
+    def _emit_evict(self, handle: _Handle) -> None:
         self.evictions += 1
         if events.listeners:
             events.emit("evict", handle)
@@ -354,6 +524,8 @@ class Rematerializing(Strategy):
             value.ref = weakref.ref(array)
             self._by_array[id(array)] = value
             value.version = value.counter.value  # a fresh array of the original value
+            if value.cls is not None:
+                _leave_evicted(value)
             self.rematerializations += 1
             if value is root:
                 saver: _Handle | None = target
@@ -381,8 +553,57 @@ class Rematerializing(Strategy):
 def _attach(handle: _Handle, value: _Value) -> None:
     """`handle` saves `value`: it can be evicted, and a recompute of `value` holds it again."""
     handle.value = value
+    if handle.array is not None:
+        value.pool._add_evictable(handle)
+    if value.handle is None:  # saved for the first time: its saved inputs learn of it
+        ref = weakref.ref(value)
+        for source in value.frontier:
+            if source.users is None:
+                source.users = [ref]
+            elif len(source.users) < _NEIGHBOURS:
+                source.users.append(ref)
     if value.handle is None or value.handle() is None:
         value.handle = weakref.ref(handle)
+
+
+def _evicted_neighbours(value: _Value) -> list[_Class]:
+    """The distinct classes of `value`'s evicted neighbours (at most 2 x `_NEIGHBOURS`)."""
+    roots: list[_Class] = []
+    for source in value.frontier:
+        if source.cls is not None:
+            root = _find(source.cls)
+            if root not in roots:
+                roots.append(root)
+    for ref in value.users or ():
+        user = ref()
+        if user is not None and user.cls is not None:
+            root = _find(user.cls)
+            if root not in roots:
+                roots.append(root)
+    return roots
+
+
+def _neighbourhood_cost(value: _Value) -> float:
+    """Estimated cost of the evicted values a recompute of `value` (or of what reads it)
+    would also run: the summed costs of the classes next to it."""
+    return sum(root.cost for root in _evicted_neighbours(value))
+
+
+def _join_evicted(value: _Value) -> None:
+    """`value` is no longer in memory: it joins the classes of its evicted neighbours."""
+    node = value.cls = _Class(value.chain)
+    for root in _evicted_neighbours(value):
+        if root is not node:
+            root.parent = node
+            node.cost += root.cost
+
+
+def _leave_evicted(value: _Value) -> None:
+    """`value` is in memory again: its class no longer counts its cost (the class is not
+    split, as in h_DTR-eq)."""
+    root = _find(value.cls)
+    root.cost = max(root.cost - value.chain, 0.0)
+    value.cls = None
 
 
 def _plan(root: _Value) -> tuple[list[_Value], dict[int, Any]]:
@@ -440,22 +661,6 @@ def _run(value: _Value, args: list[Any]) -> Any:
             "a primitive's forward must depend only on its arrays and attributes"
         )
     return out
-
-
-def _absent_ancestors_cost(value: _Value) -> float:
-    """Estimated cost of the saved ancestors `value`'s recompute would need that are not in
-    memory, with their unsaved inputs (a bounded walk: far ancestors matter little)."""
-    total = 0.0
-    stack = list(value.frontier)
-    seen: set[int] = set()
-    while stack and len(seen) < _ANCESTOR_WALK:
-        source = stack.pop()
-        if id(source) in seen or source.present() is not None:
-            continue
-        seen.add(id(source))
-        total += source.chain
-        stack.extend(source.frontier)
-    return total
 
 
 def _cost(prim: Any, inputs: tuple[Any, ...], result: Any) -> float:
