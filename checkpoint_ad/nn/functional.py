@@ -91,6 +91,11 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
             "do not fit; the weight is (out_features, in_features) and the input's last axis "
             "must equal in_features"
         )
+    if x.ndim > 2:  # one 2-D product, as PyTorch does: a batched one's weight gradient
+        # would make a (..., in, out) product per leading index before summing them
+        lead = tuple(x.shape[:-1])
+        flat = ops.reshape(x, (-1, x.shape[-1]))
+        return ops.reshape(linear(flat, weight, bias), (*lead, weight.shape[0]))
     out = ops.matmul(x, ops.matrix_transpose(weight))
     return out if bias is None else out + bias
 

@@ -67,9 +67,9 @@ class Buffer:
     first counted as owned; `level_size`: bytes counted on an off-device level; `fields`: set
     once a record classified it (later records list these)."""
 
-    __slots__ = ("array_id", "born_at", "born_size", "by_reference", "counted", "evicted",
-                 "fields", "level", "level_size", "owned", "root_id", "serial", "size",
-                 "stored")
+    __slots__ = ("alias_born", "alias_id", "array_id", "born_at", "born_size", "by_reference",
+                 "counted", "evicted", "fields", "level", "level_size", "owned", "root_id",
+                 "serial", "size", "stored")
 
     def __init__(self, serial: int, by_reference: bool, stored: int, where: Any) -> None:
         self.serial = serial
@@ -85,6 +85,8 @@ class Buffer:
         self.level_size: int | None = None
         self.evicted: int | None = None
         self.fields: tuple[Any, ...] | None = None
+        self.alias_id: int | None = None  # the caller's array it holds, counted as an alias
+        self.alias_born = 0  # `Accountant.alias_clock` when counted as an alias
 
 
 class Accountant:
@@ -116,6 +118,12 @@ class Accountant:
         self.rematerializations = 0
         self.described: dict[int, tuple[Any, list[Any]]] = {}  # id(step) -> its instructions
         self.roots: dict[int, int] = {}  # id(array) -> live owned buffers holding it
+        # the same for the caller's arrays saved by reference (a parameter saved by every
+        # step counts once), and what was alive at the aliases' peak, as for the tape's
+        self.alias_roots: dict[int, int] = {}
+        self.alias_clock = 0
+        self.alias_peak_at = 0
+        self.alias_freed_since_peak: list[int] = []
         self.buffers: dict[int, Buffer] = {}  # serial -> the buffers not yet dead
         self.pending: dict[int, Buffer] = {}  # serial -> buffer by reference, unclaimed
         self.packed: list[Buffer] = []  # packed since the latest other event: counted there
@@ -184,6 +192,7 @@ class Accountant:
         settle_raw(profile, self.records, self.points, self.started)
         if self.ended and (field is None or field in JUDGED):
             fields.pop("_fill", None)
+            fields["_alias_buffers"].update(self._aliases_at_peak())
             judge_buffers(self.originals, self.packed_originals, self.released,
                           self._at_peak(), profile)
 
@@ -212,11 +221,34 @@ class Accountant:
                 if held:
                     size = 0
                 self.roots[root_id] = held + 1
+            else:
+                size = self._alias(t, size)
         elif t.level != "device":  # offloaded: counted on its level, not in the tape bytes
             t.level_size = size
             self._add_level(t.level, size)  # type: ignore[arg-type]
             size = 0
         self._counted(t, owned, size, root_id)
+
+    def _alias(self, t: Buffer, size: int) -> int:
+        """Count a buffer holding the caller's array: its bytes once per array alive."""
+        alias_id = t.alias_id = t.array_id
+        held = self.alias_roots.get(alias_id, 0)  # type: ignore[arg-type]
+        self.alias_roots[alias_id] = held + 1  # type: ignore[index]
+        self.alias_clock += 1
+        t.alias_born = self.alias_clock
+        return 0 if held else size
+
+    def _unalias(self, t: Buffer) -> None:
+        alias_id = t.alias_id
+        if alias_id is None:
+            return
+        t.alias_id = None
+        if self.alias_roots[alias_id] == 1:
+            del self.alias_roots[alias_id]
+        else:
+            self.alias_roots[alias_id] -= 1
+        if t.size and t.alias_born <= self.alias_peak_at:
+            self.alias_freed_since_peak.extend((t.serial, t.size))
 
     def _counted(self, t: Buffer, owned: bool, size: int, root_id: int | None) -> None:
         t.counted, t.owned, t.size, t.root_id = True, owned, size, root_id
@@ -235,6 +267,8 @@ class Accountant:
             self.live_aliased += size
             if self.live_aliased > self.aliased_peak:
                 self.aliased_peak = self.live_aliased
+                self.alias_peak_at = self.alias_clock
+                self.alias_freed_since_peak.clear()
 
     def _add_level(self, level: str, size: int) -> None:
         live = self.level_live[level] = self.level_live.get(level, 0) + size
@@ -290,6 +324,8 @@ class Accountant:
                 return
         if t.by_reference and self.pending.pop(t.serial, None) is not None:
             t.fields = fields  # its first record: counted as it classified it
+            if not owned and view is not None:  # a view of the caller's array: that array
+                t.array_id = view[1]
             self._count(t, owned, fields[3])
             if owned and view is not None:
                 self._note_view(t, view)
@@ -322,6 +358,14 @@ class Accountant:
         self.primitives += count
         if self.phase == "recompute":
             self.recomputed += count
+
+    def _aliases_at_peak(self) -> dict[str, int]:
+        """Serial -> bytes counted of the caller's arrays alive at the aliases' peak."""
+        freed = self.alias_freed_since_peak
+        at = {str(s): size for s, size in zip(freed[0::2], freed[1::2])}
+        at.update((str(t.serial), t.size) for t in self.buffers.values()
+                  if t.alias_id is not None and t.size and t.alias_born <= self.alias_peak_at)
+        return at
 
     def _at_peak(self) -> list[tuple[int, int]]:
         """(serial, bytes) of the owned buffers alive at the tape's peak."""
@@ -388,6 +432,7 @@ class Accountant:
                 self.freed_since_peak.extend((serial, t.born_size))
         else:
             self.live_aliased -= size
+            self._unalias(t)
             if t.born_at is not None:  # owned when counted: listed at the peak as such
                 self.freed_reclassified.append((t.born_at, t.serial, t.born_size))
         root_id = t.root_id

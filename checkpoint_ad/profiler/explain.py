@@ -15,11 +15,13 @@ keep alive. Each saved buffer is put in exactly one cause, counted once, over th
 - "bases kept alive by saved views": a saved slice keeps its whole base array alive.
 - "saved by <strategy> (owned)": what the tape alone keeps: what a strategy can save.
 - "loop snapshots and region inputs": owned buffers no entry recorded (`scan`, `checkpoint`).
-- "aliases of your live arrays": parameters and input slices saved by reference (free).
+- "aliases of your live arrays": parameters and input slices saved by reference (free): each
+  array once, those alive together at their peak (the lines sum to the total).
 
-Then the memory no strategy touches: parameters, their gradients (estimated: one per
-parameter), and what the process's RSS grew beyond tracemalloc's measure (the allocator,
-libraries). Figures are bytes; a cause lists the source lines that saved the most of it.
+Then the memory no strategy touches: parameters (the leaves' arrays alive at the block's end),
+their gradients (the `.grad` arrays then), and what the process's RSS grew beyond
+tracemalloc's measure (the allocator, libraries). Figures are bytes; a cause lists the source
+lines that saved the most of it.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ class Explanation:
     snapshots: int = 0
     aliases: int = 0
     parameters: int = 0
-    gradients: int = 0  # estimated: one gradient the size of each parameter
+    gradients: int = 0  # measured (the leaves' .grad arrays), or one per parameter in old files
     beyond_tracemalloc: int | None = None  # RSS growth not seen by tracemalloc
     peak_tape_bytes: int = 0
 
@@ -79,7 +81,7 @@ class Explanation:
         mib = 2**20
         rows = [(c.name, c.bytes) for c in self.causes]
         rows += [("parameters (no strategy touches)", self.parameters),
-                 ("gradients (estimated, one per parameter)", self.gradients)]
+                 ("gradients (your leaves' .grad arrays)", self.gradients)]
         if self.beyond_tracemalloc is not None:
             rows.append(("RSS growth beyond tracemalloc", self.beyond_tracemalloc))
         width = max(len(name) for name, _ in rows)
@@ -137,9 +139,9 @@ def explain(profile: Any, top: int = 3) -> Explanation:
         else:
             add(f"saved by {r.strategy or 'the tape'} (owned)", size, r)
             owned[r.strategy or "unknown"] += size
-    for r in first.values():  # aliases: lines from every record, bytes at their peak
-        if not r.owned:
-            lines[ALIASES][r.origin] += r.stored_bytes
+    for serial, size in profile.alias_buffers.items():  # aliases alive at their peak
+        r = first.get(int(serial))
+        lines[ALIASES][r.origin if r is not None else "<no entry: loop or region>"] += size
     if profile.aliased_bytes:
         totals[ALIASES] = profile.aliased_bytes
     snapshots = totals.get(SNAPSHOTS, 0)
@@ -161,7 +163,8 @@ def explain(profile: Any, top: int = 3) -> Explanation:
         snapshots=snapshots,
         aliases=totals.get(ALIASES, 0),
         parameters=profile.leaf_bytes,
-        gradients=profile.leaf_bytes,
+        gradients=(profile.leaf_bytes if profile.gradient_bytes is None
+                   else profile.gradient_bytes),
         beyond_tracemalloc=beyond,
         peak_tape_bytes=profile.peak_tape_bytes,
     )

@@ -71,7 +71,8 @@ def _origin(frame: tuple[Any, int]) -> str:
 
 
 # the profile's fields `judge_buffers` fills (as `records._Filled` keeps them)
-JUDGED = frozenset({"_peak_buffers", "_kept_by_caller", "_originals_kept", "_also_kept"})
+JUDGED = frozenset({"_peak_buffers", "_kept_by_caller", "_originals_kept", "_also_kept",
+                    "_alias_buffers"})
 
 
 def judge_buffers(originals: dict[int, Any], packed: set[int], released: set[int],

@@ -89,6 +89,11 @@ class _Recorder:
         self.kept_fields: dict[Any, dict[Any, tuple[Any, ...]]] = {}
         self.leaf_kinds: dict[type, bool] = {}  # type of an entry's input node -> a leaf's?
         self.leaves_learned = 0  # leaf arrays learned so far (`_describe`'s remembered answers)
+        # id(root array) -> (weakref, bytes) of each leaf's memory, and id(tensor) -> weakref
+        # of the leaf tensors seen: parameters and gradients are those still alive at the end
+        # (a planned loop's re-run steps make leaves of their own, which die with the loop)
+        self.leaf_root_bytes: dict[int, tuple[Any, int]] = {}
+        self.leaf_tensors: dict[int, Any] = {}
         self.backward_depth = 0
         self.recompute_depth = 0
         self.phase = "forward"
@@ -195,7 +200,9 @@ class _Recorder:
         facts = t.facts
         if facts is None:
             facts = t.facts = self._fields(buffer, array)
-        view = self._view(buffer, root) if owned and root is not array else None
+        view = None
+        if root is not array:  # the caller's view: its root names the array, counted once
+            view = self._view(buffer, root) if owned else (-1, id(root), 0)
         t.seen = (self.leaves_learned, unedged, owned, view)
         return t.serial, role, owned, view, facts
 
@@ -221,8 +228,8 @@ class _Recorder:
         root = _root(array)
         known = self.leaf_roots.get(id(root))
         if known is None or known() is not root:  # new, or its id reused
-            self.leaf_roots[id(root)] = weakref.ref(root)
-            self.profile.leaf_bytes += int(getattr(root, "nbytes", 0))
+            ref = self.leaf_roots[id(root)] = weakref.ref(root)
+            self.leaf_root_bytes[id(root)] = (ref, int(getattr(root, "nbytes", 0)))
             self.leaves_learned += 1
         if root is not array:  # a view of one (a transposed weight): known by id next time
             self.leaf_roots[id(array)] = weakref.ref(array)
@@ -238,6 +245,7 @@ class _Recorder:
                 known = leaf_roots.get(id(array))
                 if known is None or known() is not array:
                     self._learn_leaf(array)
+                    self.leaf_tensors[id(node)] = weakref.ref(node)
 
     def _is_leaf_kind(self, node: Any) -> bool:
         """Whether an entry's input node of this type is a leaf tensor (remembered per type:
@@ -537,6 +545,23 @@ class _Recorder:
             ended - self.started - profile.backward_seconds - profile.plan_seconds, 0.0)
         profile.device_peak_bytes = self.probe.stop()
         self._sample_rss()
+        self._count_leaves()
+
+    def _count_leaves(self) -> None:
+        """Parameters: the bytes of the leaves' arrays still alive as the block ends, each
+        counted once (not the leaves a loop made to re-run its steps from snapshots, which
+        die with it); gradients: the distinct `.grad` arrays of the leaf tensors still alive."""
+        profile = self.profile
+        profile.leaf_bytes = sum(size for ref, size in self.leaf_root_bytes.values()
+                                 if ref() is not None)
+        grads: dict[int, int] = {}
+        for ref in self.leaf_tensors.values():
+            leaf = ref()
+            grad = getattr(leaf, "grad", None) if leaf is not None else None
+            if grad is not None:
+                array = _root(getattr(grad, "_data", grad))
+                grads[id(array)] = int(getattr(array, "nbytes", 0))
+        profile.gradient_bytes = sum(grads.values())
 
 
 def _plan(step: Any) -> tuple[tuple[int, tuple[int, ...], tuple[Any, ...]], ...]:

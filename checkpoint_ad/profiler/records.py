@@ -135,8 +135,14 @@ class Profile:
     kept_by_caller: list[int] = _Filled()  # type: ignore[assignment]
     originals_kept: list[int] = _Filled()  # type: ignore[assignment]
     also_kept: list[int] = _Filled()  # type: ignore[assignment]  # more buffers of one array
+    # the caller's arrays saved by reference alive at `aliased_bytes`'s peak: bytes counted
+    # of each (an array saved by several buffers counts at one), by buffer number
+    alias_buffers: dict[str, int] = _Filled(dict)  # type: ignore[assignment]
     leaf_bytes: int = 0
     rss_start_bytes: int | None = None
+    gradient_bytes: int | None = None
+    """Bytes of the `.grad` arrays of the leaves alive when the block ended (None in files
+    written before it was measured: `explain` then estimates one gradient per parameter)."""
 
     # ------------------------------------------------------------- queries
     def __getstate__(self) -> dict[str, Any]:
@@ -319,6 +325,8 @@ class Profile:
         fields.setdefault("plan_seconds", 0.0)  # added within version 3: absent means none
         fields.setdefault("plans", 0)
         fields.setdefault("plan_tape_bytes", 0)
+        fields.setdefault("gradient_bytes", None)
+        fields.setdefault("alias_buffers", {})
         unknown = set(fields) - set(cls.__dataclass_fields__)
         if unknown:
             raise ProfileFormatError(f"unknown profile fields {sorted(unknown)}; this version "
