@@ -33,11 +33,10 @@ What makes the loop's gradients the same as keeping every step's tape:
 
 from __future__ import annotations
 
-import time
-import tracemalloc
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -53,12 +52,9 @@ from ..pytree import flatten, unflatten
 from ..saved import (
     KEEP,
     PackedBuffer,
-    SavedBuffer,
     SavedSlot,
     current_packer,
     freed_error,
-    pack_value,
-    stores_as_is,
     use_packer,
 )
 from ..tape import Entry, add_entry, edge_of, next_sequence
@@ -67,7 +63,17 @@ from ..tensor_base import make_tensor
 from .grad_flow import Deps, deps_of_program, deps_of_tensors, outputs_requiring_grad
 from .kinds import LoopStrategy
 from .loop import PlannedStep, StepLoop, columns
-from .offload import Offload
+from .loop_snapshots import (
+    CarrySnapshot,
+    disk_storage_for,
+    measure_costs,
+    numpy_state,
+    read_ahead,
+    restore_snapshot,
+    same_numpy_state,
+    snapshot_object_bytes,
+    take_snapshot,
+)
 from .output_rows import OutputRows, join_rows
 from .program_cache import REUSED, Place, find
 from .revolve import (
@@ -91,18 +97,8 @@ from .revolve import (
 )
 from .step_program import ReplayedStep, StepProgram, Trace, program_of, traced_call
 
-READ_AHEAD = 2
-"""Restores whose snapshots the executor announces to their storage ahead (`prefetch`)."""
-
-
-@dataclass(slots=True)
-class _Snapshot:
-    """A stored carry, and the random states (the engine's and numpy's) at that step (one
-    per snapshot, so no instance dictionary)."""
-
-    buffers: list[SavedBuffer | None]
-    engine_state: random.GeneratorState
-    numpy_state: Any  # None unless the loop draws from numpy's global state
+# what other modules import from here (defined in the loop_* modules some of them)
+__all__ = ["PlannedLoop", "replay_forward", "snapshot_object_bytes", "stops"]
 
 
 def replay_forward(program: StepProgram, loop: StepLoop, arrays: list[Any], start: int,
@@ -117,32 +113,6 @@ def replay_forward(program: StepProgram, loop: StepLoop, arrays: list[Any], star
         arrays, ys = run(arrays, x_arrays(t))
         append(ys)
     return arrays
-
-
-def snapshot_object_bytes(arrays: list[Any], storage: Any) -> int:
-    """Bytes a snapshot of `arrays` holds beyond its stored values, as a loop keeps it (its
-    buffers, the snapshot, its place in the loop's table and the loop entry's slot for each
-    buffer), traced by tracemalloc; 0 under a caller's tracing (starting it would spoil the
-    caller's peak). About 500 bytes: an eighth of a small carry's 4 KiB, which a plan with
-    many snapshots of it holds many times."""
-    if tracemalloc.is_tracing():
-        return 0
-    state = random.get_state()
-    tracemalloc.start()
-    try:
-        before = tracemalloc.get_traced_memory()[0]
-        snapshots = {0: _Snapshot([None if a is None else pack_value(a, storage)
-                                   for a in arrays], state, None)}
-        slots = [SavedSlot(f"snapshot{0}.{k}", b, None, None)
-                 for k, b in enumerate(snapshots[0].buffers) if b is not None]
-        held = tracemalloc.get_traced_memory()[0] - before
-        # a buffer kept by reference (`KeptBuffer`) allocated none of its stored bytes here
-        stored = sum(b.stored_nbytes for a, b in zip(arrays, snapshots[0].buffers)
-                     if b is not None and getattr(b, "packed", None) is not a)
-        del slots
-    finally:
-        tracemalloc.stop()
-    return max(0, held - stored)
 
 
 @dataclass
@@ -174,7 +144,7 @@ class _ReplayedSegment:
 class _ForwardState:
     """What the forward leaves for the backward: snapshots, the plan position, the taped end."""
 
-    snapshots: dict[int, _Snapshot] = field(default_factory=dict)
+    snapshots: dict[int, CarrySnapshot] = field(default_factory=dict)
     cursor: int = 0
     current: list[Any] | None = None  # state in hand at `cursor`, and its random states
     current_engine_state: random.GeneratorState | None = None
@@ -217,7 +187,7 @@ class PlannedLoop:
         self.full_outputs: list[Any] | None = None  # after run(): lead and own rows per output
         self.strategy = strategy
         self.storage = (strategy.storage or KEEP).for_plan()
-        self.disk_storage = _disk_storage(self.storage)
+        self.disk_storage = disk_storage_for(self.storage)
         # the saved-value strategy in effect where the loop runs: its steps keep their values
         # with it, also when the backward re-runs them outside that `use` block
         self.step_packer = current_packer()
@@ -276,7 +246,7 @@ class PlannedLoop:
         if self.traces is not None and loop.n != 1 and self.cached:
             self.place = find(loop.step, "planned", carry_leaves, loop.xs_leaves)
         if self.until is None:
-            self.plan = self.strategy.plan_for_loop(loop.n, self._measure_costs)
+            self.plan = self.strategy.plan_for_loop(loop.n, partial(measure_costs, self))
             per_step = self._run_forward_prefix(discover=True)
         elif self.keeps_every_step:
             per_step = self._run_kept_until()
@@ -296,7 +266,7 @@ class PlannedLoop:
             final_arrays = _arrays(final)
         self.guards, self.input_guards = self._guards(carry_leaves)
         self.first_run = False
-        if not _same_numpy_state(np.random.get_state(), self.initial_numpy_state):
+        if not same_numpy_state(np.random.get_state(), self.initial_numpy_state):
             # the steps draw from numpy's global state (rare, and costly to keep: 40 us a
             # get or set): take the forward part of the plan again, keeping it this time
             end_state = np.random.get_state()
@@ -344,9 +314,9 @@ class PlannedLoop:
             if kind in (_REVERSE, _REVERSE_SEGMENT):
                 break
             if kind == _SNAPSHOT:
-                state.snapshots[step] = self._pack(arrays)
+                state.snapshots[step] = take_snapshot(self, arrays)
             elif kind == _DISK_SNAPSHOT:
-                state.snapshots[step] = self._pack(arrays, self.disk_storage)
+                state.snapshots[step] = take_snapshot(self, arrays, self.disk_storage)
             elif kind == _ADVANCE:
                 t = step
                 while t < stop and (self.program is None or (t == 0 and discover)):
@@ -370,7 +340,7 @@ class PlannedLoop:
         else:
             state.current = arrays
             state.current_engine_state = random.get_state()
-            state.current_numpy_state = self._numpy_state()
+            state.current_numpy_state = numpy_state(self)
         self.state = state
         return per_step
 
@@ -413,8 +383,8 @@ class PlannedLoop:
                 if isinstance(action, (Snapshot, DiskSnapshot)):
                     assert kept is not None
                     level = self.disk_storage if isinstance(action, DiskSnapshot) else None
-                    state.snapshots[action.step] = self._pack(
-                        _arrays(kept.carry_in), level, engine_state=kept_random)
+                    state.snapshots[action.step] = take_snapshot(
+                        self, _arrays(kept.carry_in), level, engine_state=kept_random)
                 elif isinstance(action, Free):
                     del state.snapshots[action.step]
             forward_actions += len(actions)
@@ -667,110 +637,6 @@ class PlannedLoop:
                                         f"its final carry's leaf {k}", tensor.dtype,
                                         tensor.shape))
 
-    def _pack(
-        self,
-        arrays: list[Any],
-        storage: Any = None,
-        engine_state: random.GeneratorState | None = None,
-    ) -> _Snapshot:
-        """A snapshot of `arrays` kept with `storage` (the loop's, by default), with the random
-        states its steps start from (the engine's is `engine_state` when those steps already
-        ran, else the current one)."""
-        storage = self.storage if storage is None else storage
-        buffers = [None if a is None else pack_value(a, storage) for a in arrays]
-        last = self.last_engine_state
-        if engine_state is None and last is not None and self._draws_nothing():
-            return _Snapshot(buffers, last, self._numpy_state())
-        state = random.get_state() if engine_state is None else engine_state
-        if last is not None and state is not last and state[0] is last[0] and (
-                state[1] == last[1]):
-            # the steps since drew nothing (most loops draw nothing): one state object for
-            # every such snapshot, not one per snapshot (a few hundred bytes each, about a
-            # tenth of a small carry)
-            state = last
-        self.last_engine_state = state
-        return _Snapshot(buffers, state, self._numpy_state())
-
-    def _measure_costs(self) -> tuple[float, float]:
-        """(write, read) cost of one disk snapshot of the initial carry, in forward steps:
-        step 0 is timed (twice, the faster counts: the first call warms caches) without a
-        tape, its randomness not kept, and the carry written and read once."""
-        loop = self.loop
-        evaluations, numpy_state = loop.evaluations, np.random.get_state()
-        tensors = [None if a is None else Tensor._wrap(a) for a in self.initial]
-        step = float("inf")
-        try:
-            for _ in range(2):
-                with random.replaying(random.get_state()):
-                    started = time.perf_counter()
-                    loop.call_for_values(0, tensors, loop.x_at(0))
-                    step = min(step, time.perf_counter() - started)
-        finally:
-            np.random.set_state(numpy_state)
-            loop.evaluations = evaluations
-        write = read = 0.0
-        for a in self.initial:
-            if a is not None:
-                w, r = self.disk_storage.time_io(a)
-                write, read = write + w, read + r
-        step = max(step, 1e-9)
-        return write / step, read / step
-
-    def _read_ahead(self, snapshots: dict[int, _Snapshot], index: int) -> None:
-        """Announce to their storage the snapshots the next restores after action `index`
-        read, in plan order, so a disk level reads them while the steps run."""
-        restore_at = self.restore_at
-        if restore_at is None:
-            if not (self.storage.reads_ahead or self.disk_storage.reads_ahead):
-                return
-            kinds = np.frombuffer(plan_codes(self.plan), dtype=np.int64) & _KIND_MASK
-            restore_at = self.restore_at = np.flatnonzero(
-                (kinds == _RESTORE) | (kinds == _DISK_RESTORE))
-            if not self.storage.reads_ahead and not (kinds == _DISK_RESTORE).any():
-                # only the disk level reads ahead, and no snapshot goes there: the hints
-                # would all go to storages that ignore them (a cost at every restore)
-                restore_at = self.restore_at = restore_at[:0]
-        if not restore_at.size:
-            return
-        first = int(np.searchsorted(restore_at, index, side="right"))
-        by_storage: dict[int, tuple[Any, list[Any]]] = {}
-        for at in restore_at[first:first + READ_AHEAD]:
-            snapshot = snapshots.get(self.plan[int(at)].step)
-            if snapshot is None:  # taken later: announced once it exists
-                break
-            for b in snapshot.buffers:
-                if b is not None:
-                    by_storage.setdefault(id(b.packer), (b.packer, []))[1].append(b.packed)
-        for storage, stored in by_storage.values():
-            storage.prefetch(stored)
-
-    def _numpy_state(self) -> Any:
-        return np.random.get_state() if self.tracks_numpy else None
-
-    def _restore(self, snapshot: _Snapshot, stream: np.random.Generator) -> list[Any]:
-        """The snapshot's carry; `stream` (and numpy's state) rewound to draw what its steps
-        drew."""
-        if snapshot.numpy_state is not None:
-            np.random.set_state(snapshot.numpy_state)
-        if not self._draws_nothing():
-            random.rewind(stream, snapshot.engine_state)
-        return [None if b is None else b.unpack() for b in snapshot.buffers]
-
-    def _draws_nothing(self) -> bool:
-        """Whether nothing in this loop draws from the engine's generator: its steps are
-        replayed from a program that draws nothing (a trace sees every draw), and its storages
-        keep arrays as they are. The generator's state is then the same before every step,
-        so a snapshot need not read it (about 6 µs) nor a restore set it back."""
-        quiet = self.quiet
-        if quiet is None:
-            program = self.program
-            if program is None:
-                return False
-            quiet = self.quiet = not program.draws and all(  # a program never changes
-                packer is None or stores_as_is(packer)
-                for packer in (self.storage, self.step_packer))
-        return quiet
-
     def _snapshot_slots(self, entry: Entry, results: list[Any]) -> tuple[SavedSlot, ...]:
         """The snapshots held when the loop's entry is recorded, as its saved values."""
         assert self.state is not None
@@ -941,7 +807,7 @@ class PlannedLoop:
             if forward.current_numpy_state is not None:
                 np.random.set_state(forward.current_numpy_state)
             random.rewind(stream, forward.current_engine_state)
-        self._read_ahead(snapshots, forward.cursor - 1)
+        read_ahead(self, snapshots, forward.cursor - 1)
         program = self.program
         # a replay that draws nothing, with nobody listening, needs none of the blocks a
         # re-run enters (no generator to switch, no tape, no recompute events): run bare;
@@ -963,13 +829,13 @@ class PlannedLoop:
                             arrays, _ = self._values_step(t, arrays)
             elif kind == _SNAPSHOT:
                 with random.using(stream):
-                    snapshots[step] = self._pack(arrays)
+                    snapshots[step] = take_snapshot(self, arrays)
             elif kind == _DISK_SNAPSHOT:
                 with random.using(stream):
-                    snapshots[step] = self._pack(arrays, self.disk_storage)
+                    snapshots[step] = take_snapshot(self, arrays, self.disk_storage)
             elif kind in (_RESTORE, _DISK_RESTORE):
-                arrays = self._restore(snapshots[step], stream)
-                self._read_ahead(snapshots, index)
+                arrays = restore_snapshot(self, snapshots[step], stream)
+                read_ahead(self, snapshots, index)
             elif kind == _FREE:
                 del snapshots[step]
             else:
@@ -1325,15 +1191,6 @@ class PlannedLoop:
         ]
 
 
-def _disk_storage(storage: Any) -> Offload:
-    """Where a plan's disk snapshots go: the loop's storage when it is a disk level already,
-    else the disk level with a lossy storage (quantization) inside it."""
-    if isinstance(storage, Offload):
-        return storage if storage.level == "disk" else Offload("disk", planned=True)
-    inner = None if storage.lossless else storage
-    return Offload("disk", inner=inner, planned=True)
-
-
 def stops(until: Callable[[Any], Any], carry_spec: Any, carry_leaves: list[Any]) -> bool:
     """Whether `until` says the loop ends at this carry; asked without recording."""
     with no_grad():
@@ -1359,7 +1216,3 @@ def _arrays(tensors: list[Any]) -> list[Any]:
     """The arrays of tensors (a replayed segment's outputs are arrays already)."""
     return [t._data if isinstance(t, Tensor) else t for t in tensors]
 
-
-def _same_numpy_state(a: Any, b: Any) -> bool:
-    """Whether two states of numpy's global generator are the same (nothing drawn between)."""
-    return bool(a[0] == b[0] and a[2:] == b[2:] and np.array_equal(a[1], b[1]))
