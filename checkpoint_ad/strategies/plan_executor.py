@@ -43,12 +43,12 @@ import numpy as np
 
 from .. import events, random
 from ..autograd import Capture, backpropagate, fills_grads
-from ..backend import is_floating, namespace
+from ..backend import namespace
 from ..errors import BackwardError, SavedValueModifiedError
-from ..grad_mode import _state, enable_grad, no_grad, step_scope
+from ..grad_mode import enable_grad, no_grad, step_scope
 from ..ops import concatenate, expand_dims, stack
 from ..origins import rerun_boundary, rerunning_from
-from ..pytree import flatten, unflatten
+from ..pytree import unflatten
 from ..saved import (
     KEEP,
     PackedBuffer,
@@ -57,10 +57,10 @@ from ..saved import (
     freed_error,
     use_packer,
 )
-from ..tape import Entry, add_entry, edge_of, next_sequence
+from ..tape import Entry, add_entry, edge_of
 from ..tensor import Tensor
 from ..tensor_base import make_tensor
-from .grad_flow import Deps, deps_of_program, deps_of_tensors, outputs_requiring_grad
+from .grad_flow import Deps, deps_of_program, outputs_requiring_grad
 from .kinds import LoopStrategy
 from .loop import PlannedStep, StepLoop, columns
 from .loop_snapshots import (
@@ -74,8 +74,19 @@ from .loop_snapshots import (
     snapshot_object_bytes,
     take_snapshot,
 )
+from .loop_steps import (
+    ReplayedSegment,
+    TapedSegment,
+    arrays_of,
+    as_tensors,
+    discover,
+    discover_from,
+    replays_now,
+    tape_steps,
+    values_step,
+)
 from .output_rows import OutputRows, join_rows
-from .program_cache import REUSED, Place, find
+from .program_cache import Place, find
 from .revolve import (
     _ADVANCE,
     _DISK_RESTORE,
@@ -95,7 +106,7 @@ from .revolve import (
     plan_codes,
     split_code,
 )
-from .step_program import ReplayedStep, StepProgram, Trace, program_of, traced_call
+from .step_program import StepProgram, Trace
 
 # what other modules import from here (defined in the loop_* modules some of them)
 __all__ = ["PlannedLoop", "replay_forward", "snapshot_object_bytes", "stops"]
@@ -116,31 +127,6 @@ def replay_forward(program: StepProgram, loop: StepLoop, arrays: list[Any], star
 
 
 @dataclass
-class _TapedSegment:
-    """Steps start..stop-1 run with a tape, ready to pull an adjoint back through them."""
-
-    start: int
-    stop: int
-    carry_in: list[Any]
-    x_parts: list[tuple[int, list[Any]]]
-    y_out: list[tuple[int, list[Any]]]
-    carry_out: list[Any]
-    seq_before: int
-
-
-@dataclass
-class _ReplayedSegment:
-    """Steps start..stop-1 replayed from the step program, keeping what their backward reads."""
-
-    start: int
-    stop: int
-    steps: list[tuple[int, ReplayedStep]]
-    carry_in: list[Any]  # arrays
-    carry_out: list[Any]  # arrays
-    y_out: list[tuple[int, list[Any]]]  # arrays
-
-
-@dataclass
 class _ForwardState:
     """What the forward leaves for the backward: snapshots, the plan position, the taped end."""
 
@@ -149,7 +135,7 @@ class _ForwardState:
     current: list[Any] | None = None  # state in hand at `cursor`, and its random states
     current_engine_state: random.GeneratorState | None = None
     current_numpy_state: Any = None
-    kept: _TapedSegment | _ReplayedSegment | None = None  # the first reverse action's steps
+    kept: TapedSegment | ReplayedSegment | None = None  # the first reverse action's steps
 
 
 class PlannedLoop:
@@ -263,7 +249,7 @@ class PlannedLoop:
                 per_step.append(ys)
             final_arrays = arrays
         else:
-            final_arrays = _arrays(final)
+            final_arrays = arrays_of(final)
         self.guards, self.input_guards = self._guards(carry_leaves)
         self.first_run = False
         if not same_numpy_state(np.random.get_state(), self.initial_numpy_state):
@@ -332,9 +318,9 @@ class PlannedLoop:
         state.cursor = cursor
         start, stop = _span(actions[cursor]) if cursor < len(actions) else (loop.n, loop.n)
         if start == len(per_step) and stop == loop.n and start < stop:
-            state.kept = self._tape_steps(start, stop, arrays)
+            state.kept = tape_steps(self, start, stop, arrays)
             if discover and start == 0:
-                self._discover_from(state.kept)
+                discover_from(self, state.kept)
             _move_rows(state.kept, per_step)
             state.current = None
         else:
@@ -350,7 +336,7 @@ class PlannedLoop:
         then `Periodic(n)`'s for the n steps run (one segment, reversed at once)."""
         loop = self.loop
         state = _ForwardState()
-        kept = self._tape_steps(0, self.limit, list(self.initial), until=self._stops)
+        kept = tape_steps(self, 0, self.limit, list(self.initial), until=self._stops)
         n = loop.n = kept.stop
         self.plan = periodic_plan(n, n)
         per_step = OutputRows(n, lead=self.lead_rows)
@@ -362,7 +348,7 @@ class PlannedLoop:
 
     def _stops(self, arrays: list[Any]) -> bool:
         """Whether `until` ends the loop at the carry `arrays`."""
-        return stops(self.until, self.loop.carry_spec, self._as_tensors(arrays, grad=False))
+        return stops(self.until, self.loop.carry_spec, as_tensors(self, arrays, grad=False))
 
     def _run_growing_plan(self) -> OutputRows:
         """Run a loop of unknown length from the initial carry, each step with a tape, under
@@ -374,7 +360,7 @@ class PlannedLoop:
         forward_actions = 0
         arrays = list(self.initial)
         per_step = OutputRows(None)  # its length is found as it runs: rows go into chunks
-        kept: _TapedSegment | None = None
+        kept: TapedSegment | None = None
         kept_random = random.get_state()
         t = 0
         while self.limit is None or t < self.limit:
@@ -384,18 +370,18 @@ class PlannedLoop:
                     assert kept is not None
                     level = self.disk_storage if isinstance(action, DiskSnapshot) else None
                     state.snapshots[action.step] = take_snapshot(
-                        self, _arrays(kept.carry_in), level, engine_state=kept_random)
+                        self, arrays_of(kept.carry_in), level, engine_state=kept_random)
                 elif isinstance(action, Free):
                     del state.snapshots[action.step]
             forward_actions += len(actions)
             kept_random = random.get_state()
-            kept = self._tape_steps(t, t + 1, arrays)
+            kept = tape_steps(self, t, t + 1, arrays)
             if t == 0:
-                self._discover_from(kept)
-            per_step.append(_arrays(kept.y_out[0][1]))
-            arrays = _arrays(kept.carry_out)
+                discover_from(self, kept)
+            per_step.append(arrays_of(kept.y_out[0][1]))
+            arrays = arrays_of(kept.carry_out)
             t += 1
-            if stops(self.until, loop.carry_spec, self._as_tensors(arrays, grad=False)):
+            if stops(self.until, loop.carry_spec, as_tensors(self, arrays, grad=False)):
                 break
         loop.n = t
         state.cursor = forward_actions
@@ -409,164 +395,19 @@ class PlannedLoop:
     ) -> tuple[list[Any], list[Any]]:
         loop = self.loop
         if t == 0 and discover:  # step 0 runs with a tape once, to find what it captures
-            segment = self._tape_steps(0, 1, arrays, pulled_back=False)
-            self._discover_from(segment)
-            return _arrays(segment.carry_out), _arrays(segment.y_out[0][1])
+            segment = tape_steps(self, 0, 1, arrays, pulled_back=False)
+            discover_from(self, segment)
+            return arrays_of(segment.carry_out), arrays_of(segment.y_out[0][1])
         if self.program is not None:
             loop.count()
             return self.program.run(arrays, loop.x_arrays(t))
-        return self._values_step(t, arrays)
-
-    def _values_step(self, t: int, arrays: list[Any]) -> tuple[list[Any], list[Any]]:
-        """Step t run (recorded) from the carry `arrays` for its new carry and outputs alone
-        (arrays): without a tape, or with one let go at once where the step takes a gradient
-        inside it, which needs the step's graph (`StepLoop.takes_gradients`, seen in step 0,
-        which runs with a tape). Hooks registered in it are dropped: the run the reverse
-        pulls back registers them again."""
-        if self.loop.takes_gradients:
-            with enable_grad():
-                new, ys = self._call(t, self._as_tensors(arrays, grad=True), self._x_tensors(t),
-                                     drops_hooks=True)
-        else:
-            with no_grad():
-                new, ys = self._call(t, self._as_tensors(arrays, grad=False),
-                                     self.loop.x_at(t), untaped=True)
-        return _arrays(new), _arrays(ys)
+        return values_step(self, t, arrays)
 
     # ------------------------------------------------------------- tracing
-    def _call(self, t: int, carry: list[Any], x: Any, untaped: bool = False,
-              drops_hooks: bool = False) -> tuple[list[Any], list[Any]]:
-        """Run step `t` (recorded) as a run of the loop's plan (`PlannedStep`: `untaped`,
-        without a tape; `drops_hooks`, with one nobody pulls back)."""
-        with step_scope(PlannedStep(self.retained, t, self.first_run, untaped, drops_hooks)):
-            return self._traced_call(t, carry, x)
-
-    def _traced_call(self, t: int, carry: list[Any], x: Any) -> tuple[list[Any], list[Any]]:
-        """Run step `t` (recorded); steps 0 and 1 are traced on the way (step 0 alone when
-        it fits the program an earlier call of this loop made: see `program_cache.py`)."""
-        traces = self.traces
-        if traces is None or t > 1 or t in traces:
-            if t == 0 and self.outside is None and self.program is None and (
-                    _state.tracer is None):  # trace=False: step 0 traced for what it reads
-                new, ys, trace = traced_call(self.loop, t, carry, x, refused=self.mode)
-                self.outside = trace.outside
-                return new, ys
-            return self.loop.call(t, carry, x)
-        new, ys, traces[t] = traced_call(self.loop, t, carry, x)
-        if t == 0:
-            self.outside = traces[0].outside
-        place = self.place
-        if t == 0 and place is not None and place.expected:
-            program = place.reuse(traces[0])
-            if program is not None:
-                self.traces = None
-                self.program, self.mode = program, REUSED
-                return new, ys
-        if len(traces) == 2 or self.loop.n == 1:
-            self._decide()
-        return new, ys
-
-    def _decide(self) -> None:
-        """Replay from now on if steps 0 and 1 traced to one program; say why not otherwise."""
-        traces = self.traces
-        assert traces is not None
-        self.traces = None  # decided: no more tracing, and the traced tensors are let go
-        self.program, self.mode = program_of(traces, self.loop.n, len(self.carry_meta))
-        if self.place is not None and len(traces) == 2:
-            self.place.remember(traces[0], traces[1], self.program)
-
     @property
     def evaluations(self) -> int:
         """Step evaluations so far, recorded or replayed (the plan's count once done)."""
         return self.loop.evaluations
-
-    def _replayable(self) -> bool:
-        """Whether the backward may replay now: not under anomaly detection (it checks every
-        entry's gradients) and no hooks on captured leaves (they run per recorded pass)."""
-        program = self.program
-        return program is not None and not _state.anomaly and not any(
-            t._hooks for t in program.has_hooks)
-
-    def _discover_from(self, segment: _TapedSegment) -> None:
-        if self.discovered:
-            return
-        self.discovered = True
-        ys = segment.y_out[0][1]
-        new = segment.carry_out if segment.stop == 1 else None
-        inputs = segment.carry_in + [p for _, parts in segment.x_parts for p in parts]
-        produced = segment.carry_out + [y for _, ys_ in segment.y_out for y in ys_]
-        self.externals = self._discover(produced, inputs, segment.seq_before)
-        if new is None:  # the carry step 0 made is not in hand: find aliases by position
-            return
-        self.step_deps = deps_of_tensors(segment.carry_in, inputs[len(segment.carry_in):],
-                                         new, ys, segment.seq_before)
-        # outputs that are the new carry itself (RNNs return h, h): their adjoints are added
-        # to the carry's, in the order a plain tape would add them
-        self.same = {k: j for k, y in enumerate(ys) for j, c in enumerate(new)
-                     if y is not None and c is y}
-
-    def _as_tensors(self, state: list[Any], grad: bool) -> list[Any]:
-        out = []
-        for array, rg in zip(state, self.carry_rg):
-            if array is None:
-                out.append(None)
-                continue
-            t = Tensor._wrap(array)
-            t._requires_grad = grad and (rg or is_floating(array.dtype))
-            out.append(t)
-        return out
-
-    def _x_tensors(self, t: int) -> Any:
-        loop = self.loop
-        if loop.xs_spec is None:
-            return None
-        parts = []
-        for x in loop.xs_leaves:
-            if x is None:
-                parts.append(None)
-                continue
-            part = Tensor._wrap(x._data[t])
-            part._requires_grad = x.requires_grad
-            parts.append(part)
-        return unflatten(loop.xs_spec, iter(parts))
-
-    def _discover(
-        self, outputs: list[Any], step_inputs: list[Any], seq_before: int
-    ) -> dict[Any, Any]:
-        """The tensors outside the loop that a step's tape reaches (closure captures),
-        including one the step returns as it is."""
-        inside = {id(c) for c in step_inputs if c is not None}
-        stack_ = []
-        found = {}
-        for o in outputs:
-            if o is None or id(o) in inside:
-                continue
-            edge = edge_of(o)
-            if edge is None:
-                continue
-            node, index = edge
-            if type(node) is Entry and node.seq > seq_before:
-                stack_.append(node)
-            else:  # made outside the loop and returned untouched
-                found[(id(node), index)] = edge
-        seen: set[int] = set()
-        while stack_:
-            entry = stack_.pop()
-            if id(entry) in seen:
-                continue
-            seen.add(id(entry))
-            for edge in entry.edges:
-                if edge is None:
-                    continue
-                node, index = edge
-                if type(node) is Entry:
-                    if node.seq > seq_before:  # recorded by the steps examined
-                        stack_.append(node)
-                    else:
-                        found[(id(node), index)] = edge
-                elif id(node) not in inside:
-                    found[(id(node), index)] = edge
-        return found
 
     def _guards(self, carry_leaves: list[Any]) -> tuple[list[Any], list[Any]]:
         """(version counter, version, description, dtype, shape) of every value the backward
@@ -625,11 +466,11 @@ class PlannedLoop:
         recorded last step shares its tensors' version counters with the entry's outputs, so
         its own saved values catch the change; a replayed one is guarded by the entry."""
         kept = self.state.kept if self.state is not None else None
-        if isinstance(kept, _TapedSegment):
+        if isinstance(kept, TapedSegment):
             for tensor, made in zip(carry, kept.carry_out):
                 if tensor is not None and made is not None:
                     tensor._version = made._version
-        elif isinstance(kept, _ReplayedSegment) and self.program is not None:
+        elif isinstance(kept, ReplayedSegment) and self.program is not None:
             saved = self.program.saved_slots
             for k, (tensor, slot) in enumerate(zip(carry, self.program.carry_out)):
                 if tensor is not None and slot in saved:
@@ -688,10 +529,10 @@ class PlannedLoop:
         the loop that saves the final carry (a loss on it) then shares that buffer, where it
         would pack the array again (a quantized carry stored twice, the peak one value high)."""
         kept = self.state.kept if self.state is not None else None
-        if isinstance(kept, _TapedSegment):  # recorded: its carry tensors know their buffers
+        if isinstance(kept, TapedSegment):  # recorded: its carry tensors know their buffers
             packed = [t._saved_ref() for t in kept.carry_out
                       if t is not None and t._saved_ref is not None]
-        elif isinstance(kept, _ReplayedSegment) and kept.steps:
+        elif isinstance(kept, ReplayedSegment) and kept.steps:
             packed = [v for saved in kept.steps[-1][1].saved for v in saved or ()]
         else:
             return
@@ -813,7 +654,7 @@ class PlannedLoop:
         # re-run enters (no generator to switch, no tape, no recompute events): run bare;
         # a taped one too when it packs nothing (a storage's pack might draw)
         bare = program is not None and not program.draws and not events.listeners
-        bare_reverse = bare and program.tape_as_is is not None and self._replayable()
+        bare_reverse = bare and program.tape_as_is is not None and replays_now(self)
         codes = plan_codes(self.plan)  # read packed: building each action costs more
         for index in range(forward.cursor, len(codes)):
             kind, step, stop = split_code(codes[index])
@@ -826,7 +667,7 @@ class PlannedLoop:
                         arrays = self._advance_replayed(step, stop, arrays)
                     else:
                         for t in range(step, stop):
-                            arrays, _ = self._values_step(t, arrays)
+                            arrays, _ = values_step(self, t, arrays)
             elif kind == _SNAPSHOT:
                 with random.using(stream):
                     snapshots[step] = take_snapshot(self, arrays)
@@ -843,12 +684,12 @@ class PlannedLoop:
                 stop = step + 1 if kind == _REVERSE else stop
                 kept = forward.kept if index == forward.cursor else None
                 if kept is None and bare_reverse:
-                    segment = self._tape_steps(start, stop, arrays, replayable=True)
+                    segment = tape_steps(self, start, stop, arrays, replayable=True)
                 elif kept is None:
                     with events.recomputing(self.name), random.using(stream), use_packer(
                         self.step_packer
                     ):
-                        segment = self._tape_steps(start, stop, arrays)
+                        segment = tape_steps(self, start, stop, arrays)
                 else:
                     segment = kept
                     if not retain_graph:
@@ -880,45 +721,9 @@ class PlannedLoop:
             arrays, _ = program.run(arrays, loop.x_arrays(t))
         return arrays
 
-    @rerun_boundary
-    def _tape_steps(
-        self, start: int, stop: int | None, arrays: list[Any], replayable: bool | None = None,
-        until: Callable[[list[Any]], bool] | None = None, pulled_back: bool = True,
-    ) -> _TapedSegment | _ReplayedSegment:
-        """Run steps start..stop-1 from the carry `arrays` with a tape (or replayed, keeping
-        what the tape would keep; `replayable` says so when the caller knows); `until(carry
-        arrays)`, asked after each step, ends the segment early (`stop` None: only it does).
-        `pulled_back=False`: no reverse pulls an adjoint back through the tape (hooks
-        registered in the steps are dropped: see `PlannedStep`)."""
-        loop = self.loop
-        if replayable if replayable is not None else self._replayable():
-            program = self.program
-            assert program is not None
-            made = self.carry_inputs if self.carry_made and start == 0 else None
-            carry_in = arrays
-            steps, y_out, arrays = program.tape_steps(arrays, loop.x_arrays, start, stop,
-                                                      made, loop.count, until)
-            return _ReplayedSegment(start, start + len(steps), steps, carry_in, arrays, y_out)
-        carry_in = self._as_tensors(arrays, grad=True)
-        carry = carry_in
-        x_parts: list[tuple[int, list[Any]]] = []
-        y_out: list[tuple[int, list[Any]]] = []
-        seq_before = next_sequence()
-        t = start
-        with enable_grad(), rerunning_from(loop.origin):
-            while stop is None or t < stop:
-                x = self._x_tensors(t)
-                carry, ys = self._call(t, carry, x, drops_hooks=not pulled_back)
-                x_parts.append((t, flatten(x)[0] if x is not None else []))
-                y_out.append((t, ys))
-                t += 1
-                if until is not None and until(_arrays(carry)):
-                    break
-        return _TapedSegment(start, t, carry_in, x_parts, y_out, carry, seq_before)
-
     def _pull_back(
         self,
-        segment: _TapedSegment,
+        segment: TapedSegment,
         adj_carry: list[Any],
         adj_ys: list[Any],
         adj_xs: list[Any],
@@ -932,13 +737,13 @@ class PlannedLoop:
         carry before it, its scanned inputs and the captured tensors; the carry's gradient
         adds onto `carry_sums` (the first segment's: what reached the loop's initial carry
         from after the loop)."""
-        if isinstance(segment, _ReplayedSegment):
+        if isinstance(segment, ReplayedSegment):
             return self._pull_back_replayed(
                 segment, adj_carry, adj_ys, adj_xs, xs_reached, adj_ext, owned, retain_graph,
                 carry_sums)
         start, stop, carry_in = segment.start, segment.stop, segment.carry_in
         produced = segment.carry_out + [y for _, ys in segment.y_out for y in ys]
-        found = self._discover(
+        found = discover(
             produced, carry_in + [p for _, parts in segment.x_parts for p in parts],
             segment.seq_before,
         )
@@ -1014,7 +819,7 @@ class PlannedLoop:
 
     def _pull_back_replayed(
         self,
-        segment: _ReplayedSegment,
+        segment: ReplayedSegment,
         adj_carry: list[Any],
         adj_ys: list[Any],
         adj_xs: list[Any],
@@ -1204,15 +1009,11 @@ def _span(action: Any) -> tuple[int, int]:
     return action.start, action.stop
 
 
-def _move_rows(kept: _TapedSegment | _ReplayedSegment, rows: OutputRows) -> None:
+def _move_rows(kept: TapedSegment | ReplayedSegment, rows: OutputRows) -> None:
     """The outputs of a forward's taped end written into the loop's `rows`; a replayed
     segment lets go of its own (stacked by `run()`: not kept twice)."""
-    rows.extend(_arrays(ys) for _, ys in kept.y_out)
-    if isinstance(kept, _ReplayedSegment):
+    rows.extend(arrays_of(ys) for _, ys in kept.y_out)
+    if isinstance(kept, ReplayedSegment):
         kept.y_out = []
 
-
-def _arrays(tensors: list[Any]) -> list[Any]:
-    """The arrays of tensors (a replayed segment's outputs are arrays already)."""
-    return [t._data if isinstance(t, Tensor) else t for t in tensors]
 
