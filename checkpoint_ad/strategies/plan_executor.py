@@ -44,7 +44,7 @@ import numpy as np
 from .. import events, random
 from ..autograd import Capture, backpropagate, fills_grads
 from ..backend import namespace
-from ..errors import BackwardError, SavedValueModifiedError
+from ..errors import BackwardError
 from ..grad_mode import enable_grad, no_grad, step_scope
 from ..ops import concatenate, expand_dims, stack
 from ..origins import rerun_boundary, rerunning_from
@@ -63,6 +63,7 @@ from ..tensor_base import make_tensor
 from .grad_flow import Deps, deps_of_program, outputs_requiring_grad
 from .kinds import LoopStrategy
 from .loop import PlannedStep, StepLoop, columns
+from .loop_guards import check_versions, find_guards, guard_final_carry
 from .loop_snapshots import (
     CarrySnapshot,
     disk_storage_for,
@@ -92,7 +93,6 @@ from .revolve import (
     _DISK_RESTORE,
     _DISK_SNAPSHOT,
     _FREE,
-    _KIND_MASK,
     _RESTORE,
     _REVERSE,
     _REVERSE_SEGMENT,
@@ -250,7 +250,7 @@ class PlannedLoop:
             final_arrays = arrays
         else:
             final_arrays = arrays_of(final)
-        self.guards, self.input_guards = self._guards(carry_leaves)
+        self.guards, self.input_guards = find_guards(self, carry_leaves)
         self.first_run = False
         if not same_numpy_state(np.random.get_state(), self.initial_numpy_state):
             # the steps draw from numpy's global state (rare, and costly to keep: 40 us a
@@ -409,75 +409,6 @@ class PlannedLoop:
         """Step evaluations so far, recorded or replayed (the plan's count once done)."""
         return self.loop.evaluations
 
-    def _guards(self, carry_leaves: list[Any]) -> tuple[list[Any], list[Any]]:
-        """(version counter, version, description, dtype, shape) of every value the backward
-        reads from outside the loop, as (those it reads, those only a re-run of the steps
-        reads): a plan that keeps every step reads only what its steps saved, and so is
-        guarded where recording every step is; one that re-runs steps (or a backward with a
-        graph, which re-runs them all) reads the initial carry, `xs` and every tensor the step
-        captured (leaf or not, needing a gradient or not) again. The description is finished
-        only for an error (a dtype's name costs more than a short loop's bookkeeping)."""
-        program = self.program
-        self.reruns = self._reruns()
-        saved = program.saved_slots if program is not None and not self.reruns else None
-        named: list[tuple[Any, str, bool]] = []  # (tensor or counter, what, read by backward)
-        for k, t in enumerate(carry_leaves):
-            named.append((t, f"the initial carry's leaf {k}",
-                          saved is None or program.carry_in[k] in saved))  # type: ignore[union-attr]
-        for k, x in enumerate(self.loop.xs_leaves):
-            named.append((x, f"xs leaf {k}",
-                          saved is None or program.x_in[k] in saved))  # type: ignore[union-attr]
-        captured = "a tensor the step captures"
-        if program is not None:
-            for slot, t in program.constant_tensors.items():
-                named.append((t, captured, saved is None or slot in saved))
-        else:
-            named += [(node, captured, True) for node, _ in self.externals.values()
-                      if type(node) is not Entry]
-            named += [(found, captured, True) for found in (self.outside or {}).values()]
-        guards: list[Any] = []
-        rerun: list[Any] = []
-        seen: set[int] = set()
-        for t, what, read in named:
-            if t is None:
-                continue
-            counter, dtype, shape = (t if type(t) is tuple else (t._version, t.dtype, t.shape))
-            if id(counter) in seen:
-                continue
-            seen.add(id(counter))
-            (guards if read else rerun).append((counter, counter.value, what, dtype, shape))
-        return guards, rerun
-
-    def _reruns(self) -> bool:
-        """Whether the backward runs steps again: not when the plan's first reverse action
-        (taped in the forward) is its only one and nothing is advanced (`Periodic(n)`, a loop
-        keeping every step), whose backward reads only what the steps saved."""
-        state = self.state
-        if state is None or state.kept is None:
-            return True
-        kinds = np.frombuffer(plan_codes(self.plan), dtype=np.int64)[state.cursor + 1:]
-        kinds = kinds & _KIND_MASK
-        return bool(((kinds == _ADVANCE) | (kinds == _REVERSE)
-                     | (kinds == _REVERSE_SEGMENT)).any())
-
-    def _guard_final_carry(self, carry: list[Any]) -> None:
-        """Guard the loop's final carry where its last step's backward reads it (as recording
-        would: a loss on `tanh`'s output, changed in place after the loop, is caught): a
-        recorded last step shares its tensors' version counters with the entry's outputs, so
-        its own saved values catch the change; a replayed one is guarded by the entry."""
-        kept = self.state.kept if self.state is not None else None
-        if isinstance(kept, TapedSegment):
-            for tensor, made in zip(carry, kept.carry_out):
-                if tensor is not None and made is not None:
-                    tensor._version = made._version
-        elif isinstance(kept, ReplayedSegment) and self.program is not None:
-            saved = self.program.saved_slots
-            for k, (tensor, slot) in enumerate(zip(carry, self.program.carry_out)):
-                if tensor is not None and slot in saved:
-                    self.guards.append((tensor._version, tensor._version.value,
-                                        f"its final carry's leaf {k}", tensor.dtype,
-                                        tensor.shape))
-
     def _snapshot_slots(self, entry: Entry, results: list[Any]) -> tuple[SavedSlot, ...]:
         """The snapshots held when the loop's entry is recorded, as its saved values."""
         assert self.state is not None
@@ -499,7 +430,7 @@ class PlannedLoop:
                             self._snapshot_slots)
         results = self._detach_constant_outputs(results, n_carry)
         self._share_packed_carry(results[:n_carry])
-        self._guard_final_carry(results[:n_carry])
+        guard_final_carry(self, results[:n_carry])
         results = self._last_rows_from_carry(results, n_carry, rows)
         carry = unflatten(loop.carry_spec, iter(results[:n_carry]))
         ys = unflatten(loop.y_spec, iter(results[n_carry:])) if loop.y_spec is not None else None
@@ -581,9 +512,9 @@ class PlannedLoop:
         would add them: the results replace those sums, and are bitwise the plain tape's."""
         if self.consumed:
             raise freed_error(entry.describe())
-        self._check_versions(entry, self.guards)
+        check_versions(entry, self.guards)
         if create_graph or self.state is None or self.reruns:
-            self._check_versions(entry, self.input_guards)
+            check_versions(entry, self.input_guards)
         outer_numpy_state = np.random.get_state()
         try:
             if create_graph:
@@ -599,16 +530,6 @@ class PlannedLoop:
             raise
         finally:
             np.random.set_state(outer_numpy_state)
-
-    def _check_versions(self, entry: Entry, guards: list[Any]) -> None:
-        for counter, version, what, dtype, shape in guards:
-            if counter.value != version:
-                raise SavedValueModifiedError(
-                    f"{entry.describe()} re-reads {what} ({dtype}{list(shape)}) in its "
-                    "backward, but it was modified "
-                    f"in place since the loop ran (version {version}, now {counter.value}); "
-                    "use out-of-place operations on tensors a loop uses, or modify a copy"
-                )
 
     def _backward(
         self, entry: Entry, grads: list[Any], retain_graph: bool, onto: list[Any] | None
