@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -63,12 +62,19 @@ from ..tensor_base import make_tensor
 from .grad_flow import Deps, deps_of_program, outputs_requiring_grad
 from .kinds import LoopStrategy
 from .loop import PlannedStep, StepLoop, columns
+from .loop_forward import (
+    ForwardState,
+    forward_step,
+    replay_forward,
+    run_forward_prefix,
+    run_growing_plan,
+    run_kept_until,
+    stops,
+)
 from .loop_guards import check_versions, find_guards, guard_final_carry
 from .loop_snapshots import (
-    CarrySnapshot,
     disk_storage_for,
     measure_costs,
-    numpy_state,
     read_ahead,
     restore_snapshot,
     same_numpy_state,
@@ -79,9 +85,7 @@ from .loop_steps import (
     ReplayedSegment,
     TapedSegment,
     arrays_of,
-    as_tensors,
     discover,
-    discover_from,
     replays_now,
     tape_steps,
     values_step,
@@ -95,14 +99,8 @@ from .revolve import (
     _FREE,
     _RESTORE,
     _REVERSE,
-    _REVERSE_SEGMENT,
     _SNAPSHOT,
     Action,
-    DiskSnapshot,
-    Free,
-    Reverse,
-    Snapshot,
-    periodic_plan,
     plan_codes,
     split_code,
 )
@@ -110,32 +108,6 @@ from .step_program import StepProgram, Trace
 
 # what other modules import from here (defined in the loop_* modules some of them)
 __all__ = ["PlannedLoop", "replay_forward", "snapshot_object_bytes", "stops"]
-
-
-def replay_forward(program: StepProgram, loop: StepLoop, arrays: list[Any], start: int,
-                   stop: int, rows: OutputRows) -> list[Any]:
-    """Steps start..stop-1 of a plan's forward replayed from the carry `arrays` without a
-    tape, each counted and its outputs written into `rows`: the new carry's arrays. One
-    function for the executor and for a budget's dry run, which times it (`pricing`), so the
-    price of a forward step is what the forward runs."""
-    run, x_arrays, count, append = program.run, loop.x_arrays, loop.count, rows.append
-    for t in range(start, stop):
-        count()
-        arrays, ys = run(arrays, x_arrays(t))
-        append(ys)
-    return arrays
-
-
-@dataclass
-class _ForwardState:
-    """What the forward leaves for the backward: snapshots, the plan position, the taped end."""
-
-    snapshots: dict[int, CarrySnapshot] = field(default_factory=dict)
-    cursor: int = 0
-    current: list[Any] | None = None  # state in hand at `cursor`, and its random states
-    current_engine_state: random.GeneratorState | None = None
-    current_numpy_state: Any = None
-    kept: TapedSegment | ReplayedSegment | None = None  # the first reverse action's steps
 
 
 class PlannedLoop:
@@ -193,7 +165,7 @@ class PlannedLoop:
         self.discovered = False  # externals (and carry aliases) found
         self._keys_found: Any = None  # see `_replay_keys`
         self._fixed_keys: Any = None  # see `_segment_keys`
-        self.state: _ForwardState | None = None
+        self.state: ForwardState | None = None
         self.consumed = False
         self.reruns = True  # whether the backward runs steps again (`_reruns`, found in run())
         self.tracks_numpy = False  # set when the steps draw from numpy's global random state
@@ -233,19 +205,19 @@ class PlannedLoop:
             self.place = find(loop.step, "planned", carry_leaves, loop.xs_leaves)
         if self.until is None:
             self.plan = self.strategy.plan_for_loop(loop.n, partial(measure_costs, self))
-            per_step = self._run_forward_prefix(discover=True)
+            per_step = run_forward_prefix(self, discover=True)
         elif self.keeps_every_step:
-            per_step = self._run_kept_until()
+            per_step = run_kept_until(self)
         else:
             self.plan = []
-            per_step = self._run_growing_plan()
+            per_step = run_growing_plan(self)
         state = self.state
         assert state is not None
         final = state.kept.carry_out if state.kept is not None else None
         if final is None:  # no taped end: run the remaining steps to hand the outputs over
             arrays = state.current
             for t in range(len(per_step), loop.n):
-                arrays, ys = self._forward_step(t, arrays, discover=True)
+                arrays, ys = forward_step(self, t, arrays, discover=True)
                 per_step.append(ys)
             final_arrays = arrays
         else:
@@ -257,7 +229,7 @@ class PlannedLoop:
             # get or set): take the forward part of the plan again, keeping it this time
             end_state = np.random.get_state()
             self.tracks_numpy = True
-            self._run_forward_prefix(discover=False, rows=OutputRows(loop.n, keep=False))
+            run_forward_prefix(self, discover=False, rows=OutputRows(loop.n, keep=False))
             np.random.set_state(end_state)
             state = self.state
         outputs = list(final_arrays) + per_step.stacked(self.same)
@@ -274,134 +246,6 @@ class PlannedLoop:
             rows = column[:-1] if k in self.same else column
             out.append(None if column[0] is None or not rows else rows)
         return out
-
-    def _run_forward_prefix(self, discover: bool, rows: OutputRows | None = None) -> OutputRows:
-        """Run the plan up to its first reverse action from the initial carry, taking its
-        snapshots, and tape the steps of that reverse action when they end the loop; returns
-        every step's outputs (arrays) up to where it stopped. The loop's first run draws from
-        the caller's generator, as a plain loop would; a rebuild replays those draws."""
-        per_step = OutputRows(self.loop.n, lead=self.lead_rows) if rows is None else rows
-        self.lead_rows = ()  # written into the outputs: the entry holds no rows of its own
-        if discover:
-            return self._forward_prefix(discover, per_step)
-        np.random.set_state(self.initial_numpy_state)
-        with random.replaying(self.initial_engine_state), use_packer(self.step_packer):
-            return self._forward_prefix(discover, per_step)
-
-    def _forward_prefix(self, discover: bool, per_step: OutputRows) -> OutputRows:
-        loop = self.loop
-        state = _ForwardState()
-        arrays = list(self.initial)
-        actions = self.plan
-        codes = plan_codes(actions)  # read packed: a 10^6-step plan stays compact
-        cursor = 0
-        while cursor < len(codes):
-            kind, step, stop = split_code(codes[cursor])
-            if kind in (_REVERSE, _REVERSE_SEGMENT):
-                break
-            if kind == _SNAPSHOT:
-                state.snapshots[step] = take_snapshot(self, arrays)
-            elif kind == _DISK_SNAPSHOT:
-                state.snapshots[step] = take_snapshot(self, arrays, self.disk_storage)
-            elif kind == _ADVANCE:
-                t = step
-                while t < stop and (self.program is None or (t == 0 and discover)):
-                    arrays, ys = self._forward_step(t, arrays, discover)  # recorded, traced
-                    per_step.append(ys)
-                    t += 1
-                if t < stop:
-                    assert self.program is not None
-                    arrays = replay_forward(self.program, loop, arrays, t, stop, per_step)
-            elif kind == _FREE:  # online plans drop snapshots in their forward
-                del state.snapshots[step]
-            cursor += 1
-        state.cursor = cursor
-        start, stop = _span(actions[cursor]) if cursor < len(actions) else (loop.n, loop.n)
-        if start == len(per_step) and stop == loop.n and start < stop:
-            state.kept = tape_steps(self, start, stop, arrays)
-            if discover and start == 0:
-                discover_from(self, state.kept)
-            _move_rows(state.kept, per_step)
-            state.current = None
-        else:
-            state.current = arrays
-            state.current_engine_state = random.get_state()
-            state.current_numpy_state = numpy_state(self)
-        self.state = state
-        return per_step
-
-    def _run_kept_until(self) -> OutputRows:
-        """Run a loop that keeps every step until `until` stops it (at most `limit` steps):
-        one taped segment from the initial carry, as long as `until` lets it run; the plan is
-        then `Periodic(n)`'s for the n steps run (one segment, reversed at once)."""
-        loop = self.loop
-        state = _ForwardState()
-        kept = tape_steps(self, 0, self.limit, list(self.initial), until=self._stops)
-        n = loop.n = kept.stop
-        self.plan = periodic_plan(n, n)
-        per_step = OutputRows(n, lead=self.lead_rows)
-        self.lead_rows = ()
-        _move_rows(kept, per_step)
-        state.kept = kept
-        self.state = state
-        return per_step
-
-    def _stops(self, arrays: list[Any]) -> bool:
-        """Whether `until` ends the loop at the carry `arrays`."""
-        return stops(self.until, self.loop.carry_spec, as_tensors(self, arrays, grad=False))
-
-    def _run_growing_plan(self) -> OutputRows:
-        """Run a loop of unknown length from the initial carry, each step with a tape, under
-        the online planner; leaves the whole plan in `self.plan` and the last step's tape
-        kept for its first reverse action; returns every step's outputs (arrays)."""
-        loop, planner = self.loop, self.planner
-        assert planner is not None and self.until is not None
-        state = _ForwardState()
-        forward_actions = 0
-        arrays = list(self.initial)
-        per_step = OutputRows(None)  # its length is found as it runs: rows go into chunks
-        kept: TapedSegment | None = None
-        kept_random = random.get_state()
-        t = 0
-        while self.limit is None or t < self.limit:
-            actions = planner.advance()
-            for action in actions:  # each concerns state t - 1, where the kept tape starts
-                if isinstance(action, (Snapshot, DiskSnapshot)):
-                    assert kept is not None
-                    level = self.disk_storage if isinstance(action, DiskSnapshot) else None
-                    state.snapshots[action.step] = take_snapshot(
-                        self, arrays_of(kept.carry_in), level, engine_state=kept_random)
-                elif isinstance(action, Free):
-                    del state.snapshots[action.step]
-            forward_actions += len(actions)
-            kept_random = random.get_state()
-            kept = tape_steps(self, t, t + 1, arrays)
-            if t == 0:
-                discover_from(self, kept)
-            per_step.append(arrays_of(kept.y_out[0][1]))
-            arrays = arrays_of(kept.carry_out)
-            t += 1
-            if stops(self.until, loop.carry_spec, as_tensors(self, arrays, grad=False)):
-                break
-        loop.n = t
-        state.cursor = forward_actions
-        state.kept = kept
-        self.plan = planner.finish_plan(t)  # packed: a 10**6-step plan stays compact
-        self.state = state
-        return per_step
-
-    def _forward_step(
-        self, t: int, arrays: list[Any], discover: bool
-    ) -> tuple[list[Any], list[Any]]:
-        loop = self.loop
-        if t == 0 and discover:  # step 0 runs with a tape once, to find what it captures
-            segment = tape_steps(self, 0, 1, arrays, pulled_back=False)
-            discover_from(self, segment)
-            return arrays_of(segment.carry_out), arrays_of(segment.y_out[0][1])
-        if self.program is not None:
-            loop.count()
-            return self.program.run(arrays, loop.x_arrays(t))
-        return values_step(self, t, arrays)
 
     # ------------------------------------------------------------- tracing
     @property
@@ -520,7 +364,7 @@ class PlannedLoop:
             if create_graph:
                 return self._backward_with_graph(entry, grads, onto)
             if self.state is None:  # an earlier backward broke off: rebuild the forward state
-                self._run_forward_prefix(discover=False)
+                run_forward_prefix(self, discover=False)
             return self._backward(entry, grads, retain_graph, onto)
         except BaseException:
             if self.state is not None:  # no snapshot (no file of a disk level) outlives it
@@ -915,26 +759,5 @@ class PlannedLoop:
             None if edge is None else sink.values[keys[(id(edge[0]), edge[1])]]
             for edge in entry.edges
         ]
-
-
-def stops(until: Callable[[Any], Any], carry_spec: Any, carry_leaves: list[Any]) -> bool:
-    """Whether `until` says the loop ends at this carry; asked without recording."""
-    with no_grad():
-        return bool(until(unflatten(carry_spec, iter(carry_leaves))))
-
-
-def _span(action: Any) -> tuple[int, int]:
-    """The steps a reverse action covers, as (start, stop)."""
-    if isinstance(action, Reverse):
-        return action.step, action.step + 1
-    return action.start, action.stop
-
-
-def _move_rows(kept: TapedSegment | ReplayedSegment, rows: OutputRows) -> None:
-    """The outputs of a forward's taped end written into the loop's `rows`; a replayed
-    segment lets go of its own (stacked by `run()`: not kept twice)."""
-    rows.extend(arrays_of(ys) for _, ys in kept.y_out)
-    if isinstance(kept, ReplayedSegment):
-        kept.y_out = []
 
 
