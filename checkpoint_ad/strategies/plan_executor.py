@@ -40,12 +40,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import events, random
-from ..autograd import Capture, backpropagate, fills_grads
-from ..backend import namespace
-from ..grad_mode import enable_grad, no_grad, step_scope
-from ..ops import concatenate, expand_dims, stack
-from ..origins import rerun_boundary, rerunning_from
+from .. import random
+from ..ops import concatenate, expand_dims
 from ..pytree import unflatten
 from ..saved import (
     KEEP,
@@ -53,14 +49,13 @@ from ..saved import (
     SavedSlot,
     current_packer,
     freed_error,
-    use_packer,
 )
 from ..tape import Entry, add_entry, edge_of
-from ..tensor import Tensor
 from ..tensor_base import make_tensor
 from .grad_flow import Deps, deps_of_program, outputs_requiring_grad
 from .kinds import LoopStrategy
-from .loop import PlannedStep, StepLoop, columns
+from .loop import StepLoop
+from .loop_backward import backward_with_graph, run_backward
 from .loop_forward import (
     ForwardState,
     forward_step,
@@ -71,37 +66,21 @@ from .loop_forward import (
     stops,
 )
 from .loop_guards import check_versions, find_guards, guard_final_carry
-from .loop_pull_back import pull_back
 from .loop_snapshots import (
     disk_storage_for,
     measure_costs,
-    read_ahead,
-    restore_snapshot,
     same_numpy_state,
     snapshot_object_bytes,
-    take_snapshot,
 )
 from .loop_steps import (
     ReplayedSegment,
     TapedSegment,
     arrays_of,
-    replays_now,
-    tape_steps,
-    values_step,
 )
 from .output_rows import OutputRows, join_rows
 from .program_cache import Place, find
 from .revolve import (
-    _ADVANCE,
-    _DISK_RESTORE,
-    _DISK_SNAPSHOT,
-    _FREE,
-    _RESTORE,
-    _REVERSE,
-    _SNAPSHOT,
     Action,
-    plan_codes,
-    split_code,
 )
 from .step_program import StepProgram, Trace
 
@@ -236,16 +215,6 @@ class PlannedLoop:
             self.full_outputs = per_step.full()
         return self._record(carry_leaves, outputs, len(final_arrays), per_step)
 
-    def _output_rows(self, per_step: list[list[Any]]) -> list[list[Any] | None]:
-        """The rows each of the entry's stacked outputs holds: every step's, except the last
-        of an output that is the carry itself (joined on after the entry, see
-        `_last_rows_from_carry`); None for an absent output or one left with no rows."""
-        out: list[list[Any] | None] = []
-        for k, column in enumerate(columns(per_step)):
-            rows = column[:-1] if k in self.same else column
-            out.append(None if column[0] is None or not rows else rows)
-        return out
-
     # ------------------------------------------------------------- tracing
     @property
     def evaluations(self) -> int:
@@ -361,10 +330,10 @@ class PlannedLoop:
         outer_numpy_state = np.random.get_state()
         try:
             if create_graph:
-                return self._backward_with_graph(entry, grads, onto)
+                return backward_with_graph(self, entry, grads, onto)
             if self.state is None:  # an earlier backward broke off: rebuild the forward state
                 run_forward_prefix(self, discover=False)
-            return self._backward(entry, grads, retain_graph, onto)
+            return run_backward(self, entry, grads, retain_graph, onto)
         except BaseException:
             if self.state is not None:  # no snapshot (no file of a disk level) outlives it
                 self.state.snapshots.clear()
@@ -373,157 +342,5 @@ class PlannedLoop:
             raise
         finally:
             np.random.set_state(outer_numpy_state)
-
-    def _backward(
-        self, entry: Entry, grads: list[Any], retain_graph: bool, onto: list[Any] | None
-    ) -> list[Any]:
-        loop = self.loop
-        forward = self.state
-        assert forward is not None
-        self.keys_found = None  # found again per backward: xs may take a gradient now
-        self.fixed_keys = None  # (`loop_pull_back.segment_keys`)
-        if retain_graph:  # work on copies: the forward's state must answer again
-            snapshots = dict(forward.snapshots)
-        else:
-            snapshots = forward.snapshots
-            entry.slots = ()  # the plan frees snapshots as it goes: the entry must not keep them
-        n_carry = len(self.carry_meta)
-        adj_carry = list(grads[:n_carry])
-        adj_ys = grads[n_carry:]
-        # each scanned input's gradient, one array written row by row (not a list of rows
-        # stacked at the end: that would hold it twice); None where no gradient reached it
-        adj_xs: list[Any] = [
-            namespace(x._data).zeros(x.shape, dtype=x.dtype)
-            if x is not None and x.requires_grad else None
-            for x in loop.xs_leaves
-        ]
-        xs_reached = [False] * len(adj_xs)
-        adj_ext: dict[tuple[int, int], Any] = {}
-        carry_sums: list[Any] = [None] * n_carry  # what the carry's gradient adds onto
-        if onto is not None:
-            carry_sums = list(onto[:n_carry])
-            for key, start in zip(self.externals, onto[self.n_inputs:]):
-                if start is not None:
-                    adj_ext[key] = start
-        owned: dict[int, Any] = {}  # gradient sums made here, safe to add into in place
-        arrays = forward.current
-        stream = random.restored(self.initial_engine_state)  # rewound before any step re-runs
-        if forward.current_engine_state is not None:
-            if forward.current_numpy_state is not None:
-                np.random.set_state(forward.current_numpy_state)
-            random.rewind(stream, forward.current_engine_state)
-        read_ahead(self, snapshots, forward.cursor - 1)
-        program = self.program
-        # a replay that draws nothing, with nobody listening, needs none of the blocks a
-        # re-run enters (no generator to switch, no tape, no recompute events): run bare;
-        # a taped one too when it packs nothing (a storage's pack might draw)
-        bare = program is not None and not program.draws and not events.listeners
-        bare_reverse = bare and program.tape_as_is is not None and replays_now(self)
-        codes = plan_codes(self.plan)  # read packed: building each action costs more
-        for index in range(forward.cursor, len(codes)):
-            kind, step, stop = split_code(codes[index])
-            if kind == _ADVANCE:
-                if bare:
-                    arrays = self._advance_replayed(step, stop, arrays)
-                    continue
-                with events.recomputing(self.name), no_grad(), random.using(stream):
-                    if program is not None:
-                        arrays = self._advance_replayed(step, stop, arrays)
-                    else:
-                        for t in range(step, stop):
-                            arrays, _ = values_step(self, t, arrays)
-            elif kind == _SNAPSHOT:
-                with random.using(stream):
-                    snapshots[step] = take_snapshot(self, arrays)
-            elif kind == _DISK_SNAPSHOT:
-                with random.using(stream):
-                    snapshots[step] = take_snapshot(self, arrays, self.disk_storage)
-            elif kind in (_RESTORE, _DISK_RESTORE):
-                arrays = restore_snapshot(self, snapshots[step], stream)
-                read_ahead(self, snapshots, index)
-            elif kind == _FREE:
-                del snapshots[step]
-            else:
-                start = step  # (a one-step action repeats its step in the second field)
-                stop = step + 1 if kind == _REVERSE else stop
-                kept = forward.kept if index == forward.cursor else None
-                if kept is None and bare_reverse:
-                    segment = tape_steps(self, start, stop, arrays, replayable=True)
-                elif kept is None:
-                    with events.recomputing(self.name), random.using(stream), use_packer(
-                        self.step_packer
-                    ):
-                        segment = tape_steps(self, start, stop, arrays)
-                else:
-                    segment = kept
-                    if not retain_graph:
-                        forward.kept = None
-                adj_carry = pull_back(
-                    self, segment, adj_carry, adj_ys, adj_xs, xs_reached, adj_ext, owned,
-                    retain_graph=retain_graph and kept is not None,
-                    carry_sums=carry_sums if start == 0 else None,
-                )
-                # let go of the reversed segment's steps now, not when the next segment is
-                # taped (the name would hold them while it is: two segments at the peak)
-                arrays = segment = kept = None
-        if not retain_graph:
-            self.state = None
-            self.consumed = True
-        results = list(adj_carry)
-        results.extend(g if reached else None for g, reached in zip(adj_xs, xs_reached))
-        for key in self.externals:
-            results.append(adj_ext.get(key))
-        return results
-
-    def _advance_replayed(self, start: int, stop: int, arrays: list[Any]) -> list[Any]:
-        """Steps start..stop-1 replayed from the carry `arrays` without a tape: the new
-        carry's arrays (each step counted as an evaluation)."""
-        loop, program = self.loop, self.program
-        assert program is not None
-        for t in range(start, stop):
-            loop.count()
-            arrays, _ = program.run(arrays, loop.x_arrays(t))
-        return arrays
-
-    @rerun_boundary
-    def _backward_with_graph(
-        self, entry: Entry, grads: list[Any], onto: list[Any] | None = None
-    ) -> list[Any]:
-        """Differentiate the loop with a graph of its own gradient (create_graph=True): re-run
-        every step with a tape from the loop's real inputs, like a plain loop, and pull the
-        gradients back through that tape with create_graph."""
-        loop = self.loop
-        np.random.set_state(self.initial_numpy_state)
-        with events.recomputing(self.name), enable_grad(), random.replaying(
-            self.initial_engine_state
-        ), use_packer(self.step_packer), rerunning_from(loop.origin):
-            carry = list(self.carry_inputs)
-            per_step = []
-            for t, x in enumerate(loop.all_x()):
-                with step_scope(PlannedStep(self.retained, t, first=False)):
-                    carry, ys = loop.call(t, carry, x)
-                per_step.append(ys)
-            outputs = carry + [
-                None if rows is None else stack(rows, axis=0)
-                for rows in self._output_rows(per_step)
-            ]
-        roots = []
-        for out, g in zip(outputs, grads):
-            if out is not None and g is not None and out.requires_grad:
-                roots.append((edge_of(out), g if isinstance(g, Tensor) else Tensor._wrap(g)))
-        keys: dict[tuple[int, int], int] = {}
-        for edge in entry.edges:
-            if edge is not None:
-                keys.setdefault((id(edge[0]), edge[1]), len(keys))
-        initial: list[Any] = [None] * len(keys)
-        for edge, total in zip(entry.edges, onto or ()):
-            if edge is not None and total is not None:
-                initial[keys[(id(edge[0]), edge[1])]] = total
-        sink = Capture(keys, initial=initial, newer_than=entry.seq, fills_retained=fills_grads())
-        backpropagate(roots, retain_graph=True, create_graph=True, capture=sink)
-        return [
-            None if edge is None else sink.values[keys[(id(edge[0]), edge[1])]]
-            for edge in entry.edges
-        ]
 
 
