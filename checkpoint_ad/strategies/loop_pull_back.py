@@ -131,7 +131,7 @@ def pull_back_replayed(
     retain_graph: bool,
     carry_sums: list[Any] | None = None,
 ) -> list[Any]:
-    """`_pull_back` for a replayed segment: the same roots, keys and starting sums, in
+    """`pull_back` for a replayed segment: the same roots, keys and starting sums, in
     the same order, so the gradients are bitwise those of the recorded steps."""
     program = executor.program
     assert program is not None

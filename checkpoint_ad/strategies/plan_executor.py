@@ -29,6 +29,16 @@ What makes the loop's gradients the same as keeping every step's tape:
   registers them again, and they fire there), a re-run's `retain_grad()` fills the tensor the
   forward made, and a step that takes a gradient inside it runs with a tape even then
   (`loop.PlannedStep`).
+
+The class holds the loop's state and its tape entry's interface (`run`, `backward`,
+`adds_onto`); the parts, each a module of functions taking the executor:
+- `loop_forward`: the plan's forward, up to its first reverse action (or a growing plan's);
+- `loop_backward`: the rest of the plan in the backward, and the backward with a graph;
+- `loop_pull_back`: the pull-back of one reverse action's segment, taped or replayed;
+- `loop_steps`: running one step (recorded, traced, for its values) or taping a segment,
+  and the tensors step 0 captures;
+- `loop_snapshots`: snapshots, their storage and the random states they carry;
+- `loop_guards`: the version checks of what the backward reads again.
 """
 
 from __future__ import annotations
@@ -43,13 +53,7 @@ import numpy as np
 from .. import random
 from ..ops import concatenate, expand_dims
 from ..pytree import unflatten
-from ..saved import (
-    KEEP,
-    PackedBuffer,
-    SavedSlot,
-    current_packer,
-    freed_error,
-)
+from ..saved import KEEP, PackedBuffer, SavedSlot, current_packer, freed_error
 from ..tape import Entry, add_entry, edge_of
 from ..tensor_base import make_tensor
 from .grad_flow import Deps, deps_of_program, outputs_requiring_grad
@@ -66,22 +70,11 @@ from .loop_forward import (
     stops,
 )
 from .loop_guards import check_versions, find_guards, guard_final_carry
-from .loop_snapshots import (
-    disk_storage_for,
-    measure_costs,
-    same_numpy_state,
-    snapshot_object_bytes,
-)
-from .loop_steps import (
-    ReplayedSegment,
-    TapedSegment,
-    arrays_of,
-)
+from .loop_snapshots import disk_storage_for, measure_costs, same_numpy_state, snapshot_object_bytes
+from .loop_steps import ReplayedSegment, TapedSegment, arrays_of
 from .output_rows import OutputRows, join_rows
 from .program_cache import Place, find
-from .revolve import (
-    Action,
-)
+from .revolve import Action
 from .step_program import StepProgram, Trace
 
 # what other modules import from here (defined in the loop_* modules some of them)
@@ -127,7 +120,7 @@ class PlannedLoop:
         # the saved-value strategy in effect where the loop runs: its steps keep their values
         # with it, also when the backward re-runs them outside that `use` block
         self.step_packer = current_packer()
-        self.quiet: bool | None = None  # `_draws_nothing`, once there is a program
+        self.quiet: bool | None = None  # `loop_snapshots.draws_nothing`, once there is a program
         self.until = until
         self.limit = limit
         self.keeps_every_step = keeps_every_step
@@ -145,14 +138,15 @@ class PlannedLoop:
         self.fixed_keys: Any = None  # see `loop_pull_back.segment_keys`
         self.state: ForwardState | None = None
         self.consumed = False
-        self.reruns = True  # whether the backward runs steps again (`_reruns`, found in run())
+        self.reruns = True  # whether the backward runs steps again (found in run(): `loop_guards`)
         self.tracks_numpy = False  # set when the steps draw from numpy's global random state
-        self.last_engine_state: random.GeneratorState | None = None  # see `_pack`
+        # the engine's state the latest snapshot holds (see `loop_snapshots.take_snapshot`)
+        self.last_engine_state: random.GeneratorState | None = None
         # steps 0 and 1 are traced; when they give one program, later steps are replayed
         self.traces: dict[int, Trace] | None = {} if trace else None
         self.place: Place | None = None  # where an earlier call's program may wait (run())
         # version counters of the tensors from outside the loop that step 0 read (found by
-        # its trace, also a refused one): what a re-run reads again (see `_guards`)
+        # its trace, also a refused one): what a re-run reads again (see `loop_guards`)
         self.outside: dict[int, tuple[Any, Any, Any]] | None = None
         self.step_deps: tuple[list[Deps], list[Deps]] | None = None  # a recorded step 0's
         self.program: StepProgram | None = None
@@ -215,7 +209,7 @@ class PlannedLoop:
             self.full_outputs = per_step.full()
         return self._record(carry_leaves, outputs, len(final_arrays), per_step)
 
-    # ------------------------------------------------------------- tracing
+    # ------------------------------------------------------------- the loop's entry
     @property
     def evaluations(self) -> int:
         """Step evaluations so far, recorded or replayed (the plan's count once done)."""
