@@ -17,6 +17,7 @@ from ..autograd import Capture, backpropagate, fills_grads
 from ..errors import BackwardError
 from ..tape import edge_of
 from .loop_steps import ReplayedSegment, TapedSegment, discover
+from .step_pull_back import pull_back_steps
 
 if TYPE_CHECKING:
     from .plan_executor import PlannedLoop
@@ -199,7 +200,7 @@ def pull_back_replayed(
     sink = Capture({}, initial=initial, owned=owned)
     del initial  # the sink holds its own list of the sums
     if roots:  # (a function is true: its steps may have no roots, which costs little)
-        program.pull_back(segment.steps, roots, sink, keys, retain=retain_graph)
+        pull_back_steps(program, segment.steps, roots, sink, keys, retain=retain_graph)
     captured = sink.values
     new_adj = []
     for k in range(n_carry):
