@@ -48,7 +48,7 @@ class _ModeState(threading.local):
 
     @property
     def tracer(self) -> Any:
-        """A loop's step tracer while it traces (strategies/step_program.py)."""
+        """A loop's step tracer while it traces (strategies/step_trace.py)."""
         return self._tracer
 
     @tracer.setter

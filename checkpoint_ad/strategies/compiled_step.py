@@ -19,7 +19,7 @@ import numpy as np
 from .. import random
 from ..backend import broadcast_axes
 
-# where a gradient arriving at a slot goes (see `StepProgram.pull_back`)
+# where a gradient arriving at a slot goes (see `step_pull_back.pull_back_steps`)
 DROP = 0  # no gradient wanted: a leaf that does not require one, or a leaf made in the step
 PENDING = 1  # a value made in the step: summed until the instruction that made it runs
 CARRY = 2  # the step's carry: the previous step's new carry, or the sink for the first step

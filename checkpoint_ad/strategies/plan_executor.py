@@ -29,157 +29,62 @@ What makes the loop's gradients the same as keeping every step's tape:
   registers them again, and they fire there), a re-run's `retain_grad()` fills the tensor the
   forward made, and a step that takes a gradient inside it runs with a tape even then
   (`loop.PlannedStep`).
+
+The class holds the loop's state and its tape entry's interface (`run`, `backward`,
+`adds_onto`); the parts, each a module of functions taking the executor:
+- `loop_forward`: the plan's forward, up to its first reverse action (or a growing plan's);
+- `loop_backward`: the rest of the plan in the backward, and the backward with a graph;
+- `loop_pull_back`: the pull-back of one reverse action's segment, taped or replayed;
+- `loop_steps`: running one step (recorded, traced, for its values) or taping a segment,
+  and the tensors step 0 captures;
+- `loop_snapshots`: snapshots, their storage and the random states they carry;
+- `loop_guards`: the version checks of what the backward reads again.
 """
 
 from __future__ import annotations
 
-import time
-import tracemalloc
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
 
-from .. import events, random
-from ..autograd import Capture, backpropagate, fills_grads
-from ..backend import is_floating, namespace
-from ..errors import BackwardError, InplaceError, SavedValueModifiedError
-from ..grad_mode import _state, enable_grad, no_grad, step_scope
-from ..ops import concatenate, expand_dims, stack
-from ..origins import rerun_boundary, rerunning_from
-from ..pytree import flatten, unflatten
-from ..saved import (
-    KEEP,
-    PackedBuffer,
-    SavedBuffer,
-    SavedSlot,
-    current_packer,
-    freed_error,
-    pack_value,
-    stores_as_is,
-    use_packer,
-)
-from ..tape import Entry, add_entry, edge_of, next_sequence
-from ..tensor import Tensor
+from .. import random
+from ..ops import concatenate, expand_dims
+from ..pytree import unflatten
+from ..saved import KEEP, PackedBuffer, SavedSlot, current_packer, freed_error
+from ..tape import Entry, add_entry, edge_of
 from ..tensor_base import make_tensor
-from .grad_flow import Deps, deps_of_program, deps_of_tensors, outputs_requiring_grad
+from .grad_flow import Deps, deps_of_program, outputs_requiring_grad
 from .kinds import LoopStrategy
-from .loop import PlannedStep, StepLoop, columns, row_tensor
-from .offload import Offload
-from .output_rows import OutputRows, join_rows
-from .program_cache import REUSED, Place, find
-from .revolve import (
-    _ADVANCE,
-    _DISK_RESTORE,
-    _DISK_SNAPSHOT,
-    _FREE,
-    _KIND_MASK,
-    _RESTORE,
-    _REVERSE,
-    _REVERSE_SEGMENT,
-    _SNAPSHOT,
-    Action,
-    DiskSnapshot,
-    Free,
-    Reverse,
-    Snapshot,
-    periodic_plan,
-    plan_codes,
-    split_code,
+from .loop import StepLoop
+from .loop_backward import backward_with_graph, run_backward
+from .loop_forward import (
+    ForwardState,
+    forward_step,
+    replay_forward,
+    run_forward_prefix,
+    run_growing_plan,
+    run_kept_until,
+    stops,
 )
-from .step_program import ReplayedStep, StepProgram, Trace, program_of, traced_call
+from .loop_guards import (
+    check_versions,
+    find_changes,
+    find_guards,
+    guard_final_carry,
+    refuse_changes,
+)
+from .loop_snapshots import disk_storage_for, measure_costs, same_numpy_state, snapshot_object_bytes
+from .loop_steps import ReplayedSegment, TapedSegment, arrays_of
+from .output_rows import OutputRows, join_rows
+from .program_cache import Place, find
+from .revolve import Action
+from .step_program import StepProgram, Trace
 
-READ_AHEAD = 2
-"""Restores whose snapshots the executor announces to their storage ahead (`prefetch`)."""
-
-
-@dataclass(slots=True)
-class _Snapshot:
-    """A stored carry, and the random states (the engine's and numpy's) at that step (one
-    per snapshot, so no instance dictionary)."""
-
-    buffers: list[SavedBuffer | None]
-    engine_state: random.GeneratorState
-    numpy_state: Any  # None unless the loop draws from numpy's global state
-
-
-def replay_forward(program: StepProgram, loop: StepLoop, arrays: list[Any], start: int,
-                   stop: int, rows: OutputRows) -> list[Any]:
-    """Steps start..stop-1 of a plan's forward replayed from the carry `arrays` without a
-    tape, each counted and its outputs written into `rows`: the new carry's arrays. One
-    function for the executor and for a budget's dry run, which times it (`pricing`), so the
-    price of a forward step is what the forward runs."""
-    run, x_arrays, count, append = program.run, loop.x_arrays, loop.count, rows.append
-    for t in range(start, stop):
-        count()
-        arrays, ys = run(arrays, x_arrays(t))
-        append(ys)
-    return arrays
-
-
-def snapshot_object_bytes(arrays: list[Any], storage: Any) -> int:
-    """Bytes a snapshot of `arrays` holds beyond its stored values, as a loop keeps it (its
-    buffers, the snapshot, its place in the loop's table and the loop entry's slot for each
-    buffer), traced by tracemalloc; 0 under a caller's tracing (starting it would spoil the
-    caller's peak). About 500 bytes: an eighth of a small carry's 4 KiB, which a plan with
-    many snapshots of it holds many times."""
-    if tracemalloc.is_tracing():
-        return 0
-    state = random.get_state()
-    tracemalloc.start()
-    try:
-        before = tracemalloc.get_traced_memory()[0]
-        snapshots = {0: _Snapshot([None if a is None else pack_value(a, storage)
-                                   for a in arrays], state, None)}
-        slots = [SavedSlot(f"snapshot{0}.{k}", b, None, None)
-                 for k, b in enumerate(snapshots[0].buffers) if b is not None]
-        held = tracemalloc.get_traced_memory()[0] - before
-        # a buffer kept by reference (`KeptBuffer`) allocated none of its stored bytes here
-        stored = sum(b.stored_nbytes for a, b in zip(arrays, snapshots[0].buffers)
-                     if b is not None and getattr(b, "packed", None) is not a)
-        del slots
-    finally:
-        tracemalloc.stop()
-    return max(0, held - stored)
-
-
-@dataclass
-class _TapedSegment:
-    """Steps start..stop-1 run with a tape, ready to pull an adjoint back through them."""
-
-    start: int
-    stop: int
-    carry_in: list[Any]
-    x_parts: list[tuple[int, list[Any]]]
-    y_out: list[tuple[int, list[Any]]]
-    carry_out: list[Any]
-    seq_before: int
-
-
-@dataclass
-class _ReplayedSegment:
-    """Steps start..stop-1 replayed from the step program, keeping what their backward reads."""
-
-    start: int
-    stop: int
-    steps: list[tuple[int, ReplayedStep]]
-    carry_in: list[Any]  # arrays
-    carry_out: list[Any]  # arrays
-    y_out: list[tuple[int, list[Any]]]  # arrays
-
-
-@dataclass
-class _ForwardState:
-    """What the forward leaves for the backward: snapshots, the plan position, the taped end."""
-
-    snapshots: dict[int, _Snapshot] = field(default_factory=dict)
-    cursor: int = 0
-    current: list[Any] | None = None  # state in hand at `cursor`, and its random states
-    current_engine_state: random.GeneratorState | None = None
-    current_numpy_state: Any = None
-    kept: _TapedSegment | _ReplayedSegment | None = None  # the first reverse action's steps
+# what other modules import from here (defined in the loop_* modules some of them)
+__all__ = ["PlannedLoop", "replay_forward", "snapshot_object_bytes", "stops"]
 
 
 class PlannedLoop:
@@ -217,11 +122,11 @@ class PlannedLoop:
         self.full_outputs: list[Any] | None = None  # after run(): lead and own rows per output
         self.strategy = strategy
         self.storage = (strategy.storage or KEEP).for_plan()
-        self.disk_storage = _disk_storage(self.storage)
+        self.disk_storage = disk_storage_for(self.storage)
         # the saved-value strategy in effect where the loop runs: its steps keep their values
         # with it, also when the backward re-runs them outside that `use` block
         self.step_packer = current_packer()
-        self.quiet: bool | None = None  # `_draws_nothing`, once there is a program
+        self.quiet: bool | None = None  # `loop_snapshots.draws_nothing`, once there is a program
         self.until = until
         self.limit = limit
         self.keeps_every_step = keeps_every_step
@@ -235,20 +140,21 @@ class PlannedLoop:
         self.same: dict[int, int] = {}
         self.externals: dict[tuple[int, int], Any] = {}
         self.discovered = False  # externals (and carry aliases) found
-        self._keys_found: Any = None  # see `_replay_keys`
-        self._fixed_keys: Any = None  # see `_segment_keys`
-        self.state: _ForwardState | None = None
+        self.keys_found: Any = None  # see `loop_pull_back.replay_keys`
+        self.fixed_keys: Any = None  # see `loop_pull_back.segment_keys`
+        self.state: ForwardState | None = None
         self.consumed = False
-        self.reruns = True  # whether the backward runs steps again (`_reruns`, found in run())
+        self.reruns = True  # whether the backward runs steps again (found in run(): `loop_guards`)
         self.tracks_numpy = False  # set when the steps draw from numpy's global random state
-        self.last_engine_state: random.GeneratorState | None = None  # see `_pack`
+        # the engine's state the latest snapshot holds (see `loop_snapshots.take_snapshot`)
+        self.last_engine_state: random.GeneratorState | None = None
         # steps 0 and 1 are traced; when they give one program, later steps are replayed
         self.traces: dict[int, Trace] | None = {} if trace else None
         self.place: Place | None = None  # where an earlier call's program may wait (run())
         # version counters of the tensors from outside the loop that step 0 read (found by
-        # its trace, also a refused one): what a re-run reads again (see `_guards`)
+        # its trace, also a refused one): what a re-run reads again (see `loop_guards`)
         self.outside: dict[int, tuple[Any, Any, Any]] | None = None
-        self.step0_trace: Trace | None = None  # its changes in place (see `_changes`)
+        self.step0_trace: Trace | None = None  # its changes in place (see `find_changes`)
         self.changes: str | None = None  # what the steps change in place that re-runs read
         self.step_deps: tuple[list[Deps], list[Deps]] | None = None  # a recorded step 0's
         self.program: StepProgram | None = None
@@ -278,33 +184,33 @@ class PlannedLoop:
         if self.traces is not None and loop.n != 1 and self.cached:
             self.place = find(loop.step, "planned", carry_leaves, loop.xs_leaves)
         if self.until is None:
-            self.plan = self.strategy.plan_for_loop(loop.n, self._measure_costs)
-            per_step = self._run_forward_prefix(discover=True)
+            self.plan = self.strategy.plan_for_loop(loop.n, partial(measure_costs, self))
+            per_step = run_forward_prefix(self, discover=True)
         elif self.keeps_every_step:
-            per_step = self._run_kept_until()
+            per_step = run_kept_until(self)
         else:
             self.plan = []
-            per_step = self._run_growing_plan()
+            per_step = run_growing_plan(self)
         state = self.state
         assert state is not None
         final = state.kept.carry_out if state.kept is not None else None
         if final is None:  # no taped end: run the remaining steps to hand the outputs over
             arrays = state.current
             for t in range(len(per_step), loop.n):
-                arrays, ys = self._forward_step(t, arrays, discover=True)
+                arrays, ys = forward_step(self, t, arrays, discover=True)
                 per_step.append(ys)
             final_arrays = arrays
         else:
-            final_arrays = _arrays(final)
-        self.guards, self.input_guards = self._guards(carry_leaves)
+            final_arrays = arrays_of(final)
+        self.guards, self.input_guards = find_guards(self, carry_leaves)
         self.first_run = False
-        self.changes = self._changes()
-        if not _same_numpy_state(np.random.get_state(), self.initial_numpy_state):
+        self.changes = find_changes(self)
+        if not same_numpy_state(np.random.get_state(), self.initial_numpy_state):
             # the steps draw from numpy's global state (rare, and costly to keep: 40 us a
             # get or set): take the forward part of the plan again, keeping it this time
             end_state = np.random.get_state()
             self.tracks_numpy = True
-            self._run_forward_prefix(discover=False, rows=OutputRows(loop.n, keep=False))
+            run_forward_prefix(self, discover=False, rows=OutputRows(loop.n, keep=False))
             np.random.set_state(end_state)
             state = self.state
         outputs = list(final_arrays) + per_step.stacked(self.same)
@@ -312,502 +218,11 @@ class PlannedLoop:
             self.full_outputs = per_step.full()
         return self._record(carry_leaves, outputs, len(final_arrays), per_step)
 
-    def _output_rows(self, per_step: list[list[Any]]) -> list[list[Any] | None]:
-        """The rows each of the entry's stacked outputs holds: every step's, except the last
-        of an output that is the carry itself (joined on after the entry, see
-        `_last_rows_from_carry`); None for an absent output or one left with no rows."""
-        out: list[list[Any] | None] = []
-        for k, column in enumerate(columns(per_step)):
-            rows = column[:-1] if k in self.same else column
-            out.append(None if column[0] is None or not rows else rows)
-        return out
-
-    def _run_forward_prefix(self, discover: bool, rows: OutputRows | None = None) -> OutputRows:
-        """Run the plan up to its first reverse action from the initial carry, taking its
-        snapshots, and tape the steps of that reverse action when they end the loop; returns
-        every step's outputs (arrays) up to where it stopped. The loop's first run draws from
-        the caller's generator, as a plain loop would; a rebuild replays those draws."""
-        per_step = OutputRows(self.loop.n, lead=self.lead_rows) if rows is None else rows
-        self.lead_rows = ()  # written into the outputs: the entry holds no rows of its own
-        if discover:
-            return self._forward_prefix(discover, per_step)
-        np.random.set_state(self.initial_numpy_state)
-        with random.replaying(self.initial_engine_state), use_packer(self.step_packer):
-            return self._forward_prefix(discover, per_step)
-
-    def _forward_prefix(self, discover: bool, per_step: OutputRows) -> OutputRows:
-        loop = self.loop
-        state = _ForwardState()
-        arrays = list(self.initial)
-        actions = self.plan
-        codes = plan_codes(actions)  # read packed: a 10^6-step plan stays compact
-        cursor = 0
-        while cursor < len(codes):
-            kind, step, stop = split_code(codes[cursor])
-            if kind in (_REVERSE, _REVERSE_SEGMENT):
-                break
-            if kind == _SNAPSHOT:
-                state.snapshots[step] = self._pack(arrays)
-            elif kind == _DISK_SNAPSHOT:
-                state.snapshots[step] = self._pack(arrays, self.disk_storage)
-            elif kind == _ADVANCE:
-                t = step
-                while t < stop and (self.program is None or (t == 0 and discover)):
-                    arrays, ys = self._forward_step(t, arrays, discover)  # recorded, traced
-                    per_step.append(ys)
-                    t += 1
-                if t < stop:
-                    assert self.program is not None
-                    arrays = replay_forward(self.program, loop, arrays, t, stop, per_step)
-            elif kind == _FREE:  # online plans drop snapshots in their forward
-                del state.snapshots[step]
-            cursor += 1
-        state.cursor = cursor
-        start, stop = _span(actions[cursor]) if cursor < len(actions) else (loop.n, loop.n)
-        if start == len(per_step) and stop == loop.n and start < stop:
-            state.kept = self._tape_steps(start, stop, arrays)
-            if discover and start == 0:
-                self._discover_from(state.kept)
-            _move_rows(state.kept, per_step)
-            state.current = None
-        else:
-            state.current = arrays
-            state.current_engine_state = random.get_state()
-            state.current_numpy_state = self._numpy_state()
-        self.state = state
-        return per_step
-
-    def _run_kept_until(self) -> OutputRows:
-        """Run a loop that keeps every step until `until` stops it (at most `limit` steps):
-        one taped segment from the initial carry, as long as `until` lets it run; the plan is
-        then `Periodic(n)`'s for the n steps run (one segment, reversed at once)."""
-        loop = self.loop
-        state = _ForwardState()
-        kept = self._tape_steps(0, self.limit, list(self.initial), until=self._stops)
-        n = loop.n = kept.stop
-        self.plan = periodic_plan(n, n)
-        per_step = OutputRows(n, lead=self.lead_rows)
-        self.lead_rows = ()
-        _move_rows(kept, per_step)
-        state.kept = kept
-        self.state = state
-        return per_step
-
-    def _stops(self, arrays: list[Any]) -> bool:
-        """Whether `until` ends the loop at the carry `arrays`."""
-        return stops(self.until, self.loop.carry_spec, self._as_tensors(arrays, grad=False))
-
-    def _run_growing_plan(self) -> OutputRows:
-        """Run a loop of unknown length from the initial carry, each step with a tape, under
-        the online planner; leaves the whole plan in `self.plan` and the last step's tape
-        kept for its first reverse action; returns every step's outputs (arrays)."""
-        loop, planner = self.loop, self.planner
-        assert planner is not None and self.until is not None
-        state = _ForwardState()
-        forward_actions = 0
-        arrays = list(self.initial)
-        per_step = OutputRows(None)  # its length is found as it runs: rows go into chunks
-        kept: _TapedSegment | None = None
-        kept_random = random.get_state()
-        t = 0
-        while self.limit is None or t < self.limit:
-            actions = planner.advance()
-            for action in actions:  # each concerns state t - 1, where the kept tape starts
-                if isinstance(action, (Snapshot, DiskSnapshot)):
-                    assert kept is not None
-                    level = self.disk_storage if isinstance(action, DiskSnapshot) else None
-                    state.snapshots[action.step] = self._pack(
-                        _arrays(kept.carry_in), level, engine_state=kept_random)
-                elif isinstance(action, Free):
-                    del state.snapshots[action.step]
-            forward_actions += len(actions)
-            kept_random = random.get_state()
-            kept = self._tape_steps(t, t + 1, arrays)
-            if t == 0:
-                self._discover_from(kept)
-            per_step.append(_arrays(kept.y_out[0][1]))
-            arrays = _arrays(kept.carry_out)
-            t += 1
-            if stops(self.until, loop.carry_spec, self._as_tensors(arrays, grad=False)):
-                break
-        loop.n = t
-        state.cursor = forward_actions
-        state.kept = kept
-        self.plan = planner.finish_plan(t)  # packed: a 10**6-step plan stays compact
-        self.state = state
-        return per_step
-
-    def _forward_step(
-        self, t: int, arrays: list[Any], discover: bool
-    ) -> tuple[list[Any], list[Any]]:
-        loop = self.loop
-        if t == 0 and discover:  # step 0 runs with a tape once, to find what it captures
-            segment = self._tape_steps(0, 1, arrays, pulled_back=False)
-            self._discover_from(segment)
-            return _arrays(segment.carry_out), _arrays(segment.y_out[0][1])
-        if self.program is not None:
-            loop.count()
-            return self.program.run(arrays, loop.x_arrays(t))
-        return self._values_step(t, arrays)
-
-    def _values_step(self, t: int, arrays: list[Any]) -> tuple[list[Any], list[Any]]:
-        """Step t run (recorded) from the carry `arrays` for its new carry and outputs alone
-        (arrays): without a tape, or with one let go at once where the step takes a gradient
-        inside it, which needs the step's graph (`StepLoop.takes_gradients`, seen in step 0,
-        which runs with a tape). Hooks registered in it are dropped: the run the reverse
-        pulls back registers them again."""
-        if self.loop.takes_gradients:
-            with enable_grad():
-                new, ys = self._call(t, self._as_tensors(arrays, grad=True), self._x_tensors(t),
-                                     drops_hooks=True)
-        else:
-            with no_grad():
-                new, ys = self._call(t, self._as_tensors(arrays, grad=False),
-                                     self.loop.x_at(t), untaped=True)
-        return _arrays(new), _arrays(ys)
-
-    # ------------------------------------------------------------- tracing
-    def _call(self, t: int, carry: list[Any], x: Any, untaped: bool = False,
-              drops_hooks: bool = False) -> tuple[list[Any], list[Any]]:
-        """Run step `t` (recorded) as a run of the loop's plan (`PlannedStep`: `untaped`,
-        without a tape; `drops_hooks`, with one nobody pulls back)."""
-        with step_scope(PlannedStep(self.retained, t, self.first_run, untaped, drops_hooks)):
-            return self._traced_call(t, carry, x)
-
-    def _traced_call(self, t: int, carry: list[Any], x: Any) -> tuple[list[Any], list[Any]]:
-        """Run step `t` (recorded); steps 0 and 1 are traced on the way (step 0 alone when
-        it fits the program an earlier call of this loop made: see `program_cache.py`)."""
-        traces = self.traces
-        if traces is None or t > 1 or t in traces:
-            if t == 0 and self.outside is None and self.program is None and (
-                    _state.tracer is None):  # trace=False: step 0 traced for what it reads
-                new, ys, trace = traced_call(self.loop, t, carry, x, refused=self.mode)
-                self.outside, self.step0_trace = trace.outside, trace
-                return new, ys
-            return self.loop.call(t, carry, x)
-        new, ys, traces[t] = traced_call(self.loop, t, carry, x)
-        if t == 0:
-            self.outside, self.step0_trace = traces[0].outside, traces[0]
-        place = self.place
-        if t == 0 and place is not None and place.expected:
-            program = place.reuse(traces[0])
-            if program is not None:
-                self.traces = None
-                self.program, self.mode = program, REUSED
-                return new, ys
-        if len(traces) == 2 or self.loop.n == 1:
-            self._decide()
-        return new, ys
-
-    def _decide(self) -> None:
-        """Replay from now on if steps 0 and 1 traced to one program; say why not otherwise."""
-        traces = self.traces
-        assert traces is not None
-        self.traces = None  # decided: no more tracing, and the traced tensors are let go
-        self.program, self.mode = program_of(traces, self.loop.n, len(self.carry_meta))
-        if self.place is not None and len(traces) == 2:
-            self.place.remember(traces[0], traces[1], self.program)
-
+    # ------------------------------------------------------------- the loop's entry
     @property
     def evaluations(self) -> int:
         """Step evaluations so far, recorded or replayed (the plan's count once done)."""
         return self.loop.evaluations
-
-    def _replayable(self) -> bool:
-        """Whether the backward may replay now: not under anomaly detection (it checks every
-        entry's gradients) and no hooks on captured leaves (they run per recorded pass)."""
-        program = self.program
-        return program is not None and not _state.anomaly and not any(
-            t._hooks for t in program.has_hooks)
-
-    def _discover_from(self, segment: _TapedSegment) -> None:
-        if self.discovered:
-            return
-        self.discovered = True
-        ys = segment.y_out[0][1]
-        new = segment.carry_out if segment.stop == 1 else None
-        inputs = segment.carry_in + [p for _, parts in segment.x_parts for p in parts]
-        produced = segment.carry_out + [y for _, ys_ in segment.y_out for y in ys_]
-        self.externals = self._discover(produced, inputs, segment.seq_before)
-        if new is None:  # the carry step 0 made is not in hand: find aliases by position
-            return
-        self.step_deps = deps_of_tensors(segment.carry_in, inputs[len(segment.carry_in):],
-                                         new, ys, segment.seq_before)
-        # outputs that are the new carry itself (RNNs return h, h): their adjoints are added
-        # to the carry's, in the order a plain tape would add them
-        self.same = {k: j for k, y in enumerate(ys) for j, c in enumerate(new)
-                     if y is not None and c is y}
-
-    def _as_tensors(self, state: list[Any], grad: bool) -> list[Any]:
-        out = []
-        for array, rg in zip(state, self.carry_rg):
-            if array is None:
-                out.append(None)
-                continue
-            t = Tensor._wrap(array)
-            t._requires_grad = grad and (rg or is_floating(array.dtype))
-            out.append(t)
-        return out
-
-    def _x_tensors(self, t: int) -> Any:
-        loop = self.loop
-        if loop.xs_spec is None:
-            return None
-        parts = []
-        for x in loop.xs_leaves:
-            if x is None:
-                parts.append(None)
-                continue
-            parts.append(row_tensor(x, t, x.requires_grad))
-        return unflatten(loop.xs_spec, iter(parts))
-
-    def _discover(
-        self, outputs: list[Any], step_inputs: list[Any], seq_before: int
-    ) -> dict[Any, Any]:
-        """The tensors outside the loop that a step's tape reaches (closure captures),
-        including one the step returns as it is."""
-        inside = {id(c) for c in step_inputs if c is not None}
-        stack_ = []
-        found = {}
-        for o in outputs:
-            if o is None or id(o) in inside:
-                continue
-            edge = edge_of(o)
-            if edge is None:
-                continue
-            node, index = edge
-            if type(node) is Entry and node.seq > seq_before:
-                stack_.append(node)
-            else:  # made outside the loop and returned untouched
-                found[(id(node), index)] = edge
-        seen: set[int] = set()
-        while stack_:
-            entry = stack_.pop()
-            if id(entry) in seen:
-                continue
-            seen.add(id(entry))
-            for edge in entry.edges:
-                if edge is None:
-                    continue
-                node, index = edge
-                if type(node) is Entry:
-                    if node.seq > seq_before:  # recorded by the steps examined
-                        stack_.append(node)
-                    else:
-                        found[(id(node), index)] = edge
-                elif id(node) not in inside:
-                    found[(id(node), index)] = edge
-        return found
-
-    def _guards(self, carry_leaves: list[Any]) -> tuple[list[Any], list[Any]]:
-        """(version counter, version, description, dtype, shape) of every value the backward
-        reads from outside the loop, as (those it reads, those only a re-run of the steps
-        reads): a plan that keeps every step reads only what its steps saved, and so is
-        guarded where recording every step is; one that re-runs steps (or a backward with a
-        graph, which re-runs them all) reads the initial carry, `xs` and every tensor the step
-        captured (leaf or not, needing a gradient or not) again. The description is finished
-        only for an error (a dtype's name costs more than a short loop's bookkeeping)."""
-        program = self.program
-        self.reruns = self._reruns()
-        saved = program.saved_slots if program is not None and not self.reruns else None
-        named: list[tuple[Any, str, bool]] = []  # (tensor or counter, what, read by backward)
-        for k, t in enumerate(carry_leaves):
-            named.append((t, f"the initial carry's leaf {k}",
-                          saved is None or program.carry_in[k] in saved))  # type: ignore[union-attr]
-        for k, x in enumerate(self.loop.xs_leaves):
-            named.append((x, f"xs leaf {k}",
-                          saved is None or program.x_in[k] in saved))  # type: ignore[union-attr]
-        captured = "a tensor the step captures"
-        if program is not None:
-            for slot, t in program.constant_tensors.items():
-                named.append((t, captured, saved is None or slot in saved))
-        else:
-            named += [(node, captured, True) for node, _ in self.externals.values()
-                      if type(node) is not Entry]
-            named += [(found, captured, True) for found in (self.outside or {}).values()]
-        guards: list[Any] = []
-        rerun: list[Any] = []
-        seen: set[int] = set()
-        for t, what, read in named:
-            if t is None:
-                continue
-            counter, dtype, shape = (t if type(t) is tuple else (t._version, t.dtype, t.shape))
-            if id(counter) in seen:
-                continue
-            seen.add(id(counter))
-            (guards if read else rerun).append((counter, counter.value, what, dtype, shape))
-        return guards, rerun
-
-    def _changes(self) -> str | None:
-        """What the steps change in place that a re-run of them reads again (None: nothing),
-        found by step 0's trace: its own row of xs or its carry, changed by step 0 itself,
-        or a tensor from outside the loop that step 0 read, changed by a later step (a
-        ``counter.add_(1)`` on a captured tensor). A re-run would run on the changed values
-        and differentiate another loop, so a backward that re-runs steps refuses
-        (`_refuse_changes`); one that keeps every step reads only what the steps saved."""
-        trace = self.step0_trace
-        self.step0_trace = None
-        if trace is None:
-            return None
-        n_carry = len(self.carry_meta)
-        for slot in trace.changed_inputs:
-            if slot >= n_carry:
-                return f"the step changes its row of xs leaf {slot - n_carry} in place"
-            return f"the step changes its carry's leaf {slot} in place"
-        for key, version in trace.outside_versions.items():
-            counter, dtype, shape = trace.outside[key]
-            if counter.value != version:
-                return (f"the step changes a tensor it captures ({dtype}{list(shape)}) in "
-                        "place")
-        return None
-
-    def _refuse_changes(self, entry: Entry) -> None:
-        raise InplaceError(
-            f"{entry.describe()} re-runs steps in its backward, but {self.changes}: a re-run "
-            "would read the changed values and give a wrong gradient. Use an out-of-place "
-            "op (x = x * 2), carry a value that changes from step to step (return it in the "
-            "carry), or keep every step (strategy=None), which runs each step once")
-
-    def _reruns(self) -> bool:
-        """Whether the backward runs steps again: not when the plan's first reverse action
-        (taped in the forward) is its only one and nothing is advanced (`Periodic(n)`, a loop
-        keeping every step), whose backward reads only what the steps saved."""
-        state = self.state
-        if state is None or state.kept is None:
-            return True
-        kinds = np.frombuffer(plan_codes(self.plan), dtype=np.int64)[state.cursor + 1:]
-        kinds = kinds & _KIND_MASK
-        return bool(((kinds == _ADVANCE) | (kinds == _REVERSE)
-                     | (kinds == _REVERSE_SEGMENT)).any())
-
-    def _guard_final_carry(self, carry: list[Any]) -> None:
-        """Guard the loop's final carry where its last step's backward reads it (as recording
-        would: a loss on `tanh`'s output, changed in place after the loop, is caught): a
-        recorded last step shares its tensors' version counters with the entry's outputs, so
-        its own saved values catch the change; a replayed one is guarded by the entry."""
-        kept = self.state.kept if self.state is not None else None
-        if isinstance(kept, _TapedSegment):
-            for tensor, made in zip(carry, kept.carry_out):
-                if tensor is not None and made is not None:
-                    tensor._version = made._version
-        elif isinstance(kept, _ReplayedSegment) and self.program is not None:
-            saved = self.program.saved_slots
-            for k, (tensor, slot) in enumerate(zip(carry, self.program.carry_out)):
-                if tensor is not None and slot in saved:
-                    self.guards.append((tensor._version, tensor._version.value,
-                                        f"its final carry's leaf {k}", tensor.dtype,
-                                        tensor.shape))
-
-    def _pack(
-        self,
-        arrays: list[Any],
-        storage: Any = None,
-        engine_state: random.GeneratorState | None = None,
-    ) -> _Snapshot:
-        """A snapshot of `arrays` kept with `storage` (the loop's, by default), with the random
-        states its steps start from (the engine's is `engine_state` when those steps already
-        ran, else the current one)."""
-        storage = self.storage if storage is None else storage
-        buffers = [None if a is None else pack_value(a, storage) for a in arrays]
-        last = self.last_engine_state
-        if engine_state is None and last is not None and self._draws_nothing():
-            return _Snapshot(buffers, last, self._numpy_state())
-        state = random.get_state() if engine_state is None else engine_state
-        if last is not None and state is not last and state[0] is last[0] and (
-                state[1] == last[1]):
-            # the steps since drew nothing (most loops draw nothing): one state object for
-            # every such snapshot, not one per snapshot (a few hundred bytes each, about a
-            # tenth of a small carry)
-            state = last
-        self.last_engine_state = state
-        return _Snapshot(buffers, state, self._numpy_state())
-
-    def _measure_costs(self) -> tuple[float, float]:
-        """(write, read) cost of one disk snapshot of the initial carry, in forward steps:
-        step 0 is timed (twice, the faster counts: the first call warms caches) without a
-        tape, its randomness not kept, and the carry written and read once. The step runs on
-        copies of the carry and of row 0 of xs (a step changing them in place changes
-        nothing of the caller's)."""
-        loop = self.loop
-        evaluations, numpy_state = loop.evaluations, np.random.get_state()
-        step = float("inf")
-        try:
-            for _ in range(2):
-                tensors = [None if a is None else Tensor._wrap(_copy(a)) for a in self.initial]
-                x = loop.x_at(0)
-                if x is not None:
-                    x = unflatten(loop.xs_spec, iter(
-                        None if p is None else Tensor._wrap(_copy(p._data))
-                        for p in flatten(x)[0]))
-                with random.replaying(random.get_state()):
-                    started = time.perf_counter()
-                    loop.call_for_values(0, tensors, x)
-                    step = min(step, time.perf_counter() - started)
-        finally:
-            np.random.set_state(numpy_state)
-            loop.evaluations = evaluations
-        write = read = 0.0
-        for a in self.initial:
-            if a is not None:
-                w, r = self.disk_storage.time_io(a)
-                write, read = write + w, read + r
-        step = max(step, 1e-9)
-        return write / step, read / step
-
-    def _read_ahead(self, snapshots: dict[int, _Snapshot], index: int) -> None:
-        """Announce to their storage the snapshots the next restores after action `index`
-        read, in plan order, so a disk level reads them while the steps run."""
-        restore_at = self.restore_at
-        if restore_at is None:
-            if not (self.storage.reads_ahead or self.disk_storage.reads_ahead):
-                return
-            kinds = np.frombuffer(plan_codes(self.plan), dtype=np.int64) & _KIND_MASK
-            restore_at = self.restore_at = np.flatnonzero(
-                (kinds == _RESTORE) | (kinds == _DISK_RESTORE))
-            if not self.storage.reads_ahead and not (kinds == _DISK_RESTORE).any():
-                # only the disk level reads ahead, and no snapshot goes there: the hints
-                # would all go to storages that ignore them (a cost at every restore)
-                restore_at = self.restore_at = restore_at[:0]
-        if not restore_at.size:
-            return
-        first = int(np.searchsorted(restore_at, index, side="right"))
-        by_storage: dict[int, tuple[Any, list[Any]]] = {}
-        for at in restore_at[first:first + READ_AHEAD]:
-            snapshot = snapshots.get(self.plan[int(at)].step)
-            if snapshot is None:  # taken later: announced once it exists
-                break
-            for b in snapshot.buffers:
-                if b is not None:
-                    by_storage.setdefault(id(b.packer), (b.packer, []))[1].append(b.packed)
-        for storage, stored in by_storage.values():
-            storage.prefetch(stored)
-
-    def _numpy_state(self) -> Any:
-        return np.random.get_state() if self.tracks_numpy else None
-
-    def _restore(self, snapshot: _Snapshot, stream: np.random.Generator) -> list[Any]:
-        """The snapshot's carry; `stream` (and numpy's state) rewound to draw what its steps
-        drew."""
-        if snapshot.numpy_state is not None:
-            np.random.set_state(snapshot.numpy_state)
-        if not self._draws_nothing():
-            random.rewind(stream, snapshot.engine_state)
-        return [None if b is None else b.unpack() for b in snapshot.buffers]
-
-    def _draws_nothing(self) -> bool:
-        """Whether nothing in this loop draws from the engine's generator: its steps are
-        replayed from a program that draws nothing (a trace sees every draw), and its storages
-        keep arrays as they are. The generator's state is then the same before every step,
-        so a snapshot need not read it (about 6 µs) nor a restore set it back."""
-        quiet = self.quiet
-        if quiet is None:
-            program = self.program
-            if program is None:
-                return False
-            quiet = self.quiet = not program.draws and all(  # a program never changes
-                packer is None or stores_as_is(packer)
-                for packer in (self.storage, self.step_packer))
-        return quiet
 
     def _snapshot_slots(self, entry: Entry, results: list[Any]) -> tuple[SavedSlot, ...]:
         """The snapshots held when the loop's entry is recorded, as its saved values."""
@@ -830,7 +245,7 @@ class PlannedLoop:
                             self._snapshot_slots)
         results = self._detach_constant_outputs(results, n_carry)
         self._share_packed_carry(results[:n_carry])
-        self._guard_final_carry(results[:n_carry])
+        guard_final_carry(self, results[:n_carry])
         results = self._last_rows_from_carry(results, n_carry, rows)
         carry = unflatten(loop.carry_spec, iter(results[:n_carry]))
         ys = unflatten(loop.y_spec, iter(results[n_carry:])) if loop.y_spec is not None else None
@@ -860,10 +275,10 @@ class PlannedLoop:
         the loop that saves the final carry (a loss on it) then shares that buffer, where it
         would pack the array again (a quantized carry stored twice, the peak one value high)."""
         kept = self.state.kept if self.state is not None else None
-        if isinstance(kept, _TapedSegment):  # recorded: its carry tensors know their buffers
+        if isinstance(kept, TapedSegment):  # recorded: its carry tensors know their buffers
             packed = [t._saved_ref() for t in kept.carry_out
                       if t is not None and t._saved_ref is not None]
-        elif isinstance(kept, _ReplayedSegment) and kept.steps:
+        elif isinstance(kept, ReplayedSegment) and kept.steps:
             packed = [v for saved in kept.steps[-1][1].saved for v in saved or ()]
         else:
             return
@@ -912,18 +327,18 @@ class PlannedLoop:
         would add them: the results replace those sums, and are bitwise the plain tape's."""
         if self.consumed:
             raise freed_error(entry.describe())
-        self._check_versions(entry, self.guards)
+        check_versions(entry, self.guards)
         if create_graph or self.state is None or self.reruns:
-            self._check_versions(entry, self.input_guards)
+            check_versions(entry, self.input_guards)
             if self.changes is not None:
-                self._refuse_changes(entry)
+                refuse_changes(self, entry)
         outer_numpy_state = np.random.get_state()
         try:
             if create_graph:
-                return self._backward_with_graph(entry, grads, onto)
+                return backward_with_graph(self, entry, grads, onto)
             if self.state is None:  # an earlier backward broke off: rebuild the forward state
-                self._run_forward_prefix(discover=False)
-            return self._backward(entry, grads, retain_graph, onto)
+                run_forward_prefix(self, discover=False)
+            return run_backward(self, entry, grads, retain_graph, onto)
         except BaseException:
             if self.state is not None:  # no snapshot (no file of a disk level) outlives it
                 self.state.snapshots.clear()
@@ -933,477 +348,4 @@ class PlannedLoop:
         finally:
             np.random.set_state(outer_numpy_state)
 
-    def _check_versions(self, entry: Entry, guards: list[Any]) -> None:
-        for counter, version, what, dtype, shape in guards:
-            if counter.value != version:
-                raise SavedValueModifiedError(
-                    f"{entry.describe()} re-reads {what} ({dtype}{list(shape)}) in its "
-                    "backward, but it was modified "
-                    f"in place since the loop ran (version {version}, now {counter.value}); "
-                    "use out-of-place operations on tensors a loop uses, or modify a copy"
-                )
 
-    def _backward(
-        self, entry: Entry, grads: list[Any], retain_graph: bool, onto: list[Any] | None
-    ) -> list[Any]:
-        loop = self.loop
-        forward = self.state
-        assert forward is not None
-        self._keys_found = None  # found again per backward: xs may take a gradient now
-        self._fixed_keys = None  # (`_segment_keys`)
-        if retain_graph:  # work on copies: the forward's state must answer again
-            snapshots = dict(forward.snapshots)
-        else:
-            snapshots = forward.snapshots
-            entry.slots = ()  # the plan frees snapshots as it goes: the entry must not keep them
-        n_carry = len(self.carry_meta)
-        adj_carry = list(grads[:n_carry])
-        adj_ys = grads[n_carry:]
-        # each scanned input's gradient, one array written row by row (not a list of rows
-        # stacked at the end: that would hold it twice); None where no gradient reached it
-        adj_xs: list[Any] = [
-            namespace(x._data).zeros(x.shape, dtype=x.dtype)
-            if x is not None and x.requires_grad else None
-            for x in loop.xs_leaves
-        ]
-        xs_reached = [False] * len(adj_xs)
-        adj_ext: dict[tuple[int, int], Any] = {}
-        carry_sums: list[Any] = [None] * n_carry  # what the carry's gradient adds onto
-        if onto is not None:
-            carry_sums = list(onto[:n_carry])
-            for key, start in zip(self.externals, onto[self.n_inputs:]):
-                if start is not None:
-                    adj_ext[key] = start
-        owned: dict[int, Any] = {}  # gradient sums made here, safe to add into in place
-        arrays = forward.current
-        stream = random.restored(self.initial_engine_state)  # rewound before any step re-runs
-        if forward.current_engine_state is not None:
-            if forward.current_numpy_state is not None:
-                np.random.set_state(forward.current_numpy_state)
-            random.rewind(stream, forward.current_engine_state)
-        self._read_ahead(snapshots, forward.cursor - 1)
-        program = self.program
-        # a replay that draws nothing, with nobody listening, needs none of the blocks a
-        # re-run enters (no generator to switch, no tape, no recompute events): run bare;
-        # a taped one too when it packs nothing (a storage's pack might draw)
-        bare = program is not None and not program.draws and not events.listeners
-        bare_reverse = bare and program.tape_as_is is not None and self._replayable()
-        codes = plan_codes(self.plan)  # read packed: building each action costs more
-        for index in range(forward.cursor, len(codes)):
-            kind, step, stop = split_code(codes[index])
-            if kind == _ADVANCE:
-                if bare:
-                    arrays = self._advance_replayed(step, stop, arrays)
-                    continue
-                with events.recomputing(self.name), no_grad(), random.using(stream):
-                    if program is not None:
-                        arrays = self._advance_replayed(step, stop, arrays)
-                    else:
-                        for t in range(step, stop):
-                            arrays, _ = self._values_step(t, arrays)
-            elif kind == _SNAPSHOT:
-                with random.using(stream):
-                    snapshots[step] = self._pack(arrays)
-            elif kind == _DISK_SNAPSHOT:
-                with random.using(stream):
-                    snapshots[step] = self._pack(arrays, self.disk_storage)
-            elif kind in (_RESTORE, _DISK_RESTORE):
-                arrays = self._restore(snapshots[step], stream)
-                self._read_ahead(snapshots, index)
-            elif kind == _FREE:
-                del snapshots[step]
-            else:
-                start = step  # (a one-step action repeats its step in the second field)
-                stop = step + 1 if kind == _REVERSE else stop
-                kept = forward.kept if index == forward.cursor else None
-                if kept is None and bare_reverse:
-                    segment = self._tape_steps(start, stop, arrays, replayable=True)
-                elif kept is None:
-                    with events.recomputing(self.name), random.using(stream), use_packer(
-                        self.step_packer
-                    ):
-                        segment = self._tape_steps(start, stop, arrays)
-                else:
-                    segment = kept
-                    if not retain_graph:
-                        forward.kept = None
-                adj_carry = self._pull_back(
-                    segment, adj_carry, adj_ys, adj_xs, xs_reached, adj_ext, owned,
-                    retain_graph=retain_graph and kept is not None,
-                    carry_sums=carry_sums if start == 0 else None,
-                )
-                # let go of the reversed segment's steps now, not when the next segment is
-                # taped (the name would hold them while it is: two segments at the peak)
-                arrays = segment = kept = None
-        if not retain_graph:
-            self.state = None
-            self.consumed = True
-        results = list(adj_carry)
-        results.extend(g if reached else None for g, reached in zip(adj_xs, xs_reached))
-        for key in self.externals:
-            results.append(adj_ext.get(key))
-        return results
-
-    def _advance_replayed(self, start: int, stop: int, arrays: list[Any]) -> list[Any]:
-        """Steps start..stop-1 replayed from the carry `arrays` without a tape: the new
-        carry's arrays (each step counted as an evaluation)."""
-        loop, program = self.loop, self.program
-        assert program is not None
-        for t in range(start, stop):
-            loop.count()
-            arrays, _ = program.run(arrays, loop.x_arrays(t))
-        return arrays
-
-    @rerun_boundary
-    def _tape_steps(
-        self, start: int, stop: int | None, arrays: list[Any], replayable: bool | None = None,
-        until: Callable[[list[Any]], bool] | None = None, pulled_back: bool = True,
-    ) -> _TapedSegment | _ReplayedSegment:
-        """Run steps start..stop-1 from the carry `arrays` with a tape (or replayed, keeping
-        what the tape would keep; `replayable` says so when the caller knows); `until(carry
-        arrays)`, asked after each step, ends the segment early (`stop` None: only it does).
-        `pulled_back=False`: no reverse pulls an adjoint back through the tape (hooks
-        registered in the steps are dropped: see `PlannedStep`)."""
-        loop = self.loop
-        if replayable if replayable is not None else self._replayable():
-            program = self.program
-            assert program is not None
-            made = self.carry_inputs if self.carry_made and start == 0 else None
-            carry_in = arrays
-            steps, y_out, arrays = program.tape_steps(arrays, loop.x_arrays, start, stop,
-                                                      made, loop.count, until)
-            return _ReplayedSegment(start, start + len(steps), steps, carry_in, arrays, y_out)
-        carry_in = self._as_tensors(arrays, grad=True)
-        carry = carry_in
-        x_parts: list[tuple[int, list[Any]]] = []
-        y_out: list[tuple[int, list[Any]]] = []
-        seq_before = next_sequence()
-        t = start
-        with enable_grad(), rerunning_from(loop.origin):
-            while stop is None or t < stop:
-                x = self._x_tensors(t)
-                carry, ys = self._call(t, carry, x, drops_hooks=not pulled_back)
-                x_parts.append((t, flatten(x)[0] if x is not None else []))
-                y_out.append((t, ys))
-                t += 1
-                if until is not None and until(_arrays(carry)):
-                    break
-        return _TapedSegment(start, t, carry_in, x_parts, y_out, carry, seq_before)
-
-    def _pull_back(
-        self,
-        segment: _TapedSegment,
-        adj_carry: list[Any],
-        adj_ys: list[Any],
-        adj_xs: list[Any],
-        xs_reached: list[bool],
-        adj_ext: dict[tuple[int, int], Any],
-        owned: dict[int, Any],
-        retain_graph: bool,
-        carry_sums: list[Any] | None = None,
-    ) -> list[Any]:
-        """Back-propagate the adjoint of the carry after `segment` (and of its outputs) to the
-        carry before it, its scanned inputs and the captured tensors; the carry's gradient
-        adds onto `carry_sums` (the first segment's: what reached the loop's initial carry
-        from after the loop)."""
-        if isinstance(segment, _ReplayedSegment):
-            return self._pull_back_replayed(
-                segment, adj_carry, adj_ys, adj_xs, xs_reached, adj_ext, owned, retain_graph,
-                carry_sums)
-        start, stop, carry_in = segment.start, segment.stop, segment.carry_in
-        produced = segment.carry_out + [y for _, ys in segment.y_out for y in ys]
-        found = self._discover(
-            produced, carry_in + [p for _, parts in segment.x_parts for p in parts],
-            segment.seq_before,
-        )
-        if not set(found) <= set(self.externals):
-            raise BackwardError(
-                f"scan: steps {start}..{stop - 1} used tensors from outside the loop that step 0 "
-                "did not use; with a checkpointing strategy every step must capture the same "
-                "tensors (pass values that vary by step through xs instead)"
-            )
-        roots = []
-        for c, g in zip(segment.carry_out, adj_carry):
-            if c is not None and g is not None and c.requires_grad:
-                roots.append((edge_of(c), g))
-        # later outputs first, and later steps first: a plain tape's stacks of the outputs
-        # were recorded last (and in that order), so it adds their adjoints in this order
-        # where outputs alias one tensor
-        for k in reversed(range(len(adj_ys))):
-            for t, ys in reversed(segment.y_out):
-                y, g = ys[k], adj_ys[k]
-                if t == stop - 1 and k in self.same:
-                    continue  # in adj_carry: added when the next step was reversed, or the
-                    # loop's last row, which reaches the entry through its final carry
-                if y is not None and g is not None and y.requires_grad:
-                    roots.append((edge_of(y), g[t]))
-        keys: dict[tuple[int, int], int] = {}
-        for c in carry_in:
-            if c is not None and c.requires_grad:
-                keys[(id(c), 0)] = len(keys)
-        for _, parts in segment.x_parts:
-            for p in parts:
-                if p is not None and p.requires_grad:
-                    keys[(id(p), 0)] = len(keys)
-        for key in self.externals:
-            keys.setdefault(key, len(keys))
-        # carry on adding each captured tensor's gradient in the order a plain tape would
-        initial: list[Any] = [None] * len(keys)
-        if carry_sums is not None:
-            for c, total in zip(carry_in, carry_sums):
-                if c is not None and c.requires_grad and total is not None:
-                    initial[keys[(id(c), 0)]] = total
-        if start > 0:
-            for k in sorted(self.same, reverse=True):
-                c = carry_in[self.same[k]]
-                if c is not None and c.requires_grad and adj_ys[k] is not None:
-                    position = keys[(id(c), 0)]
-                    g = adj_ys[k][start - 1]
-                    initial[position] = g if initial[position] is None else initial[position] + g
-        for key in self.externals:
-            initial[keys[key]] = adj_ext.pop(key, None)  # the sink's alone: see below
-        sink = Capture(keys, initial=initial, owned=owned, newer_than=segment.seq_before,
-                       fills_retained=fills_grads())
-        del initial  # the sink holds its own list of the sums
-        if roots:
-            backpropagate(roots, retain_graph=retain_graph, create_graph=False, capture=sink)
-        captured = sink.values
-        new_adj = []
-        for c in carry_in:
-            keep = c is not None and c.requires_grad
-            g = captured[keys[(id(c), 0)]] if keep else None
-            owned.pop(id(g), None)  # handed on as a root: a rule may pass it to two inputs
-            new_adj.append(g)
-        for t, parts in segment.x_parts:
-            for k, p in enumerate(parts):
-                if p is not None and p.requires_grad:
-                    g = captured[keys[(id(p), 0)]]
-                    if g is not None:
-                        adj_xs[k][t] = g
-                        xs_reached[k] = True
-        for key in self.externals:
-            if captured[keys[key]] is not None:
-                adj_ext[key] = captured[keys[key]]
-        return new_adj
-
-    def _pull_back_replayed(
-        self,
-        segment: _ReplayedSegment,
-        adj_carry: list[Any],
-        adj_ys: list[Any],
-        adj_xs: list[Any],
-        xs_reached: list[bool],
-        adj_ext: dict[tuple[int, int], Any],
-        owned: dict[int, Any],
-        retain_graph: bool,
-        carry_sums: list[Any] | None = None,
-    ) -> list[Any]:
-        """`_pull_back` for a replayed segment: the same roots, keys and starting sums, in
-        the same order, so the gradients are bitwise those of the recorded steps."""
-        program = self.program
-        assert program is not None
-        start, stop = segment.start, segment.stop
-        n_carry = len(program.carry_in)
-        xs_grad = self._replay_keys()[1]
-
-        def requires_grad(t: int, slot: int) -> bool:
-            while slot < n_carry and t > start:  # a carry the previous step made
-                t, slot = t - 1, program.carry_out[slot]
-            return slot >= 0 and program.requires_grad[slot]
-
-        def roots_at(t: int) -> list[tuple[int, Any]]:
-            """Step t's roots, (slot, adjoint), in the order of `roots` below."""
-            found = []
-            if t == stop - 1:
-                for k, g in enumerate(adj_carry):
-                    slot = program.carry_out[k]
-                    if g is not None and requires_grad(t, slot):
-                        found.append((slot, g))
-            for k in reversed(range(len(adj_ys))):
-                slot, g = program.y_out[k], adj_ys[k]
-                if g is not None and not (t == stop - 1 and k in self.same) and (
-                        requires_grad(t, slot)):
-                    found.append((slot, g[t]))
-            return found
-
-        # every root at once, in delivery order, where a root may reach another step than
-        # its own; else each step's as the pull-back reaches it (a long segment's roots are
-        # a row view and two tuples a step, all held at the peak)
-        roots: Any = roots_at if program.roots_per_step else []
-        if not program.roots_per_step:
-            for k, g in enumerate(adj_carry):
-                slot = program.carry_out[k]
-                if g is not None and requires_grad(stop - 1, slot):
-                    roots.append(((stop - 1, slot), g))
-            for k in reversed(range(len(adj_ys))):
-                slot, g = program.y_out[k], adj_ys[k]
-                if g is None:
-                    continue
-                for t in reversed(range(start, stop)):
-                    if t == stop - 1 and k in self.same:
-                        continue  # in adj_carry: added when the next step was reversed, or
-                        # the loop's last row, which reaches the entry through its final carry
-                    if requires_grad(t, slot):
-                        roots.append(((t, slot), g[t]))
-        keys, external_position = self._segment_keys(start, stop)
-        initial: list[Any] = [None] * (len(keys) + len(external_position))
-        if carry_sums is not None:
-            for k, total in enumerate(carry_sums):
-                position = keys.get(("carry", k))
-                if position is not None and total is not None:
-                    initial[position] = total
-        if start > 0:
-            for k in sorted(self.same, reverse=True):
-                position = keys.get(("carry", self.same[k]))
-                if position is not None and adj_ys[k] is not None:
-                    g = adj_ys[k][start - 1]
-                    initial[position] = g if initial[position] is None else initial[position] + g
-        for key, position in external_position.items():
-            # taken out, not copied: a running sum the sink replaces by a new one (the first
-            # time it adds onto a rule's result, which it may not change in place) is then
-            # freed at once, not kept until the pull-back ends (a weight's size at the peak)
-            initial[position] = adj_ext.pop(key, None)
-        sink = Capture({}, initial=initial, owned=owned)
-        del initial  # the sink holds its own list of the sums
-        if roots:  # (a function is true: its steps may have no roots, which costs little)
-            program.pull_back(segment.steps, roots, sink, keys, retain=retain_graph)
-        captured = sink.values
-        new_adj = []
-        for k in range(n_carry):
-            position = keys.get(("carry", k))
-            g = None if position is None else captured[position]
-            owned.pop(id(g), None)  # handed on as a root: a rule may pass it to two inputs
-            new_adj.append(g)
-        for t in range(start, stop):
-            for k in xs_grad:
-                position = keys[("x", t, k)]
-                if captured[position] is not None:
-                    adj_xs[k][t] = captured[position]
-                    xs_reached[k] = True
-        for key, position in external_position.items():
-            if captured[position] is not None:
-                adj_ext[key] = captured[position]
-        return new_adj
-
-    def _segment_keys(
-        self, start: int, stop: int
-    ) -> tuple[dict[tuple[Any, ...], int], dict[tuple[int, int], int]]:
-        """(keys, external positions) of a replayed pull-back of steps start..stop-1: where
-        each sum it hands out goes. Without scanned inputs that take a gradient they are the
-        same for every segment, so made once per backward (a binomial plan pulls back one
-        step at a time: made per step, they cost about a tenth of a small step)."""
-        carry_grad, xs_grad, ext_slots = self._replay_keys()
-        if not xs_grad and self._fixed_keys is not None:
-            return self._fixed_keys
-        keys: dict[tuple[Any, ...], int] = {("carry", k): i for i, k in enumerate(carry_grad)}
-        for t in range(start, stop):
-            for k in xs_grad:
-                keys[("x", t, k)] = len(keys)
-        external_position = {key: len(keys) + i for i, key in enumerate(self.externals)}
-        for slot, key in ext_slots:
-            keys[("ext", slot)] = external_position[key]
-        if not xs_grad:
-            self._fixed_keys = (keys, external_position)
-        return keys, external_position
-
-    def _replay_keys(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[int, Any], ...]]:
-        """What every replayed pull-back of a backward keys its sums by, found once: the carry
-        leaves that take a gradient, the xs leaves that do, and (slot, key) of each captured
-        tensor the program reads."""
-        found = self._keys_found
-        if found is None:
-            program = self.program
-            assert program is not None
-            found = self._keys_found = (
-                tuple(k for k in range(len(program.carry_in)) if program.requires_grad[k]),
-                tuple(k for k, x in enumerate(self.loop.xs_leaves)
-                      if x is not None and x.requires_grad),
-                tuple((slot, key) for slot, key in program.external_keys.items()
-                      if key in self.externals),
-            )
-        return found
-
-    @rerun_boundary
-    def _backward_with_graph(
-        self, entry: Entry, grads: list[Any], onto: list[Any] | None = None
-    ) -> list[Any]:
-        """Differentiate the loop with a graph of its own gradient (create_graph=True): re-run
-        every step with a tape from the loop's real inputs, like a plain loop, and pull the
-        gradients back through that tape with create_graph."""
-        loop = self.loop
-        np.random.set_state(self.initial_numpy_state)
-        with events.recomputing(self.name), enable_grad(), random.replaying(
-            self.initial_engine_state
-        ), use_packer(self.step_packer), rerunning_from(loop.origin):
-            carry = list(self.carry_inputs)
-            per_step = []
-            for t, x in enumerate(loop.all_x()):
-                with step_scope(PlannedStep(self.retained, t, first=False)):
-                    carry, ys = loop.call(t, carry, x)
-                per_step.append(ys)
-            outputs = carry + [
-                None if rows is None else stack(rows, axis=0)
-                for rows in self._output_rows(per_step)
-            ]
-        roots = []
-        for out, g in zip(outputs, grads):
-            if out is not None and g is not None and out.requires_grad:
-                roots.append((edge_of(out), g if isinstance(g, Tensor) else Tensor._wrap(g)))
-        keys: dict[tuple[int, int], int] = {}
-        for edge in entry.edges:
-            if edge is not None:
-                keys.setdefault((id(edge[0]), edge[1]), len(keys))
-        initial: list[Any] = [None] * len(keys)
-        for edge, total in zip(entry.edges, onto or ()):
-            if edge is not None and total is not None:
-                initial[keys[(id(edge[0]), edge[1])]] = total
-        sink = Capture(keys, initial=initial, newer_than=entry.seq, fills_retained=fills_grads())
-        backpropagate(roots, retain_graph=True, create_graph=True, capture=sink)
-        return [
-            None if edge is None else sink.values[keys[(id(edge[0]), edge[1])]]
-            for edge in entry.edges
-        ]
-
-
-def _disk_storage(storage: Any) -> Offload:
-    """Where a plan's disk snapshots go: the loop's storage when it is a disk level already,
-    else the disk level with a lossy storage (quantization) inside it."""
-    if isinstance(storage, Offload):
-        return storage if storage.level == "disk" else Offload("disk", planned=True)
-    inner = None if storage.lossless else storage
-    return Offload("disk", inner=inner, planned=True)
-
-
-def stops(until: Callable[[Any], Any], carry_spec: Any, carry_leaves: list[Any]) -> bool:
-    """Whether `until` says the loop ends at this carry; asked without recording."""
-    with no_grad():
-        return bool(until(unflatten(carry_spec, iter(carry_leaves))))
-
-
-def _span(action: Any) -> tuple[int, int]:
-    """The steps a reverse action covers, as (start, stop)."""
-    if isinstance(action, Reverse):
-        return action.step, action.step + 1
-    return action.start, action.stop
-
-
-def _move_rows(kept: _TapedSegment | _ReplayedSegment, rows: OutputRows) -> None:
-    """The outputs of a forward's taped end written into the loop's `rows`; a replayed
-    segment lets go of its own (stacked by `run()`: not kept twice)."""
-    rows.extend(_arrays(ys) for _, ys in kept.y_out)
-    if isinstance(kept, _ReplayedSegment):
-        kept.y_out = []
-
-
-def _copy(array: Any) -> Any:
-    return namespace(array).array(array, copy=True)
-
-
-def _arrays(tensors: list[Any]) -> list[Any]:
-    """The arrays of tensors (a replayed segment's outputs are arrays already)."""
-    return [t._data if isinstance(t, Tensor) else t for t in tensors]
-
-
-def _same_numpy_state(a: Any, b: Any) -> bool:
-    """Whether two states of numpy's global generator are the same (nothing drawn between)."""
-    return bool(a[0] == b[0] and a[2:] == b[2:] and np.array_equal(a[1], b[1]))

@@ -10,7 +10,7 @@ their backward sweep, timed; plus the steps without a tape, and the carry packed
 A loop runs most of its steps replayed from a step program (`step_program.py`), far faster
 than recording them, so the dry run also traces steps 0 and 1 the way the executor does
 (`traced_call`, `program_of`) and times the program's three replays per step: without a tape
-(`run`, what an `Advance` costs), with one (`tape`), and that tape's backward (`pull_back`).
+(`run`, what an `Advance` costs), with one (`tape`), and that tape's backward (`pull_back_steps`).
 A step that refuses tracing (an `.item()`, an in-place change, ...) is recorded by the loop,
 and the recorded times price it. Last, a trial: the loop's first few steps run for real by
 the plan executor and pulled back, measured (tracemalloc on the host, cupy's pool on a
@@ -60,6 +60,7 @@ from .plan_executor import PlannedLoop, replay_forward, snapshot_object_bytes
 from .quantized import Quantized
 from .selective import Selective, regions_run
 from .step_program import StepProgram, program_of, traced_call
+from .step_pull_back import pull_back_steps
 
 REPEATS = 3  # dry runs per strategy priced; each phase's time is the median measured
 TIMING_SECONDS = 0.02
@@ -487,8 +488,8 @@ def _replayed(
         roots = _replay_roots(program, arrays, y_out)
         start = time.perf_counter()
         if roots:
-            program.pull_back(segment, roots,
-                              Capture({}, initial=[None] * len(keys), owned={}), keys)
+            pull_back_steps(program, segment, roots,
+                            Capture({}, initial=[None] * len(keys), owned={}), keys)
         backwards.append(time.perf_counter() - start)
     return (median(runs) / steps, median(forwards) / steps, median(tapes) / taped,
             median(backwards) / taped, held)
@@ -542,7 +543,7 @@ def _traced_step_bytes(
             before = meter.current()
             meter.reset_peak()
             if roots:
-                program.pull_back(segment, roots, sink, keys)
+                pull_back_steps(program, segment, roots, sink, keys)
             peak = meter.peak()
     finally:
         if meter is not None:
