@@ -32,6 +32,7 @@ import signal
 import threading
 import traceback
 import uuid
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -136,7 +137,11 @@ def connect(workers: int | None = None, client: Any = None) -> Iterator[Any]:
         # Dask's worker profiler samples the running task's frames from another thread and
         # keeps them (and the arrays their locals hold) alive a while: measured peaks would
         # depend on its timing, so a sweep's own workers run without it
-        with _children_ignore_ctrl_c(), dask.config.set(NO_FRAME_SAMPLING):
+        with _children_ignore_ctrl_c(), dask.config.set(NO_FRAME_SAMPLING), \
+                warnings.catch_warnings():
+            # the scheduler's HTTP server (on loopback) takes another port when 8787 is taken,
+            # and says so on stderr: nothing a user of a sweep needs to read
+            warnings.filterwarnings("ignore", message="Port .* is already in use")
             cluster = distributed.LocalCluster(
                 n_workers=workers or 1, threads_per_worker=1, processes=True,
                 # every port on loopback, and no dashboard: nobody reads a sweep's, and it
