@@ -48,7 +48,7 @@ def _device_peak(model: Any, strategy: Any, device: str) -> tuple[int, str]:
     """(bytes, source): the most the run allocated from the loop's start to the end of its
     gradient above what was in use at the loop's start, on a first call."""
     import checkpoint_ad as cad
-    from checkpoint_ad.strategies import program_cache
+    from checkpoint_ad.strategies.loops import program_cache
 
     if device != "cuda":  # a first call too (`first_call`)
         from .budgets import _device_peak as traced

@@ -151,7 +151,7 @@ def _device_peak(model: Any, strategy: Any, storage: Any, first_call: bool = Tru
         base = tracemalloc.get_traced_memory()[0]
         tracemalloc.reset_peak()
 
-    from checkpoint_ad.strategies import program_cache
+    from checkpoint_ad.strategies.loops import program_cache
 
     if first_call:  # as the loop's first call runs: tracing two steps, compiling a program
         program_cache.clear()

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from math import comb
 from typing import Any
 
-from checkpoint_ad.strategies.online import OnlinePlanner
-from checkpoint_ad.strategies.revolve import optimal_evaluations
+from checkpoint_ad.strategies.plans.online import OnlinePlanner
+from checkpoint_ad.strategies.plans.revolve import optimal_evaluations
 
 
 def measure(snapshots: int, steps: int, marks: Sequence[int]) -> dict[str, Any]:

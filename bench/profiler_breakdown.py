@@ -70,7 +70,7 @@ def _no_origin_lines() -> Iterator[None]:
 def _no_step_buffers() -> Iterator[None]:
     """A replayed step heard by a profiler keeps its arrays as an unheard one does, making
     no buffers for the profiler to watch (`StepProgram._tape_kept` as `_tape_as_is`)."""
-    from checkpoint_ad.strategies.step_program import StepProgram
+    from checkpoint_ad.strategies.loops.step_program import StepProgram
 
     real = StepProgram._tape_kept
     StepProgram._tape_kept = lambda self, carry, x, *_: self._tape_as_is(carry, x)

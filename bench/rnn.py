@@ -92,7 +92,7 @@ def untaped_steps(strategy: Any, steps: int) -> int:
     """Steps the engine's `scan` runs without a tape under `strategy`: its first forward, up to
     the plan's first reverse action, then every later `Advance` (0 when each step is taped)."""
     from checkpoint_ad.strategies import LoopStrategy
-    from checkpoint_ad.strategies.revolve import Advance, Reverse, ReverseSegment
+    from checkpoint_ad.strategies.plans.revolve import Advance, Reverse, ReverseSegment
 
     if not isinstance(strategy, LoopStrategy):
         return 0

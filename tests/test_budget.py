@@ -9,9 +9,10 @@ import pytest
 import checkpoint_ad as cad
 from checkpoint_ad import models
 from checkpoint_ad.errors import BudgetError, StrategyConfigError
-from checkpoint_ad.strategies import Binomial, Budget, KeepAll, program_cache, scan, use
+from checkpoint_ad.strategies import Binomial, Budget, KeepAll, scan, use
 from checkpoint_ad.strategies.budget import forget_dry_runs, format_bytes, parse_bytes
-from checkpoint_ad.strategies.candidates import keep_every_step
+from checkpoint_ad.strategies.budget.candidates import keep_every_step
+from checkpoint_ad.strategies.loops import program_cache
 
 SIZES = {"rnn": {"steps": 40, "batch": 4, "input_size": 8, "hidden": 32},
          "heat": {"grid": 16, "steps": 40}}
@@ -739,7 +740,7 @@ def test_a_budget_prices_a_loop_nested_in_its_step_and_its_plan_fits():
 def test_the_loops_a_dry_run_runs_are_not_listed_as_the_callers():
     """`inspect.loops()` lists the loops the caller ran: a budget's dry run (and the
     executor's own calibration, on a process's first dry run) runs loops of its own."""
-    from checkpoint_ad.strategies import overhead
+    from checkpoint_ad.strategies.budget import overhead
 
     overhead.executor_overhead.cache_clear()  # its calibration loops run in this dry run
     forget_dry_runs()
@@ -754,7 +755,7 @@ def test_a_first_dry_run_under_use_budget_calibrates_the_executor_without_the_bu
     """The executor's calibration (on a process's first dry run) runs loops of its own:
     under ``use(Budget)``, one given no strategy would be planned by that budget, whose dry
     run would calibrate again, without end."""
-    from checkpoint_ad.strategies import overhead
+    from checkpoint_ad.strategies.budget import overhead
 
     overhead.executor_overhead.cache_clear()
     forget_dry_runs()

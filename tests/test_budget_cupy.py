@@ -9,7 +9,8 @@ import pytest
 import checkpoint_ad as cad
 from checkpoint_ad import models
 from checkpoint_ad.backend import cupy_or_none
-from checkpoint_ad.strategies import KeepAll, program_cache, scan, use
+from checkpoint_ad.strategies import KeepAll, scan, use
+from checkpoint_ad.strategies.loops import program_cache
 
 cp = cupy_or_none()
 pytestmark = [pytest.mark.gpu,

@@ -15,7 +15,7 @@ from checkpoint_ad import models
 from checkpoint_ad.errors import StrategyConfigError
 from checkpoint_ad.strategies import Binomial, Budget, Offload, Periodic, scan
 from checkpoint_ad.strategies.budget import plan_table
-from checkpoint_ad.strategies.candidates import (
+from checkpoint_ad.strategies.budget.candidates import (
     binomial,
     binomial_disk,
     binomial_online,
@@ -23,7 +23,7 @@ from checkpoint_ad.strategies.candidates import (
     keep_every_step_until,
     periodic,
 )
-from checkpoint_ad.strategies.pricing import FormCost, SnapshotCost, StepCost
+from checkpoint_ad.strategies.budget.pricing import FormCost, SnapshotCost, StepCost
 
 SIZES = {"steps": 60, "batch": 4, "input_size": 8, "hidden": 16}
 

@@ -18,7 +18,7 @@ import checkpoint_ad as cad
 from checkpoint_ad.errors import BudgetError, BudgetWarning
 from checkpoint_ad.strategies import Budget, scan
 from checkpoint_ad.strategies.budget import forget_dry_runs
-from checkpoint_ad.strategies.shared_budget import fastest_together, least_together
+from checkpoint_ad.strategies.budget.shared_budget import fastest_together, least_together
 
 T, B, H = 60, 16, 192
 

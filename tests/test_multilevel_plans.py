@@ -17,14 +17,14 @@ import re
 
 import pytest
 
-from checkpoint_ad.strategies import multilevel
-from checkpoint_ad.strategies.multilevel import (
+from checkpoint_ad.strategies.plans import multilevel
+from checkpoint_ad.strategies.plans.multilevel import (
     MultiLevel,
     MultiLevelPlan,
     multilevel_cost,
     multilevel_plan,
 )
-from checkpoint_ad.strategies.revolve import (
+from checkpoint_ad.strategies.plans.revolve import (
     Advance,
     DiskRestore,
     DiskSnapshot,

@@ -17,8 +17,9 @@ from checkpoint_ad import models, random
 from checkpoint_ad.object_bytes import added_bytes, object_bytes, reachable
 from checkpoint_ad.pytree import flatten
 from checkpoint_ad.saved import SavedBuffer
-from checkpoint_ad.strategies import KeepAll, Quantized, pricing
-from checkpoint_ad.strategies.loop import StepLoop
+from checkpoint_ad.strategies import KeepAll, Quantized
+from checkpoint_ad.strategies.budget import pricing
+from checkpoint_ad.strategies.loops.loop import StepLoop
 
 
 def test_each_object_is_counted_once_and_arrays_by_their_header():

@@ -21,10 +21,10 @@ import checkpoint_ad as cad
 from checkpoint_ad.errors import OffloadError, StrategyConfigError
 from checkpoint_ad.models import build
 from checkpoint_ad.strategies import Binomial, Offload, Quantized
-from checkpoint_ad.strategies import disk_store as disk_store_module
-from checkpoint_ad.strategies.disk_store import DiskStore
-from checkpoint_ad.strategies.multilevel import MultiLevelPlan
-from checkpoint_ad.strategies.revolve import DiskRestore, DiskSnapshot
+from checkpoint_ad.strategies.plans.multilevel import MultiLevelPlan
+from checkpoint_ad.strategies.plans.revolve import DiskRestore, DiskSnapshot
+from checkpoint_ad.strategies.storage import disk_store as disk_store_module
+from checkpoint_ad.strategies.storage.disk_store import DiskStore
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -382,7 +382,7 @@ def test_a_stalled_reader_ends_the_wait_with_what_it_waited_for(
 
 _KILLED = """
 import sys, numpy as np
-from checkpoint_ad.strategies.disk_store import DiskStore
+from checkpoint_ad.strategies.storage.disk_store import DiskStore
 store = DiskStore(sys.argv[1])
 ref = store.put(np.arange(1000.0), 8000, planned=False)
 print(store.folder, flush=True)

@@ -244,7 +244,7 @@ def test_misuse_is_refused_with_what_to_do():
                                       Binomial(3, disk=None)], ids=repr)
 def test_online_loops_with_a_disk_level_are_exact_and_keep_their_levels(strategy):
     from checkpoint_ad.strategies import Offload
-    from checkpoint_ad.strategies.revolve import simulate_plan
+    from checkpoint_ad.strategies.plans.revolve import simulate_plan
 
     rng = np.random.default_rng(7)
     w = cad.tensor(rng.standard_normal((5, 5)) * 0.4, requires_grad=True)

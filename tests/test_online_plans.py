@@ -15,9 +15,9 @@ from math import comb
 
 import pytest
 
-from checkpoint_ad.strategies import online
-from checkpoint_ad.strategies.online import OnlinePlanner
-from checkpoint_ad.strategies.revolve import ScheduleError, optimal_evaluations, simulate_plan
+from checkpoint_ad.strategies.plans import online
+from checkpoint_ad.strategies.plans.online import OnlinePlanner
+from checkpoint_ad.strategies.plans.revolve import ScheduleError, optimal_evaluations, simulate_plan
 
 
 def run(s: int, n: int) -> tuple[int, int]:

@@ -13,7 +13,7 @@ import pytest
 
 import checkpoint_ad as cad
 from checkpoint_ad.strategies import Binomial, Periodic
-from checkpoint_ad.strategies.output_rows import OutputRows
+from checkpoint_ad.strategies.loops.output_rows import OutputRows
 
 
 def _forward_peak(step, init, xs, strategy):

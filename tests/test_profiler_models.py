@@ -13,14 +13,8 @@ import pytest
 
 import checkpoint_ad as cad
 from checkpoint_ad.models import build
-from checkpoint_ad.strategies import (
-    Binomial,
-    KeepAll,
-    Periodic,
-    Quantized,
-    StoreOutputs,
-    program_cache,
-)
+from checkpoint_ad.strategies import Binomial, KeepAll, Periodic, Quantized, StoreOutputs
+from checkpoint_ad.strategies.loops import program_cache
 from tests.profile_parity import comparable
 
 MODELS = ["rnn", "lstm", "residual_mlp", "heat", "neural_ode"]

@@ -22,8 +22,9 @@ import checkpoint_ad as cad
 from checkpoint_ad import nn
 from checkpoint_ad.nn import recurrent
 from checkpoint_ad.profiler import profile
-from checkpoint_ad.strategies import Binomial, Periodic, Quantized, Strategy, program_cache
-from checkpoint_ad.strategies.program_cache import REUSED
+from checkpoint_ad.strategies import Binomial, Periodic, Quantized, Strategy
+from checkpoint_ad.strategies.loops import program_cache
+from checkpoint_ad.strategies.loops.program_cache import REUSED
 
 LOOPS = [None, Binomial(3), Periodic(4)]
 LOOP_IDS = ["kept", "binomial", "periodic"]

@@ -17,8 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from checkpoint_ad.strategies import revolve
-from checkpoint_ad.strategies.revolve import (
+from checkpoint_ad.strategies.plans import revolve
+from checkpoint_ad.strategies.plans.revolve import (
     MAX_STEPS,
     Action,
     Advance,

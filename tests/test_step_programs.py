@@ -21,8 +21,8 @@ from checkpoint_ad.strategies import (
     Recompute,
     StoreInputs,
     StoreOutputs,
-    program_cache,
 )
+from checkpoint_ad.strategies.loops import program_cache
 
 MODELS = ["rnn", "lstm", "residual_mlp", "heat", "neural_ode"]
 PLANS = [

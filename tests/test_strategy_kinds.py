@@ -18,8 +18,8 @@ from checkpoint_ad.strategies import (
     Recompute,
     RegionStrategy,
     Strategy,
-    revolve,
 )
+from checkpoint_ad.strategies.plans import revolve
 
 RNG = np.random.default_rng(3)
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from .. import ops
 from ..errors import ModuleConfigError, ShapeError
-from ..strategies.scan import scan
+from ..strategies.loops.scan import scan
 from ..tensor import Tensor
 from . import functional as F
 from .layers import make_rng

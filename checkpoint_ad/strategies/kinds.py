@@ -60,8 +60,8 @@ from typing import Any
 
 from ..errors import StrategyConfigError
 from ..saved import KeepAll, Strategy
-from .online import OnlinePlanner
-from .revolve import Plan
+from .plans.online import OnlinePlanner
+from .plans.revolve import Plan
 
 __all__ = ["KeepAll", "LoopPlanner", "LoopStrategy", "RegionStrategy", "Strategy"]
 

@@ -9,8 +9,8 @@ from typing import Any, ClassVar
 
 from ..tape import Form, Primitive
 from .base import KeepAll, StoreInputs, Strategy
-from .offload import Offload
 from .quantized import Quantized
+from .storage.offload import Offload
 
 Answer = Any  # "save", "recompute", "quantize", or a Strategy
 

@@ -37,8 +37,8 @@ from ..saved import (
 from ..tape import next_sequence
 from ..tensor import Tensor
 from .kinds import LoopStrategy, RegionStrategy
+from .plans.revolve import Plan, periodic_plan
 from .policy import NamesPolicy, as_strategy
-from .revolve import Plan, periodic_plan
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,262 @@
+"""The pull-back of one reverse action: the adjoint of the carry after a segment (and of its
+outputs) pulled back to the carry before it, its rows of `xs` and the tensors the step
+captures.
+
+A taped segment is back-propagated through its tape (`pull_back`); a replayed one through its
+step program (`pull_back_replayed`), with the same roots, keys and starting sums in the same
+order, so the gradients are bitwise those of the recorded steps, and both bitwise those of a
+plain tape keeping every step. Owns the executor's `keys_found` and `fixed_keys` (where a
+replayed pull-back's sums go, found once per backward).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ...autograd import Capture, backpropagate, fills_grads
+from ...errors import BackwardError
+from ...tape import edge_of
+from .loop_steps import ReplayedSegment, TapedSegment, discover
+from .step_pull_back import pull_back_steps
+
+if TYPE_CHECKING:
+    from .plan_executor import PlannedLoop
+
+
+def pull_back(
+    executor: PlannedLoop,
+    segment: TapedSegment | ReplayedSegment,
+    adj_carry: list[Any],
+    adj_ys: list[Any],
+    adj_xs: list[Any],
+    xs_reached: list[bool],
+    adj_ext: dict[tuple[int, int], Any],
+    owned: dict[int, Any],
+    retain_graph: bool,
+    carry_sums: list[Any] | None = None,
+) -> list[Any]:
+    """Back-propagate the adjoint of the carry after `segment` (and of its outputs) to the
+    carry before it, its scanned inputs and the captured tensors; the carry's gradient
+    adds onto `carry_sums` (the first segment's: what reached the loop's initial carry
+    from after the loop)."""
+    if isinstance(segment, ReplayedSegment):
+        return pull_back_replayed(
+            executor, segment, adj_carry, adj_ys, adj_xs, xs_reached, adj_ext, owned,
+            retain_graph, carry_sums)
+    start, stop, carry_in = segment.start, segment.stop, segment.carry_in
+    produced = segment.carry_out + [y for _, ys in segment.y_out for y in ys]
+    found = discover(
+        produced, carry_in + [p for _, parts in segment.x_parts for p in parts],
+        segment.seq_before,
+    )
+    if not set(found) <= set(executor.externals):
+        raise BackwardError(
+            f"scan: steps {start}..{stop - 1} used tensors from outside the loop that step 0 "
+            "did not use; with a checkpointing strategy every step must capture the same "
+            "tensors (pass values that vary by step through xs instead)"
+        )
+    roots = []
+    for c, g in zip(segment.carry_out, adj_carry):
+        if c is not None and g is not None and c.requires_grad:
+            roots.append((edge_of(c), g))
+    # later outputs first, and later steps first: a plain tape's stacks of the outputs
+    # were recorded last (and in that order), so it adds their adjoints in this order
+    # where outputs alias one tensor
+    for k in reversed(range(len(adj_ys))):
+        for t, ys in reversed(segment.y_out):
+            y, g = ys[k], adj_ys[k]
+            if t == stop - 1 and k in executor.same:
+                continue  # in adj_carry: added when the next step was reversed, or the
+                # loop's last row, which reaches the entry through its final carry
+            if y is not None and g is not None and y.requires_grad:
+                roots.append((edge_of(y), g[t]))
+    keys: dict[tuple[int, int], int] = {}
+    for c in carry_in:
+        if c is not None and c.requires_grad:
+            keys[(id(c), 0)] = len(keys)
+    for _, parts in segment.x_parts:
+        for p in parts:
+            if p is not None and p.requires_grad:
+                keys[(id(p), 0)] = len(keys)
+    for key in executor.externals:
+        keys.setdefault(key, len(keys))
+    # carry on adding each captured tensor's gradient in the order a plain tape would
+    initial: list[Any] = [None] * len(keys)
+    if carry_sums is not None:
+        for c, total in zip(carry_in, carry_sums):
+            if c is not None and c.requires_grad and total is not None:
+                initial[keys[(id(c), 0)]] = total
+    if start > 0:
+        for k in sorted(executor.same, reverse=True):
+            c = carry_in[executor.same[k]]
+            if c is not None and c.requires_grad and adj_ys[k] is not None:
+                position = keys[(id(c), 0)]
+                g = adj_ys[k][start - 1]
+                initial[position] = g if initial[position] is None else initial[position] + g
+    for key in executor.externals:
+        initial[keys[key]] = adj_ext.pop(key, None)  # the sink's alone: see below
+    sink = Capture(keys, initial=initial, owned=owned, newer_than=segment.seq_before,
+                   fills_retained=fills_grads())
+    del initial  # the sink holds its own list of the sums
+    if roots:
+        backpropagate(roots, retain_graph=retain_graph, create_graph=False, capture=sink)
+    captured = sink.values
+    new_adj = []
+    for c in carry_in:
+        keep = c is not None and c.requires_grad
+        g = captured[keys[(id(c), 0)]] if keep else None
+        owned.pop(id(g), None)  # handed on as a root: a rule may pass it to two inputs
+        new_adj.append(g)
+    for t, parts in segment.x_parts:
+        for k, p in enumerate(parts):
+            if p is not None and p.requires_grad:
+                g = captured[keys[(id(p), 0)]]
+                if g is not None:
+                    adj_xs[k][t] = g
+                    xs_reached[k] = True
+    for key in executor.externals:
+        if captured[keys[key]] is not None:
+            adj_ext[key] = captured[keys[key]]
+    return new_adj
+
+
+def pull_back_replayed(
+    executor: PlannedLoop,
+    segment: ReplayedSegment,
+    adj_carry: list[Any],
+    adj_ys: list[Any],
+    adj_xs: list[Any],
+    xs_reached: list[bool],
+    adj_ext: dict[tuple[int, int], Any],
+    owned: dict[int, Any],
+    retain_graph: bool,
+    carry_sums: list[Any] | None = None,
+) -> list[Any]:
+    """`pull_back` for a replayed segment: the same roots, keys and starting sums, in
+    the same order, so the gradients are bitwise those of the recorded steps."""
+    program = executor.program
+    assert program is not None
+    start, stop = segment.start, segment.stop
+    n_carry = len(program.carry_in)
+    xs_grad = replay_keys(executor)[1]
+
+    def requires_grad(t: int, slot: int) -> bool:
+        while slot < n_carry and t > start:  # a carry the previous step made
+            t, slot = t - 1, program.carry_out[slot]
+        return slot >= 0 and program.requires_grad[slot]
+
+    def roots_at(t: int) -> list[tuple[int, Any]]:
+        """Step t's roots, (slot, adjoint), in the order of `roots` below."""
+        found = []
+        if t == stop - 1:
+            for k, g in enumerate(adj_carry):
+                slot = program.carry_out[k]
+                if g is not None and requires_grad(t, slot):
+                    found.append((slot, g))
+        for k in reversed(range(len(adj_ys))):
+            slot, g = program.y_out[k], adj_ys[k]
+            if g is not None and not (t == stop - 1 and k in executor.same) and (
+                    requires_grad(t, slot)):
+                found.append((slot, g[t]))
+        return found
+
+    # every root at once, in delivery order, where a root may reach another step than
+    # its own; else each step's as the pull-back reaches it (a long segment's roots are
+    # a row view and two tuples a step, all held at the peak)
+    roots: Any = roots_at if program.roots_per_step else []
+    if not program.roots_per_step:
+        for k, g in enumerate(adj_carry):
+            slot = program.carry_out[k]
+            if g is not None and requires_grad(stop - 1, slot):
+                roots.append(((stop - 1, slot), g))
+        for k in reversed(range(len(adj_ys))):
+            slot, g = program.y_out[k], adj_ys[k]
+            if g is None:
+                continue
+            for t in reversed(range(start, stop)):
+                if t == stop - 1 and k in executor.same:
+                    continue  # in adj_carry: added when the next step was reversed, or
+                    # the loop's last row, which reaches the entry through its final carry
+                if requires_grad(t, slot):
+                    roots.append(((t, slot), g[t]))
+    keys, external_position = segment_keys(executor, start, stop)
+    initial: list[Any] = [None] * (len(keys) + len(external_position))
+    if carry_sums is not None:
+        for k, total in enumerate(carry_sums):
+            position = keys.get(("carry", k))
+            if position is not None and total is not None:
+                initial[position] = total
+    if start > 0:
+        for k in sorted(executor.same, reverse=True):
+            position = keys.get(("carry", executor.same[k]))
+            if position is not None and adj_ys[k] is not None:
+                g = adj_ys[k][start - 1]
+                initial[position] = g if initial[position] is None else initial[position] + g
+    for key, position in external_position.items():
+        # taken out, not copied: a running sum the sink replaces by a new one (the first
+        # time it adds onto a rule's result, which it may not change in place) is then
+        # freed at once, not kept until the pull-back ends (a weight's size at the peak)
+        initial[position] = adj_ext.pop(key, None)
+    sink = Capture({}, initial=initial, owned=owned)
+    del initial  # the sink holds its own list of the sums
+    if roots:  # (a function is true: its steps may have no roots, which costs little)
+        pull_back_steps(program, segment.steps, roots, sink, keys, retain=retain_graph)
+    captured = sink.values
+    new_adj = []
+    for k in range(n_carry):
+        position = keys.get(("carry", k))
+        g = None if position is None else captured[position]
+        owned.pop(id(g), None)  # handed on as a root: a rule may pass it to two inputs
+        new_adj.append(g)
+    for t in range(start, stop):
+        for k in xs_grad:
+            position = keys[("x", t, k)]
+            if captured[position] is not None:
+                adj_xs[k][t] = captured[position]
+                xs_reached[k] = True
+    for key, position in external_position.items():
+        if captured[position] is not None:
+            adj_ext[key] = captured[position]
+    return new_adj
+
+
+def segment_keys(
+    executor: PlannedLoop, start: int, stop: int
+) -> tuple[dict[tuple[Any, ...], int], dict[tuple[int, int], int]]:
+    """(keys, external positions) of a replayed pull-back of steps start..stop-1: where
+    each sum it hands out goes. Without scanned inputs that take a gradient they are the
+    same for every segment, so made once per backward (a binomial plan pulls back one
+    step at a time: made per step, they cost about a tenth of a small step)."""
+    carry_grad, xs_grad, ext_slots = replay_keys(executor)
+    if not xs_grad and executor.fixed_keys is not None:
+        return executor.fixed_keys
+    keys: dict[tuple[Any, ...], int] = {("carry", k): i for i, k in enumerate(carry_grad)}
+    for t in range(start, stop):
+        for k in xs_grad:
+            keys[("x", t, k)] = len(keys)
+    external_position = {key: len(keys) + i for i, key in enumerate(executor.externals)}
+    for slot, key in ext_slots:
+        keys[("ext", slot)] = external_position[key]
+    if not xs_grad:
+        executor.fixed_keys = (keys, external_position)
+    return keys, external_position
+
+
+def replay_keys(
+    executor: PlannedLoop,
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[int, Any], ...]]:
+    """What every replayed pull-back of a backward keys its sums by, found once: the carry
+    leaves that take a gradient, the xs leaves that do, and (slot, key) of each captured
+    tensor the program reads."""
+    found = executor.keys_found
+    if found is None:
+        program = executor.program
+        assert program is not None
+        found = executor.keys_found = (
+            tuple(k for k in range(len(program.carry_in)) if program.requires_grad[k]),
+            tuple(k for k, x in enumerate(executor.loop.xs_leaves)
+                  if x is not None and x.requires_grad),
+            tuple((slot, key) for slot, key in program.external_keys.items()
+                  if key in executor.externals),
+        )
+    return found

@@ -1,0 +1,179 @@
+"""The backward of a step program: an adjoint pulled back through replayed steps.
+
+`pull_back_steps` runs each taped instruction's backward rules (bound once:
+`compiled_step.compile_rules`) from the last step to the first, delivering each gradient where
+a recorded tape would deliver it (a sum within the step, the step before's new carry, a row of
+`xs`, a captured tensor: `compiled_step.delivery_kinds`) and adding in the order a recorded tape
+adds, so the sums are bitwise the same. Saved values are unpacked as the rules need them and
+freed as soon as they ran, as a recorded entry's are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ... import events
+from ...ops import astype
+from .compiled_step import CARRY, EXTERNAL, GRAD_ONLY, ONE_SAVED, PENDING, XS
+
+if TYPE_CHECKING:
+    from .step_program import ReplayedStep, StepProgram
+
+
+def pull_back_steps(
+    program: StepProgram,
+    steps: list[tuple[int, ReplayedStep]],
+    roots: list[tuple[tuple[int, int], Any]] | Callable[[int], list[tuple[int, Any]]],
+    sink: Any,
+    keys: dict[tuple[Any, ...], int],
+    retain: bool = False,
+) -> None:
+    """Back-propagate `roots` ((step, slot) -> adjoint, in delivery order) through the
+    replayed `steps` (first to last), adding what reaches a leaf into `sink` (a `Capture`)
+    at ``keys[leaf key]``: ("carry", k) for the first step's carry, ("x", t, k) for step
+    t's scanned inputs, ("ext", slot) for a captured tensor. Additions happen in the order
+    a recorded tape would make them, so the sums are bitwise the same.
+
+    Where the program's outputs are all made in the step (`roots_per_step`), `roots` may
+    be a function of a step giving its roots as (slot, adjoint), in delivery order: each
+    step's are taken when its sums begin (before anything else reaches them, as when all
+    are delivered first), so a long segment holds one or two steps' sums and roots at a
+    time, not every step's."""
+    first = steps[0][0]
+    # per step, the gradient summed so far at each slot (made in that step, not yet run
+    # back through the instruction that made it)
+    pending: dict[int, list[Any]] = {}
+    n_slots = program.n_slots
+    roots_at = None if isinstance(roots, list) else roots
+    assert roots_at is None or program.roots_per_step
+
+    def begin(t: int) -> list[Any]:
+        """Step t's sums, begun with its roots (each a slot made in the step)."""
+        grads = pending[t] = [None] * n_slots
+        if roots_at is not None:
+            for slot, grad in roots_at(t):
+                previous = grads[slot]
+                grads[slot] = grad if previous is None else previous + grad
+        return grads
+    kinds = program.delivery
+    carry_out = program.carry_out
+    n_carry = len(program.carry_in)
+    positions = program.positions
+    if positions is None or positions[0] is not keys:  # the caller's keys, made anew
+        positions = program.positions = (
+            keys, [keys.get(("carry", k)) for k in range(n_carry)],
+            {slot: keys.get(("ext", slot)) for slot in program.constants})
+    carry_position, external_position = positions[1], positions[2]
+    add = sink.add
+
+    def deliver(t: int, slot: int, grad: Any) -> None:
+        while True:
+            kind = kinds[slot]
+            if kind == PENDING:
+                grads = pending.get(t)
+                if grads is None:
+                    grads = begin(t)
+                previous = grads[slot]
+                grads[slot] = grad if previous is None else previous + grad
+                return
+            if kind == CARRY:
+                if t == first:
+                    position = carry_position[slot]
+                    if position is not None:
+                        add(position, grad)
+                    return
+                t, slot = t - 1, carry_out[slot]  # the previous step's new carry
+                continue
+            if kind == XS:
+                position = keys.get(("x", t, slot - n_carry))
+            elif kind == EXTERNAL:
+                position = external_position[slot]
+            else:
+                return
+            if position is not None:
+                add(position, grad)
+            return
+
+    if roots_at is None:
+        for (t, slot), grad in roots:  # type: ignore[union-attr]
+            deliver(t, slot, grad)
+    if events.listeners:
+        events.emit("backward_begin", None)
+    dtypes = program.dtype
+    # arrays unpacked from buffers shared with the step before (id -> (weak reference
+    # to the buffer, array)): made by a step, read again by the next one run back
+    # (its carry's producer), then dropped; each shared value is unpacked once
+    unpacked_later: dict[int, tuple[Any, Any]] = {}
+    unpacked_here: dict[int, tuple[Any, Any]] = {}
+    try:
+        for index in range(len(steps) - 1, -1, -1):
+            t, step = steps[index]
+            if unpacked_later or unpacked_here:
+                unpacked_later, unpacked_here = unpacked_here, {}
+            grads = pending.get(t)
+            if grads is None:
+                if roots_at is None:  # nothing reached this step
+                    continue
+                grads = begin(t)
+            kept = step.saved
+            as_is = step.as_is
+            shared = steps[index - 1][1].packed_ids() if index and not as_is else None
+            held = step.held
+            frees = held is not None or not as_is  # its instructions free saved values
+            for i, output, rules in program.backward_rules:
+                g = grads[output]
+                if g is None:
+                    continue
+                grads[output] = None
+                saved = kept[i] if as_is else step.unpack(i, unpacked_later,
+                                                          unpacked_here, shared)
+                if as_is and not retain:
+                    kept[i] = None
+                # each input's gradient delivered as soon as it is made: the rules read
+                # only g and the saved values, which no delivery changes, so the sums are
+                # made in the same order as computing them all first would make them
+                for call, fn, k, shape, back, slot in rules:
+                    if call == ONE_SAVED:
+                        grad = fn(g, saved[k])
+                    elif call == GRAD_ONLY:
+                        grad = fn(g)
+                    else:
+                        grad = fn(g, saved)
+                    if grad is None:
+                        continue
+                    if shape is not None and grad.shape != shape:
+                        grad = back(grad)
+                    if isinstance(grad, np.generic):
+                        grad = np.asarray(grad)
+                    dtype = dtypes[slot]
+                    if grad.dtype is not dtype and grad.dtype != dtype:
+                        grad = astype(grad, dtype)
+                    kind = kinds[slot]
+                    if kind == PENDING:  # deliver()'s cases within the step, inline
+                        previous = grads[slot]
+                        grads[slot] = grad if previous is None else previous + grad
+                    elif kind == EXTERNAL:
+                        position = external_position[slot]
+                        if position is not None:
+                            add(position, grad)
+                    else:
+                        deliver(t, slot, grad)
+                    # delivered: let go, so that the next rule's result is not made while
+                    # this one is still held (a weight's gradient each: the peak's size)
+                    grad = previous = None
+                if frees and not retain:  # an announced entry is freed after its
+                    if held is None:  # rules ran, as the recorded tape frees it
+                        step.release(i)
+                    else:  # `release`'s, for buffers held beside the arrays
+                        buffers = held[i]
+                        if buffers:
+                            held[i] = None
+                            buffers.reverse()
+                            buffers.clear()
+            del pending[t]
+    finally:
+        if events.listeners:
+            events.emit("backward_end", None)
