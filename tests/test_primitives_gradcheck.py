@@ -510,10 +510,16 @@ EINSUM_CASES = [
     ("ij,jk", [(3, 4), (4, 5)]),
     ("ij,jk,kl->il", [(2, 3), (3, 4), (4, 2)]),
     ("ijk,k->i", [(2, 3, 4), (4,)]),
+    # a named axis of size 1 stretched against a longer one, as numpy allows: the size-1
+    # operand's gradient is summed back to size 1 (was a ShapeError in the backward)
+    ("ij,ij->ij", [(1, 3), (4, 3)]),
+    ("ab,ab->b", [(4, 1), (4, 3)]),
+    ("bij,bjk->bik", [(1, 3, 4), (2, 4, 5)]),
 ]
 
 
-@pytest.mark.parametrize(("subscripts", "shapes"), EINSUM_CASES, ids=[c[0] for c in EINSUM_CASES])
+@pytest.mark.parametrize(("subscripts", "shapes"), EINSUM_CASES,
+                         ids=[f"{c[0]} {c[1]}" for c in EINSUM_CASES])
 def test_einsum(subscripts: str, shapes: list) -> None:
     rng = np.random.default_rng(SEED)
     xs = [leaf(rng.standard_normal(s)) for s in shapes]

@@ -94,11 +94,35 @@ def einsum(subscripts: str, *operands: Any) -> Any:
     >>> cad.einsum("...ij,...jk->...ik", cad.ones(2, 3, 4), cad.ones(4, 5)).shape
     (2, 3, 5)
     """
+    shapes = [tuple(getattr(getattr(x, "_data", x), "shape", ())) for x in operands]
     if "..." in subscripts:
-        shapes = [tuple(getattr(getattr(x, "_data", x), "shape", ())) for x in operands]
         subscripts = _name_ellipsis(subscripts, shapes)
     _parse(subscripts, len(operands))
-    return EINSUM(list(operands), subscripts=subscripts)
+    return EINSUM(list(operands), subscripts=_name_stretched(subscripts, shapes))
+
+
+def _name_stretched(subscripts: str, shapes: Sequence[tuple[int, ...]]) -> str:
+    """`subscripts` with a named axis of size 1 that numpy stretches against a longer one
+    (``ij,ij`` over shapes (1, 3) and (4, 3)) given a letter of its own, summed away (a sum
+    of one term): the forward is numpy's, and the gradient rule gives that operand back its
+    size 1 instead of the stretched size."""
+    inputs, arrow, output = subscripts.replace(" ", "").partition("->")
+    terms = inputs.split(",")
+    if len(terms) != len(shapes) or any(len(t) != len(s) for t, s in zip(terms, shapes)):
+        return subscripts  # numpy's own error names the mismatch
+    longest: dict[str, int] = {}
+    for term, shape in zip(terms, shapes):
+        for c, d in zip(term, shape):
+            longest[c] = max(longest.get(c, d), d)
+    if all(d == longest[c] or d != 1 for t, s in zip(terms, shapes) for c, d in zip(t, s)):
+        return subscripts
+    if not arrow:
+        letters = "".join(terms)
+        output = "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
+    unused = iter(c for c in string.ascii_letters if c not in subscripts)
+    named = ["".join(next(unused) if d == 1 and longest[c] > 1 else c for c, d in zip(t, s))
+             for t, s in zip(terms, shapes)]
+    return ",".join(named) + "->" + output
 
 
 def _name_ellipsis(subscripts: str, shapes: Sequence[tuple[int, ...]]) -> str:
