@@ -315,3 +315,19 @@ def test_layers_and_losses_parity_with_pytorch() -> None:
                                tF.gelu(torch.from_numpy(x)).numpy(), atol=1e-6)
     np.testing.assert_allclose(F.layer_norm(cad.tensor(x), 4).numpy(),
                                tF.layer_norm(torch.from_numpy(x), (4,)).numpy(), rtol=1e-10)
+
+
+@pytest.mark.parametrize(("beta", "threshold"), [(1.0, 20.0), (2.0, 5.0), (0.5, 1.0)])
+def test_softplus_module_matches_torch_formula_and_threshold(beta: float, threshold: float) -> None:
+    """PyTorch's nn.Softplus(beta, threshold): log(1 + exp(beta x)) / beta, and x itself
+    where beta x > threshold; its gradient sigmoid(beta x) below the threshold, 1 above."""
+    x = np.array([-30.0, -2.0, 0.0, 0.7, 2.4, 3.0, 12.0, 40.0])
+    module = nn.Softplus(beta=beta, threshold=threshold)
+    t = cad.tensor(x, requires_grad=True)
+    out = module(t)
+    above = beta * x > threshold
+    want = np.where(above, x, np.log1p(np.exp(beta * x)) / beta)
+    np.testing.assert_allclose(out.detach().numpy(), want, rtol=1e-12)
+    out.sum().backward()
+    np.testing.assert_allclose(t.grad.numpy(), np.where(above, 1.0, sig(beta * x)), rtol=1e-12)
+    assert "beta=" in repr(module)

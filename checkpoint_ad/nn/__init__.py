@@ -8,7 +8,18 @@ layers). Everything the former ``nn.py`` exported is here.
 """
 
 from . import functional, utils
-from .layers import GELU, Dropout, Embedding, LayerNorm, Linear, ReLU, Sigmoid, SiLU, Tanh
+from .layers import (
+    GELU,
+    Dropout,
+    Embedding,
+    LayerNorm,
+    Linear,
+    ReLU,
+    Sigmoid,
+    SiLU,
+    Softplus,
+    Tanh,
+)
 from .losses import binary_cross_entropy_with_logits, cross_entropy, mse_loss, nll_loss
 from .module import (
     Module,
@@ -24,7 +35,7 @@ from .transformer import MultiheadAttention, TransformerEncoder, TransformerEnco
 __all__ = [
     "GELU", "GRU", "LSTM", "RNN", "Dropout", "Embedding", "GRUCell", "LSTMCell", "LayerNorm",
     "Linear", "Module", "ModuleConfigError", "ModuleList", "MultiheadAttention", "Parameter",
-    "RNNCell", "ReLU", "Sequential", "SiLU", "Sigmoid", "StateDictError", "Tanh",
+    "RNNCell", "ReLU", "Sequential", "SiLU", "Sigmoid", "Softplus", "StateDictError", "Tanh",
     "TransformerEncoder", "TransformerEncoderLayer",
     "binary_cross_entropy_with_logits", "cross_entropy", "functional", "mse_loss", "nll_loss",
     "utils",

@@ -195,6 +195,20 @@ class SiLU(_Activation):
     function = staticmethod(F.silu)
 
 
+class Softplus(_Activation):
+    """`functional.softplus` as a module, PyTorch's ``nn.Softplus(beta, threshold)``."""
+
+    def __init__(self, beta: float = 1.0, threshold: float = 20.0) -> None:
+        self.beta = beta
+        self.threshold = threshold
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.softplus(x, self.beta, self.threshold)
+
+    def extra_repr(self) -> str:
+        return f"beta={self.beta}, threshold={self.threshold}"
+
+
 class GELU(_Activation):
     """`functional.gelu` as a module (``approximate`` 'none' or 'tanh')."""
 
