@@ -37,9 +37,15 @@ def _mode_id(mode):
                     + (["reverse"] if reverse else []) + (["until"] if until else []))
 
 
+_BUDGETS: list[Budget] = []
+"""The budgets `_scan` ran under, latest last: what plan each chose is timing-dependent."""
+
+
 def _scan(step, init, xs, mode):
     name, trace, reverse, until = mode
     kwargs = {"strategy": STRATEGIES[name](), "trace": trace, "reverse": reverse}
+    if isinstance(kwargs["strategy"], Budget):
+        _BUDGETS.append(kwargs["strategy"])
     if until:
         kwargs["until"] = lambda carry: False  # asked after every step; xs ends the loop
     return cad.scan(step, init, xs, **kwargs)
@@ -129,9 +135,17 @@ def test_inplace_on_xs_after_scan_raises_like_pytorch_view_version_check(mode):
 def test_xs_changed_after_scan_that_saved_no_row_keeps_the_gradient_or_raises(mode):
     """PyTorch: rows only added (nothing saved) may change; a plan that re-runs steps reads
     them again, so it must raise rather than differentiate other values."""
+    _BUDGETS.clear()
     raised = _raises_or_right(_xs_program(lambda h, w, x: cad.tanh(h * w) + x), mode)
-    if mode[0] in ("keep-all", "budget"):  # nothing re-run: as recording, no error
-        assert not raised
+    if mode[0] == "keep-all" or (mode[0] == "budget" and not _budget_reran(_BUDGETS[-1])):
+        assert not raised  # nothing re-run: as recording, no error
+
+
+def _budget_reran(budget: Budget) -> bool:
+    """Whether the plan `budget` chose for its last loop re-runs steps: it picks the fastest
+    plan that fits, and on a tiny loop which is fastest is the machine's noise."""
+    chosen = budget.last.chosen
+    return chosen.evaluations > budget.last.n_steps
 
 
 # ----------------------------------------------------------------- captured tensors
