@@ -64,6 +64,9 @@ def test_the_policy_answers_per_call_from_shapes() -> None:
     offload = TO_DISK.strategy().for_call(MATMUL, ((5, 3), (3, 4)), {})
     assert offload == Offload("disk")
     assert type(TO_DISK.strategy().for_call(MATMUL, ((2, 4, 3), (2, 3, 5)), {})) is StoreInputs
+    # JAX's default destination, pinned host memory, is the host level
+    pinned = P.offload_dot_with_no_batch_dims().strategy()
+    assert pinned.for_call(MATMUL, ((5, 3), (3, 4)), {}) == Offload("host")
 
 
 def _tensors():
