@@ -27,7 +27,7 @@ from . import events
 from .backend import namespace
 from .entry import _NDARRAY, _ONE_INPUT_ONLY, _SEE_FIRST, EntryExtra
 from .errors import AnomalyError, BackwardError, DeviceError, ShapeError, StepNeedsTapeError
-from .grad_mode import _state, enable_grad, no_grad
+from .grad_mode import _state, enable_grad, no_grad, refuse_trace
 from .ops import astype
 from .tape import Entry, Primitive, edge_of
 from .tensor_base import TensorBase, as_tensor_like, make_tensor
@@ -363,6 +363,11 @@ def backpropagate(
     retained non-leaves), written when the sweep completes (see `_Grads`); with it, into
     `capture.values`.
     """
+    # a scan step computing a gradient (grad(), backward(), vjp...): a replay of the step's
+    # primitives would not compute it again (its values would be frozen as the first steps'
+    # constants, its create_graph graph unknown to the trace): the loop records every step
+    refuse_trace("computes a gradient (grad(), backward() or a functional transform), which a "
+                 "replay of its operations would not compute again")
     pending: dict[Entry, list[Any]] = {}
     heap: list[tuple[int, int, Entry]] = []
     keys = capture.keys if capture is not None else None

@@ -33,12 +33,16 @@ class Strategy:
     shape, dtype and device, and in value when `lossless` is True; `stored_nbytes` reports
     what the stored form really holds. `choose_form` picks which backward form (what a rule
     reads: inputs, output, both) a primitive records; `for_primitive` lets a per-op policy
-    hand each primitive to another strategy; `for_leaf` says how values the caller holds
+    hand each primitive to another strategy (`for_call`, when `per_call` is True, one call of
+    it, by its input shapes and attributes); `for_leaf` says how values the caller holds
     anyway (parameters, input data) are kept. Subclass it and override what differs; the
     built-ins in `checkpoint_ad.strategies` are small frozen dataclasses over it.
     """
 
     lossless: ClassVar[bool] = True
+    # True: the engine asks `for_call` (which sees shapes) instead of `for_primitive` for each
+    # call; False (nearly every strategy) keeps the recording path free of building shapes
+    per_call: bool = False
 
     def pack(self, array: Any) -> Any:
         return array
@@ -56,6 +60,13 @@ class Strategy:
 
     def for_primitive(self, prim: Any) -> Strategy:
         return self
+
+    def for_call(self, prim: Any, shapes: tuple[tuple[int, ...], ...],
+                 attrs: dict[str, Any]) -> Strategy:
+        """`for_primitive` for one call of `prim` on inputs of `shapes` with `attrs` (asked
+        only when `per_call` is True). The answer may depend on nothing else: a traced scan
+        step replays it for every step with those shapes and attributes."""
+        return self.for_primitive(prim)
 
     def for_leaf(self) -> Strategy:
         return self

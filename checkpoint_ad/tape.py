@@ -572,7 +572,8 @@ def _record_any(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]
         if type(packer) is KeepAll:
             form = prim.forms[0]
         else:
-            packer = packer.for_primitive(prim)
+            packer = (packer.for_call(prim, tuple([d.shape for d in datas]), attrs)
+                      if packer.per_call else packer.for_primitive(prim))
             form = prim.forms[0] if type(packer) is KeepAll else packer.choose_form(prim)
         (result,) = _append(
             _primitive_entry(prim, tensors, attrs or _NO_ATTRS, form.needs), (out,),

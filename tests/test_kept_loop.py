@@ -18,6 +18,7 @@ from checkpoint_ad.strategies import (
     Binomial,
     Periodic,
     Quantized,
+    Recompute,
     Rematerializing,
     StoreInputs,
     StoreOutputs,
@@ -120,6 +121,37 @@ def test_a_step_that_cannot_be_replayed_is_recorded_as_before():
     ref = cad.grad((carry * carry).sum() + ys.sum(), [w, h0, xs])
     for g, r in zip(got, ref):
         np.testing.assert_array_equal(g.numpy(), r.numpy())
+
+
+def _grad_in_step(trace, create_graph, strategy=None):
+    """(loop mode, ys, w.grad) of a scan whose step takes a gradient, as JAX's
+    `scan(lambda h, x: ... jax.grad(f)(w, x) ...)` does: the gradient (x, here) repeats on
+    steps 0 and 1 and changes after, so a replay freezing it would show."""
+    w = cad.tensor(np.array([0.5, -0.3]), requires_grad=True)
+
+    def step(h, x):
+        (g,) = cad.grad((w * x).sum(), [w], create_graph=create_graph)
+        h = cad.tanh(h * w + g)
+        return h, h
+
+    xs = cad.tensor(np.array([[1.0, 2.0], [1.0, 2.0], [3.0, -1.0], [0.5, 0.2]]))
+    with cad.inspect.loops() as ran:
+        _, ys = cad.scan(step, cad.ones(2, dtype="float64"), xs, trace=trace,
+                         strategy=strategy)
+        ys.sum().backward()
+    return ran[0].mode, ys.detach().numpy(), w.grad.numpy()
+
+
+@pytest.mark.parametrize(("create_graph", "strategy"), [
+    (False, None), (True, None), (False, Binomial(2)), (False, Recompute())], ids=repr)
+def test_a_step_taking_a_gradient_is_recorded_and_says_so_like_jax_grad_inside_scan(
+        create_graph, strategy):
+    mode, ys, grad = _grad_in_step(True, create_graph, strategy)
+    want_mode, want_ys, want_grad = _grad_in_step(False, create_graph, strategy)
+    assert mode.startswith("recorded: the step computes a gradient (grad(), backward()")
+    assert want_mode == "recorded: trace=False"
+    np.testing.assert_array_equal(ys, want_ys)  # not the first steps' gradient, frozen
+    np.testing.assert_array_equal(grad, want_grad)
 
 
 def test_values_kept_by_a_rematerializing_pool_are_recorded():

@@ -47,6 +47,10 @@ REMATS = {
     "remat": lambda f: cad.remat(f),
     "remat_nothing_saveable": lambda f: cad.remat(f, policy=P.nothing_saveable),
     "remat_dots_saveable": lambda f: cad.remat(f, policy=P.dots_saveable),
+    "remat_dots_with_no_batch_dims_saveable":
+        lambda f: cad.remat(f, policy=P.dots_with_no_batch_dims_saveable),
+    "remat_offload_dot_with_no_batch_dims":
+        lambda f: cad.remat(f, policy=P.offload_dot_with_no_batch_dims("device", "disk")),
 }
 
 
@@ -206,9 +210,10 @@ def test_checkpoint_takes_pytorchs_keywords():
 
 def test_checkpoint_policies_lists_policies_only_like_jax():
     names = [n for n in dir(cad.checkpoint_policies) if not n.startswith("_")]
-    assert names == ["dots_saveable", "everything_saveable", "nothing_saveable",
-                     "save_and_offload_only_these_names", "save_any_names_but_these",
-                     "save_only_these_names"]
+    assert names == ["dots_saveable", "dots_with_no_batch_dims_saveable",
+                     "everything_saveable", "nothing_saveable",
+                     "offload_dot_with_no_batch_dims", "save_and_offload_only_these_names",
+                     "save_any_names_but_these", "save_only_these_names"]
 
 
 def _named_grads(policy):

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from .policy import (
     dots_saveable,
+    dots_with_no_batch_dims_saveable,
     everything_saveable,
     nothing_saveable,
+    offload_dot_with_no_batch_dims,
     save_and_offload_only_these_names,
     save_any_names_but_these,
     save_only_these_names,
@@ -20,8 +22,10 @@ from .policy import (
 
 __all__ = [
     "dots_saveable",
+    "dots_with_no_batch_dims_saveable",
     "everything_saveable",
     "nothing_saveable",
+    "offload_dot_with_no_batch_dims",
     "save_and_offload_only_these_names",
     "save_any_names_but_these",
     "save_only_these_names",

@@ -10,6 +10,14 @@ Each named policy maps onto a strategy this library already has:
   `Policy` answering "save" for products and "recompute" (`StoreInputs`) otherwise. Unlike in
   JAX, an elementwise chain is not re-derived from the products alone: each of its primitives
   keeps the inputs its rule needs.
+- `dots_with_no_batch_dims_saveable`: the same, deciding per call (`Policy(per_call=True)`)
+  from the operands' shapes: "save" only for a product with no batch dimensions
+  (`has_batch_dims`: x @ W yes, a batched (b, n, k) @ (b, k, m) no). A product keeps its
+  operands either way, so its bytes are those of `dots_saveable`.
+- `offload_dot_with_no_batch_dims(offload_src, offload_dst)`: what products with no batch
+  dimensions save (their operands, where JAX offloads their outputs) goes through
+  `Offload(level)` ("pinned_host"/"host": host memory, "disk": the disk level); the rest is
+  recomputed as above.
 
 - `save_only_these_names(*names)`, `save_any_names_but_these(*names)`,
   `save_and_offload_only_these_names(...)`: values named with `checkpoint_name(x, name)` are
@@ -33,8 +41,11 @@ from .policy import (
     as_strategy,
     checkpoint_name,
     dots_saveable,
+    dots_with_no_batch_dims_saveable,
     everything_saveable,
+    has_batch_dims,
     nothing_saveable,
+    offload_dot_with_no_batch_dims,
     save_and_offload_only_these_names,
     save_any_names_but_these,
     save_only_these_names,
@@ -49,8 +60,11 @@ __all__ = [
     "as_strategy",
     "checkpoint_name",
     "dots_saveable",
+    "dots_with_no_batch_dims_saveable",
     "everything_saveable",
+    "has_batch_dims",
     "nothing_saveable",
+    "offload_dot_with_no_batch_dims",
     "remat",
     "save_and_offload_only_these_names",
     "save_any_names_but_these",

@@ -116,7 +116,8 @@ class Trace:
             in_shapes = entry.in_shapes
             chained = current_packer()
             if type(chained) is not KeepAll:
-                chained = chained.for_primitive(prim)
+                chained = (chained.for_call(prim, tuple([t.shape for t in tensors]), attrs)
+                           if chained.per_call else chained.for_primitive(prim))
             saved = tuple(self._saved(prim, slot, chained) for slot in entry.slots or ())
         mask = tuple(edge_of(t) is not None for t in tensors)
         output = self._new_slot(result)
