@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ... import random
-from ...backend import broadcast_axes
+from ...backend import broadcast_axes, namespace
 
 # where a gradient arriving at a slot goes (see `step_pull_back.pull_back_steps`)
 DROP = 0  # no gradient wanted: a leaf that does not require one, or a leaf made in the step
@@ -29,6 +29,15 @@ EXTERNAL = 4  # a tensor captured from outside the loop: the sink
 Forward = Callable[[list[Any], Any], Any]
 Rule = Callable[[Any, list[Any]], Any]
 SumBack = Callable[[Any], Any]
+
+
+def namespace_of(values: list[Any]) -> Any:
+    """The array namespace a step's forwards take (`xp`), from its values (one device: the
+    engine checks it per op)."""
+    for v in values:
+        if v is not None:
+            return namespace(v)
+    return np
 
 
 def compile_forward(ins: Any, draw_type: type) -> Forward:

@@ -24,7 +24,8 @@ from ...tensor import Tensor
 from .grad_flow import deps_of_tensors
 from .loop import PlannedStep, row_tensor
 from .program_cache import REUSED
-from .step_program import ReplayedStep, program_of, traced_call
+from .replayed_step import ReplayedStep
+from .step_program import program_of, traced_call
 
 if TYPE_CHECKING:
     from .plan_executor import PlannedLoop
