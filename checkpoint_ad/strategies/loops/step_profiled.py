@@ -1,4 +1,4 @@
-"""What a profiler hears of a replayed step, and the taped replay it is heard from in bulk.
+"""What a profiler hears of a replayed step: its description, made once per program.
 
 Replayed steps are announced one event per step, not per instruction: a 'replaying' event as
 the step begins (`step_begins`: the values packed until its 'replayed' event are its own),
@@ -6,8 +6,8 @@ then a 'replayed' event carrying the step's description (`DescribedStep`, made o
 program), its saved buffers and its values. The profiler lists from them what recording the
 step would have listed, in the same order; no entry, saved slot or leaf tensor is made just to
 be announced. Where every value is kept as it is and a profiler listens alone, a step is taped
-without saving through the packer and its buffers are made afterwards in one go
-(`tape_kept`, from a `KeptLayout` made once per kind of step).
+as if unheard and its buffers are made afterwards in one go (`step_tape.tape_kept`), in the
+order a `KeptLayout` says, made once per kind of step.
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ... import events
-from ...saved import buffer_for, pack_value
-from .replayed_step import ReplayedStep, carried_buffers
 from .step_trace import Draw, Instruction
 
 if TYPE_CHECKING:
@@ -108,42 +106,3 @@ def kept_layout(program: StepProgram, mode: int) -> KeptLayout:
             at.append(position[found])
         held.append((i, tuple(at)))
     return KeptLayout(tuple(sources), tuple(held))
-
-
-def tape_kept(program: StepProgram, carry: list[Any], x: list[Any],
-              previous: ReplayedStep | None, carry_tensors: list[Any] | None) -> ReplayedStep:
-    """`tape` where every value is kept as it is and a profiler listens alone
-    (`StepProgram._tape_kept`): the step runs as `_tape_as_is` (its backward reads the
-    arrays), then makes its buffers in the order `tape` would (`KeptLayout`: each distinct
-    buffer once), held per instruction until its backward rules ran, and hands the new ones to
-    the profiler in its 'replayed' event rather than one 'pack' event each. They are `tape`'s
-    buffers, shared as `tape` shares them, so the profile and the order of frees are the
-    same."""
-    described = step_begins(program)
-    step = program._tape_as_is(carry, x)
-    values = step.values
-    mode = 2 if carry_tensors is not None else 1 if previous is not None else 0
-    layout = program.layouts[mode]
-    if layout is None:
-        layout = program.layouts[mode] = kept_layout(program, mode)
-    tensors = program.constant_tensors if carry_tensors is None else {
-        **program.constant_tensors, **dict(zip(program.carry_in, carry_tensors))}
-    made: list[Any] = []
-    buffers = step.buffers = carried_buffers(program.carry_out, previous)
-    ordered = []
-    for slot, key, packer in layout.sources:
-        if key is None:  # a tensor's array: its buffer, shared with its recorded entries
-            buffer = buffer_for(tensors[slot], packer, made)
-        else:
-            buffer = buffers.get(key)
-            if buffer is None:
-                buffer = buffers[key] = pack_value(values[slot], packer, made)
-        ordered.append(buffer)
-    get = ordered.__getitem__
-    held: list[Any] = [None] * len(program.instructions)
-    for i, at in layout.held:
-        held[i] = list(map(get, at))
-    step.held = held
-    events.emit("replayed", (described, held, values,
-                             program.carry_in if mode else (), made))
-    return step

@@ -22,9 +22,8 @@ The parts, each a module:
 - this module: `StepProgram`, a trace frozen into the tables a replay reads (bound once), bound
   to the tensors a call captured, and its forward replay without saving (`run`); `program_of`;
 - `compiled_step`: each instruction's forward call and backward rules, bound once;
-- `step_tape`: the taped replay (`tape`, `tape_steps`), bound here as methods;
-- `step_profiled`: what a profiler hears of a replayed step (`DescribedStep`), and the taped
-  replay it hears in bulk (`tape_kept`, bound here as `_tape_kept`);
+- `step_tape`: the taped replay, a step keeping what its backward reads (`tape`, `tape_steps`);
+- `step_profiled`: what a profiler hears of a replayed step (`DescribedStep`, `KeptLayout`);
 - `replayed_step`: a taped step's values and saved values (`ReplayedStep`);
 - `step_pull_back`: the backward over replayed steps (`pull_back_steps`).
 """
@@ -38,16 +37,15 @@ from typing import Any
 from ... import events
 from ...saved import Strategy
 from ...tape import edge_of
-from . import step_profiled, step_tape
 from .compiled_step import (
     PENDING,
     compile_forward,
     compile_rules,
+    compile_tape_as_is,
     delivery_kinds,
     namespace_of,
 )
 from .replayed_step import NO_BUFFERS, ReplayedStep
-from .step_profiled import Described, DescribedStep, KeptLayout, kept_layout
 from .step_trace import (
     Draw,
     Instruction,
@@ -58,20 +56,19 @@ from .step_trace import (
     traced_call,
 )
 
-# what other modules import from here (defined in step_trace.py, replayed_step.py and
-# step_profiled.py; the names stay importable from here)
+# what other modules import from here (the tracing names are defined in step_trace.py, a
+# taped step's in replayed_step.py)
 __all__ = [
-    "NO_BUFFERS", "Described", "DescribedStep", "Draw", "Instruction", "KeptLayout",
-    "ReplayedStep", "StepProgram", "Trace", "kept_layout", "program_of", "same_operations",
-    "same_values", "traced_call",
+    "NO_BUFFERS", "Draw", "Instruction", "ReplayedStep", "StepProgram", "Trace", "program_of",
+    "same_operations", "same_values", "traced_call",
 ]
 
 _MOST_ORIGIN_SETS = 8  # the source lines a cached program remembers its copies by
 
 
 class StepProgram:
-    """A traced step, frozen: replayed forward (`run`), forward with saved values (`tape`,
-    `tape_steps`: step_tape.py), and backward (`step_pull_back.pull_back_steps`)."""
+    """A traced step, frozen into the tables its replays read: forward (`run`), forward
+    with saved values (`step_tape.tape_steps`) and backward (`step_pull_back.pull_back_steps`)."""
 
     def __init__(self, trace: Trace, n_carry: int) -> None:
         self.n_slots = trace.n_slots
@@ -123,18 +120,18 @@ class StepProgram:
             for ins in self.instructions)
         self.run_order = tuple(zip(self.forwards, (ins.output for ins in self.instructions),
                                    self.frees, announced))
-        # `_tape_as_is`'s rows, where every taped instruction keeps its values as they are
-        # (`KeepAll`); None where some may not
-        self.tape_as_is = step_tape.as_is_table(self.instructions, self.forwards,
-                                                self.tape_frees)
+        # `step_tape.tape_as_is`'s rows, where every taped instruction keeps its values as
+        # they are (`KeepAll`); None where some may not
+        self.tape_as_is = compile_tape_as_is(self.instructions, self.forwards, self.tape_frees)
         self.backward_rules = tuple(
             (i, self.instructions[i].output, compile_rules(self.instructions[i]))
             for i in self.backward_order)
-        # `_tape_kept`'s layouts (step_profiled.py), made when first needed: first step,
-        # chained to a replayed step, chained to a recorded one (shared with the copies
-        # `bound_to` makes)
-        self.layouts: list[KeptLayout | None] = [None, None, None]
-        self.described: list[DescribedStep | None] = [None]  # `step_begins`'s, likewise
+        # `step_tape.tape_kept`'s layouts (`step_profiled.KeptLayout`), made when first
+        # needed: first step, chained to a replayed step, chained to a recorded one (shared
+        # with the copies `bound_to` makes)
+        self.layouts: list[Any] = [None, None, None]
+        # `step_profiled.step_begins`'s `DescribedStep`, likewise
+        self.described: list[Any] = [None]
         # source lines -> (instructions, described) of the copies `bound_to` made naming
         # those lines (shared with them): a loop that runs now profiled, now not, names them
         # now and then not, and each run would otherwise re-make and re-describe its steps
@@ -243,14 +240,6 @@ class StepProgram:
                 values[s] = None
         return ([None if s < 0 else values[s] for s in self.carry_out],
                 [None if s < 0 else values[s] for s in self.y_out])
-
-    # ------------------------------------------------------------- taped replay
-    # functions of step_tape.py and step_profiled.py that take the program first, bound here
-    # as its methods: a taped step pays no call in between
-    tape = step_tape.tape
-    tape_steps = step_tape.tape_steps
-    _tape_as_is = step_tape.tape_as_is
-    _tape_kept = step_profiled.tape_kept
 
 
 def program_of(traces: dict[int, Trace], n_steps: int, n_carry: int, template: int = 0,

@@ -6,27 +6,24 @@ same values), lets go of each value after its last use unless it is saved, and k
 values in a `ReplayedStep` for `step_pull_back.pull_back_steps`. Three paths give the same
 saved values: every value kept as it is and nobody listening (`tape_as_is`: the arrays
 themselves, nothing packed); the same with a profiler listening alone
-(`step_profiled.tape_kept`); and any other strategy or listener (`tape`'s own loop).
-`StepProgram` binds these functions as its methods (`tape`, `tape_steps`, `_tape_as_is`).
+(`tape_kept`); and any other strategy or listener (`tape`'s own loop).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from operator import itemgetter
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ... import events
 from ...saved import KeepAll, buffer_for, pack_value
-from .compiled_step import Forward, namespace_of
+from .compiled_step import namespace_of
 from .replayed_step import NO_BUFFERS, ReplayedStep, carried_buffers
-from .step_profiled import step_begins
-from .step_trace import Draw, Instruction
+from .step_profiled import kept_layout, step_begins
+from .step_trace import Draw
 
 if TYPE_CHECKING:
     from .step_program import StepProgram
 
-AsIsRow = tuple[int, Forward, int, Callable[[list[Any]], Sequence[Any]] | None, tuple[int, ...]]
 
 
 def tape(program: StepProgram, carry: list[Any], x: list[Any],
@@ -40,9 +37,9 @@ def tape(program: StepProgram, carry: list[Any], x: list[Any],
     announce = events.hears("replayed")
     if program.tape_as_is is not None:
         if not announce:
-            return program._tape_as_is(carry, x)
+            return tape_as_is(program, carry, x)
         if events.taken_directly():
-            return program._tape_kept(carry, x, previous, carry_tensors)
+            return tape_kept(program, carry, x, previous, carry_tensors)
     values = program._start(carry, x)
     xp = namespace_of(values)
     saved: list[Any] = [None] * len(program.instructions)
@@ -101,12 +98,13 @@ def tape_steps(
     steps: list[tuple[int, ReplayedStep]] = []
     y_out: list[tuple[int, list[Any]]] = []
     previous = None
-    carry_out, ys_out, tape_one = program.carry_out, program.y_out, program.tape
+    carry_out, ys_out = program.carry_out, program.y_out
     t = start
     while stop is None or t < stop:
         if count is not None:
             count()
-        step = tape_one(arrays, x_arrays(t), previous, carry_tensors if t == start else None)
+        step = tape(program, arrays, x_arrays(t), previous,
+                    carry_tensors if t == start else None)
         arrays = step.output(carry_out)
         y_out.append((t, step.output(ys_out)))
         step.drop_values(carry_out)
@@ -137,35 +135,39 @@ def tape_as_is(program: StepProgram, carry: list[Any], x: list[Any]) -> Replayed
     return ReplayedStep(values, saved, False, NO_BUFFERS, as_is=True)
 
 
-def as_is_table(instructions: tuple[Instruction, ...], forwards: tuple[Forward, ...],
-                tape_frees: tuple[tuple[int, ...], ...]) -> tuple[AsIsRow, ...] | None:
-    """`tape_as_is`'s rows, made once per program: (index, forward, output slot, the getter
-    of the slots it saves or None, the slots freed after it) per instruction, where every
-    taped one keeps its values as they are (`KeepAll`); None where some may not."""
-    kept_as_is = [_kept_as_is(ins) for ins in instructions]
-    if any(ins.taped and kept is None for ins, kept in zip(instructions, kept_as_is)):
-        return None
-    return tuple(zip(range(len(kept_as_is)), forwards, (ins.output for ins in instructions),
-                     [None if kept is None else _saved_getter(kept) for kept in kept_as_is],
-                     tape_frees))
-
-
-def _saved_getter(slots: tuple[int, ...]) -> Callable[[list[Any]], Sequence[Any]]:
-    """The values at `slots`, as one call without a frame, in a sequence made at its exact
-    size. Why not `tuple(map(...))`: that sizes its tuple by a guess and shrinks it, and the
-    shrunk tuple, once freed, joins the interpreter's free list instead of returning its
-    memory; one per taped step, so the process held (and tracemalloc counted) memory that
-    grew with the loop's steps, up to the free list's bound."""
-    if len(slots) >= 2:
-        return itemgetter(*slots)
-    return itemgetter(slice(slots[0], slots[0] + 1) if slots else slice(0, 0))
-
-
-def _kept_as_is(ins: Instruction) -> tuple[int, ...] | None:
-    """The slots a taped instruction saves, when every one is kept as it is (`KeepAll`,
-    chained or not); None otherwise, or for an instruction that saves nothing taped."""
-    if not ins.taped or not all(
-        type(s.packer) is KeepAll and type(s.chained) is KeepAll for s in ins.saved
-    ):
-        return None
-    return tuple(ins.output if s.position < 0 else ins.inputs[s.position] for s in ins.saved)
+def tape_kept(program: StepProgram, carry: list[Any], x: list[Any],
+              previous: ReplayedStep | None, carry_tensors: list[Any] | None) -> ReplayedStep:
+    """`tape` where every value is kept as it is and a profiler listens alone: the step
+    runs as `tape_as_is` (its backward reads the arrays), then makes its buffers in the order
+    `tape` would (`step_profiled.KeptLayout`: each distinct buffer once), held per
+    instruction until its backward rules ran, and hands the new ones to the profiler in its
+    'replayed' event rather than one 'pack' event each. They are `tape`'s buffers, shared as
+    `tape` shares them, so the profile and the order of frees are the same."""
+    described = step_begins(program)
+    step = tape_as_is(program, carry, x)
+    values = step.values
+    mode = 2 if carry_tensors is not None else 1 if previous is not None else 0
+    layout = program.layouts[mode]
+    if layout is None:
+        layout = program.layouts[mode] = kept_layout(program, mode)
+    tensors = program.constant_tensors if carry_tensors is None else {
+        **program.constant_tensors, **dict(zip(program.carry_in, carry_tensors))}
+    made: list[Any] = []
+    buffers = step.buffers = carried_buffers(program.carry_out, previous)
+    ordered = []
+    for slot, key, packer in layout.sources:
+        if key is None:  # a tensor's array: its buffer, shared with its recorded entries
+            buffer = buffer_for(tensors[slot], packer, made)
+        else:
+            buffer = buffers.get(key)
+            if buffer is None:
+                buffer = buffers[key] = pack_value(values[slot], packer, made)
+        ordered.append(buffer)
+    get = ordered.__getitem__
+    held: list[Any] = [None] * len(program.instructions)
+    for i, at in layout.held:
+        held[i] = list(map(get, at))
+    step.held = held
+    events.emit("replayed", (described, held, values,
+                             program.carry_in if mode else (), made))
+    return step
