@@ -5,8 +5,8 @@ A taped step shares with the next the buffers of the carry it made (the next ste
 same values), lets go of each value after its last use unless it is saved, and keeps its saved
 values in a `ReplayedStep` for `step_pull_back.pull_back_steps`. Three paths give the same
 saved values: every value kept as it is and nobody listening (`tape_as_is`: the arrays
-themselves, nothing packed); the same with a profiler listening alone
-(`tape_kept`); and any other strategy or listener (`tape`'s own loop).
+themselves, nothing packed); the same with a profiler listening alone (`tape_kept`: the
+buffers made after the step, in bulk); any other strategy or listener (`tape`'s own loop).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from .step_trace import Draw
 
 if TYPE_CHECKING:
     from .step_program import StepProgram
-
 
 
 def tape(program: StepProgram, carry: list[Any], x: list[Any],
