@@ -345,7 +345,7 @@ class Accountant(LiveBytes):
 
     def _replayed(self, step: Any, fresh: list[Any], saved: list[Any], time: float) -> None:
         """A replayed loop step, counted as the entries recording it would have made,
-        instruction by instruction (`DescribedStep`, in step_program.py, says what each would
+        instruction by instruction (`DescribedStep`, in step_profiled.py, says what each would
         hold); the values it packed are counted in order with them, each instruction's before
         its record, as recording would have."""
         for k in range(0, len(fresh), 4):  # its new buffers by reference

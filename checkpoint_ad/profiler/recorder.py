@@ -224,7 +224,7 @@ class _Recorder(SavedFacts):
 
     def _replayed(self, payload: tuple[Any, list[Any], list[Any], tuple[int, ...],
                                       list[Any] | None]) -> None:
-        """A replayed loop step (`DescribedStep`, in step_program.py, says what each of its
+        """A replayed loop step (`DescribedStep`, in step_profiled.py, says what each of its
         instructions would record, the same for every step; the event brings this step's
         saved buffers per instruction and its values, `made`: the carry slots the previous
         step made, graph values rather than leaves, and `fresh`: the buffers it made, in
