@@ -44,8 +44,7 @@ class Buffer:
         self.evicted: int | None = None
         self.fields: tuple[Any, ...] | None = None
         self.alias_id: int | None = None  # the caller's array it holds, counted as an alias
-        self.alias_born = 0  # `Accountant.alias_clock` when counted as an alias
-
+        self.alias_born = 0  # `LiveBytes.alias_clock` when counted as an alias
 
 
 class LiveBytes:

@@ -444,7 +444,6 @@ def _original(array: Any) -> Any:
         return None
 
 
-
 @contextmanager
 def profile(
     device: str = "cpu", device_memory: bool | None = None, **meta: Any
