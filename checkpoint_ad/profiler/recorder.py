@@ -53,7 +53,8 @@ from .watch import Tracked
 
 
 class _Recorder(SavedFacts):
-    """The event listener: snapshots what each event says into `log`.
+    """The event listener: snapshots what each event says into `log`. How each saved value is
+    described (its fields, whose memory it is) is its base's, `SavedFacts`.
 
     `handlers` maps each event kind it hears to one method (add a kind: add a method, a line
     there, and its log entry's opcode and reading in accountant.py). Every log entry is
