@@ -69,15 +69,15 @@ def _no_origin_lines() -> Iterator[None]:
 @contextmanager
 def _no_step_buffers() -> Iterator[None]:
     """A replayed step heard by a profiler keeps its arrays as an unheard one does, making
-    no buffers for the profiler to watch (`StepProgram._tape_kept` as `_tape_as_is`)."""
-    from checkpoint_ad.strategies.loops.step_program import StepProgram
+    no buffers for the profiler to watch (`step_tape.tape_kept` as `tape_as_is`)."""
+    from checkpoint_ad.strategies.loops import step_tape
 
-    real = StepProgram._tape_kept
-    StepProgram._tape_kept = lambda self, carry, x, *_: self._tape_as_is(carry, x)
+    real = step_tape.tape_kept
+    step_tape.tape_kept = lambda program, carry, x, *_: step_tape.tape_as_is(program, carry, x)
     try:
         yield
     finally:
-        StepProgram._tape_kept = real
+        step_tape.tape_kept = real
 
 
 def _idle(real: type) -> type:

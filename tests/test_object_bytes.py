@@ -20,6 +20,7 @@ from checkpoint_ad.saved import SavedBuffer
 from checkpoint_ad.strategies import KeepAll, Quantized
 from checkpoint_ad.strategies.budget import pricing
 from checkpoint_ad.strategies.loops.loop import StepLoop
+from checkpoint_ad.strategies.loops.step_tape import tape_steps
 
 
 def test_each_object_is_counted_once_and_arrays_by_their_header():
@@ -69,7 +70,7 @@ def _growth_per_step(name: str, storage) -> tuple[int, int]:
         try:
             before = tracemalloc.get_traced_memory()[0]
             with random.replaying(state):
-                segment, _, _ = program.tape_steps(initial, loop.x_arrays, 0, steps)
+                segment, _, _ = tape_steps(program, initial, loop.x_arrays, 0, steps)
             total = tracemalloc.get_traced_memory()[0] - before
         finally:
             tracemalloc.stop()

@@ -1,5 +1,5 @@
 """A replayed step under a profiler listening alone hands its new buffers over in bulk, in its
-'replayed' event (`StepProgram._tape_kept`: no 'pack' event per value, the arrays read by the
+'replayed' event (`step_tape.tape_kept`: no 'pack' event per value, the arrays read by the
 backward directly, the buffers held beside them only for their frees). The profile must be
 the one the general path gives, where every buffer is announced by its own 'pack' event (forced
 by a second listener, as in test_profiler_fast_path.py), field by field, and the gradients

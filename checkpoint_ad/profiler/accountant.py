@@ -16,7 +16,8 @@ save, so it is counted apart (`Profile.aliased_bytes`), not in `peak_tape_bytes`
 buffer is can only be told from the entry that saved it, so a buffer stored by reference waits
 (uncounted) from its packing to the record of its entry, which follows at once in the engine;
 one that no record claims before the next other event is owned (a loop's snapshots, a
-checkpointed region's inputs).
+checkpointed region's inputs). The counting itself (live and peak bytes, aliases once per
+array, storage levels, the timeline's points) is `live_bytes.LiveBytes`, the accountant's base.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .gathered import JUDGED, judge_buffers, settle_raw
+from .live_bytes import Buffer, LiveBytes
 
 # What the log holds: an opcode, then the items its line names (`time`: perf_counter() then;
 # `serial`: a buffer's number; `new buffer`: serial, stored by reference?, stored bytes, then
@@ -58,43 +60,14 @@ ORIGINAL = 17  # serial, original, packed?: a forward value's original array (a 
 # which `explain` judges at the end; an `original` item elsewhere is one too, or None
 
 
-class Buffer:
-    """What the accountant keeps of one buffer: how it is stored (`by_reference`, `stored`
-    bytes, `array_id` of the array it holds by reference, `level` of a packed form), and
-    whether it is `counted` in the live totals, as `owned` (the tape's) or the caller's,
-    `size` bytes of them (0 while evicted, the rest in `evicted`); `root_id`: the array it
-    holds, if owned and by reference; `born_at`/`born_size`: timeline index and bytes when
-    first counted as owned; `level_size`: bytes counted on an off-device level; `fields`: set
-    once a record classified it (later records list these)."""
-
-    __slots__ = ("alias_born", "alias_id", "array_id", "born_at", "born_size", "by_reference",
-                 "counted", "evicted", "fields", "level", "level_size", "owned", "root_id",
-                 "serial", "size", "stored")
-
-    def __init__(self, serial: int, by_reference: bool, stored: int, where: Any) -> None:
-        self.serial = serial
-        self.by_reference = by_reference
-        self.stored = stored
-        self.array_id, self.level = (where, None) if by_reference else (None, where)
-        self.counted = False
-        self.owned = True
-        self.size = 0
-        self.root_id: int | None = None
-        self.born_at: int | None = None
-        self.born_size = 0
-        self.level_size: int | None = None
-        self.evicted: int | None = None
-        self.fields: tuple[Any, ...] | None = None
-        self.alias_id: int | None = None  # the caller's array it holds, counted as an alias
-        self.alias_born = 0  # `Accountant.alias_clock` when counted as an alias
-
-
-class Accountant:
+class Accountant(LiveBytes):
     """Reads a recorder's log into its profile's fields; called with the profile (as its
-    `_fill`)."""
+    `_fill`). The bytes it counts are its base's (live_bytes.py); it decides from the log
+    when each buffer counts and as whose, and lists the records."""
 
     def __init__(self, log: list[Any], started: float,
                  before_reading: Callable[[], None]) -> None:
+        super().__init__()
         self.log = log
         self.before_reading = before_reading
         self.lock = threading.RLock()
@@ -104,37 +77,14 @@ class Accountant:
         self.packed_originals: set[int] = set()
         self.started = started
         self.records: list[Any] = []  # RECORD_FIELDS items per saved value (gathered.py)
-        self.points: list[Any] = []  # POINT_FIELDS items per timeline point
-        self.moved = 0  # items of `points` moved into the profile at earlier reads
-        self.phase = "forward"
-        self.live = 0
-        self.live_aliased = 0
-        self.peak = 0
-        self.peak_at = 0  # index in `points` of the latest new peak, counting `moved` ones
-        self.aliased_peak = 0
         self.primitives = 0
         self.recomputed = 0
         self.evictions = 0
         self.rematerializations = 0
         self.described: dict[int, tuple[Any, list[Any]]] = {}  # id(step) -> its instructions
-        self.roots: dict[int, int] = {}  # id(array) -> live owned buffers holding it
-        # the same for the caller's arrays saved by reference (a parameter saved by every
-        # step counts once), and what was alive at the aliases' peak, as for the tape's
-        self.alias_roots: dict[int, int] = {}
-        self.alias_clock = 0
-        self.alias_peak_at = 0
-        self.alias_freed_since_peak: list[int] = []
-        self.buffers: dict[int, Buffer] = {}  # serial -> the buffers not yet dead
         self.pending: dict[int, Buffer] = {}  # serial -> buffer by reference, unclaimed
         self.packed: list[Buffer] = []  # packed since the latest other event: counted there
         self.before_step: Any = ()  # serials waiting in `pending` when a replayed step began
-        self.level_live: dict[str, int] = {}  # owned stored bytes off the device, per level
-        self.level_peak: dict[str, int] = {}
-        # owned buffers freed since the latest new peak that were alive at it (serial, bytes,
-        # serial, bytes, ...): with the live ones born before it, what the tape owned at its
-        # peak; and buffers born owned but found the caller's later
-        self.freed_since_peak: list[int] = []
-        self.freed_reclassified: list[tuple[int, int, int]] = []  # (born at, serial, bytes)
         self.released: set[int] = set()  # serials of owned buffers the tape let go of
         self.noted_bases: set[int] = set()  # serials of view bases counted in `view_bases`
         self.unrecorded: dict[str, int] = {}
@@ -196,84 +146,7 @@ class Accountant:
             judge_buffers(self.originals, self.packed_originals, self.released,
                           self._at_peak(), profile)
 
-    # ------------------------------------------------------------- counting
-    def _point(self, time: float) -> None:
-        self.points.extend((time, self.live, self.phase))
-
-    def _new(self, serial: int, by_reference: bool, stored: int, where: Any) -> Buffer:
-        """A new buffer (`where`: the id of the array it holds by reference, or the level of
-        its packed form)."""
-        t = self.buffers[serial] = Buffer(serial, by_reference, stored, where)
-        return t
-
-    def _count(self, t: Buffer, owned: bool, size: int | None = None) -> None:
-        """Start counting a live buffer as owned (tape memory) or aliased (the caller's),
-        `size` its stored bytes if its record found them. A buffer stored by reference holding
-        the very array a live owned buffer holds (a loop's restored snapshot, saved again by
-        the step re-run from it) adds no bytes."""
-        root_id = None
-        if size is None:
-            size = t.stored
-        if t.by_reference:
-            if owned:
-                root_id = t.array_id
-                held = self.roots.get(root_id, 0)
-                if held:
-                    size = 0
-                self.roots[root_id] = held + 1
-            else:
-                size = self._alias(t, size)
-        elif t.level != "device":  # offloaded: counted on its level, not in the tape bytes
-            t.level_size = size
-            self._add_level(t.level, size)  # type: ignore[arg-type]
-            size = 0
-        self._counted(t, owned, size, root_id)
-
-    def _alias(self, t: Buffer, size: int) -> int:
-        """Count a buffer holding the caller's array: its bytes once per array alive."""
-        alias_id = t.alias_id = t.array_id
-        held = self.alias_roots.get(alias_id, 0)  # type: ignore[arg-type]
-        self.alias_roots[alias_id] = held + 1  # type: ignore[index]
-        self.alias_clock += 1
-        t.alias_born = self.alias_clock
-        return 0 if held else size
-
-    def _unalias(self, t: Buffer) -> None:
-        alias_id = t.alias_id
-        if alias_id is None:
-            return
-        t.alias_id = None
-        if self.alias_roots[alias_id] == 1:
-            del self.alias_roots[alias_id]
-        else:
-            self.alias_roots[alias_id] -= 1
-        if t.size and t.alias_born <= self.alias_peak_at:
-            self.alias_freed_since_peak.extend((t.serial, t.size))
-
-    def _counted(self, t: Buffer, owned: bool, size: int, root_id: int | None) -> None:
-        t.counted, t.owned, t.size, t.root_id = True, owned, size, root_id
-        if owned:
-            t.born_at, t.born_size = self.moved + len(self.points), size
-        self._add(owned, size)
-
-    def _add(self, owned: bool, size: int) -> None:
-        if owned:
-            self.live += size
-            if self.live > self.peak:
-                self.peak = self.live
-                self.peak_at = self.moved + len(self.points)
-                self.freed_since_peak.clear()
-        else:
-            self.live_aliased += size
-            if self.live_aliased > self.aliased_peak:
-                self.aliased_peak = self.live_aliased
-                self.alias_peak_at = self.alias_clock
-                self.alias_freed_since_peak.clear()
-
-    def _add_level(self, level: str, size: int) -> None:
-        live = self.level_live[level] = self.level_live.get(level, 0) + size
-        self.level_peak[level] = max(self.level_peak.get(level, 0), live)
-
+    # ------------------------------------------------------------- settling and records
     def _count_packed(self, time: float) -> None:
         """Count the buffers packed since the latest other event, in pack order."""
         packed, self.packed = self.packed, []
@@ -358,24 +231,6 @@ class Accountant:
         self.primitives += count
         if self.phase == "recompute":
             self.recomputed += count
-
-    def _aliases_at_peak(self) -> dict[str, int]:
-        """Serial -> bytes counted of the caller's arrays alive at the aliases' peak."""
-        freed = self.alias_freed_since_peak
-        at = {str(s): size for s, size in zip(freed[0::2], freed[1::2])}
-        at.update((str(t.serial), t.size) for t in self.buffers.values()
-                  if t.alias_id is not None and t.size and t.alias_born <= self.alias_peak_at)
-        return at
-
-    def _at_peak(self) -> list[tuple[int, int]]:
-        """(serial, bytes) of the owned buffers alive at the tape's peak."""
-        freed = self.freed_since_peak
-        peak_at = self.peak_at
-        return list(zip(freed[0::2], freed[1::2])) + [
-            (t.serial, t.born_size) for t in self.buffers.values()
-            if t.born_at is not None and t.born_at <= peak_at] + [
-            (serial, size) for born, serial, size in self.freed_reclassified
-            if born <= peak_at]
 
     # ------------------------------------------------------------- log entries
     def _by_reference(self, serial: int, by_reference: bool, stored: int, where: Any) -> None:
@@ -490,7 +345,7 @@ class Accountant:
 
     def _replayed(self, step: Any, fresh: list[Any], saved: list[Any], time: float) -> None:
         """A replayed loop step, counted as the entries recording it would have made,
-        instruction by instruction (`DescribedStep`, in step_program.py, says what each would
+        instruction by instruction (`DescribedStep`, in step_profiled.py, says what each would
         hold); the values it packed are counted in order with them, each instruction's before
         its record, as recording would have."""
         for k in range(0, len(fresh), 4):  # its new buffers by reference

@@ -3,10 +3,11 @@
 The recorder runs inside the profiled program, so what it spends there the profile would
 measure. It does only what needs the live objects: which buffer is which (a weak reference
 each, `watch.Tracked`, that also hears it die), whether a saved array is the caller's (a leaf's
-array, or a slice of data outside the graph) or a view keeping a larger base alive, the
-forward's originals that `explain` judges, what each entry saved. It logs those facts, with a
-clock reading, in one flat list; live and peak bytes, records and timeline are counted from
-that log by the accountant (accountant.py) when the profile is first read.
+array, or a slice of data outside the graph) or a view keeping a larger base alive (those
+answers are its base class's, `saved_facts.SavedFacts`), the forward's originals that
+`explain` judges, what each entry saved. It logs those facts, with a clock reading, in one
+flat list; live and peak bytes, records and timeline are counted from that log by the
+accountant (accountant.py) when the profile is first read.
 """
 
 from __future__ import annotations
@@ -23,9 +24,7 @@ from typing import Any
 import numpy as np
 
 from .. import events
-from ..entry import Entry
 from ..saved import KeptBuffer, SavedBuffer
-from ..tensor_base import TensorBase
 from .accountant import (
     APPLY,
     BY_REFERENCE,
@@ -49,11 +48,13 @@ from .accountant import (
 )
 from .memory import MemoryProbe, TracemallocProbe, probe_for, rss_bytes, synchronize
 from .records import Profile
+from .saved_facts import SavedFacts
 from .watch import Tracked
 
 
-class _Recorder:
-    """The event listener: snapshots what each event says into `log`.
+class _Recorder(SavedFacts):
+    """The event listener: snapshots what each event says into `log`. How each saved value is
+    described (its fields, whose memory it is) is its base's, `SavedFacts`.
 
     `handlers` maps each event kind it hears to one method (add a kind: add a method, a line
     there, and its log entry's opcode and reading in accountant.py). Every log entry is
@@ -63,6 +64,7 @@ class _Recorder:
     """
 
     def __init__(self, profile: Profile, device: str, device_memory: bool) -> None:
+        super().__init__()
         self.profile = profile
         self.device = device
         self.probe = probe_for(device, device_memory)
@@ -76,24 +78,6 @@ class _Recorder:
         self.tracked: dict[int, Tracked] = {}  # id(buffer) -> its reference, while alive
         self.by_stored: dict[int, Tracked] = {}  # id(stored form) -> a packed buffer's
         self.counter = itertools.count()  # buffer serials (ids are reused; serials not)
-        # id(array) -> weakref: the arrays of the caller's leaves, and views of them seen
-        self.leaf_roots: dict[int, Any] = {}
-        # id(base array) -> (weakref or None, serial) of the bases of saved views: a serial
-        # per base object (by id alone, a base made after one died would reuse its id)
-        self.view_bases: dict[int, tuple[Any, int]] = {}
-        self.base_counter = itertools.count()
-        # one object per distinct shape and byte count that records name (a kept value's are
-        # new objects at every read, which a long profile would hold by the thousand)
-        self.shared: dict[Any, Any] = {}
-        # dtype -> shape -> the facts of a kept buffer of such an array (`_fields`)
-        self.kept_fields: dict[Any, dict[Any, tuple[Any, ...]]] = {}
-        self.leaf_kinds: dict[type, bool] = {}  # type of an entry's input node -> a leaf's?
-        self.leaves_learned = 0  # leaf arrays learned so far (`_describe`'s remembered answers)
-        # id(root array) -> (weakref, bytes) of each leaf's memory, and id(tensor) -> weakref
-        # of the leaf tensors seen: parameters and gradients are those still alive at the end
-        # (a planned loop's re-run steps make leaves of their own, which die with the loop)
-        self.leaf_root_bytes: dict[int, tuple[Any, int]] = {}
-        self.leaf_tensors: dict[int, Any] = {}
         self.backward_depth = 0
         self.recompute_depth = 0
         self.phase = "forward"
@@ -152,107 +136,6 @@ class _Recorder:
                              buffer.packer.stored_level(packed)))
         self.tracked[key] = t
         return t
-
-    def _fields(self, buffer: Any, array: Any) -> tuple[Any, ...]:
-        """(shape, dtype, logical bytes, stored bytes, strategy) of a buffer stored by
-        reference, its `array`: for a `KeptBuffer`, one tuple per distinct shape and dtype."""
-        kept = type(buffer) is KeptBuffer
-        if kept:
-            by_shape = self.kept_fields.get(array.dtype)
-            if by_shape is None:
-                by_shape = self.kept_fields[array.dtype] = {}
-            fields = by_shape.get(array.shape)
-            if fields is not None:
-                return fields
-        shared = self.shared
-        shape = shared.setdefault(array.shape, array.shape)
-        size = array.nbytes if type(array) is np.ndarray else buffer.stored_nbytes
-        size = shared.setdefault(size, size)
-        kind = type(buffer.packer)
-        strategy = shared.get(kind)
-        if strategy is None:
-            strategy = shared[kind] = kind.__name__
-        fields = (shape, array.dtype, size, size, strategy)
-        if kept:
-            by_shape[array.shape] = fields
-        return fields
-
-    def _describe(self, buffer: Any, role: str, unedged: bool) -> tuple[Any, ...]:
-        """(serial, role, owned, view, facts) of one value an entry saved, as the log lists it.
-        Stored by reference, it is the tape's unless its root is a leaf's array, or it is a
-        view of data the entry has no edge to (`unedged`: an input's row); `view` says what
-        base a view keeps alive. A buffer saved before the block began is known from now on.
-        A buffer saved again (a parameter, by every step) is described as it was the last time
-        (`Tracked.seen`) unless a leaf was learned since: nothing else changes the answer."""
-        t = self.tracked.get(id(buffer))
-        if t is None:
-            t = self._tracked(buffer, TRACK)
-        if t.stored_id is not None:  # packed: the tape's
-            return t.serial, role, True, None, t.facts
-        seen = t.seen
-        if seen is not None and seen[0] == self.leaves_learned and seen[1] == unedged:
-            return t.serial, role, seen[2], seen[3], t.facts
-        array = buffer.packed
-        root = array if getattr(array, "base", None) is None else _root(array)
-        known = self.leaf_roots.get(id(root))
-        owned = not ((known is not None and known() is root) or (
-            unedged and root is not array))
-        facts = t.facts
-        if facts is None:
-            facts = t.facts = self._fields(buffer, array)
-        view = None
-        if root is not array:  # the caller's view: its root names the array, counted once
-            view = self._view(buffer, root) if owned else (-1, id(root), 0)
-        t.seen = (self.leaves_learned, unedged, owned, view)
-        return t.serial, role, owned, view, facts
-
-    def _view(self, buffer: Any, root: Any) -> tuple[int, int, int]:
-        """(serial, id, bytes beyond the view's own) of the base a saved view keeps alive."""
-        key = id(root)
-        known = self.view_bases.get(key)
-        if known is None or (known[0] is not None and known[0]() is not root):
-            try:
-                ref = weakref.ref(root)
-            except TypeError:  # no weak references: known by id (a later base may reuse it)
-                ref = None
-            known = self.view_bases[key] = (ref, next(self.base_counter))
-        return known[1], key, int(getattr(root, "nbytes", 0)) - buffer.stored_nbytes
-
-    def _learn_leaf(self, array: Any) -> None:
-        """Remember the array of a leaf that requires grad and takes part in the forward
-        computation: a parameter or input the caller holds. (Leaves a loop or a checkpointed
-        region makes while re-running steps for the backward sweep are its own, not these.)"""
-        known = self.leaf_roots.get(id(array))
-        if known is not None and known() is array:  # the common case: a parameter seen before
-            return
-        root = _root(array)
-        known = self.leaf_roots.get(id(root))
-        if known is None or known() is not root:  # new, or its id reused
-            ref = self.leaf_roots[id(root)] = weakref.ref(root)
-            self.leaf_root_bytes[id(root)] = (ref, int(getattr(root, "nbytes", 0)))
-            self.leaves_learned += 1
-        if root is not array:  # a view of one (a transposed weight): known by id next time
-            self.leaf_roots[id(array)] = weakref.ref(array)
-
-    def _learn_leaves(self, nodes: Any) -> None:
-        """The leaves among an entry's input nodes, learned (a leaf seen before, the usual
-        case, costs a lookup here rather than a call)."""
-        kinds, leaf_roots = self.leaf_kinds, self.leaf_roots
-        for node in nodes:
-            kind = kinds.get(type(node))
-            if kind or (kind is None and self._is_leaf_kind(node)):
-                array = node._data
-                known = leaf_roots.get(id(array))
-                if known is None or known() is not array:
-                    self._learn_leaf(array)
-                    self.leaf_tensors[id(node)] = weakref.ref(node)
-
-    def _is_leaf_kind(self, node: Any) -> bool:
-        """Whether an entry's input node of this type is a leaf tensor (remembered per type:
-        `leaf_kinds`)."""
-        kind = self.leaf_kinds[type(node)] = (
-            node is not None and type(node) is not Entry and isinstance(node, TensorBase))
-        return kind
 
     # ------------------------------------------------------------- events
     def _kept(self, entry: Any, buffer: Any, fresh: bool, role: str | None, unedged: bool,
@@ -342,7 +225,7 @@ class _Recorder:
 
     def _replayed(self, payload: tuple[Any, list[Any], list[Any], tuple[int, ...],
                                       list[Any] | None]) -> None:
-        """A replayed loop step (`DescribedStep`, in step_program.py, says what each of its
+        """A replayed loop step (`DescribedStep`, in step_profiled.py, says what each of its
         instructions would record, the same for every step; the event brings this step's
         saved buffers per instruction and its values, `made`: the carry slots the previous
         step made, graph values rather than leaves, and `fresh`: the buffers it made, in
@@ -401,13 +284,6 @@ class _Recorder:
                             else buffer.stored_nbytes, id(array),
                             _original(array) if forward else None))
         return adopted
-
-    def _replayed_leaves(self, leaves: tuple[int, ...], values: list[Any],
-                         made: tuple[int, ...]) -> None:
-        """The leaves of a replayed instruction's leaf slots, learned."""
-        for slot in leaves:
-            if slot not in made:  # a carry the previous step made is no leaf
-                self._learn_leaf(values[slot])
 
     def _free(self, t: Tracked) -> None:
         """A watched buffer died (its reference's callback, in whichever thread the collector
@@ -547,22 +423,6 @@ class _Recorder:
         self._sample_rss()
         self._count_leaves()
 
-    def _count_leaves(self) -> None:
-        """Parameters: the bytes of the leaves' arrays still alive as the block ends, each
-        counted once (not the leaves a loop made to re-run its steps from snapshots, which
-        die with it); gradients: the distinct `.grad` arrays of the leaf tensors still alive."""
-        profile = self.profile
-        profile.leaf_bytes = sum(size for ref, size in self.leaf_root_bytes.values()
-                                 if ref() is not None)
-        grads: dict[int, int] = {}
-        for ref in self.leaf_tensors.values():
-            leaf = ref()
-            grad = getattr(leaf, "grad", None) if leaf is not None else None
-            if grad is not None:
-                array = _root(getattr(grad, "_data", grad))
-                grads[id(array)] = int(getattr(array, "nbytes", 0))
-        profile.gradient_bytes = sum(grads.values())
-
 
 def _plan(step: Any) -> tuple[tuple[int, tuple[int, ...], tuple[Any, ...]], ...]:
     """What `_replayed` reads of a replayed step's description, made once per description:
@@ -583,14 +443,6 @@ def _original(array: Any) -> Any:
         return weakref.ref(array)
     except TypeError:
         return None
-
-
-def _root(array: Any) -> Any:
-    """The array that owns `array`'s memory (numpy and cupy views keep it as `.base`)."""
-    base = getattr(array, "base", None)
-    while base is not None and hasattr(base, "shape"):  # not a bytes or mmap owner
-        array, base = base, getattr(base, "base", None)
-    return array
 
 
 @contextmanager

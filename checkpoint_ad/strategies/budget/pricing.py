@@ -57,6 +57,7 @@ from ..loops.output_rows import OutputRows
 from ..loops.plan_executor import PlannedLoop, replay_forward, snapshot_object_bytes
 from ..loops.step_program import StepProgram, program_of, traced_call
 from ..loops.step_pull_back import pull_back_steps
+from ..loops.step_tape import tape_steps
 from ..plans.loop_strategies import Binomial, Periodic
 from ..quantized import Quantized
 from ..selective import Selective, regions_run
@@ -453,7 +454,7 @@ def _replayed(
     """Seconds per step of `program` replayed without a tape, the same as a plan's forward
     runs it, with a tape, and that tape's backward, each the median of `_repeating()`; and
     the bytes the replayed tape held. The steps run as a plan runs them (the executor's rows
-    of xs; `StepProgram.tape_steps`). Untaped, over the first `REPLAYED_STEPS` (an `Advance`
+    of xs; `step_tape.tape_steps`). Untaped, over the first `REPLAYED_STEPS` (an `Advance`
     runs many in a row; two in a burst priced them 10-25% high); in the forward, through the
     executor's own `replay_forward` (each step also counted and its outputs written into
     their rows), which the backward's re-runs do without: priced as the bare replay, a
@@ -482,7 +483,7 @@ def _replayed(
             del rows
         with random.replaying(engine_state):
             start = time.perf_counter()
-            segment, y_out, arrays = program.tape_steps(initial, x_arrays, 0, taped)
+            segment, y_out, arrays = tape_steps(program, initial, x_arrays, 0, taped)
             tapes.append(time.perf_counter() - start)
         held = max(held, _replay_held(segment))
         roots = _replay_roots(program, arrays, y_out)
@@ -533,7 +534,7 @@ def _traced_step_bytes(
         meter.start()
     try:
         with random.replaying(engine_state):
-            segment, y_out, arrays = program.tape_steps(initial, loop.x_arrays, 0, steps)
+            segment, y_out, arrays = tape_steps(program, initial, loop.x_arrays, 0, steps)
             objects = added_bytes(segment[1], segment[0]) if _on_host(initial) else 0
             if meter is None:
                 return objects, 0

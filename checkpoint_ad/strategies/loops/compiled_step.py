@@ -11,13 +11,15 @@ functions with the same arguments in the same order as before, so results stay b
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
 
 from ... import random
-from ...backend import broadcast_axes
+from ...backend import broadcast_axes, namespace
+from ...saved import KeepAll
 
 # where a gradient arriving at a slot goes (see `step_pull_back.pull_back_steps`)
 DROP = 0  # no gradient wanted: a leaf that does not require one, or a leaf made in the step
@@ -29,6 +31,17 @@ EXTERNAL = 4  # a tensor captured from outside the loop: the sink
 Forward = Callable[[list[Any], Any], Any]
 Rule = Callable[[Any, list[Any]], Any]
 SumBack = Callable[[Any], Any]
+# (index, forward, output slot, the getter of the slots it saves or None, slots freed after)
+AsIsRow = tuple[int, Forward, int, Callable[[list[Any]], Sequence[Any]] | None, tuple[int, ...]]
+
+
+def namespace_of(values: list[Any]) -> Any:
+    """The array namespace a step's forwards take (`xp`), from its values (one device: the
+    engine checks it per op)."""
+    for v in values:
+        if v is not None:
+            return namespace(v)
+    return np
 
 
 def compile_forward(ins: Any, draw_type: type) -> Forward:
@@ -167,3 +180,38 @@ def delivery_kinds(n_slots: int, carry_in: tuple[int, ...], x_in: tuple[int, ...
         else:
             kinds.append(DROP)
     return kinds
+
+
+def compile_tape_as_is(instructions: tuple[Any, ...], forwards: tuple[Forward, ...],
+                      tape_frees: tuple[tuple[int, ...], ...]) -> tuple[AsIsRow, ...] | None:
+    """The rows of a taped replay where every taped instruction keeps its values as they are
+    (`KeepAll`: `step_tape.tape_as_is`), one per instruction: (index, forward, output slot,
+    the getter of the slots it saves or None, the slots freed after it); None where some
+    taped instruction may store its values otherwise."""
+    kept_as_is = [_kept_as_is(ins) for ins in instructions]
+    if any(ins.taped and kept is None for ins, kept in zip(instructions, kept_as_is)):
+        return None
+    return tuple(zip(range(len(kept_as_is)), forwards, (ins.output for ins in instructions),
+                     [None if kept is None else _saved_getter(kept) for kept in kept_as_is],
+                     tape_frees))
+
+
+def _saved_getter(slots: tuple[int, ...]) -> Callable[[list[Any]], Sequence[Any]]:
+    """The values at `slots`, as one call without a frame, in a sequence made at its exact
+    size. Why not `tuple(map(...))`: that sizes its tuple by a guess and shrinks it, and the
+    shrunk tuple, once freed, joins the interpreter's free list instead of returning its
+    memory; one per taped step, so the process held (and tracemalloc counted) memory that
+    grew with the loop's steps, up to the free list's bound."""
+    if len(slots) >= 2:
+        return itemgetter(*slots)
+    return itemgetter(slice(slots[0], slots[0] + 1) if slots else slice(0, 0))
+
+
+def _kept_as_is(ins: Any) -> tuple[int, ...] | None:
+    """The slots a taped instruction saves, when every one is kept as it is (`KeepAll`,
+    chained or not); None otherwise, or for an instruction that saves nothing taped."""
+    if not ins.taped or not all(
+        type(s.packer) is KeepAll and type(s.chained) is KeepAll for s in ins.saved
+    ):
+        return None
+    return tuple(ins.output if s.position < 0 else ins.inputs[s.position] for s in ins.saved)

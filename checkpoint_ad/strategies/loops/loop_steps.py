@@ -21,10 +21,12 @@ from ...origins import rerun_boundary, rerunning_from
 from ...pytree import flatten, unflatten
 from ...tape import Entry, edge_of, next_sequence
 from ...tensor import Tensor
+from . import step_tape
 from .grad_flow import deps_of_tensors
 from .loop import PlannedStep, row_tensor
 from .program_cache import REUSED
-from .step_program import ReplayedStep, program_of, traced_call
+from .replayed_step import ReplayedStep
+from .step_program import program_of, traced_call
 
 if TYPE_CHECKING:
     from .plan_executor import PlannedLoop
@@ -233,8 +235,8 @@ def tape_steps(
         assert program is not None
         made = executor.carry_inputs if executor.carry_made and start == 0 else None
         carry_in = arrays
-        steps, y_out, arrays = program.tape_steps(arrays, loop.x_arrays, start, stop,
-                                                  made, loop.count, until)
+        steps, y_out, arrays = step_tape.tape_steps(program, arrays, loop.x_arrays, start,
+                                                    stop, made, loop.count, until)
         return ReplayedSegment(start, start + len(steps), steps, carry_in, arrays, y_out)
     carry_in = as_tensors(executor, arrays, grad=True)
     carry = carry_in

@@ -17,31 +17,35 @@ makes new tensors from outside data on each call (``cad.tensor(np.random.rand(3)
 drawn per call) is caught there, as it would be frozen by a replay. A loop run again may reuse
 the program an earlier call made, once its step 0 is checked against it (`program_cache.py`).
 
-Tracing is `step_trace.py`'s; this module freezes a trace into a program and replays it.
+The parts, each a module:
+- `step_trace`: tracing a step (`Trace`, `traced_call`), and whether two traces are one program;
+- this module: `StepProgram`, a trace frozen into the tables a replay reads (bound once), bound
+  to the tensors a call captured, and its forward replay without saving (`run`); `program_of`;
+- `compiled_step`: each instruction's forward call and backward rules, bound once;
+- `step_tape`: the taped replay, a step keeping what its backward reads (`tape`, `tape_steps`);
+- `step_profiled`: what a profiler hears of a replayed step (`DescribedStep`, `KeptLayout`);
+- `replayed_step`: a taped step's values and saved values (`ReplayedStep`);
+- `step_pull_back`: the backward over replayed steps (`pull_back_steps`).
 """
 
 from __future__ import annotations
 
 import copy
-import weakref
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
-from operator import itemgetter
-from types import MappingProxyType
+from dataclasses import replace
 from typing import Any
 
-import numpy as np
-
 from ... import events
-from ...backend import namespace
-from ...saved import KeepAll, KeptBuffer, SavedBuffer, Strategy, buffer_for, pack_value
+from ...saved import Strategy
 from ...tape import edge_of
 from .compiled_step import (
     PENDING,
     compile_forward,
     compile_rules,
+    compile_tape_as_is,
     delivery_kinds,
+    namespace_of,
 )
+from .replayed_step import NO_BUFFERS, ReplayedStep
 from .step_trace import (
     Draw,
     Instruction,
@@ -52,9 +56,10 @@ from .step_trace import (
     traced_call,
 )
 
-# what other modules import from here (the tracing names are defined in step_trace.py)
+# what other modules import from here (the tracing names are defined in step_trace.py, a
+# taped step's in replayed_step.py)
 __all__ = [
-    "Draw", "Instruction", "ReplayedStep", "StepProgram", "Trace", "program_of",
+    "NO_BUFFERS", "Draw", "Instruction", "ReplayedStep", "StepProgram", "Trace", "program_of",
     "same_operations", "same_values", "traced_call",
 ]
 
@@ -62,8 +67,8 @@ _MOST_ORIGIN_SETS = 8  # the source lines a cached program remembers its copies 
 
 
 class StepProgram:
-    """A traced step, frozen: replayed forward (`run`), forward with saved values (`tape`),
-    and backward (`step_pull_back.pull_back_steps`)."""
+    """A traced step, frozen into the tables its replays read: forward (`run`), forward
+    with saved values (`step_tape.tape_steps`) and backward (`step_pull_back.pull_back_steps`)."""
 
     def __init__(self, trace: Trace, n_carry: int) -> None:
         self.n_slots = trace.n_slots
@@ -115,22 +120,18 @@ class StepProgram:
             for ins in self.instructions)
         self.run_order = tuple(zip(self.forwards, (ins.output for ins in self.instructions),
                                    self.frees, announced))
-        kept_as_is = [_kept_as_is(ins) for ins in self.instructions]
-        # (index, forward, output slot, slots saved or None) per instruction, where every
-        # taped one keeps its values as they are (`KeepAll`); None where some may not
-        self.tape_as_is = None if any(
-            ins.taped and kept is None for ins, kept in zip(self.instructions, kept_as_is)
-        ) else tuple(zip(range(len(kept_as_is)), self.forwards,
-                         (ins.output for ins in self.instructions),
-                         [None if kept is None else _saved_getter(kept) for kept in kept_as_is],
-                         self.tape_frees))
+        # `step_tape.tape_as_is`'s rows, where every taped instruction keeps its values as
+        # they are (`KeepAll`); None where some may not
+        self.tape_as_is = compile_tape_as_is(self.instructions, self.forwards, self.tape_frees)
         self.backward_rules = tuple(
             (i, self.instructions[i].output, compile_rules(self.instructions[i]))
             for i in self.backward_order)
-        # `_tape_kept`'s layouts, made when first needed: first step, chained to a replayed
-        # step, chained to a recorded one (shared with the copies `bound_to` makes)
-        self.layouts: list[KeptLayout | None] = [None, None, None]
-        self.described: list[DescribedStep | None] = [None]  # `_step_begins`'s, likewise
+        # `step_tape.tape_kept`'s layouts (`step_profiled.KeptLayout`), made when first
+        # needed: first step, chained to a replayed step, chained to a recorded one (shared
+        # with the copies `bound_to` makes)
+        self.layouts: list[Any] = [None, None, None]
+        # `step_profiled.step_begins`'s `DescribedStep`, likewise
+        self.described: list[Any] = [None]
         # source lines -> (instructions, described) of the copies `bound_to` made naming
         # those lines (shared with them): a loop that runs now profiled, now not, names them
         # now and then not, and each run would otherwise re-make and re-describe its steps
@@ -229,7 +230,7 @@ class StepProgram:
     def run(self, carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
         """One step without saving anything: (new carry arrays, output arrays)."""
         values = self._start(carry, x)
-        xp = _namespace_of(values)
+        xp = namespace_of(values)
         emit = events.hears("apply")
         for forward, output, frees, prim in self.run_order:
             values[output] = forward(values, xp)
@@ -239,352 +240,6 @@ class StepProgram:
                 values[s] = None
         return ([None if s < 0 else values[s] for s in self.carry_out],
                 [None if s < 0 else values[s] for s in self.y_out])
-
-    def tape(self, carry: list[Any], x: list[Any],
-             previous: ReplayedStep | None = None,
-             carry_tensors: list[Any] | None = None) -> ReplayedStep:
-        """One step keeping what its backward rules read, packed as recording would. With
-        `previous` (the step before, in the same taped segment), the carry is that step's
-        output: saved with the primitive's packer, not as a leaf, sharing its buffers;
-        `carry_tensors` says the same of a carry made by a step recorded on the tape (these
-        are its tensors, whose buffers the step shares)."""
-        announce = events.hears("replayed")
-        if self.tape_as_is is not None:
-            if not announce:
-                return self._tape_as_is(carry, x)
-            if events.taken_directly():
-                return self._tape_kept(carry, x, previous, carry_tensors)
-        values = self._start(carry, x)
-        xp = _namespace_of(values)
-        saved: list[Any] = [None] * len(self.instructions)
-        described = _step_begins(self) if announce else None
-        chained = carry_tensors is not None or previous is not None
-        buffers = self._carried(previous)
-        forwards, tape_frees = self.forwards, self.tape_frees
-        for i, ins in enumerate(self.instructions):
-            prim = ins.prim
-            values[ins.output] = forwards[i](values, xp)
-            for s in tape_frees[i]:  # (never a slot this instruction saves: see `tape_frees`)
-                values[s] = None
-            if prim is None or type(prim) is Draw:
-                continue
-            if not ins.taped:
-                continue
-            kept = []
-            for s in ins.saved:
-                slot = ins.output if s.position < 0 else ins.inputs[s.position]
-                packer = s.chained if chained and slot in self.carry_in else s.packer
-                if type(packer) is KeepAll and not announce:
-                    kept.append(values[slot])
-                    continue
-                constant = self.constant_tensors.get(slot)
-                if constant is None and carry_tensors is not None and slot in self.carry_in:
-                    constant = carry_tensors[slot]
-                if constant is not None:
-                    kept.append(buffer_for(constant, packer))
-                    continue
-                key = (slot, id(packer))
-                buffer = buffers.get(key)
-                if buffer is None:
-                    buffer = buffers[key] = pack_value(values[slot], packer)
-                kept.append(buffer)
-            saved[i] = kept
-        if announce:
-            events.emit("replayed", (described, saved, values,
-                                     self.carry_in if chained else (), None))
-        return ReplayedStep(values, saved, announce, buffers)
-
-    def tape_steps(
-        self, arrays: list[Any], x_arrays: Callable[[int], list[Any]], start: int,
-        stop: int | None, carry_tensors: list[Any] | None = None,
-        count: Callable[[], None] | None = None,
-        until: Callable[[list[Any]], bool] | None = None,
-    ) -> tuple[list[tuple[int, ReplayedStep]], list[tuple[int, list[Any]]], list[Any]]:
-        """Steps start..stop-1 taped from the carry `arrays`, as a taped segment of a loop
-        holds them: (the steps as (t, step), their outputs as (t, arrays), the last carry's
-        arrays). Each step shares the carry buffers the one before it packed, then lets go of
-        its values but what its backward reads. `x_arrays(t)`: step t's scanned rows;
-        `carry_tensors`: the first step's carry as a recorded step's output tensors (see
-        `tape`); `count()` is called per step; `until(carry arrays)`, asked after each
-        step, ends the segment early (`stop` None: only it does). The plan executor tapes
-        its segments here, and a budget's dry run times the same loop."""
-        steps: list[tuple[int, ReplayedStep]] = []
-        y_out: list[tuple[int, list[Any]]] = []
-        previous = None
-        carry_out, ys_out, tape = self.carry_out, self.y_out, self.tape
-        t = start
-        while stop is None or t < stop:
-            if count is not None:
-                count()
-            step = tape(arrays, x_arrays(t), previous, carry_tensors if t == start else None)
-            arrays = step.output(carry_out)
-            y_out.append((t, step.output(ys_out)))
-            step.drop_values(carry_out)
-            steps.append((t, step))
-            if previous is not None and previous.buffers:
-                previous.buffers = NO_BUFFERS  # shared with this step: only its slots hold them
-            previous = step
-            t += 1
-            if until is not None and until(arrays):
-                break
-        if previous is not None and previous.buffers:
-            previous.buffers = NO_BUFFERS
-        return steps, y_out, arrays
-
-    def _carried(self, previous: ReplayedStep | None) -> dict[tuple[int, int], Any]:
-        """A step's buffers by (slot, id(packer)) as it begins: those of the new carry that
-        `previous` packed, under its carry slots."""
-        buffers: dict[tuple[int, int], Any] = {}
-        if previous is not None:
-            for k, s in enumerate(self.carry_out):
-                for (slot, pid), buffer in previous.buffers.items():
-                    if slot == s and s >= 0:
-                        buffers[(k, pid)] = buffer
-        return buffers
-
-    def _tape_kept(self, carry: list[Any], x: list[Any], previous: ReplayedStep | None,
-                   carry_tensors: list[Any] | None) -> ReplayedStep:
-        """`tape` where every value is kept as it is and a profiler listens alone: the step
-        runs as `_tape_as_is` (its backward reads the arrays), then makes its buffers in the
-        order `tape` would (`KeptLayout`: each distinct buffer once), held per instruction
-        until its backward rules ran, and hands the new ones to the profiler in its
-        'replayed' event rather than one 'pack' event each. They are `tape`'s buffers, shared
-        as `tape` shares them, so the profile and the order of frees are the same."""
-        described = _step_begins(self)
-        step = self._tape_as_is(carry, x)
-        values = step.values
-        mode = 2 if carry_tensors is not None else 1 if previous is not None else 0
-        layout = self.layouts[mode]
-        if layout is None:
-            layout = self.layouts[mode] = kept_layout(self, mode)
-        tensors = self.constant_tensors if carry_tensors is None else {
-            **self.constant_tensors, **dict(zip(self.carry_in, carry_tensors))}
-        made: list[Any] = []
-        buffers = step.buffers = self._carried(previous)
-        ordered = []
-        for slot, key, packer in layout.sources:
-            if key is None:  # a tensor's array: its buffer, shared with its recorded entries
-                buffer = buffer_for(tensors[slot], packer, made)
-            else:
-                buffer = buffers.get(key)
-                if buffer is None:
-                    buffer = buffers[key] = pack_value(values[slot], packer, made)
-            ordered.append(buffer)
-        get = ordered.__getitem__
-        held: list[Any] = [None] * len(self.instructions)
-        for i, at in layout.held:
-            held[i] = list(map(get, at))
-        step.held = held
-        events.emit("replayed", (described, held, values,
-                                 self.carry_in if mode else (), made))
-        return step
-
-    def _tape_as_is(self, carry: list[Any], x: list[Any]) -> ReplayedStep:
-        """`tape` where every saved value is kept as it is (`KeepAll`) and no profiler hears
-        entries: the step's saved values are its arrays, nothing is packed or shared."""
-        values = self._start(carry, x)
-        xp = _namespace_of(values)
-        saved: list[Any] = [None] * len(self.instructions)
-        for i, forward, output, saved_of, frees in self.tape_as_is:
-            values[output] = forward(values, xp)
-            if saved_of is not None:
-                saved[i] = saved_of(values)
-            for s in frees:
-                values[s] = None
-        return ReplayedStep(values, saved, False, NO_BUFFERS, as_is=True)
-
-
-NO_BUFFERS: Mapping[tuple[int, int], Any] = MappingProxyType({})
-"""The buffers of a step that shares none with the next: one read-only mapping for all (a
-dict of its own per taped step was 64 bytes of every step of a long loop)."""
-
-
-class ReplayedStep:
-    """One replayed step's values and what its backward rules read."""
-
-    __slots__ = ("announced", "as_is", "buffers", "held", "saved", "values")
-
-    def __init__(self, values: list[Any], saved: list[Any], announced: bool,
-                 buffers: Mapping[tuple[int, int], Any], as_is: bool = False) -> None:
-        self.values: Sequence[Any] = values
-        self.saved = saved
-        # with `as_is`, the buffers a profiler watches of the arrays in `saved`, per
-        # instruction (`_tape_kept`): freed when its rules ran, as `release` frees (None: none)
-        self.held: list[Any] | None = None
-        # a profiler heard of its entries: each one's saved values are released one by one in
-        # slot order, as a recorded entry's are, so it sees them freed in the same order
-        self.announced = announced
-        self.buffers = buffers  # (slot, id(packer)) -> packed buffer, shared with the next step
-        # every saved value is the array itself (no buffer to unpack) and no entry announced
-        self.as_is = as_is
-
-    def packed_ids(self) -> set[int]:
-        """Ids of the buffers this step keeps that must be unpacked (not kept as is)."""
-        return {id(v) for kept in self.saved if kept for v in kept
-                if type(v) is not KeptBuffer and isinstance(v, SavedBuffer)}
-
-    def unpack(self, i: int, later: dict[int, tuple[Any, Any]],
-               here: dict[int, tuple[Any, Any]], shared: set[int] | None) -> list[Any]:
-        """Instruction i's saved values as arrays. A buffer that the step after this one
-        unpacked (`later`), or this one already (`here`), gives that array again; one this
-        step shares with the step before (its id in `shared`, that step's `packed_ids`) is
-        remembered in `here`. Why: a carry kept packed (quantized, offloaded) is read by two
-        steps' rules, the one that made it and the one that took it in; unpacking it once
-        takes 4.5% off an int8 RNN's instructions."""
-        arrays = []
-        for v in self.saved[i]:
-            if type(v) is KeptBuffer:  # kept as is, in a buffer: its array, without a call
-                arrays.append(v.packed)
-            elif isinstance(v, SavedBuffer):
-                key = id(v)
-                found = later.get(key) or here.get(key)
-                if found is not None and found[0]() is v:
-                    arrays.append(found[1])
-                    continue
-                array = v.unpack()
-                if shared is not None and key in shared:
-                    here[key] = (weakref.ref(v), array)
-                arrays.append(array)
-            else:
-                arrays.append(v)
-        return arrays
-
-    def release(self, i: int) -> None:
-        kept = self.saved[i]
-        self.saved[i] = None
-        if self.announced and kept:  # (a list dropped at once frees its last item first)
-            kept.reverse()
-            kept.clear()
-
-    def output(self, slots: tuple[int, ...]) -> list[Any]:
-        return [None if s < 0 else self.values[s] for s in slots]
-
-    def drop_values(self, keep: tuple[int, ...]) -> None:
-        """Forget every value (the saved ones stay in `saved`): the step's outputs are in the
-        caller's hands, and a full-precision copy kept here would undo a compressing strategy.
-        Buffers of the `keep` slots (the new carry) stay, for the next step to share."""
-        self.values = ()  # (shared: a taped step holds no empty list of its own)
-        if self.buffers:
-            self.buffers = {k: b for k, b in self.buffers.items() if k[0] in keep} or NO_BUFFERS
-
-
-def _saved_getter(slots: tuple[int, ...]) -> Callable[[list[Any]], Sequence[Any]]:
-    """The values at `slots`, as one call without a frame, in a sequence made at its exact
-    size. Why not `tuple(map(...))`: that sizes its tuple by a guess and shrinks it, and the
-    shrunk tuple, once freed, joins the interpreter's free list instead of returning its
-    memory; one per taped step, so the process held (and tracemalloc counted) memory that
-    grew with the loop's steps, up to the free list's bound."""
-    if len(slots) >= 2:
-        return itemgetter(*slots)
-    return itemgetter(slice(slots[0], slots[0] + 1) if slots else slice(0, 0))
-
-
-def _kept_as_is(ins: Instruction) -> tuple[int, ...] | None:
-    """The slots a taped instruction saves, when every one is kept as it is (`KeepAll`,
-    chained or not); None otherwise, or for an instruction that saves nothing taped."""
-    if not ins.taped or not all(
-        type(s.packer) is KeepAll and type(s.chained) is KeepAll for s in ins.saved
-    ):
-        return None
-    return tuple(ins.output if s.position < 0 else ins.inputs[s.position] for s in ins.saved)
-
-
-@dataclass(frozen=True, slots=True)
-class KeptLayout:
-    """Where a step's buffers come from when every value is kept as it is, the same for every
-    step of one kind (`StepProgram.layouts`): each distinct buffer once, in the order `tape`
-    packs them, as (slot, key, packer) (key None: the buffer of a tensor's array, a constant
-    or a recorded step's carry; else its key in the step's buffers), and per instruction the
-    positions of the buffers it saves in that order."""
-
-    sources: tuple[tuple[int, tuple[int, int] | None, Any], ...]
-    held: tuple[tuple[int, tuple[int, ...]], ...]  # (instruction, positions) where it saves
-
-
-def kept_layout(program: StepProgram, mode: int) -> KeptLayout:
-    """`tape`'s choice of buffer for every saved value, made once: `mode` 0 for a step whose
-    carry comes from arrays, 1 for one chained to a replayed step, 2 to a recorded one."""
-    chained, tensors = mode > 0, set(program.constant_tensors)
-    if mode == 2:
-        tensors |= set(program.carry_in)
-    sources: list[tuple[int, tuple[int, int] | None, Any]] = []
-    position: dict[Any, int] = {}
-    held: list[tuple[int, tuple[int, ...]]] = []
-    for i, ins in enumerate(program.instructions):
-        if ins.prim is None or type(ins.prim) is Draw or not ins.taped or not ins.saved:
-            continue
-        at = []
-        for s in ins.saved:
-            slot = ins.output if s.position < 0 else ins.inputs[s.position]
-            packer = s.chained if chained and slot in program.carry_in else s.packer
-            key = None if slot in tensors else (slot, id(packer))
-            found = ("tensor", slot) if key is None else key
-            if found not in position:
-                position[found] = len(sources)
-                sources.append((slot, key, packer))
-            at.append(position[found])
-        held.append((i, tuple(at)))
-    return KeptLayout(tuple(sources), tuple(held))
-
-
-def _namespace_of(values: list[Any]) -> Any:
-    """The array namespace of a step's values (one device: the engine checks it per op)."""
-    for v in values:
-        if v is not None:
-            return namespace(v)
-    return np
-
-
-@dataclass(frozen=True, slots=True)
-class Described:
-    """What a profiler counts of the entry that recording one instruction would make, the same
-    for every replayed step: its op's name and origin, per saved value (role, slot, whether
-    its recorded slot has a version counter but no graph edge), and the input slots that
-    would be its leaf edges."""
-
-    op: str
-    origin: tuple[Any, int]
-    saved: tuple[tuple[str, int, bool], ...]
-    leaves: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class DescribedStep:
-    """A profiler's view of a replayed step, the same for every step: per instruction, what
-    its entry would record (None where it records none), and how many primitives it runs
-    (recorded or not: each a 'record' or an 'apply' when recorded)."""
-
-    instructions: tuple[Described | None, ...]
-    primitives: int
-
-
-def _step_begins(program: StepProgram) -> DescribedStep:
-    """A profiler listens: say a replayed step begins (the values it packs until its
-    'replayed' event are its own) and give the program's description.
-
-    Replayed steps are announced one event per step, not per instruction: the event carries
-    the description and the step's saved buffers and values, and the profiler lists from them
-    what recording the step would have listed, in the same order; no entry, saved slot or
-    leaf tensor is made just to be announced."""
-    described = program.described[0]  # made when a profiler first hears one of its steps
-    if described is None:
-        described = program.described[0] = DescribedStep(
-            tuple(_describe(program, ins) if ins.taped else None
-                  for ins in program.instructions),
-            sum(1 for ins in program.instructions
-                if ins.prim is not None and type(ins.prim) is not Draw))
-    events.emit("replaying", None)
-    return described
-
-
-def _describe(program: StepProgram, ins: Instruction) -> Described:
-    return Described(
-        ins.prim.name, ins.origin,
-        tuple((s.name, ins.output if s.position < 0 else ins.inputs[s.position],
-               s.counted and not s.leaf_edge) for s in ins.saved),
-        tuple(slot for slot, needed in zip(ins.inputs, ins.mask)
-              if needed and program.leaf[slot] and program.graph_leaf[slot]),
-    )
 
 
 def program_of(traces: dict[int, Trace], n_steps: int, n_carry: int, template: int = 0,

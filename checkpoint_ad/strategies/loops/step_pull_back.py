@@ -20,7 +20,8 @@ from ...ops import astype
 from .compiled_step import CARRY, EXTERNAL, GRAD_ONLY, ONE_SAVED, PENDING, XS
 
 if TYPE_CHECKING:
-    from .step_program import ReplayedStep, StepProgram
+    from .replayed_step import ReplayedStep
+    from .step_program import StepProgram
 
 
 def pull_back_steps(
