@@ -137,3 +137,29 @@ def test_a_bad_thread_count_is_refused_before_any_run(threads):
 
     with pytest.raises(SweepConfigError, match="threads must be a positive int"):
         sweep("rnn", ["keep-all"], sizes=TINY, progress=False, threads=threads)
+
+
+# ------------------------------------------------------------------ the default problem's size
+# The most float32 flops a second one core of the reference machine (AMD EPYC, AVX2, one BLAS
+# thread) did on the RNN's products: (64, 256) by (256, 256) ran at 74-79e9. A run does these
+# and more (elementwise work, the engine's own), so flops / RATE bounds its time from below.
+RATE = 80e9
+
+
+def _keep_all_flops(steps: int, batch: int, hidden: int, input_size: int) -> int:
+    """A keep-all forward and backward of the RNN: per step h @ W and x @ U forward, then
+    h.T @ g (W's gradient), g @ W.T (the carry's) and x.T @ g (U's); 2 flops a multiply-add."""
+    b, h, i = batch, hidden, input_size
+    return steps * (2 * b * h * h + 2 * b * i * h + 2 * (2 * b * h * h) + 2 * b * i * h)
+
+
+def test_one_default_keep_all_run_takes_at_least_a_fifth_of_a_second_and_at_most_a_second():
+    """Four identical default sweeps at 256 steps timed keep-all at 0.023-0.078 s, which
+    timer and scheduler noise swamp; a default sweep does about 60 runs, so one is kept near
+    a second at most. Checked by the flop count at the reference machine's best rate (a
+    lower bound of the time there; it took 0.5 s of CPU), not by a timer."""
+    from checkpoint_ad.models import SWEEP_SIZES, config_of
+
+    c = config_of("rnn", **SWEEP_SIZES["rnn"])
+    flops = _keep_all_flops(c.steps, c.batch, c.hidden, c.input_size)
+    assert 0.2 <= flops / RATE <= 1.0, flops / RATE
