@@ -149,8 +149,11 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                 from .plots import plot_sweep
 
                 written = plot_sweep(result, staging)
-    sizes = ", ".join(f"{k}={v}" for k, v in result.meta.items() if k != "model")
-    print(f"{args.model} ({sizes}) on {args.device}")
+    sizes = ", ".join(f"{k}={v}" for k, v in result.meta.items()
+                      if k not in ("model", "blas_threads"))
+    threads = result.meta.get("blas_threads")
+    print(f"{args.model} ({sizes}) on {args.device}, {threads} BLAS thread"
+          + ("" if threads == 1 else "s"))
     print(result.table())
     print(f"profiles, table and {len(written)} plot files written to {folder}")
     return 0

@@ -220,7 +220,8 @@ def _figure(ax: Axes | None, size: tuple[float, float]) -> tuple[Figure, Axes]:
     return fig, fig.add_subplot()
 
 
-_NOT_SIZES = ("model", "strategy", "median_seconds")  # meta keys that are no model size
+# meta keys that are no model size
+_NOT_SIZES = ("model", "strategy", "median_seconds", "blas_threads", "worker")
 
 
 def _sizes_text(meta: dict[str, Any]) -> str:
@@ -548,8 +549,11 @@ def tradeoff(result: SweepResult, x: str = "peak_tape_bytes", y: str = "time_rat
         if x != "memory_ratio" and xs.min() >= 0 and not log_x:
             ax.set_xlim(left=0)  # memory from zero, so distances read as ratios
         sizes = _sizes_text(result.meta)
+        threads = result.meta.get("blas_threads")  # what the times were measured with
         ax.set_title(_title("memory/compute trade-off", f"{result.model}"
-                            + (f" ({sizes})" if sizes else "") + f" on {result.device}"))
+                            + (f" ({sizes})" if sizes else "") + f" on {result.device}"
+                            + ("" if threads is None else f", {threads} BLAS thread"
+                               + ("" if threads == 1 else "s"))))
         legend = ax.legend(handles=handles, loc="best", framealpha=0.9)
         fig.figure.draw_without_rendering()
         # pin the legend where "best" put it, clear of the points, before the labels go in

@@ -25,6 +25,7 @@ from .sweep_runs import (
     RunOutcome,
     SweepRun,
     measure_interleaved,
+    pinned_threads,
     run_one,
     time_one,
     warm_up,
@@ -112,6 +113,9 @@ class SweepResult:
             runs = max(r.timed_runs or 0 for r in self.rows)
             lines.append(f"median and min-max of {runs} timed runs per strategy; "
                          "noise 'within': the spread is at least the difference from keep-all")
+        threads = self.meta.get("blas_threads")
+        if threads is not None:  # absent from tables written before sweeps pinned threads
+            lines.append(f"BLAS threads per run: {threads}")
         for r in self.rows:
             if r.plan is not None and r.predicted_peak_bytes is not None:
                 lines.append(
@@ -204,6 +208,7 @@ def sweep(
     workers: int | None = None,
     client: Any = None,
     budgets: Sequence[int | str] = (),
+    threads: int = 1,
 ) -> SweepResult:
     """Run `model` under each preset (keep-all first, as the reference) and collect a table.
 
@@ -215,6 +220,10 @@ def sweep(
     such as ``"16MiB"``) is one more column, every loop run under ``Budget(limit)``; its row
     names the plan the budget chose and what it predicted (`SweepRow.plan`,
     `predicted_peak_bytes`, `predicted_seconds`).
+
+    Every run uses `threads` BLAS threads (threadpoolctl; one by default, as the bench): on a
+    machine with idle cores a multi-threaded BLAS makes times depend on what else runs, and
+    sweeps stop comparing. The table's `meta` records the count as ``blas_threads``.
 
     By default every run happens here, one after another. `workers=N` fans the runs out over
     a local Dask cluster of N single-threaded worker processes; `client=` a
@@ -234,6 +243,8 @@ def sweep(
 
     if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
         raise SweepConfigError(f"sweep: repeats must be a positive int, got {repeats!r}")
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+        raise SweepConfigError(f"sweep: threads must be a positive int, got {threads!r}")
     check_cluster_options(workers, client)
     sizes = dict(sizes or {})
     chosen = [load_preset(p, dirs=dirs, allow_python=allow_python)
@@ -246,16 +257,18 @@ def sweep(
         check_memory(model, **sizes)
     # built here also when the runs happen elsewhere: bad sizes fail before any run starts
     first = build(model, device=None if device == "cpu" else device, **sizes)
-    meta = {"model": model, **sizes_of(first), **sizes}  # every size, the defaults included
+    # every size, the defaults included, and the BLAS threads each run had
+    meta = {"model": model, **sizes_of(first), **sizes, "blas_threads": threads}
     in_table = {p.name for p in chosen}
     runs = [SweepRun(model, preset, device, sizes, meta, repeats, preset.name in in_table)
             for preset in order]
     if workers is None and client is None:
-        warm_up(runs[0])
-        outcomes = measure_interleaved(runs, progress)
+        with pinned_threads(threads):
+            warm_up(runs[0])
+            outcomes = measure_interleaved(runs, progress)
     else:
         outcomes = run_on_cluster(runs, workers=workers, client=client,
-                                  progress_bar=progress)
+                                  progress_bar=progress, threads=threads)
     return _merge(SweepResult(model, device, meta), runs, outcomes)
 
 

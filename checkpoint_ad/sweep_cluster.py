@@ -45,7 +45,7 @@ from .errors import (
     SweepConfigError,
     SweepRunError,
 )
-from .sweep_runs import RunOutcome, SweepRun, measure, progress, warm_up
+from .sweep_runs import RunOutcome, SweepRun, blas_threads, measure, progress, warm_up
 
 INSTALL_HINT = "python3 -m pip install 'checkpoint-ad[dask]'"
 NO_FRAME_SAMPLING = {"distributed.worker.profile.enabled": False}
@@ -232,7 +232,7 @@ def run_in_worker(run: SweepRun, threads: int = 1) -> RunOutcome | RunFailure:
                     _warmed.add(problem)
                 outcome = measure(run)
                 outcome.profile.meta.update(worker=_worker_address(),
-                                            blas_threads=_blas_threads())
+                                            blas_threads=blas_threads())
             return outcome
         except Exception as exc:
             message = str(exc).splitlines()[0] if str(exc) else ""
@@ -249,10 +249,3 @@ def _worker_address() -> str:
     except (ImportError, ValueError):  # called outside a worker (e.g. in a test)
         return "local"
 
-
-def _blas_threads() -> int | None:
-    """The most threads any loaded BLAS/OpenMP pool may use now (None: no pool loaded)."""
-    from threadpoolctl import threadpool_info
-
-    counts = [pool["num_threads"] for pool in threadpool_info()]
-    return max(counts) if counts else None

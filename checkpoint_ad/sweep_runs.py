@@ -8,7 +8,8 @@ from __future__ import annotations
 import inspect
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -184,6 +185,25 @@ def measure_interleaved(runs: list[SweepRun], show: bool = False) -> list[RunOut
         instance, outcome = prepared[k]
         outcome.times.append(time_once(instance, runs[k].preset, runs[k].device))
     return [timed(outcome) for _, outcome in prepared]
+
+
+@contextmanager
+def pinned_threads(threads: int) -> Iterator[int | None]:
+    """BLAS/OpenMP pools limited to `threads` threads for the block (threadpoolctl), as the
+    bench and a cluster's workers run: a run's time then does not depend on how many cores
+    happen to be idle, and sweeps compare. Yields the count in effect (`blas_threads`)."""
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=threads):
+        yield blas_threads()
+
+
+def blas_threads() -> int | None:
+    """The most threads any loaded BLAS/OpenMP pool may use now (None: no pool loaded)."""
+    from threadpoolctl import threadpool_info
+
+    counts = [pool["num_threads"] for pool in threadpool_info()]
+    return max(counts) if counts else None
 
 
 def warm_up(run: SweepRun) -> None:

@@ -20,6 +20,7 @@ def test_sweep_writes_table_profiles_and_plots(tmp_path, capsys):
     assert code == 0
     out = capsys.readouterr().out
     assert "revolve-4" in out and "int8" in out and "grad error" in out
+    assert "on cpu, 1 BLAS thread" in out and "BLAS threads per run: 1" in out
     names = {p.name for p in tmp_path.iterdir()}
     assert {"sweep-rnn.csv", "sweep-rnn.json", "rnn-keep-all.json", "rnn-revolve-4.json"} <= names
     assert any(n.endswith(".png") for n in names) and any(n.endswith(".svg") for n in names)

@@ -102,6 +102,28 @@ def test_json_round_trip_and_files(tmp_path):
         Profile.from_dict(prof.to_dict() | {"surprise": 1})
 
 
+def test_to_dict_holds_every_field_as_plain_data_and_is_a_copy():
+    """The JSON form is the dataclass's own (every field; records as objects, shapes as
+    lists), and changing it leaves the profile alone."""
+    import dataclasses
+
+    x = cad.tensor(np.ones((4, 3)), requires_grad=True)
+    with cad.profile(model="rnn", sizes={"steps": 2}) as prof:
+        cad.tanh(x @ x.T).sum().backward()
+    data = prof.to_dict()
+    expected = dataclasses.asdict(prof)
+    expected["records"] = [{**dataclasses.asdict(r), "shape": list(r.shape)}
+                           for r in prof.records]
+    assert {k: v for k, v in data.items() if k not in ("schema", "version")} == expected
+    assert list(data)[2:] == [f.name for f in dataclasses.fields(Profile)]
+    before = Profile.from_dict(prof.to_dict())
+    data["records"][0]["shape"].append(7)
+    data["timeline_bytes"].append(1)
+    data["meta"]["sizes"]["steps"] = 99
+    data["peak_buffers"]["999"] = 1
+    assert prof == before and prof.meta["sizes"] == {"steps": 2}
+
+
 def test_summary_lists_ops_and_origins():
     x = cad.tensor(np.ones((8, 8)), requires_grad=True)
     with cad.profile(device_memory=True) as prof:

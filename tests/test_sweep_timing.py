@@ -89,3 +89,77 @@ def test_a_budget_row_carries_its_limit_in_bytes(fake_clock):
     fake_clock.clear()
     result = sweep("rnn", [], sizes=TINY, progress=False, repeats=1, budgets=["64KiB"])
     assert [r.budget_bytes for r in result.rows] == [64 * 2**10]
+
+
+# ------------------------------------------------------------------ BLAS threads, pinned
+def _blas_pool_threads() -> int:
+    from threadpoolctl import threadpool_info
+
+    return max(pool["num_threads"] for pool in threadpool_info())
+
+
+def test_a_serial_sweep_times_every_run_on_one_blas_thread_and_records_it(monkeypatch,
+                                                                          tmp_path):
+    """As the bench and a cluster's workers do: a BLAS free to use every idle core makes a
+    run's time depend on what else the machine runs, so sweeps would not compare."""
+    from threadpoolctl import threadpool_limits
+
+    seen: list[int] = []
+    real = sweep_runs.time_once
+
+    def timed(model, preset, device):
+        seen.append(_blas_pool_threads())
+        return real(model, preset, device)
+    monkeypatch.setattr(sweep_runs, "time_once", timed)
+    with threadpool_limits(limits=2):  # a process whose BLAS would use two threads
+        result = sweep("rnn", ["keep-all", "revolve-4"], sizes=TINY, progress=False,
+                       repeats=2)
+        assert _blas_pool_threads() == 2  # given back after the sweep
+    assert seen == [1] * 4
+    assert result.meta["blas_threads"] == 1
+    assert result.profiles["revolve-4"].meta["blas_threads"] == 1
+    result.save(tmp_path)
+    assert json.loads((tmp_path / "sweep-rnn.json").read_text())["meta"]["blas_threads"] == 1
+    assert "BLAS threads per run: 1" in (tmp_path / "sweep-rnn.txt").read_text()
+
+
+def test_a_sweep_takes_another_thread_count_when_asked(monkeypatch):
+    seen: list[int] = []
+    monkeypatch.setattr(sweep_runs, "time_once",
+                        lambda model, preset, device: seen.append(_blas_pool_threads()) or 1.0)
+    result = sweep("rnn", ["keep-all"], sizes=TINY, progress=False, repeats=1, threads=2)
+    assert seen == [2] and result.meta["blas_threads"] == 2
+
+
+@pytest.mark.parametrize("threads", [0, -1, 1.5, True])
+def test_a_bad_thread_count_is_refused_before_any_run(threads):
+    from checkpoint_ad.errors import SweepConfigError
+
+    with pytest.raises(SweepConfigError, match="threads must be a positive int"):
+        sweep("rnn", ["keep-all"], sizes=TINY, progress=False, threads=threads)
+
+
+# ------------------------------------------------------------------ the default problem's size
+# The most float32 flops a second one core of the reference machine (AMD EPYC, AVX2, one BLAS
+# thread) did on the RNN's products: (64, 256) by (256, 256) ran at 74-79e9. A run does these
+# and more (elementwise work, the engine's own), so flops / RATE bounds its time from below.
+RATE = 80e9
+
+
+def _keep_all_flops(steps: int, batch: int, hidden: int, input_size: int) -> int:
+    """A keep-all forward and backward of the RNN: per step h @ W and x @ U forward, then
+    h.T @ g (W's gradient), g @ W.T (the carry's) and x.T @ g (U's); 2 flops a multiply-add."""
+    b, h, i = batch, hidden, input_size
+    return steps * (2 * b * h * h + 2 * b * i * h + 2 * (2 * b * h * h) + 2 * b * i * h)
+
+
+def test_one_default_keep_all_run_takes_at_least_a_fifth_of_a_second_and_at_most_a_second():
+    """Four identical default sweeps at 256 steps timed keep-all at 0.023-0.078 s, which
+    timer and scheduler noise swamp; a default sweep does about 60 runs, so one is kept near
+    a second at most. Checked by the flop count at the reference machine's best rate (a
+    lower bound of the time there; it took 0.5 s of CPU), not by a timer."""
+    from checkpoint_ad.models import SWEEP_SIZES, config_of
+
+    c = config_of("rnn", **SWEEP_SIZES["rnn"])
+    flops = _keep_all_flops(c.steps, c.batch, c.hidden, c.input_size)
+    assert 0.2 <= flops / RATE <= 1.0, flops / RATE

@@ -49,9 +49,12 @@ MODELS: dict[str, ModelEntry] = {
 # dominate the measured memory and that every saved activation is worth quantizing (the configs'
 # own defaults are tiny, for doctests: there an LSTM's (4, 8) float32 states are 128 bytes, below
 # `quantize.MIN_WORTH_BYTES`, so int8 and int4 stored them exactly and changed nothing), small
-# enough that a default sweep of each takes well under a minute on a laptop-class CPU.
+# enough that a default sweep of each takes well under a minute on a laptop-class CPU. The RNN's
+# (the default model's) is larger: one keep-all run takes at least 0.2 s on one core (0.5 s of
+# CPU on the reference machine; at 256 steps, hidden 128, it took 0.02-0.08 s, which timer
+# noise swamps), so that presets' times can be told apart; its default sweep takes ~60 s of CPU.
 SWEEP_SIZES: dict[str, dict[str, int]] = {
-    "rnn": {"steps": 256, "batch": 32, "input_size": 32, "hidden": 128},
+    "rnn": {"steps": 512, "batch": 64, "input_size": 32, "hidden": 320},
     "lstm": {"steps": 128, "batch": 32, "input_size": 32, "hidden": 64},
     "residual_mlp": {"layers": 64, "width": 64, "batch": 64},
     "heat": {"grid": 32, "steps": 128},
