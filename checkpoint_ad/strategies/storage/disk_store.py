@@ -50,7 +50,6 @@ import struct
 import tempfile
 import threading
 import time
-import weakref
 from collections import deque
 from typing import Any
 
@@ -136,7 +135,7 @@ class _Chunk:
 class DiskRef:
     """The handle a stored form keeps: its record on disk; it is freed when this dies."""
 
-    __slots__ = ("__weakref__", "nbytes", "record", "store")
+    __slots__ = ("nbytes", "record", "store")
 
     def __init__(self, store: DiskStore, record: _Record) -> None:
         self.store = store
@@ -145,6 +144,10 @@ class DiskRef:
 
     def read(self) -> Any:
         return self.store.get(self)
+
+    def __del__(self) -> None:  # a finalizer per value costs more than the value's write
+        with contextlib.suppress(Exception):  # at interpreter exit: `close` removes the folder
+            self.store._free(self.record)
 
     def __repr__(self) -> str:
         return f"<DiskRef #{self.record.serial} {self.nbytes} bytes>"
@@ -163,6 +166,7 @@ class DiskStore:
         self.at: _Chunk | None = None  # the file the imperative sweep reads now
         self.kept: list[_Record] = []  # imperative records read and still held in memory
         self.file_count = 0
+        self.files_written = self.values_written = 0  # in all, since the store was made
         self.serial = 0
         self.writes: deque[_Record] = deque()
         self.reads: deque[_Chunk] = deque()
@@ -179,7 +183,9 @@ class DiskStore:
         """Queue `value` (a stored form) for writing; the returned handle reads it back."""
         stalled = 0.0
         with self.cond:
-            self._start()
+            writer = self.threads.get("writer")
+            if self.folder is None or writer is None or not writer.is_alive():
+                self._start()
             if self.pending_bytes and self.pending_bytes + nbytes > PENDING_WRITE_BYTES:
                 started = time.perf_counter()
                 self._wait(lambda: not (self.pending_bytes
@@ -199,7 +205,6 @@ class DiskStore:
             if not queued or queued < CHUNK_BYTES <= queued + nbytes:
                 self.cond.notify_all()  # the writer's first value, or a file's worth
         ref = DiskRef(self, record)
-        weakref.finalize(ref, self._free, record)  # holds the store and record, not the handle
         if events.listeners:
             events.emit("io_write", nbytes)
             if stalled:
@@ -540,6 +545,8 @@ class DiskStore:
                     _unlink(chunk.path)
                 else:
                     chunk.written = True
+                    self.files_written += 1
+                    self.values_written += len(chunk.records)
                     for record in chunk.records:
                         record.written = True
                         record.value = None
@@ -737,13 +744,21 @@ _stores: dict[str | None, DiskStore] = {}
 _stores_lock = threading.Lock()
 
 
+_given: dict[str | None, DiskStore] = {}  # by the folder as given (no abspath per value)
+
+
 def store_for(parent: str | None) -> DiskStore:
     """The store writing under `parent` (one per folder, made on first use)."""
+    store = _given.get(parent)
+    if store is not None:
+        return store
     key = None if parent is None else os.path.abspath(parent)
     with _stores_lock:
         store = _stores.get(key)
         if store is None:
             store = _stores[key] = DiskStore(key)
+        if parent is None or os.path.isabs(parent):  # a relative one follows the working folder
+            _given[parent] = store
         return store
 
 
