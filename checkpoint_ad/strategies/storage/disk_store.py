@@ -68,6 +68,8 @@ PENDING_WRITE_BYTES = 256 * 2**20
 """Bytes waiting to be written before `put` waits for the writer (memory held by the queue)."""
 READ_AHEAD_BYTES = 64 * 2**20
 """Bytes read ahead of the backward sweep in imperative use (at least two files)."""
+READ_AHEAD_FILES = 32
+"""Files read ahead at most (the walk over them is done on reaching each file)."""
 CHUNK_BYTES = 4 * 2**20
 """A file holds queued values up to this many bytes (a larger value gets a file of its own)."""
 LINGER_SECONDS = 0.02
@@ -82,6 +84,7 @@ _HEADER = struct.Struct("<QQ")  # layout length, data length
 _ALIGN = 64  # each array's bytes start at a multiple of this in the file and in memory
 _ZEROS = bytes(_ALIGN)
 _first = operator.attrgetter("first")
+_UNWRITTEN = object()  # where the sweep is while it reads values not yet in a file
 
 
 class _Record:
@@ -163,7 +166,7 @@ class DiskStore:
         self.live: dict[int, _Record] = {}
         self.chunks: list[_Chunk] = []  # imperative files, in write order
         self.loaded: list[_Chunk] = []  # imperative files held in memory
-        self.at: _Chunk | None = None  # the file the imperative sweep reads now
+        self.at: Any = None  # the file the imperative sweep reads now (or _UNWRITTEN)
         self.kept: list[_Record] = []  # imperative records read and still held in memory
         self.file_count = 0
         self.files_written = self.values_written = 0  # in all, since the store was made
@@ -360,11 +363,11 @@ class DiskStore:
                 still.append(other)
         still.append(record)
         self.kept = still
-        if chunk is None or chunk is not self.at:
+        if chunk is not self.at and (chunk is not None or self.at is not _UNWRITTEN):
             self._reached(record, chunk)
 
     def _reached(self, record: _Record, chunk: _Chunk | None) -> None:
-        left, self.at = self.at, chunk
+        left, self.at = self.at, chunk if chunk is not None else _UNWRITTEN
         if chunk is None:  # not taken by the writer yet: every file is before it
             first, at = record.serial, len(self.chunks)
         else:
@@ -381,7 +384,7 @@ class DiskStore:
         budget = READ_AHEAD_BYTES
         for count, position in enumerate(range(at - 1, -1, -1)):
             other = self.chunks[position]
-            if count >= 2 and budget < other.nbytes:
+            if count >= 2 and (budget < other.nbytes or count >= READ_AHEAD_FILES):
                 break
             budget -= other.nbytes
             self._want(other)
