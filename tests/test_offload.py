@@ -499,6 +499,7 @@ def test_a_python_loop_on_disk_gives_keep_all_gradients_from_few_files(
     monkeypatch, disk_folder: Path
 ) -> None:
     monkeypatch.setattr(disk_store_module, "CHUNK_BYTES", 32 * 1024)  # many files
+    monkeypatch.setattr(disk_store_module, "LINGER_SECONDS", 0.2)  # full ones on a busy machine
     monkeypatch.setattr(disk_store_module, "READ_AHEAD_BYTES", 96 * 1024)
     written, puts = [], []
     real_write, real_put = disk_store_module._write, DiskStore.put
