@@ -9,8 +9,9 @@ they will be needed, so the backward sweep finds them in memory.
 Why files of many values: a Python loop of 20,000 steps saves some 60,000 small values, and a
 file each costs an open, a close and an unlink, more than the step that saved it. The writer
 takes every value queued when it wakes (waiting up to `LINGER_SECONDS` for `CHUNK_BYTES` of
-them) and writes them as one file; a file is read back whole, and removed when its last value
-is freed. A plan's snapshot (large, read alone) gets a file of its own.
+them) and writes them as one file; a file is read back whole into one aligned buffer (the
+arrays read back are slices of it, so it lives while any of them does), and removed when its
+last value is freed. A plan's snapshot (large, read alone) gets a file of its own.
 
 - imperative use: the tape is walked in reverse, so when the sweep reaches a file, the files
   written just before it are read next (up to `READ_AHEAD_BYTES`); a value stays in memory
