@@ -1,4 +1,5 @@
-"""Workload 6, beyond RAM: binomial checkpointing of the heat model with snapshots on disk.
+"""Workload 6, beyond RAM: binomial checkpointing of the heat model with snapshots on disk,
+and a plain Python loop whose every saved value is offloaded (issue 37 item 4).
 
 Rows: RAM-only binomial with few snapshots (many re-runs), the same RAM budget plus a disk level
 (H-Revolve plan, write and read costs measured on the first step), and every snapshot written to
@@ -6,15 +7,25 @@ disk (``storage=Offload("disk")``). Each row reports the forward+backward time (
 backward time and the seconds the backward waited on disk I/O (from a profile of one extra
 run), the stall as a fraction of the backward (target: at most 10%), bytes per storage level
 and bytes written and read; gradients are checked bitwise against keep-all.
+
+The Python loop (``python -m bench.offload``): the 1-D heat loop of `bench.dtr_scaling`
+(3 saved values of 4 KiB a step) under keep-all, ``Offload("disk")`` and ``Offload("host")``;
+per length the median time of each over rounds that alternate the order (the machine's speed
+drifts on shared cores), each over keep-all's median, the backward seconds and the seconds it
+waited on I/O (a profile of one extra run), files written, and a bitwise check.
 """
 
 from __future__ import annotations
 
+import argparse
+import gc
+import statistics
+import time
 from typing import Any
 
 import numpy as np
 
-from .measure import time_median
+from .measure import pin_threads, time_median
 
 
 def heat_disk(params: dict, threads: int) -> dict[str, Any]:
@@ -65,3 +76,93 @@ def heat_disk(params: dict, threads: int) -> dict[str, Any]:
             },
         })
     return {"rows": rows}
+
+
+def _heat_loop(steps: int, strategy: Any, size: int) -> tuple[list[np.ndarray], float]:
+    """The loop of `bench.dtr_scaling`, its backward timed apart."""
+    import checkpoint_ad as cad
+
+    rng = np.random.default_rng(0)
+    kappa = cad.tensor(np.float32(0.2), requires_grad=True)
+    q = cad.tensor((0.1 * rng.standard_normal(size)).astype(np.float32), requires_grad=True)
+    u = cad.tensor(rng.standard_normal(size).astype(np.float32))
+    with cad.use(strategy):
+        for _ in range(steps):
+            lap = cad.roll(u, 1) + cad.roll(u, -1) - 2.0 * u
+            u = u + 0.1 * (kappa * lap + cad.sin(u) * q)
+        loss = (u * u).sum()
+        started = time.perf_counter()
+        loss.backward()
+    return [kappa.grad.numpy(), q.grad.numpy()], time.perf_counter() - started
+
+
+def _round(fn: Any) -> float:
+    gc.collect()
+    gc.freeze()
+    try:
+        started = time.perf_counter()
+        fn()
+        return time.perf_counter() - started
+    finally:
+        gc.unfreeze()
+
+
+def python_loop_rows(lengths: list[int], size: int, repeats: int) -> list[dict]:
+    """Keep-all, disk and host offload of the Python heat loop, timed in alternating rounds."""
+    import checkpoint_ad as cad
+    from checkpoint_ad.strategies import KeepAll, Offload
+    from checkpoint_ad.strategies.storage import disk_store
+
+    strategies = {"keep-all": KeepAll(), "disk": Offload("disk"), "host": Offload("host")}
+    _heat_loop(50, KeepAll(), size)  # warm
+    rows = []
+    for steps in lengths:
+        reference, _ = _heat_loop(steps, KeepAll(), size)
+        times: dict[str, list[float]] = {name: [] for name in strategies}
+        for round_ in range(repeats):
+            order = list(strategies) if round_ % 2 == 0 else list(reversed(strategies))
+            for name in order:
+                times[name].append(_round(
+                    lambda s=strategies[name], n=steps: _heat_loop(n, s, size)))
+        keep = statistics.median(times["keep-all"])
+        for name, strategy in strategies.items():
+            store = disk_store.store_for(None)
+            files, values = store.files_written, store.values_written
+            with cad.profile() as prof:
+                grads, backward = _heat_loop(steps, strategy, size)
+            seconds = statistics.median(times[name])
+            rows.append({"name": f"heat {steps} steps, {name}", "seconds": seconds,
+                         "spread": [min(times[name]), max(times[name])], "repeats": repeats,
+                         "extras": {
+                             "steps": steps, "over_keep_all": seconds / keep,
+                             "backward_seconds": backward,
+                             "stall_seconds": prof.io_stall_seconds,
+                             "stall_fraction": prof.io_stall_seconds / backward,
+                             "values_written": store.values_written - values,
+                             "files_written": store.files_written - files,
+                             "written_mib": prof.io_bytes_written / 2**20,
+                             "bitwise_equal": all(np.array_equal(a, b)
+                                                  for a, b in zip(grads, reference))}})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", default="2000,20000")
+    parser.add_argument("--size", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    pin_threads(args.threads)
+    for row in python_loop_rows([int(s) for s in args.steps.split(",")], args.size,
+                                args.repeats):
+        e = row["extras"]
+        print(f"{row['name']:28s} {row['seconds']:7.3f} s ({row['spread'][0]:.3f}-"
+              f"{row['spread'][1]:.3f})  x{e['over_keep_all']:.2f} keep-all  backward "
+              f"{e['backward_seconds']:.3f} s, stalled {e['stall_seconds']:.3f} s "
+              f"({e['stall_fraction']:.1%})  {e['values_written']} values in "
+              f"{e['files_written']} files  bitwise={e['bitwise_equal']}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -374,10 +374,146 @@ def test_a_stalled_reader_ends_the_wait_with_what_it_waited_for(
     _wait_for(lambda: ref.record.written, store)
     monkeypatch.setattr(disk_store_module, "WAIT_SECONDS", 0.3)
     with store.cond:
-        ref.record.reading = True  # a read that never finishes
+        ref.record.chunk.reading = True  # a read that never finishes
     with pytest.raises(OffloadError, match=r"waited 0\.\d s for the disk reader to read"):
         ref.read()
     store.close()
+
+
+# ------------------------------------------------------------- many small values (Python loops)
+def _gated_writes(monkeypatch) -> tuple[threading.Event, list[str]]:
+    """Hold the writer at its first file (so every later value is queued when it wakes) and
+    log the files written."""
+    gate = threading.Event()
+    written: list[str] = []
+    real_write = disk_store_module._write
+
+    def write(path, values):
+        gate.wait(30)
+        written.append(path)
+        real_write(path, values)
+
+    monkeypatch.setattr(disk_store_module, "_write", write)
+    return gate, written
+
+
+def test_many_small_values_go_to_few_files(monkeypatch, disk_folder: Path) -> None:
+    monkeypatch.setattr(disk_store_module, "CHUNK_BYTES", 64 * 1024)
+    gate, written = _gated_writes(monkeypatch)
+    store = DiskStore(str(disk_folder))
+    arrays = [np.full(512, float(k)) for k in range(400)]  # 4 KiB each, 1.6 MB in all
+    refs = [store.put(a, a.nbytes, planned=False) for a in arrays]
+    gate.set()
+    _wait_for(lambda: all(r.record.written for r in refs), store)
+    # one file for what was queued when the writer first woke, then 16 values a file
+    assert len(written) <= 2 + 400 * 4096 // (64 * 1024)
+    assert store.files == len(written) == len(os.listdir(store.folder))
+    assert all(np.array_equal(r.read(), a) for r, a in zip(reversed(refs), reversed(arrays)))
+    del refs[200:]
+    gc.collect()
+    assert 1 <= store.files < len(written)  # a file goes with its last value
+    refs.clear()
+    gc.collect()
+    assert store.folder is None and os.listdir(disk_folder) == []
+    store.close()
+
+
+def test_files_are_read_ahead_in_reverse_write_order_within_a_bound(
+    monkeypatch, disk_folder: Path
+) -> None:
+    monkeypatch.setattr(disk_store_module, "CHUNK_BYTES", 2 * 8000)  # two values a file
+    monkeypatch.setattr(disk_store_module, "READ_AHEAD_BYTES", 2 * 2 * 8000)  # two files
+    gate, written = _gated_writes(monkeypatch)
+    store = DiskStore(str(disk_folder))
+    refs = [store.put(np.full(1000, float(k)), 8000, planned=False) for k in range(12)]
+    gate.set()
+    _wait_for(lambda: all(r.record.written for r in refs), store)
+    files = [r.record.chunk for r in refs]
+    assert len(written) >= 6 and files[0] is not files[-1]
+    reads: list[tuple[str, str]] = []
+    real_read = disk_store_module._read
+    monkeypatch.setattr(disk_store_module, "_read", lambda path: reads.append(
+        (path, threading.current_thread().name)) or real_read(path))
+    assert np.array_equal(refs[11].read(), np.full(1000, 11.0))
+    others = {c for c in files if c is not files[11]}
+    _wait_for(lambda: sum(c.values is not None for c in others) == 2, store)
+    ahead = sorted(c.first for c in others if c.values is not None)  # the two files before
+    assert ahead == sorted(c.first for c in others)[-2:]  # it are read ahead, no more
+    for k in range(10, -1, -1):
+        _wait_for(lambda k=k: refs[k].record.loaded is not None, store)
+        assert np.array_equal(refs[k].read(), np.full(1000, float(k)))
+    paths = [p for p, _ in reads]
+    assert len(paths) == len(set(paths)) == len(written)  # each file read once
+    assert paths == sorted(paths, key=lambda p: -int(Path(p).stem))  # in reverse write order
+    assert [t for _, t in reads[1:]] == ["checkpoint-ad-disk-reader"] * (len(reads) - 1)
+    refs.clear()
+    gc.collect()
+    assert store.folder is None
+    store.close()
+
+
+@pytest.mark.parametrize("value", [
+    np.arange(12.0).reshape(3, 4).T,  # F-ordered: its layout is kept
+    np.arange(24, dtype=np.float32)[::3],  # strided
+    np.array(2.5, np.float16),  # 0-d
+    np.zeros((0, 3), np.int8),
+    np.array([True, False]),
+    np.array([(1, 2.0)], dtype=[("a", "i4"), ("b", "f8")]),
+], ids=["fortran", "strided", "0-d", "empty", "bool", "structured"])
+def test_a_file_of_mixed_forms_reads_back_each_exactly(monkeypatch, value,
+                                                       disk_folder: Path) -> None:
+    gate, _ = _gated_writes(monkeypatch)
+    store = DiskStore(str(disk_folder))
+    before = np.arange(7, dtype=np.int64)
+    refs = [store.put(v, v.nbytes, planned=False) for v in (before, value, before + 1)]
+    gate.set()
+    _wait_for(lambda: all(r.record.written for r in refs), store)
+    back = refs[1].read()  # read from its file
+    assert back.dtype == value.dtype and back.shape == value.shape
+    if value.flags.f_contiguous and not value.flags.c_contiguous:
+        assert back.flags.f_contiguous
+    assert back.tobytes() == value.tobytes()
+    assert np.array_equal(refs[0].read(), before) and np.array_equal(refs[2].read(), before + 1)
+    store.close()
+
+
+def _python_loop_heat(steps: int, strategy: object) -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    kappa = cad.tensor(np.float32(0.2), requires_grad=True)
+    q = cad.tensor((0.1 * rng.standard_normal(256)).astype(np.float32), requires_grad=True)
+    u = cad.tensor(rng.standard_normal(256).astype(np.float32))
+    with cad.use(strategy):
+        for _ in range(steps):
+            lap = cad.roll(u, 1) + cad.roll(u, -1) - 2.0 * u
+            u = u + 0.1 * (kappa * lap + cad.sin(u) * q)
+        loss = (u * u).sum()
+    loss.backward(retain_graph=True)
+    first = [kappa.grad.numpy().copy(), q.grad.numpy().copy()]
+    kappa.grad = q.grad = None
+    loss.backward()  # the second sweep reads every file again
+    assert all(np.array_equal(a, b) for a, b in zip(first, [kappa.grad.numpy(), q.grad.numpy()]))
+    return first
+
+
+def test_a_python_loop_on_disk_gives_keep_all_gradients_from_few_files(
+    monkeypatch, disk_folder: Path
+) -> None:
+    monkeypatch.setattr(disk_store_module, "CHUNK_BYTES", 32 * 1024)  # many files
+    monkeypatch.setattr(disk_store_module, "LINGER_SECONDS", 0.2)  # full ones on a busy machine
+    monkeypatch.setattr(disk_store_module, "READ_AHEAD_BYTES", 96 * 1024)
+    written, puts = [], []
+    real_write, real_put = disk_store_module._write, DiskStore.put
+    monkeypatch.setattr(disk_store_module, "_write",
+                        lambda path, values: written.append(len(values)) or real_write(path,
+                                                                                       values))
+    monkeypatch.setattr(DiskStore, "put", lambda self, *a: puts.append(1) or real_put(self, *a))
+    reference = _python_loop_heat(300, cad.strategies.KeepAll())
+    got = _python_loop_heat(300, Offload("disk", dir=disk_folder))
+    assert all(np.array_equal(a, b) for a, b in zip(reference, got))
+    # a value freed while queued is never written (one the loop saved, then dropped)
+    assert len(puts) >= sum(written) >= 850 and len(written) < len(puts) // 4
+    gc.collect()
+    assert Offload("disk", dir=disk_folder).folder is None and os.listdir(disk_folder) == []
 
 
 _KILLED = """

@@ -3,12 +3,20 @@ read back ahead of the backward sweep.
 
 Why threads: a write or read of a large array takes as long as several forward steps; done on
 the calling thread it would add to the run time whatever the plan saves. A writer thread
-writes each value while the computation goes on; a reader thread reads values back in the
-order they will be needed, so the backward sweep finds them in memory:
+writes values while the computation goes on; a reader thread reads values back in the order
+they will be needed, so the backward sweep finds them in memory.
 
-- imperative use: the tape is walked in reverse, so after a value is unpacked, the live values
-  saved just before it (in pack order) are read next; a value stays in memory after its read
-  until an earlier one is read (a buffer two entries share, or ``x * x``, is read once);
+Why files of many values: a Python loop of 20,000 steps saves some 60,000 small values, and a
+file each costs an open, a close and an unlink, more than the step that saved it. The writer
+takes every value queued when it wakes (waiting up to `LINGER_SECONDS` for `CHUNK_BYTES` of
+them) and writes them as one file; a file is read back whole into one aligned buffer (the
+arrays read back are slices of it, so it lives while any of them does), and removed when its
+last value is freed. A plan's snapshot (large, read alone) gets a file of its own.
+
+- imperative use: the tape is walked in reverse, so when the sweep reaches a file, the files
+  written just before it are read next (up to `READ_AHEAD_BYTES`); a value stays in memory
+  after its read until an earlier one is read (a buffer two entries share, or ``x * x``, is
+  read once), and a file the sweep has left is dropped from memory;
 - a plan (a checkpointed loop) knows its restore order: the executor calls `prefetch` with the
   values its next restores read, and each is dropped from memory once read.
 
@@ -16,11 +24,11 @@ A value is held by reference until its write is done, not copied: the same guara
 keeping it in memory (the engine's version counters catch an in-place change before the
 backward reads it), and a value unpacked before its write finished is served from memory.
 The folder is made at the first write and removed when its last value is freed (after the
-backward), and at interpreter exit whatever is left; each file is removed when its value dies
+backward), and at interpreter exit whatever is left; each file is removed when its values die
 (a tape released, a loop's snapshot freed, or the tensors dropped after an error).
 
-Faults: a write that fails (a full or read-only disk) keeps its value in memory and is raised
-when that value is read back, in the backward sweep of the computation that saved it, never in
+Faults: a write that fails (a full or read-only disk) keeps its values in memory and is raised
+when one of them is read back, in the backward sweep of the computation that saved it, never in
 a later one. The I/O threads survive any error, and one found dead is started again. Every wait
 is bounded: with no progress for `WAIT_SECONDS` the wait ends in an `OffloadError` that says
 what it waited for. A process killed outright (``kill -9``) cannot remove its folder: the folder
@@ -33,6 +41,7 @@ from __future__ import annotations
 import atexit
 import bisect
 import contextlib
+import operator
 import os
 import pickle
 import re
@@ -42,9 +51,10 @@ import struct
 import tempfile
 import threading
 import time
-import weakref
 from collections import deque
 from typing import Any
+
+import numpy as np
 
 from ... import events
 from ...errors import OffloadError
@@ -58,38 +68,78 @@ except ImportError:  # not POSIX: folders of killed processes are left to the sy
 PENDING_WRITE_BYTES = 256 * 2**20
 """Bytes waiting to be written before `put` waits for the writer (memory held by the queue)."""
 READ_AHEAD_BYTES = 64 * 2**20
-"""Bytes read ahead of the backward sweep in imperative use (at least two values)."""
+"""Bytes read ahead of the backward sweep in imperative use (at least two files)."""
+READ_AHEAD_FILES = 32
+"""Files read ahead at most (the walk over them is done on reaching each file)."""
+CHUNK_BYTES = 4 * 2**20
+"""A file holds queued values up to this many bytes (a larger value gets a file of its own)."""
+LINGER_SECONDS = 0.02
+"""How long the writer waits for `CHUNK_BYTES` of values before writing what is queued."""
 WAIT_SECONDS = 120.0
 """The longest the calling thread waits for an I/O thread that makes no progress."""
 
 _PREFIX = "checkpoint-ad-"
 _OURS = re.compile(r"checkpoint-ad-(\d+)-[a-z0-9_]+")  # checkpoint-ad-<pid>-<mkdtemp's random>
 
-_HEADER = struct.Struct("<QQ")  # pickle header length, buffer count
-_LENGTH = struct.Struct("<Q")
+_HEADER = struct.Struct("<QQ")  # layout length, data length
+_ALIGN = 64  # each array's bytes start at a multiple of this in the file and in memory
+_ZEROS = bytes(_ALIGN)
+_first = operator.attrgetter("first")
+_UNWRITTEN = object()  # where the sweep is while it reads values not yet in a file
 
 
 class _Record:
-    """One stored form on disk: its file, and the copies of it held in memory."""
+    """One stored form: the value until written, then its place in a file."""
 
-    __slots__ = ("error", "freed", "loaded", "nbytes", "path", "planned", "reading", "serial",
+    __slots__ = ("chunk", "error", "freed", "index", "nbytes", "pending", "planned", "serial",
                  "used", "value", "wanted", "written")
 
-    def __init__(self, serial: int, path: str, value: Any, nbytes: int, planned: bool) -> None:
+    def __init__(self, serial: int, value: Any, nbytes: int, planned: bool) -> None:
         self.serial = serial
-        self.path = path
         self.value = value  # held until written
         self.nbytes = nbytes
         self.planned = planned  # read in an order the caller announces (a loop's snapshots)
-        self.loaded: Any = None  # read back ahead of use
-        self.written = self.freed = self.reading = self.wanted = self.used = False
+        self.chunk: _Chunk | None = None  # the file it is (being) written in
+        self.index = 0  # its place in that file
+        self.pending = True  # counted in the store's pending bytes
+        self.written = self.freed = self.wanted = self.used = False
         self.error: BaseException | None = None
+
+    @property
+    def path(self) -> str | None:
+        return None if self.chunk is None else self.chunk.path
+
+    @property
+    def loaded(self) -> Any:
+        """Its value read back and held in memory, or None."""
+        chunk = self.chunk
+        if chunk is None or chunk.values is None:
+            return None
+        return chunk.values[self.index]
+
+
+class _Chunk:
+    """One file: the records written in it, and their values once read back."""
+
+    __slots__ = ("first", "gone", "live", "nbytes", "path", "planned", "queued", "reading",
+                 "records", "values", "wanted", "written")
+
+    def __init__(self, path: str, records: list[_Record]) -> None:
+        self.path = path
+        self.records = records
+        self.first = records[0].serial
+        self.live = len(records)  # records not freed
+        self.nbytes = sum(r.nbytes for r in records)
+        self.planned = records[0].planned
+        self.values: list[Any] | None = None  # read back (None: only on disk)
+        self.wanted = any(r.wanted for r in records)  # keep the values when written
+        self.written = self.reading = self.queued = self.gone = False
 
 
 class DiskRef:
-    """The handle a stored form keeps: its record on disk; the file goes when this dies."""
+    """The handle a stored form keeps: its record on disk; it is freed when this dies."""
 
-    __slots__ = ("__weakref__", "nbytes", "record", "store")
+    __slots__ = ("nbytes", "record", "store")
 
     def __init__(self, store: DiskStore, record: _Record) -> None:
         self.store = store
@@ -99,8 +149,12 @@ class DiskRef:
     def read(self) -> Any:
         return self.store.get(self)
 
+    def __del__(self) -> None:  # a finalizer per value costs more than the value's write
+        with contextlib.suppress(Exception):  # at interpreter exit: `close` removes the folder
+            self.store._free(self.record)
+
     def __repr__(self) -> str:
-        return f"<DiskRef {os.path.basename(self.record.path)} {self.nbytes} bytes>"
+        return f"<DiskRef #{self.record.serial} {self.nbytes} bytes>"
 
 
 class DiskStore:
@@ -111,12 +165,17 @@ class DiskStore:
         self.cond = threading.Condition(threading.RLock())
         self.folder: str | None = None
         self.live: dict[int, _Record] = {}
-        self.lifo: list[int] = []  # serials of live imperative records, ascending
+        self.chunks: list[_Chunk] = []  # imperative files, in write order
+        self.loaded: list[_Chunk] = []  # imperative files held in memory
+        self.at: Any = None  # the file the imperative sweep reads now (or _UNWRITTEN)
         self.kept: list[_Record] = []  # imperative records read and still held in memory
+        self.file_count = 0
+        self.files_written = self.values_written = 0  # in all, since the store was made
         self.serial = 0
         self.writes: deque[_Record] = deque()
-        self.reads: deque[_Record] = deque()
-        self.pending_bytes = 0
+        self.reads: deque[_Chunk] = deque()
+        self.pending_bytes = 0  # queued or being written
+        self.queued_bytes = 0  # queued, not yet taken into a file
         self.probing = 0  # `measure` calls writing a probe file now
         self.closed = False
         self.threads: dict[str, threading.Thread] = {}
@@ -128,7 +187,9 @@ class DiskStore:
         """Queue `value` (a stored form) for writing; the returned handle reads it back."""
         stalled = 0.0
         with self.cond:
-            self._start()
+            writer = self.threads.get("writer")
+            if self.folder is None or writer is None or not writer.is_alive():
+                self._start()
             if self.pending_bytes and self.pending_bytes + nbytes > PENDING_WRITE_BYTES:
                 started = time.perf_counter()
                 self._wait(lambda: not (self.pending_bytes
@@ -139,16 +200,15 @@ class DiskStore:
                 stalled = time.perf_counter() - started
                 self._start()  # the folder went if every queued value was freed meanwhile
             self.serial += 1
-            path = os.path.join(self.folder, f"{self.serial}.bin")  # type: ignore[arg-type]
-            record = _Record(self.serial, path, value, nbytes, planned)
+            record = _Record(self.serial, value, nbytes, planned)
             self.live[record.serial] = record
-            if not planned:
-                self.lifo.append(record.serial)
             self.pending_bytes += nbytes
             self.writes.append(record)
-            self.cond.notify_all()
+            queued = self.queued_bytes
+            self.queued_bytes = queued + nbytes
+            if not queued or queued < CHUNK_BYTES <= queued + nbytes:
+                self.cond.notify_all()  # the writer's first value, or a file's worth
         ref = DiskRef(self, record)
-        weakref.finalize(ref, self._free, record)  # holds the store and record, not the handle
         if events.listeners:
             events.emit("io_write", nbytes)
             if stalled:
@@ -157,7 +217,7 @@ class DiskStore:
 
     def get(self, ref: DiskRef) -> Any:
         """The stored form of `ref`: from memory when its write is not done or it was read
-        ahead, else read now (the wait is reported as an 'io_stall' event)."""
+        ahead, else its file is read now (the wait is reported as an 'io_stall' event)."""
         record = ref.record
         stalled = 0.0
         from_disk = True
@@ -168,24 +228,28 @@ class DiskStore:
                     "the computation that saved it stops here; free some space or pass a "
                     "writable folder, e.g. Offload('disk', dir=...)"
                 ) from record.error
+            chunk = record.chunk
             if record.value is not None:  # not written yet: served from memory, no read
                 value = record.value
                 from_disk = False
             else:
+                assert chunk is not None  # written, so in a file
                 started = time.perf_counter()
-                if record.reading:
+                if chunk.reading:
                     self._start()
-                    self._wait(lambda: not record.reading, lambda: record.reading,
-                               f"the disk reader to read {record.path!r} back")
+                    self._wait(lambda: not chunk.reading, lambda: chunk.reading,
+                               f"the disk reader to read {chunk.path!r} back")
                 value = record.loaded
                 if value is None:
-                    value = self._read_now(record)
+                    value = self._read_now(record, chunk)
                 stalled = time.perf_counter() - started
             if record.planned:
-                record.loaded = None  # the plan says when it is needed again
                 record.wanted = False
+                if chunk is not None:
+                    chunk.values = None  # the plan says when it is needed again
+                    chunk.wanted = False
             else:
-                self._passed(record, value)
+                self._passed(record, chunk)
         if events.listeners:
             if from_disk:
                 events.emit("io_read", record.nbytes)
@@ -197,7 +261,12 @@ class DiskStore:
         """Read these values ahead, in this order (a plan's next restores)."""
         with self.cond:
             for ref in refs:
-                self._want(ref.record)
+                record = ref.record
+                if record.freed:
+                    continue
+                record.wanted = True  # its file keeps it in memory when written
+                if record.chunk is not None:
+                    self._want(record.chunk)
             self.cond.notify_all()
 
     def measure(self, value: Any) -> tuple[float, float]:
@@ -210,7 +279,7 @@ class DiskStore:
             self.probing += 1
         try:
             started = time.perf_counter()
-            _write(path, value)
+            _write(path, [value])
             written = time.perf_counter()
             _read(path)
             read = time.perf_counter()
@@ -223,6 +292,11 @@ class DiskStore:
 
     @property
     def files(self) -> int:
+        """Files in the folder now (written or being written; a file holds many values)."""
+        return self.file_count
+
+    @property
+    def values(self) -> int:
         """Values stored now (written or waiting to be)."""
         return len(self.live)
 
@@ -269,65 +343,114 @@ class DiskStore:
                 )
             self._start()  # an I/O thread that died is started again
 
-    def _want(self, record: _Record) -> None:
-        if record.freed or record.loaded is not None or record.reading:
+    def _want(self, chunk: _Chunk) -> None:
+        if chunk.gone or chunk.values is not None or chunk.reading or chunk.queued:
             return
-        record.wanted = True  # kept in memory when its write completes
-        if record.written and record not in self.reads:
-            self.reads.append(record)
+        chunk.wanted = True  # kept in memory when its write completes
+        if chunk.written:
+            chunk.queued = True
+            self.reads.append(chunk)
 
-    def _passed(self, record: _Record, value: Any) -> None:
+    def _passed(self, record: _Record, chunk: _Chunk | None) -> None:
         """Imperative read of `record`: keep it (read again soon, maybe), drop the values read
-        before it that are later in pack order (the sweep is past them), read ahead."""
-        record.loaded = value
+        before it that are later in pack order (the sweep is past them); on reaching another
+        file, drop the files the sweep has left and read ahead the ones before it."""
         record.used = True
         still = []
         for other in self.kept:
             if other.serial > record.serial:
-                other.loaded = None
+                _drop_value(other)
             elif other is not record:
                 still.append(other)
         still.append(record)
         self.kept = still
-        at = bisect.bisect_left(self.lifo, record.serial)
+        if chunk is not self.at and (chunk is not None or self.at is not _UNWRITTEN):
+            self._reached(record, chunk)
+
+    def _reached(self, record: _Record, chunk: _Chunk | None) -> None:
+        left, self.at = self.at, chunk if chunk is not None else _UNWRITTEN
+        if chunk is None:  # not taken by the writer yet: every file is before it
+            first, at = record.serial, len(self.chunks)
+        else:
+            first = chunk.first
+            at = bisect.bisect_left(self.chunks, first, key=_first)
+        if self.loaded:  # the sweep has left these (the last one may still be read once)
+            still = []
+            for other in self.loaded:
+                if other.first > first and other is not left:
+                    other.values = None
+                else:
+                    still.append(other)
+            self.loaded = still
         budget = READ_AHEAD_BYTES
         for count, position in enumerate(range(at - 1, -1, -1)):
-            other = self.live[self.lifo[position]]
-            if count >= 2 and budget < other.nbytes:
+            other = self.chunks[position]
+            if count >= 2 and (budget < other.nbytes or count >= READ_AHEAD_FILES):
                 break
             budget -= other.nbytes
             self._want(other)
         self.cond.notify_all()
 
-    def _read_now(self, record: _Record) -> Any:
+    def _hold(self, chunk: _Chunk, values: list[Any]) -> None:
+        """Keep a file's values read back (freed records' values are not kept)."""
+        for index, record in enumerate(chunk.records):
+            if record.freed:
+                values[index] = None
+        chunk.values = values
+        if not chunk.planned and chunk not in self.loaded:
+            self.loaded.append(chunk)
+
+    def _read_now(self, record: _Record, chunk: _Chunk) -> Any:
         if record.freed:
-            raise OffloadError(f"{record.path} was read after its value was freed")
+            raise OffloadError(f"{chunk.path} was read after its value was freed")
         try:
-            return _read(record.path)
+            values = _read(chunk.path)
         except OSError as exc:
             raise OffloadError(
-                f"reading an offloaded value back from {record.path!r} failed ({exc}); was the "
+                f"reading an offloaded value back from {chunk.path!r} failed ({exc}); was the "
                 "temporary folder removed or the disk changed while the program ran?"
             ) from exc
+        if not record.planned:
+            self._hold(chunk, values)
+        return values[record.index]
 
     def _free(self, record: _Record) -> None:
         with self.cond:
             record.freed = True
-            record.value = record.loaded = None
+            record.value = None
             self.live.pop(record.serial, None)
-            if not record.planned:
-                at = bisect.bisect_left(self.lifo, record.serial)
-                if at < len(self.lifo) and self.lifo[at] == record.serial:
-                    del self.lifo[at]
-                if record.used:
-                    self.kept = [r for r in self.kept if r is not record]
-            if record.written:
-                _unlink(record.path)
-            if not record.written and record in self.writes:  # never written: nothing to do
-                self.writes.remove(record)
+            if record.pending:  # never written: nothing to write
+                record.pending = False
                 self.pending_bytes -= record.nbytes
+                if record.chunk is None:
+                    self.queued_bytes -= record.nbytes
                 self.cond.notify_all()
+            if record.used and not record.planned:
+                self.kept = [r for r in self.kept if r is not record]
+            chunk = record.chunk
+            if chunk is not None:
+                _drop_value(record)
+                chunk.live -= 1
+                if not chunk.live and chunk.written:  # one being written: the writer removes it
+                    self._forget(chunk)
+                    _unlink(chunk.path)
             self._maybe_remove_folder()
+
+    def _forget(self, chunk: _Chunk) -> None:
+        """A file whose values are all freed, or whose write failed: out of the books."""
+        if chunk.gone:
+            return
+        chunk.gone = True
+        chunk.values = None
+        self.file_count -= 1
+        if not chunk.planned:
+            at = bisect.bisect_left(self.chunks, chunk.first, key=_first)
+            if at < len(self.chunks) and self.chunks[at] is chunk:
+                del self.chunks[at]
+            if chunk in self.loaded:
+                self.loaded.remove(chunk)
+            if self.at is chunk:
+                self.at = None
 
     def _maybe_remove_folder(self) -> None:
         """Remove the folder once no value lives in it. A thread may still be writing or
@@ -344,45 +467,95 @@ class DiskStore:
             os.close(self.lock_fd)
             self.lock_fd = None
 
+    def _take(self) -> tuple[_Chunk, list[Any]] | None:
+        """The queued records of the next file (up to `CHUNK_BYTES`; a plan's alone), and
+        their values."""
+        batch: list[_Record] = []
+        size = 0
+        writes = self.writes
+        while writes:
+            record = writes[0]
+            if record.freed:  # freed while queued: its bytes are already uncounted
+                writes.popleft()
+                continue
+            if batch and (record.planned or batch[0].planned
+                          or size + record.nbytes > CHUNK_BYTES):
+                break
+            writes.popleft()
+            self.queued_bytes -= record.nbytes
+            batch.append(record)
+            size += record.nbytes
+        if not batch:
+            return None
+        chunk = _Chunk(os.path.join(self.folder, f"{batch[0].serial}.bin"),  # type: ignore[arg-type]
+                       batch)
+        for index, record in enumerate(batch):
+            record.chunk = chunk
+            record.index = index
+        if not chunk.planned:
+            self.chunks.append(chunk)
+        self.file_count += 1
+        return chunk, [record.value for record in batch]
+
     # ------------------------------------------------------------- the I/O threads
     def _write_loop(self) -> None:
         while True:
             with self.cond:
                 while not self.writes and not self.closed:
                     self.cond.wait()
+                deadline = time.monotonic() + LINGER_SECONDS
+                while not self.closed and self.queued_bytes < CHUNK_BYTES:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self.cond.wait(left)  # a fuller file: fewer files, fewer system calls
                 if self.closed:
                     return
-                record = self.writes.popleft()
+                taken = self._take()
+            if taken is None:
+                continue
+            chunk, values = taken
             try:
-                self._write_one(record)
+                self._write_one(chunk, values)
             except BaseException as exc:  # the thread outlives any error
                 with self.cond:
-                    if record.error is None and not record.written:
-                        record.error = exc
+                    for record in chunk.records:
+                        if record.error is None and not record.written and not record.freed:
+                            record.error = exc
                     self.cond.notify_all()
 
-    def _write_one(self, record: _Record) -> None:
-        """Write one record; the bookkeeping is done whatever fails (a failed cleanup too)."""
-        value = record.value
+    def _write_one(self, chunk: _Chunk, values: list[Any]) -> None:
+        """Write one file; the bookkeeping is done whatever fails (a failed cleanup too)."""
         error = None
         try:
-            value = host_arrays(value)  # a device array's copy to pinned memory, done
-            _write(record.path, value)
-        except BaseException as exc:  # raised where the value is read; it stays in memory
+            values = [v if type(v) is np.ndarray else host_arrays(v) for v in values]
+            _write(chunk.path, values)  # a device array's copy to pinned memory, waited for
+        except BaseException as exc:  # raised where a value is read; they stay in memory
             error = exc
         with self.cond:
-            self.pending_bytes -= record.nbytes
+            for record in chunk.records:
+                if record.pending:
+                    record.pending = False
+                    self.pending_bytes -= record.nbytes
             try:
-                if record.freed:  # its folder may be gone already: nothing to report
-                    _unlink(record.path)
+                if not chunk.live:  # every value freed meanwhile; the folder may be gone
+                    self._forget(chunk)
+                    _unlink(chunk.path)
                 elif error is not None:
-                    record.error = error
-                    _unlink(record.path)
+                    for record in chunk.records:
+                        if not record.freed:
+                            record.error = error
+                    self._forget(chunk)
+                    _unlink(chunk.path)
                 else:
-                    record.written = True
-                    if record.wanted:
-                        record.loaded = value
-                    record.value = None
+                    chunk.written = True
+                    self.files_written += 1
+                    self.values_written += len(chunk.records)
+                    for record in chunk.records:
+                        record.written = True
+                        record.value = None
+                    if chunk.wanted:
+                        self._hold(chunk, values)
                 self._maybe_remove_folder()
             finally:
                 self.cond.notify_all()
@@ -394,20 +567,21 @@ class DiskStore:
                     self.cond.wait()
                 if self.closed:
                     return
-                record = self.reads.popleft()
-                if record.freed or record.loaded is not None or not record.written:
+                chunk = self.reads.popleft()
+                chunk.queued = False
+                if chunk.gone or chunk.values is not None or not chunk.written:
                     continue
-                record.reading = True
-            value = None
+                chunk.reading = True
+            values = None
             try:
-                value = _read(record.path)
+                values = _read(chunk.path)
             except BaseException:  # read again on the calling thread, which reports the
                 pass  # error; the thread outlives it
             finally:
                 with self.cond:
-                    record.reading = False
-                    if not record.freed:
-                        record.loaded = value
+                    chunk.reading = False
+                    if values is not None and not chunk.gone:
+                        self._hold(chunk, values)
                     self.cond.notify_all()
                     with contextlib.suppress(OSError):
                         self._maybe_remove_folder()
@@ -424,35 +598,74 @@ class DiskStore:
                 self._remove_folder()
 
 
-def _write(path: str, value: Any) -> None:
-    """Write a stored form: a pickle header, then each array's bytes out of band (no copy)."""
-    buffers: list[pickle.PickleBuffer] = []
-    header = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
-    views = [b.raw() for b in buffers]
+def _drop_value(record: _Record) -> None:
+    chunk = record.chunk
+    if chunk is not None and chunk.values is not None:
+        chunk.values[record.index] = None
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // _ALIGN) * _ALIGN
+
+
+def _write(path: str, values: list[Any]) -> None:
+    """Write stored forms to one file: a layout, then each array's bytes (no copy). A plain
+    array is its bytes; any other form is pickled with its arrays' bytes out of band."""
+    entries: list[tuple] = []
+    buffers: list[tuple[int, Any]] = []
+    end = 0
+    for value in values:
+        if (type(value) is np.ndarray and value.flags.c_contiguous
+                and value.dtype.fields is None and not value.dtype.hasobject):
+            entries.append(("a", value.dtype.str, value.shape, end, value.nbytes))
+            buffers.append((end, value.reshape(-1).view(np.uint8)))
+            end = _aligned(end + value.nbytes)
+            continue
+        pickled: list[pickle.PickleBuffer] = []
+        header = pickle.dumps(value, protocol=5, buffer_callback=pickled.append)
+        spans = []
+        for buffer in pickled:
+            raw = buffer.raw()
+            spans.append((end, raw.nbytes))
+            buffers.append((end, raw))
+            end = _aligned(end + raw.nbytes)
+        entries.append(("p", header, spans))
+    size = buffers[-1][0] + buffers[-1][1].nbytes if buffers else 0
+    layout = pickle.dumps(entries, protocol=5)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
     fd = os.open(path, flags, 0o600)
     with os.fdopen(fd, "wb") as f:
-        f.write(_HEADER.pack(len(header), len(views)))
-        for view in views:
-            f.write(_LENGTH.pack(view.nbytes))
-        f.write(header)
-        for view in views:
+        f.write(_HEADER.pack(len(layout), size))
+        f.write(layout)
+        f.write(_ZEROS[:_aligned(_HEADER.size + len(layout)) - _HEADER.size - len(layout)])
+        at = 0
+        for start, view in buffers:
+            if start > at:
+                f.write(_ZEROS[:start - at])
             f.write(view)
+            at = start + view.nbytes
 
 
-def _read(path: str) -> Any:
-    """Read a stored form written by `_write` (from our own private folder)."""
+def _read(path: str) -> list[Any]:
+    """Read the stored forms written by `_write` (from our own private folder): one read
+    into one aligned buffer, whose slices the arrays are."""
     with open(path, "rb") as f:
-        header_length, count = _HEADER.unpack(f.read(_HEADER.size))
-        lengths = [_LENGTH.unpack(f.read(_LENGTH.size))[0] for _ in range(count)]
-        header = f.read(header_length)
-        buffers = []
-        for length in lengths:
-            buffer = bytearray(length)
-            if f.readinto(buffer) != length:
-                raise OSError(f"{path} is shorter than written")
-            buffers.append(buffer)
-    return pickle.loads(header, buffers=buffers)
+        layout_length, data_length = _HEADER.unpack(f.read(_HEADER.size))
+        entries = pickle.loads(f.read(layout_length))
+        f.seek(_aligned(_HEADER.size + layout_length))
+        raw = np.empty(data_length + _ALIGN, np.uint8)
+        skip = -raw.ctypes.data % _ALIGN
+        data = raw[skip:skip + data_length]
+        if f.readinto(data) != data_length:
+            raise OSError(f"{path} is shorter than written")
+    values = []
+    for entry in entries:
+        if entry[0] == "a":
+            _, dtype, shape, start, nbytes = entry
+            values.append(data[start:start + nbytes].view(dtype).reshape(shape))
+        else:
+            values.append(pickle.loads(entry[1], buffers=[data[s:s + n] for s, n in entry[2]]))
+    return values
 
 
 def _unlink(path: str) -> None:
@@ -535,13 +748,21 @@ _stores: dict[str | None, DiskStore] = {}
 _stores_lock = threading.Lock()
 
 
+_given: dict[str | None, DiskStore] = {}  # by the folder as given (no abspath per value)
+
+
 def store_for(parent: str | None) -> DiskStore:
     """The store writing under `parent` (one per folder, made on first use)."""
+    store = _given.get(parent)
+    if store is not None:
+        return store
     key = None if parent is None else os.path.abspath(parent)
     with _stores_lock:
         store = _stores.get(key)
         if store is None:
             store = _stores[key] = DiskStore(key)
+        if parent is None or os.path.isabs(parent):  # a relative one follows the working folder
+            _given[parent] = store
         return store
 
 

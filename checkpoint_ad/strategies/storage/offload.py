@@ -11,7 +11,9 @@ Levels:
   when the backward sweep reads them. A numpy array is in host memory already: on the CPU this
   level keeps values as they are (they count as device memory, which is the same memory).
 - ``"disk"``: values are written to a private temporary folder (under `dir`, default the
-  system's) by a background thread and read back ahead of the sweep (see `disk_store.py`).
+  system's) by a background thread, the values queued together in one file (a Python loop's
+  many small values cost a few files, not one each), and read back ahead of the sweep in
+  reverse write order (see `disk_store.py`).
   The folder is removed when its last value is freed and at interpreter exit.
 
 >>> import numpy as np
@@ -30,6 +32,8 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
+import numpy as np
+
 from ...backend import is_array
 from ...backend import nbytes as array_nbytes
 from ...errors import StrategyConfigError
@@ -43,9 +47,10 @@ __all__ = ["LEVELS", "Offload", "Offloaded"]
 LEVELS = ("host", "disk")
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False, slots=True)
 class Offloaded:
-    """The stored form of an offloaded value: where it lives, and how to get it back."""
+    """The stored form of an offloaded value: where it lives, and how to get it back (not
+    frozen: made once per saved value, and a frozen dataclass's constructor costs 3x)."""
 
     level: str  # "device" (kept where it is), "host" or "disk"
     value: Any  # the inner stored form, its host copy, or a DiskRef
@@ -121,6 +126,12 @@ class Offload(Strategy):
         return self.inner.choose_form(prim) if self.inner is not None else prim.forms[0]
 
     def pack(self, array: Any) -> Offloaded:
+        if self.inner is None and type(array) is np.ndarray:  # the common case, made short
+            size = array.nbytes
+            if self.level == "host":
+                return Offloaded("device", array, size, None)
+            return Offloaded("disk", store_for(self.dir).put(array, size, self.planned), size,
+                             None)
         stored = self.inner.pack(array) if self.inner is not None else array
         measured = self.inner.stored_nbytes(stored) if self.inner is not None else None
         size = array_nbytes(array) if measured is None else int(measured)
