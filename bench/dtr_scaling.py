@@ -9,7 +9,8 @@ evictions, primitives re-run and candidates scored per eviction, and the budget'
 peak (collector off) split into the array bytes (numpy's tracemalloc domain, at the end of
 the forward sweep) and the rest (the tape's and the pool's objects, O(steps) for any
 strategy). The fit of log(time) on log(steps) gives the exponent. The RNN row: tracemalloc
-peak over the limit, and where the bytes beyond it are.
+peak over the limit under a pool that holds the process's memory (as a `Budget`'s does) and
+under one that holds its saved arrays alone, and where the bytes are.
 """
 
 from __future__ import annotations
@@ -153,14 +154,18 @@ def rnn_row(steps: int, batch: int, hidden: int, fraction: float) -> dict:
     keep_tape = prof.peak_tape_bytes
     keep_peak, keep_arrays = _traced(lambda mark: run(KeepAll(), mark))
     limit = int(keep_tape * fraction)
-    pool = Rematerializing(limit)
+    # as a Budget's pool: the limit holds the process's memory (`process`)
+    pool = Rematerializing(limit, process=True)
     peak, arrays = _traced(lambda mark: run(pool, mark))
+    arrays_only = Rematerializing(limit)  # the limit holds its saved arrays alone
+    arrays_only_peak, _ = _traced(lambda mark: run(arrays_only, mark))
     with cad.profile() as prof:
-        grads = run(Rematerializing(limit))
+        grads = run(Rematerializing(limit, process=True))
     return {"name": f"RNN T={steps} B={batch} H={hidden} at {fraction:.0%}", "seconds": None,
             "extras": {
                 "limit_bytes": limit, "keep_all_tape_bytes": keep_tape,
                 "traced_peak_bytes": peak, "traced_peak_over_limit": peak / limit,
+                "arrays_only_traced_peak_over_limit": arrays_only_peak / limit,
                 "arrays_at_end_of_forward": arrays,
                 "keep_all_traced_peak_bytes": keep_peak,
                 "keep_all_arrays_at_end_of_forward": keep_arrays,

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 import warnings
 import weakref
 from collections.abc import Callable
@@ -81,11 +82,13 @@ class _Value:
     (other `_Value`s, or `_Fixed` arrays with no recipe), and where its array is now."""
 
     __slots__ = ("__weakref__", "attrs", "chain", "cls", "counter", "dtype", "frontier",
-                 "handle", "inputs", "pool", "prim", "ref", "shape", "users", "version")
+                 "handle", "inputs", "objects", "pool", "prim", "ref", "seq", "shape", "users",
+                 "version")
 
     def __init__(self, pool: Rematerializing, prim: Any, attrs: dict[str, Any],
                  inputs: tuple[Any, ...], result: Any, cost: float) -> None:
         self.pool = pool  # whose value: the entry keeps it, and other pools must not see it
+        self.seq = pool._clock  # when it was recorded: recomputes run in the program's order
         self.prim = prim
         self.attrs = attrs
         self.inputs = inputs
@@ -116,6 +119,11 @@ class _Value:
         self.frontier = tuple(frontier)
         self.users: list[weakref.ref[_Value]] | None = None
         self.cls: _Class | None = None
+        self.objects = 0  # bytes of objects counted for it (a pool counting the process's)
+
+    def __del__(self) -> None:
+        if self.objects:
+            self.pool._forget(self.objects)
 
     def present(self) -> Any:
         """The array if it is still in memory unchanged (held, or alive in the caller's
@@ -213,6 +221,8 @@ class _Handle:
     def __del__(self) -> None:  # the buffer died: its bytes leave the pool
         if self.array is not None:
             self.pool._let_go(self)
+        if self.pool.process:
+            self.pool.object_bytes -= _sizes().handle
 
     def __repr__(self) -> str:
         state = "held" if self.array is not None else "evicted"
@@ -240,9 +250,22 @@ class Rematerializing(Strategy):
 
     lossless: ClassVar[bool] = True
 
-    def __init__(self, limit_bytes: int, reserved: Callable[[], int] | None = None) -> None:
+    def __init__(self, limit_bytes: int, reserved: Callable[[], int] | None = None,
+                 process: bool = False) -> None:
         """`reserved`, if given, says how many bytes of `limit_bytes` are held outside the pool
-        (a budget's loops, until their backward sweep): the pool keeps to the rest."""
+        (a budget's loops, until their backward sweep): the pool keeps to the rest.
+
+        `process=True` (what `Budget` asks): the limit is for the program's memory as
+        tracemalloc measures it, not its saved arrays alone. The pool also counts the tape's
+        and its own objects for the values it records (`object_bytes`, an estimate per
+        value) and keeps room for what the backward sweep makes (`gradient_bytes`: the
+        gradients of the leaves its values read, two more of the largest as it is summed,
+        and six of the largest value: a backward rule's gradients in and out and its
+        temporaries, as tanh's ``g * (1 - y**2)`` makes, or a recompute's inputs and result
+        beyond what it holds), while these take at most 7/8 of the
+        limit: where they pass it (a long loop of small steps: the objects grow with the
+        steps, and no evicting of arrays can hold them), it holds its arrays to the limit
+        less only what fits of them, gradients first."""
         if isinstance(limit_bytes, bool) or not isinstance(limit_bytes, (int, np.integer)):
             raise StrategyConfigError(
                 f"Rematerializing(limit_bytes=...) takes a whole number of bytes, got "
@@ -254,6 +277,12 @@ class Rematerializing(Strategy):
             )
         self.limit_bytes = int(limit_bytes)
         self.reserved = reserved
+        self.process = bool(process)
+        self.object_bytes = 0  # estimated objects of the live values and handles (process)
+        self.gradient_bytes = 0  # room kept for the backward sweep's gradients (process)
+        self._leaves: dict[int, int] = {}  # id(leaf) -> bytes, the leaves its values read
+        self._largest = 0  # bytes of the largest value recorded
+        self._values = 0  # values alive whose objects are counted
         self.held_bytes = 0  # bytes of saved values the pool holds now
         self.peak_bytes = 0
         self.peak_since_mark = 0  # the most held since `mark()`
@@ -277,6 +306,18 @@ class Rematerializing(Strategy):
     def __repr__(self) -> str:
         return f"Rematerializing(limit_bytes={self.limit_bytes})"
 
+    def unseen_bytes(self) -> int:
+        """Bytes of the limit a `process` pool counts besides the arrays it holds: the
+        gradients' room, then the objects, while they fit in 7/8 of the limit (see
+        `__init__`); 0 for a pool of saved arrays only."""
+        if not self.process:
+            return 0
+        share = self.limit_bytes * 7 // 8
+        counted = self.gradient_bytes if self.gradient_bytes <= share else 0
+        if counted + self.object_bytes <= share:
+            counted += self.object_bytes
+        return counted
+
     # ------------------------------------------------------------- the Strategy contract
     def for_leaf(self) -> Strategy:
         return KEEP  # the caller's own memory: nothing to gain by evicting it
@@ -285,9 +326,12 @@ class Rematerializing(Strategy):
         size = array_nbytes(array)
         self._clock += 1
         adds = 0 if id(array) in self._holders else size  # held already: counted once
-        if self.held_bytes + adds > self.limit_bytes - self._reserved_bytes():
+        if self.held_bytes + adds > (self.limit_bytes - self._reserved_bytes()
+                                     - (self.unseen_bytes() if self.process else 0)):
             self._make_room(adds, locked=None, strict=True)
         handle = _Handle(self, array, size, self._clock)
+        if self.process:
+            self.object_bytes += _sizes().handle
         self._hold(handle)
         value = self._by_array.get(id(array))
         if value is not None and value.present() is array:  # made by a primitive before
@@ -317,9 +361,13 @@ class Rematerializing(Strategy):
             value = self._value_of(t._entry)
             if value is None or value.present() is not t._data:
                 value = _Fixed(t)
+                if self.process and t._requires_grad and t._entry is None:
+                    self._reads_leaf(t)
             sources.append(value)
         value = _Value(self, prim, attrs, tuple(sources), result, _cost(prim, inputs, result))
         result._entry._extras().remat = value  # lives as long as the entry, like its values
+        if self.process:
+            self._count_objects(value, result)
         self._by_array[id(result._data)] = value
         fresh, self._fresh = self._fresh, []
         for ref in fresh:
@@ -328,6 +376,30 @@ class Rematerializing(Strategy):
                 continue
             if handle.array is result._data:
                 _attach(handle, value)
+
+    def _reads_leaf(self, leaf: Any) -> None:
+        """A leaf that will get a gradient: keep room for it in the backward sweep."""
+        if id(leaf) not in self._leaves:
+            self._leaves[id(leaf)] = array_nbytes(leaf._data)
+            self._gradients_changed()
+
+    def _gradients_changed(self) -> None:
+        leaves = self._leaves.values()
+        self.gradient_bytes = (sum(leaves) + 2 * (max(leaves) if leaves else 0)
+                               + 6 * self._largest)
+
+    def _count_objects(self, value: _Value, result: Any) -> None:
+        """Count the tape's and the pool's objects for `value` (given back when it dies),
+        and keep room for its gradient if it is the largest value yet."""
+        sizes = _sizes()
+        value.objects = sizes.value + sizes.per_input * len(value.inputs) + sizes.per_fixed * sum(
+            type(s) is _Fixed for s in value.inputs)
+        self.object_bytes += value.objects
+        self._values += 1
+        size = array_nbytes(result._data)
+        if size > self._largest:
+            self._largest = size
+            self._gradients_changed()
 
     def _value_of(self, entry: Any) -> _Value | None:
         """How this pool remembers `entry`'s result was made (None: not under this pool)."""
@@ -399,20 +471,39 @@ class Rematerializing(Strategy):
         self._holders = {}
         self._shapes = {}
 
+    def _forget(self, objects: int) -> None:
+        """A counted value died; with the last, the program is over: forget the leaves it
+        read (the next program's gradients are its own)."""
+        self.object_bytes -= objects
+        self._values -= 1
+        if not self._values:
+            self._leaves = {}
+            self._largest = 0
+            self.gradient_bytes = 0
+
     def _victim(self, locked: _Handle | None) -> _Handle | None:
         """The evictable held handle of lowest score among about sqrt(n) drawn of the n
-        (all of them when n is small); None when there is none but `locked`."""
+        (all of them when n is small); None when there is none but `locked`. The score is
+        `_score`'s, inlined: this loop is most of what an eviction costs."""
         evictable = self._evictable
         n = len(evictable)
         draws = n if n <= _SAMPLE_FLOOR else max(_SAMPLE_FLOOR, math.isqrt(n) + 1)
+        draw = self._random.random
+        holders_of = self._holders.get
+        clock = self._clock + 1
         best: _Handle | None = None
         best_score = math.inf
         for i in range(draws):
-            handle = evictable[i if draws == n else self._random.randrange(n)]()
-            if handle is None or handle is locked or not self._frees(handle, locked):
+            handle = evictable[i if draws == n else int(draw() * n)]()
+            if handle is None or handle is locked:
                 continue
-            score = self._score(handle)
-            if best is None or score < best_score:
+            holders = holders_of(id(handle.array))
+            if holders is not None and len(holders) > 1 and not self._frees(handle, locked):
+                continue
+            value = handle.value
+            score = (value.chain + _neighbourhood_cost(value)) / (
+                (handle.nbytes or 1) * (clock - handle.last))
+            if score < best_score or best is None:
                 best, best_score = handle, score
         self.scored += draws
         if best is None and draws < n:  # drew none that frees memory: look at all
@@ -437,7 +528,8 @@ class Rematerializing(Strategy):
         `strict`: raise `BudgetError` when they cannot; else go over the limit."""
         reserved = self._reserved_bytes()
         limit = self.limit_bytes - reserved
-        while self.held_bytes + size > limit:
+        room = limit - self.unseen_bytes()
+        while self.held_bytes + size > room:
             victim = self._victim(locked)
             if victim is None:
                 break
@@ -540,7 +632,8 @@ class Rematerializing(Strategy):
         return have[id(root)]
 
     def _rehold(self, handle: _Handle, array: Any, locked: _Handle) -> None:
-        if self.held_bytes + handle.nbytes > self.limit_bytes - self._reserved_bytes():
+        if self.held_bytes + handle.nbytes > (self.limit_bytes - self._reserved_bytes()
+                                              - self.unseen_bytes()):
             self._make_room(handle.nbytes, locked=locked, strict=False)
         handle.array = array
         self._clock += 1
@@ -548,6 +641,49 @@ class Rematerializing(Strategy):
         self._hold(handle)
         if events.listeners:
             events.emit("rematerialize", handle)
+
+
+class _Sizes:
+    """Bytes of the objects recording one value makes (`sys.getsizeof` of each kind, measured
+    once): the tape's entry and its extras, the value, its tuples, weak references, version
+    counter and class (once evicted); per input a tuple slot, per input with no recipe a
+    `_Fixed`; per saved handle the handle, the saved buffer and slot, their weak references,
+    the list of the values that read it, and its place in the table of holders."""
+
+    def __init__(self) -> None:
+        from ...entry import Entry
+        from ...saved import PackedBuffer, SavedSlot
+
+        ref = sys.getsizeof(weakref.ref(self))
+        keyed = sys.getsizeof(weakref.KeyedRef(self, None, 0))  # the array table's
+        slots = (_Value.__slots__, _Handle.__slots__, Entry.__slots__, EntryExtra.__slots__,
+                 _Fixed.__slots__, (*PackedBuffer.__slots__, "packed", "__weakref__"),
+                 SavedSlot.__slots__)
+        sizes = [_slotted(names) for names in slots]
+        value, handle, entry, extra, fixed, buffer, slot = sizes
+        tuple_, counter, cls = 40, 40, 64  # an empty tuple, a version counter, a `_Class`
+        self.value = value + entry + extra + 2 * ref + keyed + 2 * tuple_ + counter + cls
+        self.per_input = 8
+        self.per_fixed = fixed
+        listed = 56 + ref  # a list of users and a weak reference in it
+        held = 232 + ref  # a dict of the handles holding its array, and one in it
+        self.handle = handle + buffer + slot + 3 * ref + listed + held
+
+
+def _slotted(names: tuple[str, ...]) -> int:
+    """`sys.getsizeof` of an instance of a class with these `__slots__` (and the collector's
+    header, which it counts)."""
+    return 16 + 16 + 8 * len([n for n in names if n != "__weakref__"]) + 8 * (
+        "__weakref__" in names)
+
+
+_SIZES: list[_Sizes] = []
+
+
+def _sizes() -> _Sizes:
+    if not _SIZES:
+        _SIZES.append(_Sizes())
+    return _SIZES[0]
 
 
 def _attach(handle: _Handle, value: _Value) -> None:
@@ -585,8 +721,41 @@ def _evicted_neighbours(value: _Value) -> list[_Class]:
 
 def _neighbourhood_cost(value: _Value) -> float:
     """Estimated cost of the evicted values a recompute of `value` (or of what reads it)
-    would also run: the summed costs of the classes next to it."""
-    return sum(root.cost for root in _evicted_neighbours(value))
+    would also run: the summed costs of the classes next to it (`_evicted_neighbours`,
+    without building the list where no neighbour is evicted, the common case)."""
+    first: _Class | None = None
+    roots: list[_Class] | None = None
+    total = 0.0
+    for source in value.frontier:
+        node = source.cls
+        if node is None:
+            continue
+        if node.parent is not None:
+            node = _find(node)
+        if first is None:
+            first, total = node, node.cost
+        elif node is not first and (roots is None or node not in roots):
+            if roots is None:
+                roots = [node]
+            else:
+                roots.append(node)
+            total += node.cost
+    for ref in value.users or ():
+        user = ref()
+        if user is None or user.cls is None:
+            continue
+        node = user.cls
+        if node.parent is not None:
+            node = _find(node)
+        if first is None:
+            first, total = node, node.cost
+        elif node is not first and (roots is None or node not in roots):
+            if roots is None:
+                roots = [node]
+            else:
+                roots.append(node)
+            total += node.cost
+    return total
 
 
 def _join_evicted(value: _Value) -> None:
@@ -607,8 +776,11 @@ def _leave_evicted(value: _Value) -> None:
 
 
 def _plan(root: _Value) -> tuple[list[_Value], dict[int, Any]]:
-    """The values to recompute for `root`, inputs before users (an iterative post-order
-    walk that stops at values still in memory), and the arrays of those it stopped at."""
+    """The values to recompute for `root`, in the order the program made them (found by an
+    iterative walk that stops at values still in memory), and the arrays of those it
+    stopped at. In that order each result is made just before the program used it: a walk's
+    own order makes a chain's side inputs first (an RNN's ``x_t @ U`` of every step, held
+    until their step is reached: 5 MiB over 81 steps, outside any count)."""
     order: list[_Value] = []
     have: dict[int, Any] = {}
     seen: set[int] = set()
@@ -629,7 +801,12 @@ def _plan(root: _Value) -> tuple[list[_Value], dict[int, Any]]:
         for source in value.inputs:
             if type(source) is _Value and id(source) not in seen:
                 stack.append((source, False))
+    order.sort(key=_recorded_at)
     return order, have
+
+
+def _recorded_at(value: _Value) -> int:
+    return value.seq
 
 
 def _read(source: Any, have: dict[int, Any], user: _Value) -> Any:

@@ -353,8 +353,10 @@ class Budget(LoopPlanner):
         pool = pools.get(thread)
         if pool is None:
             # it keeps to what this thread's loops under the budget leave
+            # and to the process's memory, not the saved arrays alone (`process`)
             pool = pools[thread] = Rematerializing(self.limit_bytes,
-                                                   reserved=self._shared().loops_held)
+                                                   reserved=self._shared().loops_held,
+                                                   process=True)
         return pool
 
     def for_leaf(self) -> Strategy:

@@ -50,7 +50,10 @@ class SharedBudget:
 
     def loops_held(self) -> int:
         """Bytes of the loops whose executors still hold their tape (alive, their backward
-        not run), at each loop's planned peak."""
+        not run), at each loop's planned peak. (The eviction pool asks on every saved
+        value: none held is the quick case.)"""
+        if not self.reservations:
+            return 0
         self.reservations[:] = [r for r in self.reservations if _holding(r[0])]
         return sum(size for _, size in self.reservations)
 
