@@ -47,6 +47,7 @@ from .accountant import (
     TRACK,
     make_accountant,
 )
+from .cycles import collect_cycles
 from .memory import MemoryProbe, TracemallocProbe, probe_for, rss_bytes, synchronize
 from .records import Profile
 from .watch import Tracked
@@ -543,6 +544,8 @@ class _Recorder:
         profile = self.profile
         profile.forward_seconds = max(
             ended - self.started - profile.backward_seconds - profile.plan_seconds, 0.0)
+        if self.bounded:  # tracemalloc: cycles' arrays can be traced to their lines
+            profile.cycle_bytes, profile.cycle_lines = collect_cycles()
         profile.device_peak_bytes = self.probe.stop()
         self._sample_rss()
         self._count_leaves()
