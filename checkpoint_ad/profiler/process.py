@@ -2,9 +2,8 @@
 
 What a run allocates above the level before it, as the profiler sees it: the arrays made in
 the run that the caller or the graph still holds (`explain`'s kept, packed originals, view
-bases, cycles), plus the owned tape at its peak and the gradients (where the tape peaks in
-the forward, the larger of the two: the tape empties as the gradients fill; where it peaks
-in the backward sweep, a region re-run, both, an upper bound), plus the
+bases, cycles), plus the most the owned tape and the gradients hold at once (the tape over
+its timeline; the gradients fill in proportion to the backward's time), plus the
 transients it knows of: the backward sweep's working pair (one adjoint in flight and the
 one it makes, each at most the largest saved value). Arrays it never sees (a loop's
 stacked outputs, an input gradient the sweep zero-fills, a primitive's scratch) are not in
@@ -25,15 +24,19 @@ def predicted_peak(profile: Any) -> int:
     """The profiler's model of the process's peak above the block's start (bytes)."""
     e = profile.explain()
     held = e.kept_by_caller + e.packed_originals + e.view_bases + e.cycles
-    owned = sum(e.owned_by_strategy.values()) + e.snapshots
-    if _peak_phase(profile) == "forward":  # the gradients come after the tape's peak
-        return held + max(owned, e.gradients) + transient_bytes(profile)
-    return held + owned + e.gradients + transient_bytes(profile)
+    return held + _tape_and_gradients(profile, e.gradients) + transient_bytes(profile)
 
 
-def _peak_phase(profile: Any) -> str:
-    """The phase ("forward", "backward", "recompute") the owned tape peaked in."""
-    sizes = profile.timeline_bytes
-    if not sizes:
-        return "forward"
-    return profile.timeline_phase[max(range(len(sizes)), key=sizes.__getitem__)]
+def _tape_and_gradients(profile: Any, gradients: int) -> int:
+    """The most the owned tape and the gradients hold at once over the timeline: the tape's
+    bytes at each point, and after the first backward point the gradients, grown in
+    proportion to the backward's elapsed time (they fill as the tape empties)."""
+    sizes, phases, times = (profile.timeline_bytes, profile.timeline_phase,
+                            profile.timeline_seconds)
+    began = next((i for i, phase in enumerate(phases) if phase != "forward"), None)
+    if not sizes or began is None:
+        return max(max(sizes, default=0), gradients)
+    span = max(times[-1] - times[began], 1e-12)
+    grown = (sizes[i] + gradients * (times[i] - times[began]) / span
+             for i in range(began, len(sizes)))
+    return int(max(max(sizes[:began], default=0), *grown, gradients))
