@@ -50,7 +50,7 @@ SIZES = {  # the blocks' batch: activations larger than the parameters' gradient
                                          "steps": 64},
                           "gpt": {"layers": 4, "seq": 128, "batch": 8, "hidden": 128,
                                   "heads": 4, "vocab": 256}}},
-    "quick": {"width": 64, "batch": 32, "block_batch": 128, "blocks": 6, "steps": 32,
+    "quick": {"width": 64, "batch": 32, "block_batch": 128, "blocks": 4, "steps": 32,
               "model": {"rnn": {"steps": 32, "batch": 16, "input_size": 32, "hidden": 64},
                         "lstm": {"steps": 32, "batch": 16, "input_size": 32, "hidden": 64},
                         "residual_mlp": {"layers": 12, "width": 64, "batch": 32},
@@ -209,8 +209,9 @@ def profiled(step: Step) -> Any:
     return prof
 
 
-def measure(program: Program) -> dict[str, Any]:
-    """Measured, predicted and keep-all peaks of one program (bytes), and explain's total."""
+def measure(program: Program, repeats: int = 2, warmups: int = 2) -> dict[str, Any]:
+    """Measured (the least of `repeats` runs, after `warmups`), predicted and keep-all peaks
+    of one program (bytes), and explain's total."""
     was_enabled = gc.isenabled()
     gc.collect()
     gc.disable()
@@ -218,12 +219,12 @@ def measure(program: Program) -> dict[str, Any]:
         row: dict[str, Any] = {"program": program.name, "group": program.group}
         for saving in (False, True):
             step, leaves = program.build(saving)
-            for _ in range(2):  # warm-up: caches, calibrations, plans
+            for _ in range(warmups):  # caches, calibrations, plans
                 step().backward()
             _unset(leaves)
             gc.collect()
             peaks = []
-            for _ in range(2):
+            for _ in range(repeats):
                 _unset(leaves)
                 peaks.append(measured_peak(step, leaves))
             row["keep_all" if not saving else "measured"] = min(peaks)
@@ -271,7 +272,9 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def memtruth(params: dict[str, Any], threads: int) -> dict[str, Any]:
     """The suite's job (`python -m bench --only memtruth`): every program's row."""
-    rows = [measure(p) for p in programs(params["size"])]
+    wanted = params.get("only")  # the quick suite: a few programs, by name
+    rows = [measure(p, params.get("repeats", 2), params.get("warmups", 2))
+            for p in programs(params["size"]) if not wanted or p.name in wanted]
     return {"rows": [{"name": r["program"], "seconds": None, "extras": r} for r in rows]}
 
 

@@ -73,7 +73,7 @@ SIZES: dict[str, dict[str, Any]] = {
         "dtr": {"steps": (1000, 2000, 5000, 10000, 20000), "size": 1024, "limit": "2MiB",
                 "traced_up_to": 20000, "repeats": 5, "repeated_up_to": 5000,
                 "rnn": {"steps": 200, "batch": 64, "hidden": 256, "fraction": 0.25}},
-        "memtruth": {"size": "default"},
+        "memtruth": {"size": "default", "repeats": 5},
     },
     "quick": {
         "tape": {"size": 16, "ops": 2000, "repeats": 3},
@@ -102,7 +102,9 @@ SIZES: dict[str, dict[str, Any]] = {
         "dtr": {"steps": (200, 400), "size": 256, "limit": "256KiB", "traced_up_to": 400,
                 "repeats": 3,
                 "rnn": {"steps": 32, "batch": 16, "hidden": 64, "fraction": 0.25}},
-        "memtruth": {"size": "quick"},
+        "memtruth": {"size": "quick", "repeats": 1, "warmups": 1,
+                     "only": ("nn blocks, checkpoint per block", "scan Binomial(4)",
+                              "python loop Budget(25%) (eviction)")},
     },
 }
 

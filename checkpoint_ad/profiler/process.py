@@ -2,12 +2,12 @@
 
 What a run allocates above the level before it, as the profiler sees it: the arrays made in
 the run that the caller or the graph still holds (`explain`'s kept, packed originals, view
-bases, cycles), plus the most the owned tape and the gradients hold at once (the tape over
-its timeline; the gradients fill in proportion to the backward's time), plus the
-transients it knows of: the backward sweep's working pair (one adjoint in flight and the
-one it makes, each at most the largest saved value). Arrays it never sees (a loop's
-stacked outputs, an input gradient the sweep zero-fills, a primitive's scratch) are not in
-it: `bench.memory_truth` measures the difference per program style.
+bases, cycles, loops' stacked outputs and the input gradients they fill), plus the most the
+owned tape and the gradients hold at once (the tape over its timeline; the gradients fill
+in proportion to the backward's time), plus the transients it knows of: the backward
+sweep's working pair (one adjoint in flight and the one it makes, each at most the largest
+saved value). Arrays it never sees (a primitive's scratch, a strategy's unpacked copies)
+are not in it: `bench.memory_truth` measures the difference per program style.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def transient_bytes(profile: Any) -> int:
 def predicted_peak(profile: Any) -> int:
     """The profiler's model of the process's peak above the block's start (bytes)."""
     e = profile.explain()
-    held = e.kept_by_caller + e.packed_originals + e.view_bases + e.cycles
+    held = e.kept_by_caller + e.packed_originals + e.view_bases + e.cycles + e.loop_arrays
     return held + _tape_and_gradients(profile, e.gradients) + transient_bytes(profile)
 
 

@@ -24,6 +24,7 @@ import numpy as np
 
 from .. import events
 from ..entry import Entry
+from ..origins import origin_text
 from ..saved import KeptBuffer, SavedBuffer
 from ..tensor_base import TensorBase
 from .accountant import (
@@ -124,6 +125,7 @@ class _Recorder:
             "io_write": self._io_write,
             "io_read": self._io_read,
             "io_stall": self._io_stall,
+            "loop_arrays": self._loop_arrays,
             "planned": self._planned,
         }
 
@@ -449,6 +451,14 @@ class _Recorder:
     def _io_stall(self, seconds: float) -> None:
         self.profile.io_stall_seconds += seconds
         self.log.extend((SETTLE, perf_counter()))
+
+    def _loop_arrays(self, payload: tuple[int, int, Any]) -> None:
+        """A `scan` ended: its stacked outputs and the input gradient its backward fills,
+        arrays no saved value is (see `profiler.process`)."""
+        stacked, filled, origin = payload
+        line = origin_text(origin) if origin is not None else "<unknown>"
+        arrays = self.profile.loop_arrays
+        arrays[line] = arrays.get(line, 0) + stacked + filled
 
     def _planned(self, payload: tuple[float, int]) -> None:
         """A dry run ended (unheard while it ran): its seconds are planning, taken out of the

@@ -148,6 +148,9 @@ class Profile:
     tracemalloc, then freed: see `profiler.cycles`); `cycle_lines` splits them by the line
     that allocated each array."""
     cycle_lines: dict[str, int] = field(default_factory=dict)
+    loop_arrays: dict[str, int] = field(default_factory=dict)
+    """Bytes of the `scan`s' stacked outputs and of the input gradients their backwards
+    fill (no saved value: the graph and the backward hold them), by the line of the loop."""
 
     # ------------------------------------------------------------- queries
     def __getstate__(self) -> dict[str, Any]:
