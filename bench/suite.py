@@ -15,7 +15,7 @@ from .profiler_overhead import WIDE_RNN
 from .table import Ratio
 
 BENCHMARKS = ("tape", "rnn", "inference", "mlp", "heat", "quantize", "plan", "offload",
-              "budget", "profiler", "transformer", "dtr")
+              "budget", "profiler", "transformer", "dtr", "memtruth")
 
 DESCRIPTIONS = {
     "tape": "tape overhead: a chain of small elementwise ops, forward+backward",
@@ -31,6 +31,8 @@ DESCRIPTIONS = {
     "transformer": "GPT layer activations per layer (Korthikanti et al. 2022): none / "
                    "selective / full recomputation against the derived formula, and time",
     "dtr": "Python-loop heat under Budget(2MiB), 1k-20k steps, and the RNN at 25%: DTR scaling",
+    "memtruth": "every program style: tracemalloc's peak (gc off) against the profiler's model, "
+                "explain()'s causes and keep-all (issue 37)",
 }
 
 SIZES: dict[str, dict[str, Any]] = {
@@ -71,6 +73,7 @@ SIZES: dict[str, dict[str, Any]] = {
         "dtr": {"steps": (1000, 2000, 5000, 10000, 20000), "size": 1024, "limit": "2MiB",
                 "traced_up_to": 20000, "repeats": 5, "repeated_up_to": 5000,
                 "rnn": {"steps": 200, "batch": 64, "hidden": 256, "fraction": 0.25}},
+        "memtruth": {"size": "default", "repeats": 5},
     },
     "quick": {
         "tape": {"size": 16, "ops": 2000, "repeats": 3},
@@ -99,6 +102,9 @@ SIZES: dict[str, dict[str, Any]] = {
         "dtr": {"steps": (200, 400), "size": 256, "limit": "256KiB", "traced_up_to": 400,
                 "repeats": 3,
                 "rnn": {"steps": 32, "batch": 16, "hidden": 64, "fraction": 0.25}},
+        "memtruth": {"size": "quick", "repeats": 1, "warmups": 1,
+                     "only": ("nn blocks, checkpoint per block", "scan Binomial(4)",
+                              "python loop Budget(25%) (eviction)")},
     },
 }
 
@@ -150,6 +156,9 @@ EXTRA_COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {
                     ("tape/pred", "peak_tape_over_predicted"),
                     ("tracemalloc/pred", "tracemalloc_over_predicted"),
                     ("/none", "over_none")),
+    "memtruth": (("measured", "measured"), ("predicted", "predicted"),
+                 ("keep-all", "keep_all"), ("explained", "explained"), ("tape", "tape"),
+                 ("cycles", "cycles")),
 }
 
 
@@ -293,5 +302,7 @@ def jobs(quick: bool, only: set[str] | None = None) -> list[Job]:
         "transformer": lambda: _transformer(sizes["transformer"]),
         "dtr": lambda: [Job("dtr", "heat in a Python loop under Budget, and the RNN",
                             "scaling", "dtr_scaling:scaling", sizes["dtr"])],
+        "memtruth": lambda: [Job("memtruth", "program styles, forward + backward", "peaks",
+                                 "memory_truth:memtruth", sizes["memtruth"])],
     }
     return [job for name in BENCHMARKS if only is None or name in only for job in makers[name]()]

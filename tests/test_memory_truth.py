@@ -4,9 +4,12 @@ the cyclic collector off, against what the profiler and `explain()` report."""
 from __future__ import annotations
 
 import gc
+import sys
 import tracemalloc
+import weakref
 
 import numpy as np
+import pytest
 
 import checkpoint_ad as cad
 from checkpoint_ad.strategies import Binomial
@@ -91,3 +94,84 @@ def test_explain_alias_lines_never_exceed_their_cause():
                      if c.name == "aliases of your live arrays")
         assert sum(b for _, b in cause.lines) <= cause.bytes, (strategy, cause)
         assert cause.bytes <= 2 * size, (strategy, cause.bytes, size)
+
+
+# --------------------------------------------------------------- the suite (bench.memory_truth)
+from bench import memory_truth  # noqa: E402
+
+_PROGRAMS = {p.name: p for p in memory_truth.programs("quick")}
+_ROWS: dict[str, dict] = {}
+# rows the profiler's model and explain() miss (issue 37, open): arrays no saved value is
+_UNSEEN = {
+    # Quantized's float32 dequantized copies and per-step scratch: 0.64 MiB measured, 0.11
+    # predicted, more than keep-all's 0.53 (within the constant only at this size)
+    "scan Quantized(8)": "Quantized's dequantize scratch is no saved value",
+    # attention's softmax and score transients in the backward: 0.98 MiB measured, 0.54
+    "model gpt, scan Binomial(4)": "the attention backward's transients are no saved value",
+}
+
+
+def _known(name: str) -> list:
+    return [pytest.mark.xfail(reason=_UNSEEN[name], strict=False)] if name in _UNSEEN else []
+
+
+def _row(name: str) -> dict:
+    if name not in _ROWS:
+        _ROWS[name] = memory_truth.measure(_PROGRAMS[name], repeats=1, warmups=1)
+    return _ROWS[name]
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_known(n)) for n in _PROGRAMS])
+def test_profiler_predicts_the_process_peak(name):
+    """The profiler's model (`Profile.predicted_process_peak`) within 10% + a constant of
+    tracemalloc's peak of the same forward + backward, with the cyclic collector off."""
+    row = _row(name)
+    assert memory_truth.agrees(row), row
+
+
+@pytest.mark.parametrize("name", list(_PROGRAMS))
+def test_a_saving_strategy_never_measures_more_than_keep_all(name):
+    row = _row(name)
+    assert row["measured"] <= row["keep_all"] + memory_truth.SLACK, row
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_known(n)) for n in _PROGRAMS])
+def test_explain_causes_sum_to_the_process_peak(name):
+    """`explain()`'s causes made in the run, and the gradients, add up to at least 95% of
+    tracemalloc's peak (less the constant); no cause's lines sum to more than the cause."""
+    row = _row(name)
+    assert row["explained"] >= memory_truth.EXPLAINED * row["measured"] - memory_truth.SLACK, row
+    assert row["lines_within_causes"], row
+
+
+def test_explain_names_memory_held_only_by_reference_cycles():
+    """An array reachable only through a cycle is its own cause, with the line that made it,
+    and is freed when the block ends (the collector ran)."""
+    x = cad.tensor(np.ones((64, 64), "float32"), requires_grad=True)
+    was = gc.isenabled()
+    gc.collect()  # earlier tests' cycles: not this block's
+    gc.disable()
+    tracemalloc.start(16)
+    try:
+        with cad.profile(device_memory=True) as prof:
+            line = sys._getframe().f_lineno + 1
+            held = [np.ones((256, 256), "float32")]; held.append(held)  # noqa: E702
+            probe = weakref.ref(held[0].base if held[0].base is not None else held[0])
+            del held
+            cad.tanh(x).sum().backward()
+        assert probe() is None
+    finally:
+        tracemalloc.stop()
+        if was:
+            gc.enable()
+    explanation = prof.explain()
+    cause = next(c for c in explanation.causes if c.name == "held only by reference cycles")
+    assert cause.bytes == explanation.cycles == 256 * 256 * 4
+    assert cause.lines[0][0].endswith(f"test_memory_truth.py:{line}"), cause.lines
+
+
+def test_explain_has_no_cycle_cause_without_cycles():
+    x = cad.tensor(np.ones((64, 64), "float32"), requires_grad=True)
+    with cad.profile(device_memory=True) as prof:
+        cad.tanh(x).sum().backward()
+    assert prof.explain().cycles == 0

@@ -17,6 +17,11 @@ keep alive. Each saved buffer is put in exactly one cause, counted once, over th
 - "loop snapshots and region inputs": owned buffers no entry recorded (`scan`, `checkpoint`).
 - "aliases of your live arrays": parameters and input slices saved by reference (free): each
   array once, those alive together at their peak (the lines sum to the total).
+- "loops' stacked outputs and input gradients": a `scan`'s `ys` (the graph holds them while
+  the loss lives) and the gradient of its `xs` its backward fills: arrays no entry saves.
+- "held only by reference cycles": arrays alive at the block's end that only the cyclic
+  collector frees (measured under tracemalloc, `profile(device_memory=True)`), by the line
+  that allocated each: memory the process holds until `gc.collect()` runs.
 
 Then the memory no strategy touches: parameters (the leaves' arrays alive at the block's end),
 their gradients (the `.grad` arrays then), and what the process's RSS grew beyond
@@ -35,6 +40,8 @@ ORIGINALS = "originals of packed values you hold"
 VIEWS = "bases kept alive by saved views"
 SNAPSHOTS = "loop snapshots and region inputs"
 ALIASES = "aliases of your live arrays"
+CYCLES = "held only by reference cycles"
+LOOP_ARRAYS = "loops' stacked outputs and input gradients"
 
 
 @dataclass(frozen=True)
@@ -66,10 +73,18 @@ class Explanation:
     owned_by_strategy: dict[str, int] = field(default_factory=dict)
     snapshots: int = 0
     aliases: int = 0
+    cycles: int = 0  # arrays only reference cycles held at the block's end
+    loop_arrays: int = 0  # scans' stacked outputs and filled input gradients
     parameters: int = 0
     gradients: int = 0  # measured (the leaves' .grad arrays), or one per parameter in old files
     beyond_tracemalloc: int | None = None  # RSS growth not seen by tracemalloc
     peak_tape_bytes: int = 0
+
+    @property
+    def accounted_bytes(self) -> int:
+        """What the causes made in the run add up to: every cause but the aliases (the
+        caller's arrays, there before the run), and the gradients."""
+        return sum(c.bytes for c in self.causes if c.name != ALIASES) + self.gradients
 
     @property
     def top(self) -> Cause | None:
@@ -144,6 +159,12 @@ def explain(profile: Any, top: int = 3) -> Explanation:
         lines[ALIASES][r.origin if r is not None else "<no entry: loop or region>"] += size
     if profile.aliased_bytes:
         totals[ALIASES] = profile.aliased_bytes
+    for line, size in getattr(profile, "loop_arrays", {}).items():
+        lines[LOOP_ARRAYS][line] += size
+        totals[LOOP_ARRAYS] += size
+    for line, size in getattr(profile, "cycle_lines", {}).items():
+        lines[CYCLES][line] += size
+        totals[CYCLES] += size
     snapshots = totals.get(SNAPSHOTS, 0)
     causes = tuple(sorted(
         (Cause(name, size, tuple(sorted(lines[name].items(), key=lambda kv: -kv[1])[:top]))
@@ -162,6 +183,8 @@ def explain(profile: Any, top: int = 3) -> Explanation:
         owned_by_strategy=dict(owned),
         snapshots=snapshots,
         aliases=totals.get(ALIASES, 0),
+        cycles=totals.get(CYCLES, 0),
+        loop_arrays=totals.get(LOOP_ARRAYS, 0),
         parameters=profile.leaf_bytes,
         gradients=(profile.leaf_bytes if profile.gradient_bytes is None
                    else profile.gradient_bytes),

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from .. import events
+from ..origins import origin_text
 from ..saved import KeptBuffer, SavedBuffer
 from .accountant import (
     APPLY,
@@ -46,6 +47,7 @@ from .accountant import (
     TRACK,
     make_accountant,
 )
+from .cycles import collect_cycles
 from .memory import MemoryProbe, TracemallocProbe, probe_for, rss_bytes, synchronize
 from .records import Profile
 from .saved_facts import SavedFacts
@@ -107,6 +109,7 @@ class _Recorder(SavedFacts):
             "io_write": self._io_write,
             "io_read": self._io_read,
             "io_stall": self._io_stall,
+            "loop_arrays": self._loop_arrays,
             "planned": self._planned,
         }
 
@@ -325,6 +328,14 @@ class _Recorder(SavedFacts):
         self.profile.io_stall_seconds += seconds
         self.log.extend((SETTLE, perf_counter()))
 
+    def _loop_arrays(self, payload: tuple[int, int, Any]) -> None:
+        """A `scan` ended: its stacked outputs and the input gradient its backward fills,
+        arrays no saved value is (see `profiler.process`)."""
+        stacked, filled, origin = payload
+        line = origin_text(origin) if origin is not None else "<unknown>"
+        arrays = self.profile.loop_arrays
+        arrays[line] = arrays.get(line, 0) + stacked + filled
+
     def _planned(self, payload: tuple[float, int]) -> None:
         """A dry run ended (unheard while it ran): its seconds are planning, taken out of the
         phase it ran within (a scan planned inside a backward sweep or a recompute)."""
@@ -419,6 +430,8 @@ class _Recorder(SavedFacts):
         profile = self.profile
         profile.forward_seconds = max(
             ended - self.started - profile.backward_seconds - profile.plan_seconds, 0.0)
+        if self.bounded:  # tracemalloc: cycles' arrays can be traced to their lines
+            profile.cycle_bytes, profile.cycle_lines = collect_cycles()
         profile.device_peak_bytes = self.probe.stop()
         self._sample_rss()
         self._count_leaves()

@@ -157,6 +157,14 @@ class Profile:
     gradient_bytes: int | None = None
     """Bytes of the `.grad` arrays of the leaves alive when the block ended (None in files
     written before it was measured: `explain` then estimates one gradient per parameter)."""
+    cycle_bytes: int = 0
+    """Bytes of the arrays only reference cycles held when the block ended (measured under
+    tracemalloc, then freed: see `profiler.cycles`); `cycle_lines` splits them by the line
+    that allocated each array."""
+    cycle_lines: dict[str, int] = field(default_factory=dict)
+    loop_arrays: dict[str, int] = field(default_factory=dict)
+    """Bytes of the `scan`s' stacked outputs and of the input gradients their backwards
+    fill (no saved value: the graph and the backward hold them), by the line of the loop."""
 
     # ------------------------------------------------------------- queries
     def __getstate__(self) -> dict[str, Any]:
@@ -202,6 +210,15 @@ class Profile:
                 else:
                     row["aliased"] += r.stored_bytes
         return dict(table)
+
+    @property
+    def predicted_process_peak(self) -> int:
+        """The profiler's model of the process's peak above the block's start: what the
+        caller and graph hold, the owned tape or the gradients, the backward's working pair
+        (see `profiler.process`); `bench.memory_truth` holds it against tracemalloc."""
+        from .process import predicted_peak
+
+        return predicted_peak(self)
 
     def explain(self, top: int = 3) -> Explanation:
         """Why memory did not drop: bytes by cause, the largest first, each with the source

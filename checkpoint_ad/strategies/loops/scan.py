@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ... import loop_log, random
+from ... import events, loop_log, random
 from ...backend import namespace
 from ...grad_mode import is_grad_enabled, no_grad
 from ...origins import caller_origin
@@ -153,7 +153,19 @@ def scan(
     else:  # no strategy, or a loop strategy with nothing to differentiate: no plan needed
         carry, ys = _keep_all(loop, carry_leaves, until, limit, trace)
     _log(loop, strategy)
+    if events.listeners and is_grad_enabled():
+        events.emit("loop_arrays", _loop_arrays(ys, xs_leaves, loop.origin))
     return carry, (_flipped(ys) if reverse and ys is not None else ys)
+
+
+def _loop_arrays(ys: Any, xs_leaves: list[Any], origin: Any) -> tuple[int, int, Any]:
+    """For a profile: bytes of the stacked outputs (the graph holds them while the loss
+    lives), of the input gradient the backward fills (xs that require grad), the loop's
+    origin."""
+    stacked = sum(int(leaf._data.nbytes) for leaf in flatten(ys)[0]
+                  if hasattr(leaf, "_data")) if ys is not None else 0
+    filled = sum(int(x._data.nbytes) for x in xs_leaves if getattr(x, "requires_grad", False))
+    return stacked, filled, origin
 
 
 def _log(loop: StepLoop, strategy: Any) -> None:
