@@ -24,7 +24,7 @@ from .peers import PeerMissing
 
 TASK_MODULES = ("tape_overhead", "rnn", "inference", "models", "quantize_throughput", "planning",
                 "offload", "budgets", "budget_stacked", "profiler_overhead",
-                "profiler_breakdown", "transformer_memory", "dtr_scaling")
+                "profiler_breakdown", "transformer_memory", "dtr_scaling", "pareto")
 
 
 def run_task(task: str, params: dict, threads: int) -> dict:
