@@ -306,10 +306,56 @@ class _Jax:
 
 
 # ------------------------------------------------------------------------------ one point
+def _tiny(params: dict[str, Any]) -> dict[str, Any]:
+    """The same case with every array tiny and the same number of steps: the same code runs
+    (the same plan's shape, the same library paths), on almost no data."""
+    if params["model"] == "rnn":
+        return params | {"batch": 2, "hidden": 2, "input": 2}
+    return params | {"sizes": params["sizes"] | {"width": 2, "batch": 2}}
+
+
+def _work(params: dict[str, Any]) -> tuple[Any, Callable[[], list[np.ndarray]], dict, _Model]:
+    """The point's workload, a function reading its gradients, its extras, and its model."""
+    who = params["who"]
+    model = _Model(params)
+    extras: dict[str, Any] = {}
+    if who == "floor":
+        work: Any = _floor(model)
+        return work, lambda: work.grads, extras, model
+    if who == "ours":
+        work, extras = _ours_point(model, params)
+        return work, lambda: _ours_grads(model, work), extras, model
+    if who == "torch":
+        work = _Torch(model, params.get("every"))
+        return work, lambda: work.grads, extras, model
+    work = _Jax(model, params["levels"], params["remat_step"])
+    stats = work.compiled.memory_analysis()
+    if stats is not None:  # XLA's own count of the buffers one run allocates beyond its inputs
+        extras["xla_temp_mib"] = (stats.temp_size_in_bytes + stats.output_size_in_bytes) / MB
+    return work, work.grads, extras, model
+
+
+def warm_up_tiny(params: dict[str, Any]) -> bool:
+    """Run the point's program twice on tiny arrays (`_tiny`), so that the library's code
+    pages, thread pools and lazy state are resident before `first_run_rss` takes its
+    baseline; False where the tiny program could not run (a `Budget` fraction below the
+    least plan of tiny arrays), and the baseline is then taken without it."""
+    try:
+        warm = _work(_tiny(params))[0]
+        for _ in range(2):
+            warm.run()
+            warm.clear()
+    except Exception:  # a best effort: the point itself still runs
+        return False
+    return True
+
+
 def first_run_rss(work: Any) -> int | None:
-    """Peak resident bytes of the first `work.run()` above the resident set after imports,
-    data setup (and JAX's compilation), from the kernel's high-water mark (reset just
-    before)."""
+    """Peak resident bytes of the first `work.run()` above the resident set just before it,
+    taken after the imports, the data, JAX's compilation and `warm_up_tiny`: the peak is the
+    run's data. Not a run after a warm-up of `work` itself: XLA keeps its buffers from one
+    run to the next (`malloc_trim` does not return them), so a second run's peak above its
+    start undercounts JAX."""
     gc.collect()
     _malloc_trim()
     with contextlib.suppress(ImportError):
@@ -323,10 +369,10 @@ def first_run_rss(work: Any) -> int | None:
 
 
 def point(params: dict[str, Any], threads: int) -> dict[str, Any]:
-    """One point of one case, in this fresh worker: time (median of `repeats` after a
-    warm-up), peak RSS above the process's own baseline (first run, and a run after warm-up
-    with freed heap trimmed first), tracemalloc peak for numpy-only columns, gradient error
-    against the floor's."""
+    """One point of one case, in this fresh worker: peak RSS of its first run above the
+    worker's baseline (`first_run_rss`), then time (median of `repeats` after a warm-up),
+    the peak RSS of a run after that (``rss_steady_mib``), the tracemalloc peak for the
+    numpy-only columns, and the gradients' error against the floor's."""
     who = params["who"]
     if who in ("torch", "jax"):
         require(who)
@@ -335,34 +381,22 @@ def point(params: dict[str, Any], threads: int) -> dict[str, Any]:
         else:
             import jax  # noqa: F401
         pin_threads(threads)  # after the import: torch brings its own thread pool
-    model = _Model(params)
-    extras: dict[str, Any] = {"family": params["family"], "round": params["round"],
-                              "steps": model.steps}
-    grads: Callable[[], list[np.ndarray]]
-    if who == "floor":
-        work: Any = _floor(model)
-        grads = lambda: work.grads
-    elif who == "ours":
-        work, more = _ours_point(model, params)
-        extras |= more
-        grads = lambda: _ours_grads(model, work)
-    elif who == "torch":
-        work = _Torch(model, params.get("every"))
-        grads = lambda: work.grads
-    else:
-        work = _Jax(model, params["levels"], params["remat_step"])
-        grads = work.grads
+    warmed = warm_up_tiny(params)
+    work, grads, extras, model = _work(params)
     first = first_run_rss(work)
-    traced = who in ("floor", "ours")
-    result = measure(work, params["repeats"], warmup=1, traced=traced, check=lambda: {
-        "grad_error": max(float(np.max(np.abs(np.asarray(g, np.float64) - r))
-                                / max(float(np.max(np.abs(r))), 1e-30))
-                          for g, r in zip(grads(), model.reference))})
+    result = measure(work, params["repeats"], warmup=1, traced=who in ("floor", "ours"),
+                     check=lambda: {"grad_error": max(
+                         float(np.max(np.abs(np.asarray(g, np.float64) - r))
+                               / max(float(np.max(np.abs(r))), 1e-30))
+                         for g, r in zip(grads(), model.reference))})
     if who == "ours" and params["scheme"] == "budget":
         chosen = work.strategy.last.chosen if work.strategy.last is not None else None
         extras["plan"] = None if chosen is None else chosen.name
-    extras["rss_first_bytes"] = first
-    result["extras"] = extras
+    steady = result.pop("rss_bytes", None)
+    result["rss_bytes"] = first
+    result["extras"] = extras | {"family": params["family"], "round": params["round"],
+                                 "steps": model.steps, "rss_steady_bytes": steady,
+                                 "warmed_on_tiny_arrays": warmed}
     return result
 
 
@@ -412,9 +446,11 @@ def _merge(group: list[Row], floors: dict[tuple[str, Any], float]) -> Row:
     extras = dict(first.extras)
     extras.pop("round", None)
     extras["rounds"] = len(measured)
-    first_rss = _median([extras.pop("rss_first_bytes", None)]
-                        + [r.extras.get("rss_first_bytes") for r in measured[1:]])
-    extras["rss_first_mib"] = None if first_rss is None else first_rss / MB
+    steady = _median([r.extras.get("rss_steady_bytes") for r in measured])
+    extras.pop("rss_steady_bytes", None)
+    extras["warmed_on_tiny_arrays"] = all(r.extras.get("warmed_on_tiny_arrays", True)
+                                          for r in measured)
+    extras["rss_steady_mib"] = None if steady is None else steady / MB
     if ratios:
         extras["over_floor_range"] = f"{min(ratios):.2f}-{max(ratios):.2f}"
     failed = [r.note for r in group if r.seconds is None and r.note]
@@ -461,7 +497,7 @@ def plot(rows: Sequence[Row], path: Path) -> Path | None:
             ax.plot(xs, ys, marker=markers.get(family.split()[0], "x"),
                     linestyle="-" if len(members) > 1 else "none", label=family)
         ax.set_xscale("log")
-        ax.set_xlabel("peak RSS above the process's baseline, MiB (log)")
+        ax.set_xlabel("peak RSS of a first run above the worker's baseline, MiB (log)")
         ax.set_ylabel("time / numpy floor (median over rounds)")
         ax.set_title(case, fontsize=10)
         ax.grid(True, which="both", alpha=0.3)

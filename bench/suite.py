@@ -35,7 +35,8 @@ DESCRIPTIONS = {
     "dtr": "Python-loop heat under Budget(2MiB), 1k-20k steps, and the RNN at 25%: DTR scaling",
     "pareto": "time against measured peak memory, ours and the peers, one thread, interleaved "
               "rounds: /floor is the median over rounds of time over the numpy floor's in the "
-              "same round; RSS Δ, every column's peak resident set above its own baseline",
+              "same round; RSS Δ, every column's first run's peak resident set above its worker's "
+              "baseline (after a run on tiny arrays)",
 }
 
 SIZES: dict[str, dict[str, Any]] = {
@@ -158,7 +159,8 @@ EXTRA_COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {
                ("later/budget", "later_pass_over_limit"), ("/keep-all", "over_keep_all")),
     "profiler": (("/plain", "overhead"), ("records", "records"),
                  ("same grads", "same_grads")),
-    "pareto": (("curve", "family"), ("1st-run RSS Δ MB", "rss_first_mib"),
+    "pareto": (("curve", "family"), ("warm-run RSS Δ MB", "rss_steady_mib"),
+               ("XLA temp+out MB", "xla_temp_mib"),
                ("Budget's plan", "plan"), ("/floor range", "over_floor_range")),
     "transformer": (("predicted", "formula"), ("pred arrays", "predicted_arrays"),
                     ("tape arrays", "peak_tape_arrays"), ("tracemalloc arrays",

@@ -46,7 +46,7 @@ def test_every_point_runs_once_per_round_in_a_rotated_order():
 
 def _row(name, round_, seconds, role="", rss=None, family="f"):
     return Row("pareto", "c", name, role, seconds=seconds, repeats=1, rss_bytes=rss,
-               extras={"round": round_, "family": family, "rss_first_bytes": rss})
+               extras={"round": round_, "family": family, "rss_steady_bytes": rss})
 
 
 def test_over_floor_is_the_median_of_each_rounds_ratio_not_a_ratio_of_medians():
