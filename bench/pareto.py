@@ -350,21 +350,39 @@ def warm_up_tiny(params: dict[str, Any]) -> bool:
     return True
 
 
+def _file_pages() -> int | None:
+    """Resident bytes backed by files (code and mapped libraries), `RssFile` in
+    /proc/self/status; None where the kernel does not say."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("RssFile:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def first_run_rss(work: Any) -> int | None:
     """Peak resident bytes of the first `work.run()` above the resident set just before it,
-    taken after the imports, the data, JAX's compilation and `warm_up_tiny`: the peak is the
-    run's data. Not a run after a warm-up of `work` itself: XLA keeps its buffers from one
+    less the file-backed pages the run brought in (library code paged in on first use, which
+    a run on large arrays reaches and one on tiny arrays does not: 4 MiB of XLA's here), so
+    that it is the run's data. Taken after the imports, the data, JAX's compilation and
+    `warm_up_tiny`. Not a run after a warm-up of `work` itself: XLA keeps its buffers from one
     run to the next (`malloc_trim` does not return them), so a second run's peak above its
     start undercounts JAX."""
     gc.collect()
     _malloc_trim()
     with contextlib.suppress(ImportError):
-        base = _rss()
+        base, files = _rss(), _file_pages()
         if _reset_high_water_mark():
             work.run()
-            peak = _high_water_mark()
+            peak, files_after = _high_water_mark(), _file_pages()
             work.clear()
-            return None if peak is None else max(peak - base, 0)
+            if peak is None:
+                return None
+            paged_in = files_after - files if files is not None and files_after else 0
+            return max(peak - base - max(paged_in, 0), 0)
     return None
 
 
