@@ -497,6 +497,7 @@ def plot(rows: Sequence[Row], path: Path) -> Path | None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         return None
     case_names = list(dict.fromkeys(r.case for r in measured))
@@ -515,6 +516,9 @@ def plot(rows: Sequence[Row], path: Path) -> Path | None:
             ax.plot(xs, ys, marker=markers.get(family.split()[0], "x"),
                     linestyle="-" if len(members) > 1 else "none", label=family)
         ax.set_xscale("log")
+        ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel("peak RSS of a first run above the worker's baseline, MiB (log)")
         ax.set_ylabel("time / numpy floor (median over rounds)")
         ax.set_title(case, fontsize=10)
