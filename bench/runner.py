@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from . import report, suite, targets
+from . import pareto, report, suite, targets
 from .measure import machine, thread_env
 from .peers import missing
 from .table import Row, add_model_ratios, add_ratios, format_seconds
@@ -35,7 +35,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="small sizes and 3 repeats (the whole run in under 2 minutes)")
     parser.add_argument("--only", action="append", default=[], metavar="NAME",
                         help=f"run only these benchmarks (repeat or comma-separate): "
-                             f"{', '.join(suite.BENCHMARKS)}")
+                             f"{', '.join(suite.BENCHMARKS)}; and, only when named, "
+                             f"{', '.join(suite.OPT_IN)}")
     parser.add_argument("--threads", type=int, default=1,
                         help="BLAS / intra-op threads for every column (default 1)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"),
@@ -47,10 +48,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def _selection(only: list[str]) -> set[str] | None:
     names = {n.strip() for part in only for n in part.split(",") if n.strip()}
-    unknown = sorted(names - set(suite.BENCHMARKS))
+    unknown = sorted(names - set(suite.BENCHMARKS) - set(suite.OPT_IN))
     if unknown:
         raise SystemExit(f"python -m bench: unknown benchmark(s) {', '.join(unknown)}; "
-                         f"choose from {', '.join(suite.BENCHMARKS)}")
+                         f"choose from {', '.join((*suite.BENCHMARKS, *suite.OPT_IN))}")
     return names or None
 
 
@@ -143,11 +144,14 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"({time.perf_counter() - begun:.1f} s)", flush=True)
     meta["wall_seconds"] = time.perf_counter() - started
     meta["blas"] = _pools(payloads)
+    rows = pareto.merge_rounds(rows)  # its rounds, one row per point
     add_ratios(rows, suite.RATIOS)
     add_model_ratios(rows)
     checked = targets.check(rows)
     print()
     print(report.render_text(meta, rows, checked))
     paths = report.write(Path(args.out), _stem(args.quick, only), meta, rows, checked)
+    figure = pareto.plot(rows, Path(args.out) / f"{_stem(args.quick, only)}.png")
+    paths += [figure] if figure is not None else []
     print("written: " + ", ".join(str(p) for p in paths))
     return 0

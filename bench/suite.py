@@ -16,6 +16,8 @@ from .table import Ratio
 
 BENCHMARKS = ("tape", "rnn", "inference", "mlp", "heat", "quantize", "plan", "offload",
               "budget", "profiler", "transformer", "dtr", "memtruth")
+# run only when named (``--only pareto``): a whole `python -m bench` stays the issue-5 suite
+OPT_IN = ("pareto",)
 
 DESCRIPTIONS = {
     "tape": "tape overhead: a chain of small elementwise ops, forward+backward",
@@ -33,6 +35,10 @@ DESCRIPTIONS = {
     "dtr": "Python-loop heat under Budget(2MiB), 1k-20k steps, and the RNN at 25%: DTR scaling",
     "memtruth": "every program style: tracemalloc's peak (gc off) against the profiler's model, "
                 "explain()'s causes and keep-all (issue 37)",
+    "pareto": "time against measured peak memory, ours and the peers, one thread, interleaved "
+              "rounds: /floor is the median over rounds of time over the numpy floor's in the "
+              "same round; RSS Δ, every column's first run's peak resident set above its worker's "
+              "baseline (after a run on tiny arrays)",
 }
 
 SIZES: dict[str, dict[str, Any]] = {
@@ -74,6 +80,11 @@ SIZES: dict[str, dict[str, Any]] = {
                 "traced_up_to": 20000, "repeats": 5, "repeated_up_to": 5000,
                 "rnn": {"steps": 200, "batch": 64, "hidden": 256, "fraction": 0.25}},
         "memtruth": {"size": "default", "repeats": 5},
+        "pareto": {"rnn": {"steps": (256, 1024), "batch": 64, "hidden": 256, "input": 256},
+                   "mlp": {"layers": 256, "width": 256, "batch": 64},
+                   # Periodic and torch's checkpoint every k, k = these x √T
+                   "every": (0.25, 1, 4), "snapshots": (4, 8, 16, 32),
+                   "budget_fractions": (0.5, 0.2, 0.08, 0.03), "rounds": 3, "repeats": 3},
     },
     "quick": {
         "tape": {"size": 16, "ops": 2000, "repeats": 3},
@@ -105,6 +116,10 @@ SIZES: dict[str, dict[str, Any]] = {
         "memtruth": {"size": "quick", "repeats": 1, "warmups": 1,
                      "only": ("nn blocks, checkpoint per block", "scan Binomial(4)",
                               "python loop Budget(25%) (eviction)")},
+        "pareto": {"rnn": {"steps": (64,), "batch": 32, "hidden": 128, "input": 128},
+                   "mlp": {"layers": 32, "width": 128, "batch": 16},
+                   "every": (0.5, 2), "snapshots": (4, 8), "budget_fractions": (0.5, 0.15),
+                   "rounds": 2, "repeats": 2},
     },
 }
 
@@ -150,6 +165,9 @@ EXTRA_COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {
                ("later/budget", "later_pass_over_limit"), ("/keep-all", "over_keep_all")),
     "profiler": (("/plain", "overhead"), ("records", "records"),
                  ("same grads", "same_grads")),
+    "pareto": (("curve", "family"), ("warm-run RSS Δ MB", "rss_steady_mib"),
+               ("XLA temp+out MB", "xla_temp_mib"),
+               ("Budget's plan", "plan"), ("/floor range", "over_floor_range")),
     "transformer": (("predicted", "formula"), ("pred arrays", "predicted_arrays"),
                     ("tape arrays", "peak_tape_arrays"), ("tracemalloc arrays",
                                                           "tracemalloc_arrays"),
@@ -274,8 +292,28 @@ def _transformer(sizes: dict[str, Any]) -> list[Job]:
             for h in sizes["widths"]]
 
 
+def _pareto(sizes: dict[str, Any]) -> list[Job]:
+    """Every point of every case once per round, a fresh worker each; each round runs the
+    points in another rotation, so that no point always follows the same neighbour."""
+    from .pareto import cases, points
+
+    jobs = []
+    for round_ in range(sizes["rounds"]):
+        for case, model in cases(sizes):
+            steps = model.get("steps") or model["sizes"]["layers"]
+            ps = points(steps, sizes)
+            shift = round_ * max(1, len(ps) // sizes["rounds"])
+            for p in ps[shift:] + ps[:shift]:
+                params = model | {k: v for k, v in p.items() if k not in ("name", "peer")}
+                jobs.append(Job("pareto", case, p["name"], "pareto:point",
+                                params | {"round": round_, "repeats": sizes["repeats"]},
+                                "floor" if p["who"] == "floor" else "", p.get("peer")))
+    return jobs
+
+
 def jobs(quick: bool, only: set[str] | None = None) -> list[Job]:
-    """Every job of the selected benchmarks (all when `only` is None), in running order."""
+    """Every job of the selected benchmarks (all of `BENCHMARKS` when `only` is None; the
+    `OPT_IN` ones only when named), in running order."""
     sizes = SIZES["quick" if quick else "default"]
     makers = {
         "tape": lambda: _tape(sizes["tape"]),
@@ -304,5 +342,8 @@ def jobs(quick: bool, only: set[str] | None = None) -> list[Job]:
                             "scaling", "dtr_scaling:scaling", sizes["dtr"])],
         "memtruth": lambda: [Job("memtruth", "program styles, forward + backward", "peaks",
                                  "memory_truth:memtruth", sizes["memtruth"])],
+        "pareto": lambda: _pareto(sizes["pareto"]),
     }
-    return [job for name in BENCHMARKS if only is None or name in only for job in makers[name]()]
+    return [job for name in (*BENCHMARKS, *OPT_IN)
+            if (name in BENCHMARKS if only is None else name in only)
+            for job in makers[name]()]

@@ -24,7 +24,8 @@ from .peers import PeerMissing
 
 TASK_MODULES = ("tape_overhead", "rnn", "inference", "models", "quantize_throughput", "planning",
                 "offload", "budgets", "budget_stacked", "profiler_overhead",
-                "profiler_breakdown", "transformer_memory", "dtr_scaling", "memory_truth")
+                "profiler_breakdown", "transformer_memory", "dtr_scaling", "memory_truth",
+                "pareto")
 
 
 def run_task(task: str, params: dict, threads: int) -> dict:
