@@ -110,6 +110,10 @@ class RegionPacker(Strategy):
         self.left: list[int] = []  # per value: reads left before it is let go
         self.unread = 0  # values not yet let go
         self.closed = False
+        # the first run's values until it ends: a gradient taken inside the region (`grad`
+        # with create_graph) reads them then, and re-running the region from inside its own
+        # first run would nest a run that saves more values than the first one counted
+        self.first_run: list[Any] | None = []
         self._choose = choose
 
     def choose_form(self, prim: Any) -> Any:
@@ -119,6 +123,8 @@ class RegionPacker(Strategy):
         if self.closed:
             return _Kept(KEEP, array)
         self.meta.append((tuple(array.shape), array.dtype))
+        if self.first_run is not None:
+            self.first_run.append(array)
         if self.originals is not None:
             self.originals.append(array.copy())
         storage = self.keep(array) if self.keep is not None else None
@@ -131,6 +137,7 @@ class RegionPacker(Strategy):
         """The first run returned `outputs`: count the reads of each value by the entries it
         made (those after `seq_before` that lead to an output), and take no more values."""
         self.closed = True
+        self.first_run = None
         reads = [0] * len(self.meta)
         stack = [t._entry for t in flatten(outputs)[0]
                  if isinstance(t, Tensor) and t._entry is not None]
@@ -151,6 +158,8 @@ class RegionPacker(Strategy):
     def unpack(self, handle: _Handle | _Kept) -> Any:
         if type(handle) is _Kept:
             return handle.strategy.unpack(handle.stored)
+        if self.first_run is not None:  # read inside the first run: no re-run yet
+            return self.first_run[handle.index]
         values = self.values
         if values is None or values[handle.index] is None:
             self.region.materialize(self)
