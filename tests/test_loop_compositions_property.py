@@ -3,8 +3,9 @@
 `test_loop_properties.py` draws straight-line steps; here a step may also open a
 `checkpoint`/`remat` region (with a JAX policy from `cad.checkpoint_policies`), run a nested
 `scan` (any inner strategy, traced or not, reversed), register hooks, `retain_grad()`, change
-tensors in place (intermediates, its inputs, captured tensors), draw random numbers and take
-a gradient inside the step (``cad.grad(E(h), h, create_graph=True)``); the loop is traced
+tensors in place (intermediates, its inputs, captured tensors; a captured tensor in the
+loop's first step alone), draw random numbers and take a gradient inside the step
+(``cad.grad(E(h), h, create_graph=True)``); the loop is traced
 or recorded, forward or reversed, possibly stopped by `until`; and after it, before the
 backward, outputs, `xs` and captured tensors may be changed in place.
 
@@ -16,10 +17,11 @@ the project's errors and every configuration raises the same class. Two departur
 allowed, both written down:
 
 * a run that re-runs code (a loop plan, a region, a planned inner loop) may raise
-  `SavedValueModifiedError` where the plain program worked, when the program changes a
-  tensor in place: re-running reads the tensor again, so it must raise rather than
-  differentiate other values (`test_scan_inplace_guards.py`,
-  `test_captured_tensor_only_added_may_change_unless_steps_are_rerun`);
+  `SavedValueModifiedError` or `InplaceError` where the plain program worked, when the
+  program changes a tensor in place: re-running reads the tensor again (or changes it
+  again), so it must raise rather than differentiate other values
+  (`test_scan_inplace_guards.py`,
+  `test_step_changing_a_captured_tensor_it_only_adds_is_pytorchs_loop_or_raises`);
 * `KNOWN_GAPS`: failures known and being fixed elsewhere, each matched precisely; the
   set is emptied when the fix merges.
 
@@ -59,11 +61,7 @@ EXAMPLES = int(os.environ.get("LOOP_PROPERTY_EXAMPLES", "40"))
 # Failures known and being fixed on another branch; each name is matched by `_known_gap`
 # (a precise condition) and the lead empties this set when the fix merges.
 KNOWN_GAPS = {
-    # branch planned-hooks: a planned loop's forward runs steps without a tape, so a hook,
-    # retain_grad() or grad() inside the step raises BackwardError where keeping every step
-    # works
-    "hooks, retain_grad and grad in planned steps",
-    # test_retain_grad_on_a_planned_loops_input_carry_fills_the_callers_tensor (xfail)
+    # test_retain_grad_on_every_steps_input_carry_in_a_planned_loop (xfail)
     "retain_grad on a planned loop's input carry",
     # test_traced_inner_scan_and_region_in_a_planned_step_capture_the_same_tensors (xfail)
     "traced inner scan and region in a planned step",
@@ -124,6 +122,7 @@ class Context:
     c0: Any
     c: Any
     plain: bool
+    first_row: Any = None  # the row the loop's first step runs on
     recording: bool = False
     seen: list[Any] = field(default_factory=list)
     retained: list[Any] = field(default_factory=list)
@@ -251,10 +250,18 @@ class Program:
     reverse: bool
     until: float | None
     after: tuple[str, ...]
+    # a captured tensor changed in place by the loop's first step alone (a branch on its
+    # row), at the step's start or end: (which, where) or None
+    first_step: tuple[str, str] | None = None
 
     def step(self, carry: tuple[Any, ...], x: Any, k: Context) -> tuple[Any, Any]:
+        first = self.first_step is not None and np.array_equal(x.numpy(), k.first_row)
+        if first and self.first_step[1] == "start":
+            _change_captured(k, self.first_step[0])
         regs = [*carry, x, k.c, k.c0]
         _run_body(self.body, regs, k)
+        if first and self.first_step[1] == "end":
+            _change_captured(k, self.first_step[0])
         returnable = [*carry, x, *regs[self.n_carry + 3:], k.c, k.c0]
         new = tuple(carry[j] if r is None else returnable[r % len(returnable)]
                     for j, r in enumerate(self.carry_out))
@@ -266,7 +273,7 @@ class Program:
         return any(ins[0] == "op" and ins[1] in names for ins in _instructions(self.body))
 
     def changes_in_place(self) -> bool:
-        return bool(self.after) or self.uses(IN_PLACE)
+        return bool(self.after) or self.uses(IN_PLACE) or self.first_step is not None
 
     def reruns_inside(self) -> bool:
         """Whether the step holds code a backward runs again (a region, a planned inner
@@ -347,7 +354,16 @@ def programs(draw: Any) -> Program:
                              max_size=2)))
     until = draw(st.one_of(st.none(), st.sampled_from([0.5, 2.0, 6.0])))
     after = tuple(draw(st.lists(st.sampled_from(sorted(AFTER)), max_size=2, unique=True)))
-    return Program(shape, n_carry, body, carry_out, ys, draw(st.booleans()), until, after)
+    first_step = draw(st.one_of(st.none(), st.tuples(st.sampled_from(["w", "M", "c"]),
+                                                     st.sampled_from(["start", "end"]))))
+    return Program(shape, n_carry, body, carry_out, ys, draw(st.booleans()), until, after,
+                   first_step)
+
+
+def _change_captured(k: Context, which: str) -> None:
+    """Change captured tensor `which` (w, M or the non-leaf c) in place, outside the graph."""
+    with cad.no_grad():
+        getattr(k, which).mul_(1.5)
 
 
 # ----------------------------------------------------------------- after the loop
@@ -387,6 +403,7 @@ def run(program: Program, n: int, seed: int, mode: tuple[str, bool], plain: bool
     k = Context(w=leaf(d, scale=0.7), M=leaf(d, d, scale=0.5), c0=c0, c=cad.tanh(c0) * 0.5,
                 plain=plain)
     k.c.retain_grad()
+    k.first_row = xs.numpy()[-1 if program.reverse else 0].copy()
     carry_w = [cad.tensor(rng.standard_normal(shape)) for _ in init]
     ys_w = [cad.tensor(rng.standard_normal((n, *shape))) for _ in program.ys]
 
@@ -449,8 +466,6 @@ def _known_gap(program: Program, mode: tuple[str, bool], got: Outcome,
             planned and program.uses({"retain_grad"})) else None
     if got.error is None or not issubclass(got.error, cad.BackwardError):
         return None
-    if planned and program.uses(OBSERVING):
-        return "hooks, retain_grad and grad in planned steps"
     kinds = {ins[0] for ins in _instructions(program.body)}
     traced_inner = any(ins[0] == "scan" and ins[5] for ins in _instructions(program.body))
     if (_rerunning(OUTER[mode[0]]()) and "region" in kinds and traced_inner
@@ -461,7 +476,8 @@ def _known_gap(program: Program, mode: tuple[str, bool], got: Outcome,
 
 def _allowed(program: Program, mode: tuple[str, bool], got: Outcome) -> bool:
     """Whether a failure where the plain program worked is one of the departures allowed."""
-    return got.error is cad.SavedValueModifiedError and program.changes_in_place() and (
+    return got.error in (cad.SavedValueModifiedError, cad.InplaceError) and (
+        program.changes_in_place()) and (
         _rerunning(OUTER[mode[0]]()) or program.reruns_inside())
 
 
@@ -520,11 +536,11 @@ def test_every_combination_gives_the_plain_programs_gradients_or_its_error(progr
 
 
 # ----------------------------------------------------------------- what the property found
-@pytest.mark.xfail(strict=True, reason="a planned loop hands its step a copy of the caller's "
-                   "carry, so retain_grad() on step 0's input carry fills nothing (keeping "
-                   "every step passes the caller's tensor, as PyTorch's checkpoint does)")
 @pytest.mark.parametrize("strategy", [Periodic(2), Recompute(), Binomial(1)], ids=repr)
 def test_retain_grad_on_a_planned_loops_input_carry_fills_the_callers_tensor(strategy):
+    """Keeping every step hands step 0 the caller's carry itself, as a Python loop (and
+    PyTorch's checkpoint) does: ``h.retain_grad()`` there fills the caller's `.grad`; a plan
+    hands step 0 a copy, and retains the caller's tensor for it."""
     def grad_of_retained(strategy):
         a = cad.tensor(np.array([0.1, -0.2, 0.3]), requires_grad=True) * 2.0
 
@@ -541,6 +557,34 @@ def test_retain_grad_on_a_planned_loops_input_carry_fills_the_callers_tensor(str
     got = grad_of_retained(strategy)
     assert got is not None
     np.testing.assert_array_equal(got.numpy(), want.numpy())
+
+
+@pytest.mark.xfail(strict=True, reason="a plan hands each step that starts a re-run "
+                   "segment its carry as new leaves (step 0 a copy of the caller's), and "
+                   "pulls the carry's adjoint back through them without filling their .grad: "
+                   "retain_grad() on such a step's input carry gives None where keeping "
+                   "every step gives the gradient")
+@pytest.mark.parametrize("strategy", [Periodic(2), Recompute(), Binomial(1)], ids=repr)
+def test_retain_grad_on_every_steps_input_carry_in_a_planned_loop(strategy):
+    def retained_grads(strategy):
+        a = cad.tensor(np.array([0.1, -0.2, 0.3]), requires_grad=True) * 2.0
+        kept = []
+
+        def step(h, x):
+            h.retain_grad()
+            kept.append(h)
+            return cad.tanh(h * x), None
+
+        h, _ = cad.scan(step, a, cad.tensor(np.full((4, 3), 0.5)), strategy=strategy,
+                        trace=False)
+        h.sum().backward()
+        return [None if t.grad is None else t.grad.numpy() for t in kept[:4]]
+
+    want = retained_grads(None)
+    got = retained_grads(strategy)
+    assert all(g is not None for g in got)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
 
 
 @pytest.mark.xfail(strict=True, raises=cad.BackwardError, reason="a planned loop whose step "
