@@ -537,3 +537,21 @@ def test_while_loop_step_changing_its_carry_in_place_is_pytorchs_loop_or_raises(
     for g, e in zip(got, expected):
         np.testing.assert_array_equal(g, e)
     assert strategy != "binomial"
+
+
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("mode", MODES, ids=_mode_id)
+def test_rows_of_the_carry_are_a_new_array_like_torch_stack(mode, n):
+    """PyTorch: ``torch.stack`` of the carries a loop returned is a new tensor, so changing
+    it in place leaves the final carry as it was. A plan's one-step loop returning its carry
+    as its output handed out a view of the final carry: ``ys.mul_(1.5)`` changed it too, and
+    the loss read from it (found by the loop composition property)."""
+    def step(h, x):
+        new = cad.tanh(h * x)
+        return new, new  # an RNN's (h, h)
+
+    h0 = cad.tensor(np.array([1.0, 2.0, 3.0]), requires_grad=True)
+    final, ys = _scan(step, h0, cad.ones((n, 3)), mode)
+    before = final.numpy().copy()
+    ys.mul_(1.5)
+    np.testing.assert_array_equal(final.numpy(), before)
