@@ -487,7 +487,11 @@ def backpropagate(
                                 capture.values[position] = (
                                     grad if previous is None else previous + grad
                                 )
-                    if made is not None and extra is not None and extra.retained:
+                    if made is not None and extra is not None and extra.retained and (
+                            capture is None or entry.seq > capture.newer_than):
+                        # (a loop's pull-back reaches a retained tensor from before the loop,
+                        # c of ``c.retain_grad()``, with the sum so far: the sweep around
+                        # fills its .grad once, on the total)
                         for index, ref in extra.retained.items():
                             t = ref()
                             if t is not None and grads[index] is not None:

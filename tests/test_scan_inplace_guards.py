@@ -401,6 +401,42 @@ def test_step_changing_a_captured_tensor_it_saves_raises_in_every_mode(mode):
         _capture_changing(saved=True)(mode)
 
 
+def _first_step_changing(n, saved):
+    def program(mode):
+        w = cad.tensor(0.5, requires_grad=True)
+        c = cad.tensor(np.float32(1.0))
+        rows = np.ones(n, dtype=np.float32)
+        rows[-1 if mode[2] else 0] = 5.0  # the row the loop's first step runs on
+
+        def step(h, x):
+            if float(x.numpy()) > 2.0:  # the first step only (a loop of one: every step)
+                c.add_(1.0)
+            y = h * w * c if saved else h * w + c
+            return cad.tanh(y + x), h
+
+        h, ys = _scan(step, cad.tensor(np.float32(0.1)), cad.tensor(rows), mode)
+        (h.sum() + ys.sum()).backward()
+        return w.grad.numpy(), c.numpy()
+    return program
+
+
+@pytest.mark.parametrize("saved", [False, True], ids=["added", "saved"])
+@pytest.mark.parametrize("n", [1, 5])
+@pytest.mark.parametrize("mode", MODES, ids=_mode_id)
+def test_step_changing_a_captured_tensor_only_at_step_0_is_pytorchs_loop_or_raises(mode, n,
+                                                                                  saved):
+    """PyTorch: a loop whose first step alone does ``c.add_(1)`` (a branch on its row, or a
+    loop of one step) changes c once, before any step reads it. A plan re-running step 0
+    would change c again and read it changed (silently: 3 or 5 in c, and another gradient,
+    before step 0's own change was seen): it raises; keep-all runs each step once, and a
+    loop of one step re-runs nothing."""
+    raised = _raises_inplace_or_matches(_first_step_changing(n, saved), mode)
+    if mode[0] == "keep-all":
+        assert not raised
+    elif n > 1:
+        assert raised
+
+
 def _scratch(mode):
     w = cad.tensor(0.5, requires_grad=True)
 
@@ -515,3 +551,21 @@ def test_while_loop_step_changing_its_carry_in_place_is_pytorchs_loop_or_raises(
     for g, e in zip(got, expected):
         np.testing.assert_array_equal(g, e)
     assert strategy != "binomial"
+
+
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("mode", MODES, ids=_mode_id)
+def test_rows_of_the_carry_are_a_new_array_like_torch_stack(mode, n):
+    """PyTorch: ``torch.stack`` of the carries a loop returned is a new tensor, so changing
+    it in place leaves the final carry as it was. A plan's one-step loop returning its carry
+    as its output handed out a view of the final carry: ``ys.mul_(1.5)`` changed it too, and
+    the loss read from it (found by the loop composition property)."""
+    def step(h, x):
+        new = cad.tanh(h * x)
+        return new, new  # an RNN's (h, h)
+
+    h0 = cad.tensor(np.array([1.0, 2.0, 3.0]), requires_grad=True)
+    final, ys = _scan(step, h0, cad.ones((n, 3)), mode)
+    before = final.numpy().copy()
+    ys.mul_(1.5)
+    np.testing.assert_array_equal(final.numpy(), before)

@@ -11,6 +11,7 @@ are dropped again once all were read. Gradients therefore flow through the origi
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -110,6 +111,12 @@ class RegionPacker(Strategy):
         self.left: list[int] = []  # per value: reads left before it is let go
         self.unread = 0  # values not yet let go
         self.closed = False
+        # while the first run lasts, its values held weakly (no more memory than the plain
+        # function's): a gradient taken inside the region (`grad` with create_graph) reads
+        # those still alive, and the others from `early`, one re-run's values, kept until
+        # the first run ends (only when such a gradient needed a value no longer alive)
+        self.first_run: list[Any] | None = []
+        self.early: list[Any] | None = None
         self._choose = choose
 
     def choose_form(self, prim: Any) -> Any:
@@ -119,6 +126,8 @@ class RegionPacker(Strategy):
         if self.closed:
             return _Kept(KEEP, array)
         self.meta.append((tuple(array.shape), array.dtype))
+        if self.first_run is not None:
+            self.first_run.append(_weak(array))
         if self.originals is not None:
             self.originals.append(array.copy())
         storage = self.keep(array) if self.keep is not None else None
@@ -131,6 +140,7 @@ class RegionPacker(Strategy):
         """The first run returned `outputs`: count the reads of each value by the entries it
         made (those after `seq_before` that lead to an output), and take no more values."""
         self.closed = True
+        self.first_run = self.early = None
         reads = [0] * len(self.meta)
         stack = [t._entry for t in flatten(outputs)[0]
                  if isinstance(t, Tensor) and t._entry is not None]
@@ -151,6 +161,8 @@ class RegionPacker(Strategy):
     def unpack(self, handle: _Handle | _Kept) -> Any:
         if type(handle) is _Kept:
             return handle.strategy.unpack(handle.stored)
+        if self.first_run is not None:  # read inside the first run
+            return self._read_early(handle.index)
         values = self.values
         if values is None or values[handle.index] is None:
             self.region.materialize(self)
@@ -171,6 +183,20 @@ class RegionPacker(Strategy):
                 self.values = None
         return value
 
+    def _read_early(self, i: int) -> Any:
+        """Value `i`, read while the first run still runs: the first run's array if it is
+        alive (its tensor still held, as a gradient taken inside the region usually finds
+        it), else a re-run's. The re-run runs the whole function, which saves more values
+        than the first run has so far: `accept` takes their prefix."""
+        ref = self.first_run[i] if self.first_run is not None else None
+        value = ref() if type(ref) is weakref.ref else ref
+        if value is not None:
+            return value
+        if self.early is None or len(self.early) <= i:
+            self.region.materialize(self)
+        assert self.early is not None
+        return self.early[i]
+
     def stored_nbytes(self, handle: _Handle | _Kept) -> int:
         return handle.nbytes if type(handle) is _Kept else 0
 
@@ -178,7 +204,10 @@ class RegionPacker(Strategy):
         return handle.strategy.stored_level(handle.stored) if type(handle) is _Kept else "device"
 
     def accept(self, values: list[Any], what: str) -> None:
-        """Take the values a re-run saved, after checking they match the first run."""
+        """Take the values a re-run saved, after checking they match the first run (so far,
+        when the re-run served a read inside the first run: `early`)."""
+        if not self.closed and len(values) >= len(self.meta):
+            values = values[:len(self.meta)]
         if len(values) != len(self.meta):
             raise RecomputeError(
                 f"recomputing {what} saved {len(values)} values, but its first run saved "
@@ -198,7 +227,19 @@ class RegionPacker(Strategy):
                     "the first run's (debug=True check); the function is not deterministic "
                     "(unseeded randomness, or a captured tensor changed?)"
                 )
-        self.values = values
+        if self.closed:
+            self.values = values
+        else:
+            self.early = values
+
+
+def _weak(array: Any) -> Any:
+    """A weak reference to `array`, or `array` itself where it takes none (a numpy scalar:
+    a few bytes)."""
+    try:
+        return weakref.ref(array)
+    except TypeError:
+        return array
 
 
 def _same(a: Any, b: Any) -> bool:

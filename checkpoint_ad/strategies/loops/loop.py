@@ -229,9 +229,11 @@ class PlannedStep(StepScope):
     tensors the caller may keep) notes the tensor in `retained` (step -> tensors, in call
     order); in a later run, the tensor made by the same call hands its gradient to the
     noted one, so `.grad` fills on the tensor the caller holds, as keeping every step would
-    (PyTorch's non-reentrant checkpoint fills it the same way)."""
+    (PyTorch's non-reentrant checkpoint fills it the same way). Step 0's input carry, in
+    the first run a copy of the caller's (`callers`: id -> the caller's tensor), retains
+    the caller's tensor, which keeping every step hands the step itself."""
 
-    __slots__ = ("calls", "drops_hooks", "first", "retained", "t", "untaped")
+    __slots__ = ("callers", "calls", "drops_hooks", "first", "retained", "t", "untaped")
 
     def __init__(self, retained: dict[int, list[Any]] | None, t: int, first: bool,
                  untaped: bool = False, drops_hooks: bool = False) -> None:
@@ -242,6 +244,7 @@ class PlannedStep(StepScope):
         outer = _state.step_scope  # a dry run's drops every hook of the steps within
         self.drops_hooks = untaped or drops_hooks or (outer is not None and outer.drops_hooks)
         self.calls = 0
+        self.callers: dict[int, Any] | None = None
 
     def retain(self, tensor: Any) -> bool:
         k = self.calls
@@ -251,6 +254,14 @@ class PlannedStep(StepScope):
             return self.drops_hooks
         if self.first:
             retained.setdefault(self.t, []).append(weakref.ref(tensor))
+            caller = self.callers.get(id(tensor)) if self.callers else None
+            if caller is not None:
+                _state.step_scope = None  # as outside the loop, refusals included
+                try:
+                    caller.retain_grad()
+                finally:
+                    _state.step_scope = self
+                return True
             return self.drops_hooks  # a run pulled back retains it as usual
         if self.drops_hooks or tensor._entry is None:
             return self.drops_hooks  # (no graph in a run pulled back: refused as usual)

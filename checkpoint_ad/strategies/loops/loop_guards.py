@@ -12,6 +12,8 @@ executor's `guards`, `input_guards` and `reruns`.
 
 from __future__ import annotations
 
+import gc
+import types
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -68,8 +70,9 @@ def find_guards(executor: PlannedLoop, carry_leaves: list[Any]) -> tuple[list[An
 def find_changes(executor: PlannedLoop) -> str | None:
     """What the steps change in place that a re-run of them reads again (None: nothing),
     found by step 0's trace: its own row of xs or its carry, changed by step 0 itself,
-    or a tensor from outside the loop that step 0 read, changed by a later step (a
-    ``counter.add_(1)`` on a captured tensor). A re-run would run on the changed values
+    a tensor from outside the loop that step 0 read, changed by a later step (a
+    ``counter.add_(1)`` on a captured tensor), or one step 0 changed itself (a step that
+    changes it only then, or a loop of one step). A re-run would run on the changed values
     and differentiate another loop, so a backward that re-runs steps refuses
     (`refuse_changes`); one that keeps every step reads only what the steps saved."""
     trace = executor.step0_trace
@@ -86,6 +89,32 @@ def find_changes(executor: PlannedLoop) -> str | None:
         if counter.value != version:
             return (f"the step changes a tensor it captures ({dtype}{list(shape)}) in "
                     "place")
+    program = executor.program
+    changed = _captured(trace.written, [trace.constants, *(
+        [program.constant_tensors] if program is not None else [])])
+    if changed is not None:  # by step 0 itself (a step changing it only then, or one step)
+        return (f"the step changes a tensor it captures ({changed.dtype}"
+                f"{list(changed.shape)}) in place")
+    return None
+
+
+def _captured(written: dict[int, tuple[Any, Any]], ours: list[Any]) -> Any:
+    """A tensor step 0 changed in place that someone else holds now that the step's own
+    tensors are gone (None: none), which a re-run of the step would change again: still
+    alive, and referred to by more than the loop's own tables of the step's tensors (`ours`,
+    where a tensor the step made and changed may linger as a traced constant). Rare (a step
+    changing in place a tensor without history), and costly then: the referrers are looked
+    up."""
+    if not any(ref() is not None for ref, _ in written.values()):
+        return None
+    gc.collect()  # the step's own tensors caught in reference cycles go first
+    mine = {id(table) for table in ours}
+    for ref, _ in written.values():
+        tensor = ref()
+        if tensor is not None and any(
+                id(r) not in mine and not isinstance(r, types.FrameType)
+                for r in gc.get_referrers(tensor)):
+            return tensor
     return None
 
 

@@ -66,7 +66,11 @@ def call_step(executor: PlannedLoop, t: int, carry: list[Any], x: Any, untaped: 
               drops_hooks: bool = False) -> tuple[list[Any], list[Any]]:
     """Run step `t` (recorded) as a run of the loop's plan (`PlannedStep`: `untaped`,
     without a tape; `drops_hooks`, with one nobody pulls back)."""
-    with step_scope(PlannedStep(executor.retained, t, executor.first_run, untaped, drops_hooks)):
+    scope = PlannedStep(executor.retained, t, executor.first_run, untaped, drops_hooks)
+    if t == 0 and executor.first_run:  # step 0's carry stands for the caller's tensors
+        scope.callers = {id(c): caller for c, caller in zip(carry, executor.carry_inputs)
+                         if isinstance(c, Tensor) and caller is not None}
+    with step_scope(scope):
         return record_step(executor, t, carry, x)
 
 

@@ -307,7 +307,10 @@ class PlannedLoop:
                 results[n_carry + k] = join_rows([part, carry], whole)
                 continue
             row = expand_dims(carry, 0)
-            results[n_carry + k] = row if part is None else concatenate([part, row], axis=0)
+            # one step: the rows are a new array, as `torch.stack` makes (a view of the final
+            # carry would see, and pass on, an in-place change of the other)
+            results[n_carry + k] = concatenate([part, row] if part is not None else [row],
+                                               axis=0)
         return results
 
     # ------------------------------------------------------------- backward

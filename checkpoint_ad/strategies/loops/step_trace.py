@@ -11,6 +11,7 @@ frozen into a `StepProgram` (`step_program.py`).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,6 +91,10 @@ class Trace:
     changed_inputs: tuple[int, ...] = ()
     input_written: tuple[int, ...] = ()  # rows changed through rows of theirs (`RowCounter`)
     outside_versions: dict[int, int] = field(default_factory=dict)
+    # tensors the step did not make that it changed in place (`note_write`), by counter:
+    # (weak reference, counter); those still alive once the step's own are gone belong to
+    # someone else (a captured tensor), which a re-run of the step would change again
+    written: dict[int, tuple[Any, Any]] = field(default_factory=dict)
 
     # ------------------------------------------------------------- called by the engine
     def refuse(self, reason: str) -> None:
@@ -124,6 +129,22 @@ class Trace:
         origin = entry.origin_frame if taped else (None, 0)
         self.instructions.append(Instruction(
             prim, inputs, dict(attrs), output, taped, mask, form, saved, in_shapes, origin))
+
+    def note_write(self, tensor: Any) -> None:
+        """`tensor` is about to be changed in place (`_state.inplace_watch`)."""
+        if id(tensor) in self.input_ids:  # the step's carry or row: `changed_inputs`
+            return
+        target = tensor._base if tensor._base is not None else tensor
+        entry = target._entry
+        if id(target) in self.input_ids or (entry is not None and entry.seq > self.seq_before):
+            return  # its input, or a tensor the step computed
+        counter = target._version
+        if id(counter) not in self.written:
+            try:
+                ref = weakref.ref(target)
+            except TypeError:
+                return
+            self.written[id(counter)] = (ref, counter)
 
     def note_draw(self, make: Any, key: tuple[Any, ...], array: Any) -> None:
         """`random.sample` drew `array` from the engine's generator."""
@@ -206,6 +227,9 @@ class Trace:
                 if k < self.n_inputs:
                     self.changed_inputs += (k,)
         self.outside_versions = {key: found[0].value for key, found in self.outside.items()}
+        for t in (*outputs, *ys):  # the step's outputs are its own (a leaf it made, returned)
+            if t is not None:
+                self.written.pop(id(t._version), None)
         if self.refused is None:
             carry = tuple(-1 if t is None else self._slot(t) for t in outputs)
             y = tuple(-1 if t is None else self._slot(t) for t in ys)
@@ -303,9 +327,18 @@ def traced_call(loop: Any, t: int, carry: list[Any], x: Any, refused: str | None
         trace.refuse(refused)
     trace.add_inputs(list(carry) + (flatten(x)[0] if x is not None else []))
     previous = tracing(trace)
+    watch = _state.inplace_watch
+
+    def note_write(tensor: Any) -> None:
+        trace.note_write(tensor)
+        if watch is not None:
+            watch(tensor)
+
+    _state.inplace_watch = note_write
     try:
         new, ys = loop.call(t, carry, x)
     finally:
+        _state.inplace_watch = watch
         stop_tracing(previous)
     trace.finish(new, ys)
     return new, ys, trace
