@@ -310,6 +310,16 @@ class Program:
         n_returnable = self.n_carry + 1 + len(self.body) + 2
         return any(r is None or r % n_returnable <= self.n_carry for r in self.carry_out)
 
+    def first_final_carry_is_an_input(self) -> bool:
+        """Whether the first carry leaf the loop returns (the one `after` changes in place)
+        is a tensor the step was given as it came: its carry, its x, or a captured c or c0.
+        Changed in place, the plain program changes that input too; a plan's is a new
+        tensor (the gap "final carry returned unchanged is a new tensor")."""
+        n_returnable = self.n_carry + 1 + len(self.body) + 2
+        first = self.carry_out[0]
+        return first is None or first % n_returnable <= self.n_carry or (
+            first % n_returnable >= n_returnable - 2)
+
     def sums_adjoints_in_another_order(self) -> bool:
         """As `test_loop_properties.Program`'s, an in-place register taken as the register
         it changed."""
@@ -484,7 +494,7 @@ def _known_gap(program: Program, mode: tuple[str, bool], got: Outcome,
     if retained_only:
         return "retain_grad on a planned loop's input carry" if (
             planned and program.uses({"retain_grad"})) else None
-    if got.error is RecomputeError and "but its first run saved" in got.message and any(
+    if got.error is RecomputeError and "first run saved" in got.message and any(
             ins[0] == "region" and _has_planned_scan(ins[-1]) and _uses(ins[-1], {"grad_inside"})
             for ins in _instructions(program.body)):
         return "grad through a planned loop in a region"
@@ -579,6 +589,10 @@ def test_every_combination_gives_the_plain_programs_gradients_or_its_error(progr
             if wrong is not None and "final_carry" in program.after and (
                     program.returns_one_tensor_as_two_carry_leaves()) and (
                     "final carry leaves that are one tensor come back apart" in KNOWN_GAPS):
+                continue
+            if wrong is not None and "final_carry" in program.after and (
+                    program.first_final_carry_is_an_input()) and (
+                    "final carry returned unchanged is a new tensor" in KNOWN_GAPS):
                 continue
             if wrong is not None and _retained_only(got.values, want.values, exact) and (
                     _known_gap(program, mode, got, retained_only=True) in KNOWN_GAPS):
