@@ -76,6 +76,48 @@ def test_hook_in_a_checkpointed_step_fires_once_per_step_like_torch_nonreentrant
     np.testing.assert_array_equal(h0_grad, ref_h0)
 
 
+def _input_hooked_run(strategy, on, trace, reverse):
+    """(W.grad, h0.grad, xs.grad, what the hook on the step's carry or row saw): keeping
+    every step, the carry is the previous step's output and the row a view of xs, so the
+    hook sees (and halves) each one's whole gradient."""
+    w, h0, _ = _leaves()
+    xs = cad.tensor(X0.copy(), requires_grad=True)
+    seen = []
+
+    def step(h, x):
+        (h if on == "carry" else x).register_hook(
+            lambda g: seen.append(g.numpy().copy()) or g * 0.5)
+        new = cad.tanh(h @ w + x * h)
+        return new, new * 2.0
+
+    strategy = _resolve(strategy, step, h0, xs)
+    seen.clear()
+    carry, ys = cad.scan(step, h0, xs, strategy=strategy, trace=trace, reverse=reverse)
+    ((ys * ys).sum() + carry.sum()).backward()
+    return w.grad.numpy(), h0.grad.numpy(), xs.grad.numpy(), seen
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("trace", [True, False])
+@pytest.mark.parametrize("on", ["carry", "row"])
+@pytest.mark.parametrize("strategy", _strategies(), ids=repr)
+def test_hook_on_a_steps_carry_or_row_changes_the_gradient_like_a_python_loop(
+        strategy, on, trace, reverse):
+    """PyTorch: a hook registered on a tensor inside a non-reentrant checkpoint sees its
+    gradient and its result flows on. A plan's re-run makes the step's carry and row leaves
+    of their own; their hooks still fire once per step, on the same gradients, and what
+    they return reaches the earlier steps, xs and the weights bitwise as keeping every step
+    (they were silently dropped)."""
+    want = _input_hooked_run(None, on, False, reverse)
+    got = _input_hooked_run(strategy, on, trace, reverse)
+    assert len(want[3]) == N and len(got[3]) == N
+    # the same gradients (the order rows' hooks fire in, between steps, is the sweep's)
+    for g, r in zip(sorted(got[3], key=tuple), sorted(want[3], key=tuple)):
+        np.testing.assert_array_equal(g, r)
+    for g, r in zip(got[:3], want[:3]):
+        np.testing.assert_array_equal(g, r)
+
+
 @pytest.mark.parametrize("strategy", [Binomial(2), Periodic(3)], ids=repr)
 def test_hook_in_a_checkpointed_step_fires_once_per_step_in_each_backward_with_retain_graph(
         strategy):

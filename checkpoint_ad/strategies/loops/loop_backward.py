@@ -54,6 +54,7 @@ def run_backward(
     assert forward is not None
     executor.keys_found = None  # found again per backward: xs may take a gradient now
     executor.fixed_keys = None  # (`loop_pull_back.segment_keys`)
+    executor.carry_hooks = {}
     if retain_graph:  # work on copies: the forward's state must answer again
         snapshots = dict(forward.snapshots)
     else:

@@ -142,6 +142,9 @@ class PlannedLoop:
         self.discovered = False  # externals (and carry aliases) found
         self.keys_found: Any = None  # see `loop_pull_back.replay_keys`
         self.fixed_keys: Any = None  # see `loop_pull_back.segment_keys`
+        # hooks a re-run registered on a segment's input carry, by its first step: they go
+        # onto the earlier segment's output carry (`loop_pull_back.pull_back`)
+        self.carry_hooks: dict[int, list[tuple[int, dict[int, Any]]]] = {}
         self.state: ForwardState | None = None
         self.consumed = False
         self.reruns = True  # whether the backward runs steps again (found in run(): `loop_guards`)
