@@ -49,7 +49,7 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 import checkpoint_ad as cad
-from checkpoint_ad.errors import BudgetError, CheckpointADError, RecomputeError
+from checkpoint_ad.errors import BudgetError, CheckpointADError
 from checkpoint_ad.strategies import (
     Binomial,
     Budget,
@@ -83,16 +83,10 @@ KNOWN_GAPS = {
     # found by the property, not yet reduced to a test: a hook in a planned inner loop's
     # step, the outer loop traced, fires once fewer than in the plain program
     "hook in a planned inner loop under a traced outer loop",
-    # test_grad_through_a_planned_loop_inside_a_region_reruns_the_region_alike (xfail)
-    "grad through a planned loop in a region",
-    # test_grad_with_create_graph_inside_a_checkpoint_reruns_alike (xfail)
-    "grad with create_graph inside a region",
     # test_grad_inside_a_planned_step_sees_xs_made_from_the_initial_carry (xfail): a plan
     # hands step 0 a copy of the carry, so a gradient inside the step with respect to it
     # misses the path through xs computed from the caller's carry (a silent wrong value)
     "grad inside a planned step misses xs made from the initial carry",
-    # test_a_checkpoint_under_a_per_op_strategy_reruns_alike (xfail)
-    "region under a per-op strategy",
 }
 
 # ----------------------------------------------------------------- configurations
@@ -506,18 +500,6 @@ def _known_gap(program: Program, mode: tuple[str, bool], got: Outcome,
     if retained_only:
         return "retain_grad on a planned loop's input carry" if (
             planned and program.uses({"retain_grad"})) else None
-    if got.error is RecomputeError and "first run saved" in got.message and any(
-            ins[0] == "region" and _has_planned_scan(ins[-1]) and _uses(ins[-1], {"grad_inside"})
-            for ins in _instructions(program.body)):
-        return "grad through a planned loop in a region"
-    if got.error is RecomputeError and "first run saved" in got.message and any(
-            ins[0] == "region" and _uses(ins[-1], {"grad_inside"})
-            for ins in _instructions(program.body)):
-        return "grad with create_graph inside a region"
-    if got.error is RecomputeError and "first run saved" in got.message and (
-            mode[0] in ("store-inputs", "budget")) and any(
-            ins[0] == "region" for ins in _instructions(program.body)):
-        return "region under a per-op strategy"
     if got.error is None or not issubclass(got.error, cad.BackwardError):
         return None
     kinds = {ins[0] for ins in _instructions(program.body)}
@@ -532,11 +514,6 @@ def _known_gap(program: Program, mode: tuple[str, bool], got: Outcome,
 # plan that would re-run a changing step (InplaceError: at the backward, or a budget's dry run
 # before the loop runs); which one a configuration meets first depends on where it checks
 IN_PLACE_REFUSALS = (cad.SavedValueModifiedError, cad.InplaceError)
-
-
-def _has_planned_scan(body: tuple[Any, ...]) -> bool:
-    return any(ins[0] == "scan" and ins[4] not in ("keep-all", "store-outputs")
-               for ins in _instructions(body))
 
 
 def _uses(body: tuple[Any, ...], names: set[str]) -> bool:
@@ -717,13 +694,11 @@ def test_final_carry_returned_unchanged_is_the_callers_leaf_in_every_mode(mode):
     assert h is h0
 
 
-@pytest.mark.xfail(strict=True, raises=RecomputeError, reason="a region's first run holds "
-                   "its values weakly; a gradient taken inside it that needs one no longer "
-                   "alive re-runs the region inside that gradient's sweep, and when the sweep "
-                   "goes through a planned loop of the region, the loop's backward then re-runs "
-                   "one step more, so the first run saves one value more than a re-run")
 @pytest.mark.parametrize("inner", [Periodic(2), Binomial(1), Recompute()], ids=repr)
 def test_grad_through_a_planned_loop_inside_a_region_reruns_the_region_alike(inner):
+    """Was RecomputeError ('first run saved'): a region counted its saved values per
+    distinct tensor, and its re-run's tensors are not the first run's objects; it now
+    counts one value per saved slot in both runs."""
     def grads(region):
         w = cad.tensor(np.array([0.3, -0.4, 0.5]), requires_grad=True)
         v0 = cad.tensor(np.array([0.1, 0.2, 0.3]), requires_grad=True)
@@ -742,12 +717,10 @@ def test_grad_through_a_planned_loop_inside_a_region_reruns_the_region_alike(inn
         np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.xfail(strict=True, reason="found by the property: a region whose function "
-                   "computes a gradient with create_graph re-runs saving a different number of "
-                   "values than its first run (RecomputeError); being fixed")
 def test_grad_with_create_graph_inside_a_checkpoint_reruns_alike():
     """PyTorch: a gradient penalty (autograd.grad with create_graph) inside a non-reentrant
-    checkpoint gives the plain function's gradients."""
+    checkpoint gives the plain function's gradients. (Found by the property: a region given
+    one tensor twice saved fewer values in its first run than in its re-run.)"""
     def grads(region):
         h0 = cad.tensor(np.array([0.1, -0.2, 0.3]), requires_grad=True)
 
@@ -784,13 +757,11 @@ def test_grad_inside_a_planned_step_sees_xs_made_from_the_initial_carry(strategy
     np.testing.assert_array_equal(final(strategy), final(None))
 
 
-@pytest.mark.xfail(strict=True, reason="found by the property: under StoreInputs a region "
-                   "that recomputes re-runs saving one value more than its first run "
-                   "(RecomputeError); being fixed")
 @pytest.mark.parametrize("policy", ["none", "all_but_kept"])
 def test_a_checkpoint_under_a_per_op_strategy_reruns_alike(policy):
     """PyTorch: a checkpoint inside any saved-tensor hooks context gives the gradients of
-    the plain function."""
+    the plain function. (Found by the property: a region given one tensor twice re-ran
+    saving one value more, which StoreInputs' form for divide exposed.)"""
     def grads(region):
         h0 = cad.tensor(np.array([0.1, -0.2, 0.3]), requires_grad=True)
 

@@ -85,6 +85,13 @@ class _Kept:
         measured = strategy.stored_nbytes(self.stored)
         self.nbytes = array_nbytes(array) if measured is None else int(measured)
 
+    def again(self) -> _Kept:
+        """The same stored form for another slot saving the same value: its bytes are
+        counted once, with the first."""
+        twin = _Kept.__new__(_Kept)
+        twin.strategy, twin.stored, twin.nbytes = self.strategy, self.stored, 0
+        return twin
+
 
 class RegionPacker(Strategy):
     """Stands in for the saved values of one re-runnable region.
@@ -94,11 +101,18 @@ class RegionPacker(Strategy):
     so the region runs again only for a value the sweep reads after that (a second sweep
     with `retain_graph`, or an entry the count could not see).
 
+    While the first run lasts, every saved slot gets a value of its own (`shares_buffers`),
+    even for a tensor saved before: the re-run's tensors are not the same objects as the
+    first run's (each argument is restored on its own, while the first run may have been
+    given one tensor twice, or one its function also captures), so a count of distinct
+    tensors would differ between the runs, while a count of slots does not.
+
     References point one way, handle -> packer -> region, never back: the region's inputs are
     freed by reference counting once the sweep has dropped the last entry that saved through
     this packer, not later by the cyclic collector."""
 
     lossless = True
+    shares_buffers = False  # True once the first run ended (`close`)
 
     def __init__(self, region: Any, choose: Any, keep: Any = None) -> None:
         self.region = region
@@ -117,6 +131,9 @@ class RegionPacker(Strategy):
         # the first run ends (only when such a gradient needed a value no longer alive)
         self.first_run: list[Any] | None = []
         self.early: list[Any] | None = None
+        # id(array) -> (its index, the form keeping it), for a value the policy keeps: saved
+        # again by another slot, it is stored once (`first_run` tells whether it is the same)
+        self.kept_forms: dict[int, tuple[int, _Kept]] | None = {}
         self._choose = choose
 
     def choose_form(self, prim: Any) -> Any:
@@ -130,17 +147,32 @@ class RegionPacker(Strategy):
             self.first_run.append(_weak(array))
         if self.originals is not None:
             self.originals.append(array.copy())
+        index = len(self.meta) - 1
         storage = self.keep(array) if self.keep is not None else None
-        if storage is not None:
-            self.kept.add(len(self.meta) - 1)
-            return _Kept(storage, array)
-        return _Handle(self, len(self.meta) - 1)
+        if storage is None:
+            return _Handle(self, index)
+        self.kept.add(index)
+        forms = self.kept_forms
+        known = forms.get(id(array)) if forms is not None else None
+        if known is not None and self._alive(known[0]) is array:
+            return known[1].again()
+        kept = _Kept(storage, array)
+        if forms is not None:
+            forms[id(array)] = (index, kept)
+        return kept
+
+    def _alive(self, i: int) -> Any:
+        """The first run's value `i` if it is still alive (None: gone, or no first run)."""
+        ref = self.first_run[i] if self.first_run is not None else None
+        return ref() if type(ref) is weakref.ref else ref
 
     def close(self, outputs: Any, seq_before: int) -> None:
         """The first run returned `outputs`: count the reads of each value by the entries it
         made (those after `seq_before` that lead to an output), and take no more values."""
         self.closed = True
+        self.shares_buffers = True  # a value saved from now on is kept as is: store it once
         self.first_run = self.early = None
+        self.kept_forms = None
         reads = [0] * len(self.meta)
         stack = [t._entry for t in flatten(outputs)[0]
                  if isinstance(t, Tensor) and t._entry is not None]
@@ -188,8 +220,7 @@ class RegionPacker(Strategy):
         alive (its tensor still held, as a gradient taken inside the region usually finds
         it), else a re-run's. The re-run runs the whole function, which saves more values
         than the first run has so far: `accept` takes their prefix."""
-        ref = self.first_run[i] if self.first_run is not None else None
-        value = ref() if type(ref) is weakref.ref else ref
+        value = self._alive(i)
         if value is not None:
             return value
         if self.early is None or len(self.early) <= i:
@@ -252,6 +283,7 @@ class Collector(Strategy):
     caller's or the region's, not as new tape bytes."""
 
     watches_only = True
+    shares_buffers = False  # a value per saved slot, as the first run's `RegionPacker`
 
     def __init__(self, choose: Any) -> None:
         self.values: list[Any] = []
