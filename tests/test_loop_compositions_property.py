@@ -465,7 +465,10 @@ def run(program: Program, n: int, seed: int, mode: tuple[str, bool], plain: bool
     loss.backward()
     grads = [t.grad for t in (*init, xs, k.w, k.M, c0, k.c)]
     retained = [t.grad for t in k.retained if t.grad is not None]  # a budget's dry run's: None
-    return [loss.numpy(), *[None if g is None else g.numpy() for g in grads], *k.seen,
+    # what hooks saw, as a multiset: the order hooks on different tensors fire in is the
+    # sweep's (a row's and a carry's between steps), not the program's
+    seen = sorted(k.seen, key=lambda a: tuple(np.ravel(a)))
+    return [loss.numpy(), *[None if g is None else g.numpy() for g in grads], *seen,
             RETAINED, *[g.numpy() for g in retained]]
 
 
