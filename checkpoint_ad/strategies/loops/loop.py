@@ -24,6 +24,7 @@ from ...ops.shape import GETITEM
 from ...pytree import flatten, unflatten
 from ...saved import VersionCounter
 from ...tensor import Tensor
+from .step_cuts import StepCuts
 
 
 class RowCounter(VersionCounter):
@@ -233,7 +234,8 @@ class PlannedStep(StepScope):
     the first run a copy of the caller's (`callers`: id -> the caller's tensor), retains
     the caller's tensor, which keeping every step hands the step itself."""
 
-    __slots__ = ("callers", "calls", "drops_hooks", "first", "retained", "t", "untaped")
+    __slots__ = ("callers", "calls", "cuts", "drops_hooks", "first", "retained", "t",
+                 "untaped")
 
     def __init__(self, retained: dict[int, list[Any]] | None, t: int, first: bool,
                  untaped: bool = False, drops_hooks: bool = False) -> None:
@@ -245,6 +247,11 @@ class PlannedStep(StepScope):
         self.drops_hooks = untaped or drops_hooks or (outer is not None and outer.drops_hooks)
         self.calls = 0
         self.callers: dict[int, Any] | None = None
+        self.cuts: StepCuts | None = None  # the history this run cuts (`step_cuts.py`)
+
+    def check_gradient(self, roots: list[Any], inputs: list[Any]) -> None:
+        if self.cuts is not None:
+            self.cuts.check(roots, inputs)
 
     def retain(self, tensor: Any) -> bool:
         k = self.calls
