@@ -165,7 +165,7 @@ class PlannedLoop:
         self.first_run = True
         self.retained: dict[int, list[Any]] = {}
         # id of a tensor from outside -> its history's keys (see `step_cuts.py`)
-        self.histories: dict[int, frozenset[tuple[int, int]]] = {}
+        self.histories: dict[tuple[int, int], Any] = {}
         if program is not None:
             self.traces = None
             self.program = program

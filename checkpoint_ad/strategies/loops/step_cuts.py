@@ -33,13 +33,15 @@ class StepCuts:
     stands_for: dict[int, tuple[str, list[Any] | None]] = field(default_factory=dict)
     # id of step 0's carry copy -> the caller's tensor it is in the plain loop
     is_caller: dict[int, Any] = field(default_factory=dict)
-    # id of an outer tensor -> the keys of its history, itself included (shared per loop)
-    histories: dict[int, frozenset[Key]] = field(default_factory=dict)
+    # (node id, index) of an edge from outside -> (its node, kept alive so the id stays its
+    # own; the keys of its history, its own included): walked once per loop
+    histories: dict[Key, tuple[Any, frozenset[Key]]] = field(default_factory=dict)
 
     def check(self, roots: list[Any], inputs: list[Any]) -> None:
         """Raise `StepGradientCutError` if a gradient from the edges `roots` with respect
-        to `inputs` would, in the plain loop, also flow through a cut tensor's history into
-        one of the inputs."""
+        to `inputs` would, in the plain loop, also flow into one of the inputs along a path
+        this run cuts: through a cut tensor's history, or (for step 0's carry, which is the
+        caller's tensor there) through a tensor from outside computed from it."""
         targets: dict[Key, Any] = {}  # the inputs as the plain loop has them, from outside
         own: dict[int, Key] = {}  # id of an input cut tensor -> its target's key
         for t in inputs:
@@ -57,55 +59,70 @@ class StepCuts:
                 own[id(t)] = key
         if not targets:
             return
-        for cut in self._reached(roots):
+        cuts, outside = self._reached(roots)
+        for cut in cuts:
             what, outer = self.stands_for[id(cut)]
             if outer is None:
                 hits = set(targets)
             else:
-                hits = set().union(*(self._history(o) for o in outer)) & set(targets)
+                hits = set().union(*(self._history(edge_of(o)) for o in outer)) & set(targets)
             hits.discard(own.get(id(cut)))
             if hits:
-                target = targets[next(iter(hits))]
-                raise StepGradientCutError(_message(
-                    what, "the loop's initial carry" if id(target) in self.is_caller
-                    else f"a {target.dtype}{list(target.shape)} tensor from outside the step"))
+                raise StepGradientCutError(_message(what, self._name(targets, hits)))
+        carries = set(own.values())  # the caller's carry, reached from outside the step
+        if carries:
+            for edge in outside:
+                hits = self._history(edge) & carries
+                if hits:
+                    raise StepGradientCutError(_message(
+                        "a tensor from outside the step computed from that carry",
+                        self._name(targets, hits)))
 
-    def _reached(self, roots: list[Any]) -> list[Any]:
-        """The cut tensors a sweep from `roots` reaches through the step's own entries."""
+    def _name(self, targets: dict[Key, Any], hits: set[Key]) -> str:
+        target = targets[next(iter(hits))]
+        if id(target) in self.is_caller:
+            return "the loop's initial carry"
+        return f"a {target.dtype}{list(target.shape)} tensor from outside the step"
+
+    def _reached(self, roots: list[Any]) -> tuple[list[Any], list[Any]]:
+        """(the cut tensors, the edges into tensors from outside) a sweep from `roots`
+        reaches through the step's own entries."""
         found: dict[int, Any] = {}
+        outside: dict[Key, Any] = {}
         seen: set[int] = set()
         stack = [e for e in roots if e is not None]
         while stack:
-            node, _ = stack.pop()
-            if id(node) in seen:
-                continue
-            seen.add(id(node))
-            if type(node) is Entry:
-                if node.seq > self.seq_before:
-                    stack.extend(e for e in node.edges if e is not None)
-            elif id(node) in self.stands_for:
+            edge = stack.pop()
+            node = edge[0]
+            if id(node) in self.stands_for:
                 found[id(node)] = node
-        return list(found.values())
+            elif type(node) is Entry and node.seq > self.seq_before:
+                if id(node) not in seen:
+                    seen.add(id(node))
+                    stack.extend(e for e in node.edges if e is not None)
+            else:
+                outside[(id(node), edge[1])] = edge
+        return list(found.values()), list(outside.values())
 
-    def _history(self, tensor: Any) -> frozenset[Key]:
-        """The keys of `tensor`'s history, its own included (walked once per loop)."""
-        known = self.histories.get(id(tensor))
+    def _history(self, edge: Any) -> frozenset[Key]:
+        """The keys of the history of the edge `edge` (None: none), its own included."""
+        if edge is None:
+            return frozenset()
+        key = (id(edge[0]), edge[1])
+        known = self.histories.get(key)
         if known is not None:
-            return known
+            return known[1]
         keys: set[Key] = set()
-        edge = edge_of(tensor)
-        stack = [] if edge is None else [edge]
+        stack = [edge]
         seen: set[int] = set()
         while stack:
             node, index = stack.pop()
             keys.add((id(node), index))
-            if id(node) in seen:
-                continue
-            seen.add(id(node))
-            if type(node) is Entry:
+            if type(node) is Entry and id(node) not in seen:
+                seen.add(id(node))
                 stack.extend(e for e in node.edges if e is not None)
-        self.histories[id(tensor)] = known = frozenset(keys)
-        return known
+        self.histories[key] = (edge[0], frozenset(keys))
+        return self.histories[key][1]
 
 
 def _message(what: str, wrt: str) -> str:
