@@ -13,7 +13,7 @@ The rule, for every lossless outer strategy, traced or not: the run gives bitwis
 *plain* program gives (no region, inner loops keeping every step, recorded, the outer loop
 keeping every step, ``trace=False``): the loss, every leaf's `.grad`, what every hook saw
 (in firing order) and every retained tensor's `.grad`; or the plain program raises one of
-the project's errors and every configuration raises the same class. Three departures are
+the project's errors and every configuration raises the same class. Four departures are
 allowed, all written down:
 
 * a run that re-runs code (a loop plan, a region, a planned inner loop) may raise
@@ -25,6 +25,11 @@ allowed, all written down:
   configuration checks)
   (`test_scan_inplace_guards.py`,
   `test_step_changing_a_captured_tensor_it_only_adds_is_pytorchs_loop_or_raises`);
+* a run that re-runs a loop's steps (a loop plan, a planned inner loop) may raise
+  `StepGradientCutError` where the plain program worked, when a step takes a gradient
+  inside it: the plain gradient also flows through the history of the step's carry or row
+  of `xs` (e.g. `xs` made from the initial carry), which a re-run's copies lack, so it
+  must raise rather than give another value (`test_step_gradient_cut_history.py`);
 * a configuration storing inputs (`StoreInputs`) recomputes an output from them, so an
   output changed in place after the loop, which the plain program's backward reads and
   refuses, does not stop it: it may give gradients there (as the strategy does outside
@@ -49,7 +54,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import checkpoint_ad as cad
-from checkpoint_ad.errors import BudgetError, CheckpointADError, RecomputeError
+from checkpoint_ad.errors import (
+    BudgetError,
+    CheckpointADError,
+    RecomputeError,
+    StepGradientCutError,
+)
 from checkpoint_ad.strategies import (
     Binomial,
     Budget,
@@ -525,6 +535,9 @@ def _uses(body: tuple[Any, ...], names: set[str]) -> bool:
 
 def _allowed(program: Program, mode: tuple[str, bool], got: Outcome) -> bool:
     """Whether a failure where the plain program worked is one of the departures allowed."""
+    if got.error is StepGradientCutError:
+        return program.uses({"grad_inside"}) and (
+            _rerunning(OUTER[mode[0]]()) or program.planned_inside())
     return got.error in IN_PLACE_REFUSALS and program.changes_in_place() and (
         _rerunning(OUTER[mode[0]]()) or program.reruns_inside())
 
