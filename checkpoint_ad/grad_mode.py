@@ -84,6 +84,10 @@ class StepScope:
         """Deal with `tensor.retain_grad()`; False: retain it as usual."""
         return False
 
+    def check_gradient(self, roots: list[Any], inputs: list[Any]) -> None:
+        """Refuse a gradient taken in the step (from the graph edges `roots`, with respect
+        to `inputs`) whose value this run of the step cannot give as a plain loop would."""
+
 
 class _Dropping(StepScope):
     """A run of a step whose hooks and retained tensors nobody sees (a budget's dry run)."""

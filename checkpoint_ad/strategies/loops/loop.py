@@ -18,12 +18,21 @@ from ... import events
 from ...backend import is_floating
 from ...errors import ShapeError, StepNeedsTapeError
 from ...function import Function
-from ...grad_mode import StepScope, _state, enable_grad, is_grad_enabled, no_grad, step_scope
+from ...grad_mode import (
+    DRY_RUN,
+    StepScope,
+    _state,
+    enable_grad,
+    is_grad_enabled,
+    no_grad,
+    step_scope,
+)
 from ...ops import stack
 from ...ops.shape import GETITEM
 from ...pytree import flatten, unflatten
 from ...saved import VersionCounter
 from ...tensor import Tensor
+from .step_cuts import StepCuts
 
 
 class RowCounter(VersionCounter):
@@ -233,7 +242,8 @@ class PlannedStep(StepScope):
     the first run a copy of the caller's (`callers`: id -> the caller's tensor), retains
     the caller's tensor, which keeping every step hands the step itself."""
 
-    __slots__ = ("callers", "calls", "drops_hooks", "first", "retained", "t", "untaped")
+    __slots__ = ("callers", "calls", "cuts", "drops_hooks", "dry", "first", "retained", "t",
+                 "untaped")
 
     def __init__(self, retained: dict[int, list[Any]] | None, t: int, first: bool,
                  untaped: bool = False, drops_hooks: bool = False) -> None:
@@ -243,8 +253,15 @@ class PlannedStep(StepScope):
         self.untaped = untaped
         outer = _state.step_scope  # a dry run's drops every hook of the steps within
         self.drops_hooks = untaped or drops_hooks or (outer is not None and outer.drops_hooks)
+        # within a budget's dry run (values measured, then dropped): nothing to refuse
+        self.dry = outer is DRY_RUN or getattr(outer, "dry", False)
         self.calls = 0
         self.callers: dict[int, Any] | None = None
+        self.cuts: StepCuts | None = None  # the history this run cuts (`step_cuts.py`)
+
+    def check_gradient(self, roots: list[Any], inputs: list[Any]) -> None:
+        if self.cuts is not None and not self.dry:
+            self.cuts.check(roots, inputs)
 
     def retain(self, tensor: Any) -> bool:
         k = self.calls

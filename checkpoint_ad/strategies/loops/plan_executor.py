@@ -167,6 +167,8 @@ class PlannedLoop:
         # steps called retain_grad() on, per step (see `PlannedStep`)
         self.first_run = True
         self.retained: dict[int, list[Any]] = {}
+        # id of a tensor from outside -> its history's keys (see `step_cuts.py`)
+        self.histories: dict[tuple[int, int], Any] = {}
         if program is not None:
             self.traces = None
             self.program = program
