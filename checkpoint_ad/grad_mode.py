@@ -84,6 +84,12 @@ class StepScope:
         """Deal with `tensor.retain_grad()`; False: retain it as usual."""
         return False
 
+    def hook_target(self, tensor: Any) -> Any:
+        """Where `tensor.register_hook` registers: `tensor` itself, another tensor it
+        stands for (step 0's copy of the caller's carry: the caller's), or None to drop
+        the hook (this run's copy of that carry, whose hook the caller's tensor holds)."""
+        return None if self.drops_hooks else tensor
+
     def check_gradient(self, roots: list[Any], inputs: list[Any]) -> None:
         """Refuse a gradient taken in the step (from the graph edges `roots`, with respect
         to `inputs`) whose value this run of the step cannot give as a plain loop would."""

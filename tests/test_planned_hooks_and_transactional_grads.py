@@ -434,3 +434,37 @@ def test_failure_inside_a_checkpointed_loops_backward_leaves_grad_untouched(stra
     reference = run(0)
     for got, want in zip(run(1), reference):
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("trace", [True, False])
+@pytest.mark.parametrize("strategy", _strategies(), ids=repr)
+def test_hook_on_step_0s_carry_is_a_hook_on_the_callers_tensor_like_a_python_loop(
+        strategy, trace):
+    """A Python loop hands step 0 the caller's tensor itself: a hook registered on it there
+    is that tensor's hook, which sees its whole gradient (its uses outside the loop too)
+    once per backward. A plan's step 0 runs on a copy; its hook goes to the caller's."""
+    def run(strategy):
+        w, _, xs = _leaves()
+        h0 = cad.tensor(H0.copy(), requires_grad=True)
+        a = h0 * 2.0
+        seen, first = [], [True]
+
+        def step(h, x):
+            if first[0]:
+                first[0] = False
+                h.register_hook(lambda g: seen.append(g.numpy().copy()) or g * 0.5)
+            new = cad.tanh(h @ w + x)
+            return new, None
+
+        strategy = _resolve(strategy, step, a, xs)
+        seen.clear()
+        first[0] = True
+        carry, _ = cad.scan(step, a, xs, strategy=strategy, trace=trace)
+        (carry.sum() + (a * a).sum()).backward()
+        return seen, h0.grad.numpy(), w.grad.numpy()
+
+    want, got = run(None), run(strategy)
+    assert len(want[0]) == len(got[0]) == 1
+    np.testing.assert_array_equal(got[0][0], want[0][0])
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_array_equal(got[2], want[2])

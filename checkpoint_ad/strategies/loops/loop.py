@@ -242,8 +242,8 @@ class PlannedStep(StepScope):
     the first run a copy of the caller's (`callers`: id -> the caller's tensor), retains
     the caller's tensor, which keeping every step hands the step itself."""
 
-    __slots__ = ("callers", "calls", "cuts", "drops_hooks", "dry", "first", "retained", "t",
-                 "untaped")
+    __slots__ = ("callers", "calls", "carry_copies", "cuts", "drops_hooks", "dry", "first",
+                 "retained", "t", "untaped")
 
     def __init__(self, retained: dict[int, list[Any]] | None, t: int, first: bool,
                  untaped: bool = False, drops_hooks: bool = False) -> None:
@@ -257,7 +257,23 @@ class PlannedStep(StepScope):
         self.dry = outer is DRY_RUN or getattr(outer, "dry", False)
         self.calls = 0
         self.callers: dict[int, Any] | None = None
+        # a later run's step 0 carry: copies of the caller's tensors, which hold its hooks
+        self.carry_copies: set[int] | None = None
         self.cuts: StepCuts | None = None  # the history this run cuts (`step_cuts.py`)
+
+    def hook_target(self, tensor: Any) -> Any:
+        """Step 0's carry stands for the caller's tensor, which keeping every step hands the
+        step itself: its first run registers the hook there (it fires once on the caller's
+        whole gradient, in the sweep around the loop, as a Python loop's would), and later
+        runs drop it."""
+        if self.dry:
+            return None
+        caller = self.callers.get(id(tensor)) if self.callers else None
+        if caller is not None:
+            return caller
+        if self.carry_copies is not None and id(tensor) in self.carry_copies:
+            return None
+        return None if self.drops_hooks else tensor
 
     def check_gradient(self, roots: list[Any], inputs: list[Any]) -> None:
         if self.cuts is not None and not self.dry:

@@ -75,6 +75,9 @@ def call_step(executor: PlannedLoop, t: int, carry: list[Any], x: Any, untaped: 
     if t == 0 and executor.first_run:  # step 0's carry stands for the caller's tensors
         scope.callers = {id(c): caller for c, caller in zip(carry, executor.carry_inputs)
                          if isinstance(c, Tensor) and caller is not None}
+    elif t == 0:
+        scope.carry_copies = {id(c) for c, caller in zip(carry, executor.carry_inputs)
+                              if isinstance(c, Tensor) and caller is not None}
     with step_scope(scope):
         return record_step(executor, t, carry, x)
 
