@@ -197,8 +197,8 @@ class Tensor(TensorBase, made_by_engine=True):
             target = scope.hook_target(self)
             if target is None:
                 return add_hook({}, hook)
-            if target is not self:
-                with step_scope(None):
+            if target is not self:  # registered as in the scope the loop runs in
+                with step_scope(getattr(scope, "outer", None)):
                     return target.register_hook(hook)
         if not self._current()._requires_grad:
             raise BackwardError(

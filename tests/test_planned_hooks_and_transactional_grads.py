@@ -468,3 +468,36 @@ def test_hook_on_step_0s_carry_is_a_hook_on_the_callers_tensor_like_a_python_loo
     np.testing.assert_array_equal(got[0][0], want[0][0])
     np.testing.assert_array_equal(got[1], want[1])
     np.testing.assert_array_equal(got[2], want[2])
+
+
+@pytest.mark.parametrize("inner", [Periodic(2), Binomial(1), None], ids=repr)
+@pytest.mark.parametrize("outer", [Binomial(2), Recompute(), None], ids=repr)
+def test_hook_on_a_nested_loops_step_0_carry_fires_as_in_nested_python_loops(outer, inner):
+    """The inner loop's step 0 hooks the outer step's tensor it was given: once per outer
+    step and backward, however often either plan runs its steps again."""
+    def run(outer, inner):
+        w, h0, xs = _leaves()
+        seen, first = [], [False]
+
+        def inner_step(h, x):
+            if first[0]:  # the inner loop's step 0, in whichever run of the outer step
+                first[0] = False
+                h.register_hook(lambda g: seen.append(g.numpy().copy()))
+            return cad.tanh(h @ w + x), None
+
+        def outer_step(h, x):
+            first[0] = True
+            f, _ = cad.scan(inner_step, h * 1.0, cad.stack([x, x * 0.5]), strategy=inner,
+                            trace=False)
+            return f, None
+
+        carry, _ = cad.scan(outer_step, h0, xs, strategy=outer, trace=False)
+        carry.sum().backward()
+        return seen, w.grad.numpy(), h0.grad.numpy()
+
+    want, got = run(None, None), run(outer, inner)
+    assert len(want[0]) == N and len(got[0]) == N
+    for g, r in zip(sorted(got[0], key=tuple), sorted(want[0], key=tuple)):
+        np.testing.assert_array_equal(g, r)
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_array_equal(got[2], want[2])

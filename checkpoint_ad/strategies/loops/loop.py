@@ -243,7 +243,7 @@ class PlannedStep(StepScope):
     the caller's tensor, which keeping every step hands the step itself."""
 
     __slots__ = ("callers", "calls", "carry_copies", "cuts", "drops_hooks", "dry", "first",
-                 "retained", "t", "untaped")
+                 "outer", "retained", "t", "untaped")
 
     def __init__(self, retained: dict[int, list[Any]] | None, t: int, first: bool,
                  untaped: bool = False, drops_hooks: bool = False) -> None:
@@ -252,6 +252,7 @@ class PlannedStep(StepScope):
         self.first = first
         self.untaped = untaped
         outer = _state.step_scope  # a dry run's drops every hook of the steps within
+        self.outer = outer  # the scope the loop runs in (an outer loop's step, or None)
         self.drops_hooks = untaped or drops_hooks or (outer is not None and outer.drops_hooks)
         # within a budget's dry run (values measured, then dropped): nothing to refuse
         self.dry = outer is DRY_RUN or getattr(outer, "dry", False)
