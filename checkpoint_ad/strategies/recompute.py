@@ -289,8 +289,12 @@ class _Region:
         self.name = getattr(fn, "__qualname__", repr(fn))
         outer = current_packer()
         keep_with = strategy.storage or outer
-        self.args = [self._keep(a, keep_with) for a in args]
-        self.kwargs = {k: self._keep(v, keep_with) for k, v in kwargs.items()}
+        # a tensor passed twice (``checkpoint(f, h, h)``) is kept once, and the re-run gets one
+        # tensor for it too: a value the first run saved once (for every entry that used the
+        # tensor) is then saved once by the re-run, as the first run's count expects
+        kept: dict[int, Any] = {}
+        self.args = [self._keep(a, keep_with, kept) for a in args]
+        self.kwargs = {k: self._keep(v, keep_with, kept) for k, v in kwargs.items()}
         # the generators' states, for the re-run to draw what the first run drew
         self.rng = _random_state() if replay_rng else None
         self.engine_state = random.get_state() if replay_rng else None
@@ -300,28 +304,36 @@ class _Region:
         self.choose = outer.choose_form
         self.origin = caller_origin()  # what entries of `fn` re-run name, if it is ours
 
-    def _keep(self, value: Any, packer: Strategy) -> Any:
+    def _keep(self, value: Any, packer: Strategy, kept: dict[int, Any]) -> Any:
         if not isinstance(value, Tensor):
             return ("value", value)
+        same = kept.get(id(value))
+        if same is not None:  # (the tensor is alive in `args`: its id is not reused)
+            return same
         if value._entry is None:
             packer = packer.for_leaf()  # the caller holds it anyway
         slot = SavedSlot("input", buffer_for(value, packer), value._version, None)
-        return ("tensor", slot, value.requires_grad)
+        item = kept[id(value)] = ("tensor", slot, value.requires_grad)
+        return item
 
-    def _restore(self, kept: Any) -> Any:
+    def _restore(self, kept: Any, restored: dict[int, Tensor]) -> Any:
         if kept[0] == "value":
             return kept[1]
+        t = restored.get(id(kept))
+        if t is not None:  # the same input in another place: the same tensor
+            return t
         _, slot, requires_grad = kept
         array = slot.unpack(lambda: f"the checkpointed region {self.name!r}")
-        t = Tensor._wrap(array)
+        t = restored[id(kept)] = Tensor._wrap(array)
         t._requires_grad = requires_grad
         return t
 
     @rerun_boundary
     def materialize(self, packer: RegionPacker) -> None:
         with events.recomputing(self.name), rerunning_from(self.origin):
-            args = [self._restore(a) for a in self.args]
-            kwargs = {k: self._restore(v) for k, v in self.kwargs.items()}
+            restored: dict[int, Tensor] = {}
+            args = [self._restore(a, restored) for a in self.args]
+            kwargs = {k: self._restore(v, restored) for k, v in self.kwargs.items()}
             collector = Collector(self.choose)
             if not self.replay_rng:
                 with enable_grad(), use_packer(collector):
