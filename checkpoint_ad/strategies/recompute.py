@@ -23,7 +23,7 @@ from ..backend import nbytes as array_nbytes
 from ..backend import to_device
 from ..entry import Entry
 from ..errors import RecomputeError
-from ..grad_mode import enable_grad, is_grad_enabled, refuse_trace
+from ..grad_mode import enable_grad, is_grad_enabled, refuse_trace, rerunning_region
 from ..origins import caller_origin, rerun_boundary, rerunning_from
 from ..pytree import flatten
 from ..saved import (
@@ -35,7 +35,7 @@ from ..saved import (
     current_packer,
     use_packer,
 )
-from ..tape import next_sequence
+from ..tape import edge_of, graph_tensor, next_sequence
 from ..tensor import Tensor
 from .kinds import LoopStrategy, RegionStrategy
 from .plans.revolve import Plan, periodic_plan
@@ -313,7 +313,7 @@ class _Region:
         if value._entry is None:
             packer = packer.for_leaf()  # the caller holds it anyway
         slot = SavedSlot("input", buffer_for(value, packer), value._version, None)
-        item = kept[id(value)] = ("tensor", slot, value.requires_grad)
+        item = kept[id(value)] = ("tensor", slot, edge_of(value._current()))
         return item
 
     def _restore(self, kept: Any, restored: dict[int, Tensor]) -> Any:
@@ -322,15 +322,18 @@ class _Region:
         t = restored.get(id(kept))
         if t is not None:  # the same input in another place: the same tensor
             return t
-        _, slot, requires_grad = kept
+        _, slot, edge = kept
         array = slot.unpack(lambda: f"the checkpointed region {self.name!r}")
-        t = restored[id(kept)] = Tensor._wrap(array)
-        t._requires_grad = requires_grad
+        # where the input sat in the graph, as PyTorch's re-run does: a gradient the function
+        # takes inside (`grad` with create_graph) reaches the inputs through the graph
+        # outside the region as its first run did (b = a * 2 passed beside a)
+        t = restored[id(kept)] = graph_tensor(array, edge)
         return t
 
     @rerun_boundary
     def materialize(self, packer: RegionPacker) -> None:
-        with events.recomputing(self.name), rerunning_from(self.origin):
+        with events.recomputing(self.name), rerunning_from(self.origin), rerunning_region(
+                next_sequence()):
             restored: dict[int, Tensor] = {}
             args = [self._restore(a, restored) for a in self.args]
             kwargs = {k: self._restore(v, restored) for k, v in self.kwargs.items()}
