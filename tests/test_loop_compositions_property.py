@@ -49,7 +49,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import checkpoint_ad as cad
-from checkpoint_ad.errors import BudgetError, CheckpointADError, RecomputeError
+from checkpoint_ad.errors import BudgetError, CheckpointADError
 from checkpoint_ad.strategies import (
     Binomial,
     Budget,
@@ -79,8 +79,6 @@ KNOWN_GAPS = {
     # found by the property, not yet reduced to a test: a hook in a planned inner loop's
     # step, the outer loop traced, fires once fewer than in the plain program
     "hook in a planned inner loop under a traced outer loop",
-    # test_grad_through_a_planned_loop_inside_a_region_reruns_the_region_alike (xfail)
-    "grad through a planned loop in a region",
 }
 
 # ----------------------------------------------------------------- configurations
@@ -494,10 +492,6 @@ def _known_gap(program: Program, mode: tuple[str, bool], got: Outcome,
     if retained_only:
         return "retain_grad on a planned loop's input carry" if (
             planned and program.uses({"retain_grad"})) else None
-    if got.error is RecomputeError and "first run saved" in got.message and any(
-            ins[0] == "region" and _has_planned_scan(ins[-1]) and _uses(ins[-1], {"grad_inside"})
-            for ins in _instructions(program.body)):
-        return "grad through a planned loop in a region"
     if got.error is None or not issubclass(got.error, cad.BackwardError):
         return None
     kinds = {ins[0] for ins in _instructions(program.body)}
@@ -512,11 +506,6 @@ def _known_gap(program: Program, mode: tuple[str, bool], got: Outcome,
 # plan that would re-run a changing step (InplaceError: at the backward, or a budget's dry run
 # before the loop runs); which one a configuration meets first depends on where it checks
 IN_PLACE_REFUSALS = (cad.SavedValueModifiedError, cad.InplaceError)
-
-
-def _has_planned_scan(body: tuple[Any, ...]) -> bool:
-    return any(ins[0] == "scan" and ins[4] not in ("keep-all", "store-outputs")
-               for ins in _instructions(body))
 
 
 def _uses(body: tuple[Any, ...], names: set[str]) -> bool:
@@ -692,11 +681,6 @@ def test_final_carry_returned_unchanged_is_the_callers_leaf_in_every_mode(mode):
     assert h is h0
 
 
-@pytest.mark.xfail(strict=True, raises=RecomputeError, reason="a region's first run holds "
-                   "its values weakly; a gradient taken inside it that needs one no longer "
-                   "alive re-runs the region inside that gradient's sweep, and when the sweep "
-                   "goes through a planned loop of the region, the loop's backward then re-runs "
-                   "one step more, so the first run saves one value more than a re-run")
 @pytest.mark.parametrize("inner", [Periodic(2), Binomial(1), Recompute()], ids=repr)
 def test_grad_through_a_planned_loop_inside_a_region_reruns_the_region_alike(inner):
     def grads(region):

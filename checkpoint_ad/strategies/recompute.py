@@ -23,7 +23,13 @@ from ..backend import nbytes as array_nbytes
 from ..backend import to_device
 from ..entry import Entry
 from ..errors import RecomputeError
-from ..grad_mode import enable_grad, is_grad_enabled, refuse_trace, rerunning_region
+from ..grad_mode import (
+    enable_grad,
+    is_grad_enabled,
+    made_before_rerun,
+    refuse_trace,
+    rerunning_region,
+)
 from ..origins import caller_origin, rerun_boundary, rerunning_from
 from ..pytree import flatten
 from ..saved import (
@@ -256,6 +262,22 @@ class Collector(Strategy):
     def __init__(self, choose: Any) -> None:
         self.values: list[Any] = []
         self._choose = choose
+        # id -> (tensor, its `_saved_ref` before): tensors from outside the re-run (a
+        # captured parameter) whose saved buffer the re-run replaced
+        self.replaced: dict[int, tuple[Tensor, Any]] = {}
+
+    def replacing(self, tensor: Tensor, ref: Any) -> None:
+        if made_before_rerun(tensor) and id(tensor) not in self.replaced:
+            self.replaced[id(tensor)] = (tensor, ref)
+
+    def restore(self) -> None:
+        """Give the tensors from outside the re-run their saved buffers back: a re-run run
+        inside the first run (a gradient taken there) must not change what the rest of the
+        first run shares (a parameter the first run saved, then saves again, is stored once,
+        as the re-runs store it; with the re-run's buffer in its place it was stored twice)."""
+        for tensor, ref in self.replaced.values():
+            tensor._saved_ref = ref
+        self.replaced.clear()
 
     def choose_form(self, prim: Any) -> Any:
         return self._choose(prim) if self._choose is not None else prim.forms[0]
@@ -338,19 +360,21 @@ class _Region:
             args = [self._restore(a, restored) for a in self.args]
             kwargs = {k: self._restore(v, restored) for k, v in self.kwargs.items()}
             collector = Collector(self.choose)
-            if not self.replay_rng:
-                with enable_grad(), use_packer(collector):
-                    self.fn(*args, **kwargs)
-            else:
-                outer_rng = _random_state()
-                np.random.set_state(self.rng)
-                try:
+            outer_rng = _random_state() if self.replay_rng else None
+            try:
+                if not self.replay_rng:
+                    with enable_grad(), use_packer(collector):
+                        self.fn(*args, **kwargs)
+                else:
+                    np.random.set_state(self.rng)
                     with enable_grad(), use_packer(collector), random.replaying(
                         self.engine_state
                     ):
                         self.fn(*args, **kwargs)
-                finally:
+            finally:
+                if outer_rng is not None:
                     np.random.set_state(outer_rng)
+                collector.restore()
             packer.accept(collector.values, f"checkpointed function {self.name!r}")
 
 
