@@ -142,8 +142,8 @@ class rerunning_region:
 def made_before_rerun(tensor: Any) -> bool:
     """Whether a checkpointed region runs again now and `tensor` is not its own (an input,
     a tensor it captured, a leaf): a hook or `retain_grad()` the function asks for on it was
-    registered by its first run, and is not registered twice (PyTorch's non-reentrant
-    checkpoint likewise fires such a hook once)."""
+    registered by its first run, and is not registered twice (it fires once, as in the
+    plain function)."""
     floor = _state.rerun_floor
     if floor is None:
         return False
