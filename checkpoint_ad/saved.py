@@ -91,7 +91,8 @@ class Strategy:
     reads_ahead: ClassVar[bool] = False  # True: prefetch hints help (a disk level)
     # True: `pack` only looks at the array, and the array itself is the stored form (a
     # region's re-run collecting its values): kept by reference, as `stores_as_is` keeps
-    # them, so a parameter or an input it saves again is still known for the caller's memory
+    # them, so a parameter or an input it saves again is still known for the caller's memory;
+    # `buffer_for` tells it `replacing(tensor, ref)` before a tensor's `_saved_ref` changes
     watches_only: ClassVar[bool] = False
 
     def stored_level(self, stored: Any) -> str:
@@ -306,6 +307,8 @@ def buffer_for(tensor: Any, packer: Any, made: list[Any] | None = None) -> Saved
                 and packer.shares_buffers):
             return buffer
     buffer = pack_value(array, packer, made)
+    if packer.watches_only:  # a region's re-run: it puts back what it replaces here
+        packer.replacing(tensor, ref)
     tensor._saved_ref = weakref.ref(buffer)
     return buffer
 

@@ -18,7 +18,7 @@ from .autograd import backward as _backward
 from .backend import is_array, namespace
 from .entry import _NO_ATTRS, Entry, RemovableHandle, add_hook
 from .errors import BackwardError, InplaceError, RequiresGradConversionError, ShapeError
-from .grad_mode import _state, no_grad, refuse_trace, step_scope
+from .grad_mode import _state, made_before_rerun, no_grad, refuse_trace, step_scope
 from .ops.elementwise import ADD, DIVIDE, MULTIPLY, NEGATIVE, POWER, SUBTRACT
 from .ops.shape import GETITEM, RESHAPE, TRANSPOSE
 from .saved import VersionCounter, pack_value
@@ -205,6 +205,8 @@ class Tensor(TensorBase, made_by_engine=True):
                 f"cannot register a hook on a tensor that does not require grad ({self.dtype}"
                 f"{list(self.shape)}): it gets no gradient; set requires_grad=True first"
             )
+        if made_before_rerun(self):  # a checkpointed region's re-run: registered already
+            return add_hook({}, hook)
         if self._entry is None:
             target = self if self._leaf_target is None else self._leaf_target
             if target._hooks is None:

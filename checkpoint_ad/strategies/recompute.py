@@ -23,7 +23,13 @@ from ..backend import nbytes as array_nbytes
 from ..backend import to_device
 from ..entry import Entry
 from ..errors import RecomputeError
-from ..grad_mode import enable_grad, is_grad_enabled, refuse_trace
+from ..grad_mode import (
+    enable_grad,
+    is_grad_enabled,
+    made_before_rerun,
+    refuse_trace,
+    rerunning_region,
+)
 from ..origins import caller_origin, rerun_boundary, rerunning_from
 from ..pytree import flatten
 from ..saved import (
@@ -35,7 +41,7 @@ from ..saved import (
     current_packer,
     use_packer,
 )
-from ..tape import next_sequence
+from ..tape import edge_of, graph_tensor, next_sequence
 from ..tensor import Tensor
 from .kinds import LoopStrategy, RegionStrategy
 from .plans.revolve import Plan, periodic_plan
@@ -288,6 +294,22 @@ class Collector(Strategy):
     def __init__(self, choose: Any) -> None:
         self.values: list[Any] = []
         self._choose = choose
+        # id -> (tensor, its `_saved_ref` before): tensors from outside the re-run (a
+        # captured parameter) whose saved buffer the re-run replaced
+        self.replaced: dict[int, tuple[Tensor, Any]] = {}
+
+    def replacing(self, tensor: Tensor, ref: Any) -> None:
+        if made_before_rerun(tensor) and id(tensor) not in self.replaced:
+            self.replaced[id(tensor)] = (tensor, ref)
+
+    def restore(self) -> None:
+        """Give the tensors from outside the re-run their saved buffers back: a re-run run
+        inside the first run (a gradient taken there) must not change what the rest of the
+        first run shares (a parameter the first run saved, then saves again, is stored once,
+        as the re-runs store it; with the re-run's buffer in its place it was stored twice)."""
+        for tensor, ref in self.replaced.values():
+            tensor._saved_ref = ref
+        self.replaced.clear()
 
     def choose_form(self, prim: Any) -> Any:
         return self._choose(prim) if self._choose is not None else prim.forms[0]
@@ -321,8 +343,12 @@ class _Region:
         self.name = getattr(fn, "__qualname__", repr(fn))
         outer = current_packer()
         keep_with = strategy.storage or outer
-        self.args = [self._keep(a, keep_with) for a in args]
-        self.kwargs = {k: self._keep(v, keep_with) for k, v in kwargs.items()}
+        # a tensor passed twice (``checkpoint(f, h, h)``) is kept once, and the re-run gets one
+        # tensor for it too: a value the first run saved once (for every entry that used the
+        # tensor) is then saved once by the re-run, as the first run's count expects
+        kept: dict[int, Any] = {}
+        self.args = [self._keep(a, keep_with, kept) for a in args]
+        self.kwargs = {k: self._keep(v, keep_with, kept) for k, v in kwargs.items()}
         # the generators' states, for the re-run to draw what the first run drew
         self.rng = _random_state() if replay_rng else None
         self.engine_state = random.get_state() if replay_rng else None
@@ -332,42 +358,55 @@ class _Region:
         self.choose = outer.choose_form
         self.origin = caller_origin()  # what entries of `fn` re-run name, if it is ours
 
-    def _keep(self, value: Any, packer: Strategy) -> Any:
+    def _keep(self, value: Any, packer: Strategy, kept: dict[int, Any]) -> Any:
         if not isinstance(value, Tensor):
             return ("value", value)
+        same = kept.get(id(value))
+        if same is not None:  # (the tensor is alive in `args`: its id is not reused)
+            return same
         if value._entry is None:
             packer = packer.for_leaf()  # the caller holds it anyway
         slot = SavedSlot("input", buffer_for(value, packer), value._version, None)
-        return ("tensor", slot, value.requires_grad)
+        item = kept[id(value)] = ("tensor", slot, edge_of(value._current()))
+        return item
 
-    def _restore(self, kept: Any) -> Any:
+    def _restore(self, kept: Any, restored: dict[int, Tensor]) -> Any:
         if kept[0] == "value":
             return kept[1]
-        _, slot, requires_grad = kept
+        t = restored.get(id(kept))
+        if t is not None:  # the same input in another place: the same tensor
+            return t
+        _, slot, edge = kept
         array = slot.unpack(lambda: f"the checkpointed region {self.name!r}")
-        t = Tensor._wrap(array)
-        t._requires_grad = requires_grad
+        # where the input sat in the graph, as PyTorch's re-run does: a gradient the function
+        # takes inside (`grad` with create_graph) reaches the inputs through the graph
+        # outside the region as its first run did (b = a * 2 passed beside a)
+        t = restored[id(kept)] = graph_tensor(array, edge)
         return t
 
     @rerun_boundary
     def materialize(self, packer: RegionPacker) -> None:
-        with events.recomputing(self.name), rerunning_from(self.origin):
-            args = [self._restore(a) for a in self.args]
-            kwargs = {k: self._restore(v) for k, v in self.kwargs.items()}
+        with events.recomputing(self.name), rerunning_from(self.origin), rerunning_region(
+                next_sequence()):
+            restored: dict[int, Tensor] = {}
+            args = [self._restore(a, restored) for a in self.args]
+            kwargs = {k: self._restore(v, restored) for k, v in self.kwargs.items()}
             collector = Collector(self.choose)
-            if not self.replay_rng:
-                with enable_grad(), use_packer(collector):
-                    self.fn(*args, **kwargs)
-            else:
-                outer_rng = _random_state()
-                np.random.set_state(self.rng)
-                try:
+            outer_rng = _random_state() if self.replay_rng else None
+            try:
+                if not self.replay_rng:
+                    with enable_grad(), use_packer(collector):
+                        self.fn(*args, **kwargs)
+                else:
+                    np.random.set_state(self.rng)
                     with enable_grad(), use_packer(collector), random.replaying(
                         self.engine_state
                     ):
                         self.fn(*args, **kwargs)
-                finally:
+            finally:
+                if outer_rng is not None:
                     np.random.set_state(outer_rng)
+                collector.restore()
             packer.accept(collector.values, f"checkpointed function {self.name!r}")
 
 
