@@ -93,6 +93,10 @@ class StepScope:
         the hook (this run's copy of that carry, whose hook the caller's tensor holds)."""
         return None if self.drops_hooks else tensor
 
+    def note_hook(self, handle: Any) -> None:
+        """A hook this run of the step registered (`handle` removes it): a run whose tape
+        the loop lets go unreversed takes back those on tensors from outside the step."""
+
     def check_gradient(self, roots: list[Any], inputs: list[Any]) -> None:
         """Refuse a gradient taken in the step (from the graph edges `roots`, with respect
         to `inputs`) whose value this run of the step cannot give as a plain loop would."""

@@ -211,9 +211,12 @@ class Tensor(TensorBase, made_by_engine=True):
             target = self if self._leaf_target is None else self._leaf_target
             if target._hooks is None:
                 target._hooks = {}
-            return add_hook(target._hooks, hook)
-        table = self._entry._hooks().outputs.setdefault(self._index, {})
-        return add_hook(table, hook)
+            handle = add_hook(target._hooks, hook)
+        else:
+            handle = add_hook(self._entry._hooks().outputs.setdefault(self._index, {}), hook)
+        if scope is not None:
+            scope.note_hook(handle)
+        return handle
 
     # ----------------------------------------------------------------- in-place
     def _tracked(self, other: Any) -> bool:

@@ -501,3 +501,38 @@ def test_hook_on_a_nested_loops_step_0_carry_fires_as_in_nested_python_loops(out
         np.testing.assert_array_equal(g, r)
     np.testing.assert_array_equal(got[1], want[1])
     np.testing.assert_array_equal(got[2], want[2])
+
+
+@pytest.mark.parametrize("inner", [False, True], ids=["direct", "inner loop"])
+@pytest.mark.parametrize("strategy", [Binomial(1), Binomial(2)], ids=repr)
+def test_hook_on_a_captured_leaf_in_a_loop_stopped_by_until_fires_once_per_step(
+        strategy, inner):
+    """A loop stopped by `until` tapes each step as it runs and lets all but the last tape
+    go; the backward runs those steps again. A hook such a run registered on a captured
+    leaf is taken back with its tape, so it fires once per step, as in a Python loop (it
+    fired twice per re-run step, changing the gradient when it returns one)."""
+    def run(strategy):
+        c0 = cad.tensor(np.array([0.3, -0.2, 0.5]), requires_grad=True)
+        h0 = cad.tensor(np.array([0.1, 0.2, 0.3]), requires_grad=True)
+        seen = []
+
+        def hooked(c, x):
+            c.register_hook(lambda g: seen.append(1) or g * 0.5)
+            return c * x, None
+
+        def step(h, x):
+            if inner:
+                f, _ = cad.scan(hooked, c0, cad.stack([x]), strategy=Periodic(2), trace=False)
+            else:
+                f = hooked(c0, x)[0]
+            return h * x + f, None
+
+        f, _ = cad.scan(step, h0, cad.tensor(np.full((5, 3), 1.1)), strategy=strategy,
+                        trace=False, until=lambda c: False)
+        f.sum().backward()
+        return len(seen), c0.grad.numpy(), h0.grad.numpy()
+
+    want, got = run(None), run(strategy)
+    assert want[0] == got[0] == 5
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_array_equal(got[2], want[2])

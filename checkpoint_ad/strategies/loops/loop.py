@@ -243,7 +243,7 @@ class PlannedStep(StepScope):
     the caller's tensor, which keeping every step hands the step itself."""
 
     __slots__ = ("callers", "calls", "carry_copies", "cuts", "drops_hooks", "dry", "first",
-                 "outer", "retained", "t", "untaped")
+                 "handles", "outer", "retained", "t", "untaped")
 
     def __init__(self, retained: dict[int, list[Any]] | None, t: int, first: bool,
                  untaped: bool = False, drops_hooks: bool = False) -> None:
@@ -260,7 +260,13 @@ class PlannedStep(StepScope):
         self.callers: dict[int, Any] | None = None
         # a later run's step 0 carry: copies of the caller's tensors, which hold its hooks
         self.carry_copies: set[int] | None = None
+        # the hooks this run registered, where its tape may be let go (`run_growing_plan`)
+        self.handles: list[Any] | None = None
         self.cuts: StepCuts | None = None  # the history this run cuts (`step_cuts.py`)
+
+    def note_hook(self, handle: Any) -> None:
+        if self.handles is not None:
+            self.handles.append(handle)
 
     def hook_target(self, tensor: Any) -> Any:
         """Step 0's carry stands for the caller's tensor, which keeping every step hands the

@@ -209,7 +209,10 @@ def run_growing_plan(executor: PlannedLoop) -> OutputRows:
                 del state.snapshots[action.step]
         forward_actions += len(actions)
         kept_random = random.get_state()
+        let_go, executor.step_hooks = executor.step_hooks, []
         kept = tape_steps(executor, t, t + 1, arrays)
+        for handle in let_go or ():  # the previous step's tape, never reversed: its steps
+            handle.remove()  # run again in the backward and register their hooks there
         if t == 0:
             discover_from(executor, kept)
         per_step.append(arrays_of(kept.y_out[0][1]))
@@ -217,6 +220,7 @@ def run_growing_plan(executor: PlannedLoop) -> OutputRows:
         t += 1
         if stops(executor.until, loop.carry_spec, as_tensors(executor, arrays, grad=False)):
             break
+    executor.step_hooks = None  # the last step's tape is reversed: its hooks stay
     loop.n = t
     state.cursor = forward_actions
     state.kept = kept

@@ -70,6 +70,7 @@ def call_step(executor: PlannedLoop, t: int, carry: list[Any], x: Any, untaped: 
     without a tape; `drops_hooks`, with one nobody pulls back; `cuts`: the history the
     run's carry and rows lack, where the step may take a gradient)."""
     scope = PlannedStep(executor.retained, t, executor.first_run, untaped, drops_hooks)
+    scope.handles = executor.step_hooks
     if cuts is not None:
         scope.cuts = add_rows(executor, cuts, t, x)
     if t == 0 and executor.first_run:  # step 0's carry stands for the caller's tensors

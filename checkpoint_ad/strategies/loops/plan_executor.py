@@ -145,6 +145,8 @@ class PlannedLoop:
         # hooks a re-run registered on a segment's input carry, by its first step: they go
         # onto the earlier segment's output carry (`loop_pull_back.pull_back`)
         self.carry_hooks: dict[int, list[tuple[int, dict[int, Any]]]] = {}
+        # while not None, the hooks the steps run now register (see `run_growing_plan`)
+        self.step_hooks: list[Any] | None = None
         self.state: ForwardState | None = None
         self.consumed = False
         self.reruns = True  # whether the backward runs steps again (found in run(): `loop_guards`)
