@@ -536,3 +536,36 @@ def test_hook_on_a_captured_leaf_in_a_loop_stopped_by_until_fires_once_per_step(
     assert want[0] == got[0] == 5
     np.testing.assert_array_equal(got[1], want[1])
     np.testing.assert_array_equal(got[2], want[2])
+
+
+@pytest.mark.parametrize("until", [False, True], ids=["known length", "until"])
+@pytest.mark.parametrize("strategy", [Binomial(2), Periodic(2)], ids=repr)
+def test_hook_on_a_captured_leaf_in_steps_drawing_from_numpy_fires_once_per_step(
+        strategy, until):
+    """Steps that draw from numpy's global random state make a plan take its forward's
+    last tape again (to keep the state): the first take's hooks are taken back, so a hook
+    on a captured leaf fires once per step, as in a Python loop."""
+    if until and isinstance(strategy, Periodic):
+        pytest.skip("Periodic plans loops of known length")
+
+    def run(strategy):
+        np.random.seed(3)
+        c0 = cad.tensor(np.array([0.3, -0.2, 0.5]), requires_grad=True)
+        h0 = cad.tensor(np.array([0.1, 0.2, 0.3]), requires_grad=True)
+        seen = []
+
+        def step(h, x):
+            c0.register_hook(lambda g: seen.append(1) or g * 0.5)
+            noise = cad.tensor(np.random.standard_normal(3) * 0.01)
+            return h * x + c0 + noise, None
+
+        kwargs = {"until": lambda c: False} if until else {}
+        f, _ = cad.scan(step, h0, cad.tensor(np.full((5, 3), 1.1)), strategy=strategy,
+                        trace=False, **kwargs)
+        f.sum().backward()
+        return len(seen), c0.grad.numpy(), h0.grad.numpy()
+
+    want, got = run(None), run(strategy)
+    assert want[0] == got[0] == 5
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_array_equal(got[2], want[2])

@@ -35,6 +35,7 @@ from ..plans.revolve import (
     split_code,
 )
 from .loop import PlannedStep, columns
+from .loop_forward import take_back_kept_hooks
 from .loop_pull_back import pull_back
 from .loop_snapshots import read_ahead, restore_snapshot, take_snapshot
 from .loop_steps import replays_now, tape_steps, values_step
@@ -93,6 +94,8 @@ def run_backward(
     bare = program is not None and not program.draws and not events.listeners
     bare_reverse = bare and program.tape_as_is is not None and replays_now(executor)
     codes = plan_codes(executor.plan)  # read packed: building each action costs more
+    if forward.kept_hooks and not _reverses_kept(codes, forward.cursor):
+        take_back_kept_hooks(forward)  # its steps run again: they register them again
     for index in range(forward.cursor, len(codes)):
         kind, step, stop = split_code(codes[index])
         if kind == _ADVANCE:
@@ -211,3 +214,12 @@ def output_rows_of(executor: PlannedLoop, per_step: list[list[Any]]) -> list[lis
         rows = column[:-1] if k in executor.same else column
         out.append(None if column[0] is None or not rows else rows)
     return out
+
+
+def _reverses_kept(codes: Any, cursor: int) -> bool:
+    """Whether the backward's first action reverses the forward's kept tape (else it runs
+    those steps again)."""
+    if cursor >= len(codes):
+        return False
+    return split_code(codes[cursor])[0] not in (
+        _ADVANCE, _SNAPSHOT, _DISK_SNAPSHOT, _RESTORE, _DISK_RESTORE, _FREE)

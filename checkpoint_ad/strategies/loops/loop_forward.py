@@ -64,6 +64,9 @@ class ForwardState:
     current_engine_state: random.GeneratorState | None = None
     current_numpy_state: Any = None
     kept: TapedSegment | ReplayedSegment | None = None  # the first reverse action's steps
+    # the hooks `kept`'s steps registered (a loop stopped by `until`): taken back if the
+    # backward runs those steps again rather than reverse `kept` (`loop_backward`)
+    kept_hooks: list[Any] | None = None
 
 
 def replay_forward(program: StepProgram, loop: StepLoop, arrays: list[Any], start: int,
@@ -148,7 +151,9 @@ def forward_prefix(executor: PlannedLoop, discover: bool, per_step: OutputRows) 
     state.cursor = cursor
     start, stop = span(actions[cursor]) if cursor < len(actions) else (loop.n, loop.n)
     if start == len(per_step) and stop == loop.n and start < stop:
+        executor.step_hooks = []
         state.kept = tape_steps(executor, start, stop, arrays)
+        state.kept_hooks, executor.step_hooks = executor.step_hooks, None
         if discover and start == 0:
             discover_from(executor, state.kept)
         move_rows(state.kept, per_step)
@@ -220,7 +225,7 @@ def run_growing_plan(executor: PlannedLoop) -> OutputRows:
         t += 1
         if stops(executor.until, loop.carry_spec, as_tensors(executor, arrays, grad=False)):
             break
-    executor.step_hooks = None  # the last step's tape is reversed: its hooks stay
+    state.kept_hooks, executor.step_hooks = executor.step_hooks, None
     loop.n = t
     state.cursor = forward_actions
     state.kept = kept
@@ -243,3 +248,11 @@ def forward_step(
         loop.count()
         return executor.program.run(arrays, loop.x_arrays(t))
     return values_step(executor, t, arrays)
+
+
+def take_back_kept_hooks(state: ForwardState) -> None:
+    """Remove the hooks the steps of `state.kept` registered: a tape that will not be
+    reversed (its steps run again, and register them again there)."""
+    for handle in state.kept_hooks or ():
+        handle.remove()
+    state.kept_hooks = None

@@ -69,6 +69,7 @@ from .loop_forward import (
     run_growing_plan,
     run_kept_until,
     stops,
+    take_back_kept_hooks,
 )
 from .loop_guards import (
     check_versions,
@@ -217,6 +218,7 @@ class PlannedLoop:
             # get or set): take the forward part of the plan again, keeping it this time
             end_state = np.random.get_state()
             self.tracks_numpy = True
+            take_back_kept_hooks(state)  # its tape is taken again
             run_forward_prefix(self, discover=False, rows=OutputRows(loop.n, keep=False))
             np.random.set_state(end_state)
             state = self.state
