@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import checkpoint_ad as cad
-from checkpoint_ad.strategies import Binomial, Quantized
+from checkpoint_ad.strategies import Binomial, Periodic, Quantized
 from checkpoint_ad.testing import gradcheck
 
 
@@ -87,6 +87,41 @@ def test_quantized_scan_keeping_every_step_holds_its_outputs_once():
     outputs = steps * batch * width * 4
     assert peaks["quantized"] < peaks["keep-all"] - outputs // 2, peaks
     assert peaks["quantized"] < outputs * 1.6, (peaks, outputs)
+
+
+def test_a_segment_taped_again_in_the_backward_keeps_no_outputs():
+    """The backward re-tapes a Periodic(32) segment for its saved values alone: the steps'
+    outputs (handed over by the forward) are let go as each step ends, not held for the
+    segment's life (32 steps' outputs above the forward's end, when none is a saved value)."""
+    steps, batch, width, k = 64, 32, 128, 32
+    rng = np.random.default_rng(0)
+    w = cad.tensor(rng.standard_normal((width, width)).astype("float32") / width ** 0.5,
+                   requires_grad=True)
+    h0 = cad.tensor(rng.standard_normal((batch, width)).astype("float32"))
+    xs = cad.tensor(rng.standard_normal((steps, batch, width)).astype("float32"))
+
+    def step(h, x):  # type: ignore[no-untyped-def]
+        h = cad.tanh(h @ w + x)
+        return h, h * 2.0  # the output is no saved value of the step
+
+    run = lambda: cad.scan(step, h0, xs, strategy=Periodic(k))[1].sum()
+    run().backward()  # the step program, cached
+    w.grad = None
+    was = gc.isenabled()
+    gc.disable()
+    tracemalloc.start()
+    try:
+        loss = run()
+        base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        loss.backward()
+        above = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+        if was:
+            gc.enable()
+    segment_outputs = k * batch * width * 4
+    assert above < segment_outputs * 0.6, (above, segment_outputs)
 
 
 def _lstm_profile(strategy):  # type: ignore[no-untyped-def]

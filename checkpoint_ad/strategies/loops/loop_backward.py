@@ -120,12 +120,13 @@ def run_backward(
             stop = step + 1 if kind == _REVERSE else stop
             kept = forward.kept if index == forward.cursor else None
             if kept is None and bare_reverse:
-                segment = tape_steps(executor, start, stop, arrays, replayable=True)
+                segment = tape_steps(executor, start, stop, arrays, replayable=True,
+                                     on_outputs=_dropped)
             elif kept is None:
                 with events.recomputing(executor.name), random.using(stream), use_packer(
                     executor.step_packer
                 ):
-                    segment = tape_steps(executor, start, stop, arrays)
+                    segment = tape_steps(executor, start, stop, arrays, on_outputs=_dropped)
             else:
                 segment = kept
                 if not retain_graph:
@@ -210,3 +211,9 @@ def output_rows_of(executor: PlannedLoop, per_step: list[list[Any]]) -> list[lis
         rows = column[:-1] if k in executor.same else column
         out.append(None if column[0] is None or not rows else rows)
     return out
+
+
+def _dropped(ys: list[Any]) -> None:
+    """A re-taped segment's outputs, let go as each step ends: the forward handed them over
+    already, and its pull-back reads only the saved values (a segment holding them all would
+    keep every step's outputs at full precision under a compressing strategy)."""
