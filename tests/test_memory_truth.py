@@ -7,6 +7,7 @@ import gc
 import sys
 import tracemalloc
 import weakref
+from typing import Any
 
 import numpy as np
 import pytest
@@ -66,11 +67,9 @@ def test_lstm_binomial_measures_less_than_keep_all():
     assert peaks["binomial"] < peaks["keep-all"], peaks
 
 
-def test_quantized_scan_keeping_every_step_holds_its_outputs_once():
-    """A scan whose steps' saved values are quantized holds each step's outputs only in the
-    stacked ys, not also at full precision until the loop ends (issue 37: a Quantized(8)
-    scan measured 18.4 MiB where keeping every step measured 16.1)."""
-    steps, batch, width = 64, 32, 128
+def _scan_peaks(steps: int = 64, batch: int = 32, width: int = 128,
+                **scan_kwargs: Any) -> dict[str, int]:
+    """tracemalloc's peaks of an RNN scan keeping every step, as it is and Quantized(8)."""
     rng = np.random.default_rng(0)
     w = cad.tensor(rng.standard_normal((width, width)).astype("float32") / width ** 0.5,
                    requires_grad=True)
@@ -79,14 +78,34 @@ def test_quantized_scan_keeping_every_step_holds_its_outputs_once():
     peaks = {}
     for name, strategy in (("keep-all", None), ("quantized", Quantized(8))):
         step = lambda strategy=strategy: cad.scan(
-            lambda h, x: (cad.tanh(h @ w + x),) * 2, h0, xs, strategy=strategy)[1].sum()
+            lambda h, x: (cad.tanh(h @ w + x),) * 2, h0, xs, strategy=strategy,
+            **scan_kwargs)[1].sum()
         step().backward()  # the step program, cached
         w.grad = None
         peaks[name] = _peak(step)
         w.grad = None
-    outputs = steps * batch * width * 4
+    return peaks
+
+
+def test_quantized_scan_keeping_every_step_holds_its_outputs_once():
+    """A scan whose steps' saved values are quantized holds each step's outputs only in the
+    stacked ys, not also at full precision until the loop ends (issue 37: a Quantized(8)
+    scan measured 18.4 MiB where keeping every step measured 16.1)."""
+    peaks = _scan_peaks()
+    outputs = 64 * 32 * 128 * 4
     assert peaks["quantized"] < peaks["keep-all"] - outputs // 2, peaks
     assert peaks["quantized"] < outputs * 1.6, (peaks, outputs)
+
+
+@pytest.mark.xfail(strict=True, reason="issue 37, open: a recorded scan (trace=False) and one "
+                   "keeping every step until `until` stops it hold every step's outputs at "
+                   "full precision until the loop ends, then stack them: outputs twice plus "
+                   "the codes, where keeping every step holds them twice")
+@pytest.mark.parametrize("kwargs", [{"trace": False}, {"until": lambda h: False}],
+                         ids=["trace=False", "until"])
+def test_quantized_scan_measures_less_than_keep_all_recorded_or_until(kwargs):
+    peaks = _scan_peaks(**kwargs)
+    assert peaks["quantized"] < peaks["keep-all"], peaks
 
 
 def test_a_segment_taped_again_in_the_backward_keeps_no_outputs():
