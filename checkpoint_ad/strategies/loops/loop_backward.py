@@ -124,12 +124,13 @@ def run_backward(
             stop = step + 1 if kind == _REVERSE else stop
             kept = forward.kept if index == forward.cursor else None
             if kept is None and bare_reverse:
-                segment = tape_steps(executor, start, stop, arrays, replayable=True)
+                segment = tape_steps(executor, start, stop, arrays, replayable=True,
+                                     on_outputs=_dropped)
             elif kept is None:
                 with events.recomputing(executor.name), random.using(stream), use_packer(
                     executor.step_packer
                 ):
-                    segment = tape_steps(executor, start, stop, arrays)
+                    segment = tape_steps(executor, start, stop, arrays, on_outputs=_dropped)
             else:
                 segment = kept
                 if not retain_graph:
@@ -223,3 +224,9 @@ def _reverses_kept(codes: Any, cursor: int) -> bool:
         return False
     return split_code(codes[cursor])[0] not in (
         _ADVANCE, _SNAPSHOT, _DISK_SNAPSHOT, _RESTORE, _DISK_RESTORE, _FREE)
+
+
+def _dropped(ys: list[Any]) -> None:
+    """A re-taped segment's outputs, let go as each step ends: the forward handed them over
+    already, and its pull-back reads only the saved values (a segment holding them all would
+    keep every step's outputs at full precision under a compressing strategy)."""

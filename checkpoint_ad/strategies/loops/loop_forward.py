@@ -97,7 +97,8 @@ def span(action: Any) -> tuple[int, int]:
 
 
 def move_rows(kept: TapedSegment | ReplayedSegment, rows: OutputRows) -> None:
-    """The outputs of a forward's taped end written into the loop's `rows`; a replayed
+    """The outputs of a forward's taped end written into the loop's `rows` (a replayed
+    segment taped with `on_outputs=rows.append` wrote its own as it ran); a replayed
     segment lets go of its own (stacked by `run()`: not kept twice)."""
     rows.extend(arrays_of(ys) for _, ys in kept.y_out)
     if isinstance(kept, ReplayedSegment):
@@ -152,7 +153,9 @@ def forward_prefix(executor: PlannedLoop, discover: bool, per_step: OutputRows) 
     start, stop = span(actions[cursor]) if cursor < len(actions) else (loop.n, loop.n)
     if start == len(per_step) and stop == loop.n and start < stop:
         executor.step_hooks = []
-        state.kept = tape_steps(executor, start, stop, arrays)
+        # each replayed step's outputs go into the rows as it ends: the rows of a long
+        # segment under a compressing strategy are not held twice (issue 37)
+        state.kept = tape_steps(executor, start, stop, arrays, on_outputs=per_step.append)
         state.kept_hooks, executor.step_hooks = executor.step_hooks, None
         if discover and start == 0:
             discover_from(executor, state.kept)

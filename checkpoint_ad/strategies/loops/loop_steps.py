@@ -264,13 +264,15 @@ def values_step(executor: PlannedLoop, t: int, arrays: list[Any]) -> tuple[list[
 def tape_steps(
     executor: PlannedLoop, start: int, stop: int | None, arrays: list[Any],
     replayable: bool | None = None, until: Callable[[list[Any]], bool] | None = None,
-    pulled_back: bool = True,
+    pulled_back: bool = True, on_outputs: Callable[[list[Any]], None] | None = None,
 ) -> TapedSegment | ReplayedSegment:
     """Run steps start..stop-1 from the carry `arrays` with a tape (or replayed, keeping
     what the tape would keep; `replayable` says so when the caller knows); `until(carry
     arrays)`, asked after each step, ends the segment early (`stop` None: only it does).
     `pulled_back=False`: no reverse pulls an adjoint back through the tape (hooks
-    registered in the steps are dropped: see `PlannedStep`)."""
+    registered in the steps are dropped: see `PlannedStep`). `on_outputs(arrays)` takes a
+    replayed segment's outputs step by step (its `y_out` then stays empty); a recorded
+    segment keeps its output tensors in `y_out` (its pull-back starts from them)."""
     loop = executor.loop
     if replayable if replayable is not None else replays_now(executor):
         program = executor.program
@@ -278,7 +280,8 @@ def tape_steps(
         made = executor.carry_inputs if executor.carry_made and start == 0 else None
         carry_in = arrays
         steps, y_out, arrays = step_tape.tape_steps(program, arrays, loop.x_arrays, start,
-                                                    stop, made, loop.count, until)
+                                                    stop, made, loop.count, until,
+                                                    on_outputs)
         return ReplayedSegment(start, start + len(steps), steps, carry_in, arrays, y_out)
     carry_in = as_tensors(executor, arrays, grad=True)
     carry = carry_in

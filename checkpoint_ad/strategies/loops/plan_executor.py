@@ -349,7 +349,8 @@ class PlannedLoop:
             if create_graph:
                 return backward_with_graph(self, entry, grads, onto)
             if self.state is None:  # an earlier backward broke off: rebuild the forward state
-                run_forward_prefix(self, discover=False)
+                # (the outputs were handed over: counted, not written into rows again)
+                run_forward_prefix(self, discover=False, rows=OutputRows(self.loop.n, keep=False))
             return run_backward(self, entry, grads, retain_graph, onto)
         except BaseException:
             if self.state is not None:  # no snapshot (no file of a disk level) outlives it
