@@ -22,6 +22,10 @@ keep alive. Each saved buffer is put in exactly one cause, counted once, over th
 - "held only by reference cycles": arrays alive at the block's end that only the cyclic
   collector frees (measured under tracemalloc, `profile(device_memory=True)`), by the line
   that allocated each: memory the process holds until `gc.collect()` runs.
+- "the backward's working arrays": what the sweep holds at its peak beyond the saved values
+  and the gradients: an adjoint in flight and the one it makes, a parameter's partial
+  gradient and the new sum made beside its running one (`profiler.process.working_lines`;
+  transient, and no strategy's to save).
 
 Then the memory no strategy touches: parameters (the leaves' arrays alive at the block's end),
 their gradients (the `.grad` arrays then), and what the process's RSS grew beyond
@@ -35,6 +39,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from .process import working_lines
+
 KEPT = "kept alive by your references"
 ORIGINALS = "originals of packed values you hold"
 VIEWS = "bases kept alive by saved views"
@@ -42,6 +48,7 @@ SNAPSHOTS = "loop snapshots and region inputs"
 ALIASES = "aliases of your live arrays"
 CYCLES = "held only by reference cycles"
 LOOP_ARRAYS = "loops' stacked outputs and input gradients"
+WORKING = "the backward's working arrays"
 
 
 @dataclass(frozen=True)
@@ -75,6 +82,7 @@ class Explanation:
     aliases: int = 0
     cycles: int = 0  # arrays only reference cycles held at the block's end
     loop_arrays: int = 0  # scans' stacked outputs and filled input gradients
+    working: int = 0  # the backward's working arrays (adjoints, a partial gradient)
     parameters: int = 0
     gradients: int = 0  # measured (the leaves' .grad arrays), or one per parameter in old files
     beyond_tracemalloc: int | None = None  # RSS growth not seen by tracemalloc
@@ -165,6 +173,10 @@ def explain(profile: Any, top: int = 3) -> Explanation:
     for line, size in getattr(profile, "cycle_lines", {}).items():
         lines[CYCLES][line] += size
         totals[CYCLES] += size
+    if profile.gradient_bytes is not None:  # (files before version 3 measured no gradients)
+        for line, size in working_lines(profile).items():
+            lines[WORKING][line] += size
+            totals[WORKING] += size
     snapshots = totals.get(SNAPSHOTS, 0)
     causes = tuple(sorted(
         (Cause(name, size, tuple(sorted(lines[name].items(), key=lambda kv: -kv[1])[:top]))
@@ -185,6 +197,7 @@ def explain(profile: Any, top: int = 3) -> Explanation:
         aliases=totals.get(ALIASES, 0),
         cycles=totals.get(CYCLES, 0),
         loop_arrays=totals.get(LOOP_ARRAYS, 0),
+        working=totals.get(WORKING, 0),
         parameters=profile.leaf_bytes,
         gradients=(profile.leaf_bytes if profile.gradient_bytes is None
                    else profile.gradient_bytes),

@@ -379,6 +379,8 @@ class _Recorder(SavedFacts):
             self.profile.rss_peak_bytes = rss
 
     def _backward_begin(self, _: Any) -> None:
+        if self.backward_depth:  # a loop's or a region's pull-back, within the sweep
+            self.profile.nested_sweeps += 1
         if self.backward_depth == 0 and self.recompute_depth == 0:
             synchronize(self.device)
             self._sample_rss()

@@ -165,6 +165,13 @@ class Profile:
     loop_arrays: dict[str, int] = field(default_factory=dict)
     """Bytes of the `scan`s' stacked outputs and of the input gradients their backwards
     fill (no saved value: the graph and the backward hold them), by the line of the loop."""
+    largest_gradient_bytes: int = 0
+    """Bytes of the largest `.grad` array, alive when the block ended, of a leaf more than one
+    entry read: the size of the partial gradient (and of the new sum) the backward makes
+    beside its running sum."""
+    nested_sweeps: int = 0
+    """Backward sweeps run inside another (a planned loop's pull-back, a region's): a
+    loop's pull-back adds a partial gradient into its running sum in place."""
 
     # ------------------------------------------------------------- queries
     def __getstate__(self) -> dict[str, Any]:
@@ -362,6 +369,8 @@ class Profile:
         fields.setdefault("plans", 0)
         fields.setdefault("plan_tape_bytes", 0)
         fields.setdefault("gradient_bytes", None)
+        fields.setdefault("largest_gradient_bytes", 0)  # added within version 3: unmeasured
+        fields.setdefault("nested_sweeps", 0)
         fields.setdefault("alias_buffers", {})
         unknown = set(fields) - set(cls.__dataclass_fields__)
         if unknown:
