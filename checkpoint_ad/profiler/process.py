@@ -2,14 +2,15 @@
 
 What a run allocates above the level before it, as the profiler sees it: the arrays made in
 the run that the caller or the graph still holds (`explain`'s kept, packed originals, view
-bases, cycles, loops' stacked outputs and the input gradients they fill), plus the most the
-owned tape and the gradients hold at once (the tape over its timeline; the gradients fill
-in proportion to the backward's time), plus the backward's working arrays (`working_lines`:
-the adjoint in flight and the one it makes, each at most the largest value the tape saved;
-a parameter's partial gradient, and the new sum beside the running one where the sweep does
-not add in place). Arrays it never sees (a primitive's scratch beyond those, a strategy's
-unpacked copies, a traced step's intermediates) are not in it: `bench.memory_truth`
-measures the difference per program style.
+bases, cycles, loops' stacked outputs and the input gradients they fill), plus the larger
+of the backward's and the forward's peaks: in the backward, the most the owned tape and the
+gradients hold at once (the tape over its timeline; the gradients fill in proportion to the
+backward's time) and its working arrays (`working_lines`: the adjoint in flight and the one
+it makes, each at most the largest value the tape saved; a parameter's partial gradient,
+and the new sum beside the running one where the sweep does not add in place); in the
+forward, the most owned tape and beside it the values a traced loop step holds while it
+runs. Arrays it never sees (a primitive's scratch beyond those, a strategy's unpacked
+copies) are not in it: `bench.memory_truth` measures the difference per program style.
 """
 
 from __future__ import annotations
@@ -49,7 +50,14 @@ def predicted_peak(profile: Any) -> int:
     """The profiler's model of the process's peak above the block's start (bytes)."""
     e = profile.explain()
     held = e.kept_by_caller + e.packed_originals + e.view_bases + e.cycles + e.loop_arrays
-    return held + _tape_and_gradients(profile, e.gradients) + transient_bytes(profile)
+    backward = _tape_and_gradients(profile, e.gradients) + transient_bytes(profile)
+    return held + max(backward, _forward_tape(profile) + e.traced)
+
+
+def _forward_tape(profile: Any) -> int:
+    """The most owned tape bytes the forward held (a traced step's values lie beside it)."""
+    sizes, phases = profile.timeline_bytes, profile.timeline_phase
+    return max((size for size, phase in zip(sizes, phases) if phase == "forward"), default=0)
 
 
 def _tape_and_gradients(profile: Any, gradients: int) -> int:

@@ -50,7 +50,7 @@ from .accountant import (
 from .cycles import collect_cycles
 from .memory import MemoryProbe, TracemallocProbe, probe_for, rss_bytes, synchronize
 from .records import Profile
-from .saved_facts import SavedFacts
+from .saved_facts import SavedFacts, _root
 from .watch import Tracked
 
 
@@ -111,6 +111,7 @@ class _Recorder(SavedFacts):
             "io_stall": self._io_stall,
             "loop_arrays": self._loop_arrays,
             "planned": self._planned,
+            "traced_step": self._traced_step,
         }
 
     # ------------------------------------------------------------- buffers
@@ -335,6 +336,24 @@ class _Recorder(SavedFacts):
         line = origin_text(origin) if origin is not None else "<unknown>"
         arrays = self.profile.loop_arrays
         arrays[line] = arrays.get(line, 0) + stacked + filled
+
+    def _traced_step(self, tensors: list[Any]) -> None:
+        """A loop step traced for its step program returned: every value it made was held
+        while it ran (the trace keeps them); the bytes of those no saved buffer holds and no
+        leaf is, which the tape does not show, the most of one step kept."""
+        saved = set()
+        for t in list(self.tracked.values()):
+            buffer = t()
+            if buffer is not None:
+                saved.add(id(_root(buffer.packed)))
+        leaves = self.leaf_roots
+        made: dict[int, int] = {}
+        for tensor in tensors:
+            array = _root(getattr(tensor, "_data", None))
+            if array is not None and id(array) not in saved and id(array) not in leaves:
+                made[id(array)] = int(getattr(array, "nbytes", 0))
+        profile = self.profile
+        profile.traced_step_bytes = max(profile.traced_step_bytes, sum(made.values()))
 
     def _planned(self, payload: tuple[float, int]) -> None:
         """A dry run ended (unheard while it ran): its seconds are planning, taken out of the
