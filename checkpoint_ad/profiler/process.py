@@ -8,9 +8,9 @@ gradients hold at once (the tape over its timeline; the gradients fill in propor
 backward's time) and its working arrays (`working_lines`: the adjoint in flight and the one
 it makes, each at most the largest value the tape saved; a parameter's partial gradient,
 and the new sum beside the running one where the sweep does not add in place); in the
-forward, the most owned tape and beside it the values a traced loop step holds while it
-runs. Arrays it never sees (a primitive's scratch beyond those, a strategy's unpacked
-copies) are not in it: `bench.memory_truth` measures the difference per program style.
+forward, the values a traced loop step held as it returned and the owned tape then. Arrays
+it never sees (a primitive's scratch beyond those, a strategy's unpacked copies) are not in
+it: `bench.memory_truth` measures the difference per program style.
 """
 
 from __future__ import annotations
@@ -51,13 +51,8 @@ def predicted_peak(profile: Any) -> int:
     e = profile.explain()
     held = e.kept_by_caller + e.packed_originals + e.view_bases + e.cycles + e.loop_arrays
     backward = _tape_and_gradients(profile, e.gradients) + transient_bytes(profile)
-    return held + max(backward, _forward_tape(profile) + e.traced)
-
-
-def _forward_tape(profile: Any) -> int:
-    """The most owned tape bytes the forward held (a traced step's values lie beside it)."""
-    sizes, phases = profile.timeline_bytes, profile.timeline_phase
-    return max((size for size, phase in zip(sizes, phases) if phase == "forward"), default=0)
+    traced = getattr(profile, "traced_tape_bytes", 0) + e.traced  # a traced step, returning
+    return held + max(backward, traced)
 
 
 def _tape_and_gradients(profile: Any, gradients: int) -> int:

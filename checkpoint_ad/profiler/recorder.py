@@ -339,21 +339,27 @@ class _Recorder(SavedFacts):
 
     def _traced_step(self, tensors: list[Any]) -> None:
         """A loop step traced for its step program returned: every value it made was held
-        while it ran (the trace keeps them); the bytes of those no saved buffer holds and no
-        leaf is, which the tape does not show, the most of one step kept."""
-        saved = set()
+        while it ran (the trace keeps them). Logged for the step holding the most with the
+        owned tape beside it: the bytes of its values that no saved buffer holds and no leaf
+        is, which the tape does not show, and the owned tape then."""
+        saved: set[int] = set()
+        tape: dict[int, int] = {}
         for t in list(self.tracked.values()):
             buffer = t()
             if buffer is not None:
-                saved.add(id(_root(buffer.packed)))
+                root = _root(buffer.packed)
+                saved.add(id(root))
+                if t.seen is None or t.seen[2]:  # owned (not the caller's, by reference)
+                    tape[id(root)] = int(buffer.stored_nbytes)
         leaves = self.leaf_roots
         made: dict[int, int] = {}
         for tensor in tensors:
             array = _root(getattr(tensor, "_data", None))
             if array is not None and id(array) not in saved and id(array) not in leaves:
                 made[id(array)] = int(getattr(array, "nbytes", 0))
-        profile = self.profile
-        profile.traced_step_bytes = max(profile.traced_step_bytes, sum(made.values()))
+        profile, unsaved, owned = self.profile, sum(made.values()), sum(tape.values())
+        if unsaved + owned > profile.traced_step_bytes + profile.traced_tape_bytes:
+            profile.traced_step_bytes, profile.traced_tape_bytes = unsaved, owned
 
     def _planned(self, payload: tuple[float, int]) -> None:
         """A dry run ended (unheard while it ran): its seconds are planning, taken out of the

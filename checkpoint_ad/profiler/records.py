@@ -170,9 +170,11 @@ class Profile:
     entry read: the size of the partial gradient (and of the new sum) the backward makes
     beside its running sum."""
     traced_step_bytes: int = 0
-    """The most bytes one loop step traced for its step program (steps 0 and 1 of a planned
-    `scan`) held while it ran that no saved value is: the trace keeps every value the step
-    makes until the step returns."""
+    """Bytes a loop step traced for its step program (steps 0 and 1 of a planned `scan`)
+    held as it returned that no saved value is (the trace keeps every value the step makes
+    until then), of the step that held the most with the owned tape beside it
+    (`traced_tape_bytes`)."""
+    traced_tape_bytes: int = 0
     nested_sweeps: int = 0
     """Backward sweeps run inside another (a planned loop's pull-back, a region's): a
     loop's pull-back adds a partial gradient into its running sum in place."""
@@ -376,6 +378,7 @@ class Profile:
         fields.setdefault("largest_gradient_bytes", 0)  # added within version 3: unmeasured
         fields.setdefault("nested_sweeps", 0)
         fields.setdefault("traced_step_bytes", 0)
+        fields.setdefault("traced_tape_bytes", 0)
         fields.setdefault("alias_buffers", {})
         unknown = set(fields) - set(cls.__dataclass_fields__)
         if unknown:
