@@ -656,6 +656,8 @@ def backward(
     if not ins:
         raise ValueError("backward(inputs=...) was given no tensors; leave inputs out instead")
     keys = _capture_keys(ins, "inputs")
+    if _state.step_scope is not None:
+        _state.step_scope.check_gradient([edge for edge, _ in roots], ins)
     captured = Capture(keys)
     backpropagate(roots, retain_graph=retain, create_graph=create_graph, capture=captured)
     done: set[tuple[int, int]] = set()
@@ -729,6 +731,8 @@ def grad(
     for i, (out, seed) in enumerate(zip(outs, seeds)):
         name = f"outputs[{i}]"
         roots.append((_root_edge(out, name), _seed_value(_seed(out, seed, name), create_graph)))
+    if _state.step_scope is not None:
+        _state.step_scope.check_gradient([edge for edge, _ in roots], ins)
     retain = create_graph if retain_graph is None else retain_graph
     captured = Capture(capture)
     backpropagate(roots, retain_graph=retain, create_graph=create_graph, capture=captured)

@@ -16,6 +16,13 @@ class StepNeedsTapeError(BackwardError):
     gradient inside it (`grad`, `backward`), which needs the step's graph."""
 
 
+class StepGradientCutError(BackwardError):
+    """A step of a loop under a plan that re-runs steps takes a gradient inside it which,
+    keeping every step (a Python loop), would also flow through the history of the step's
+    carry or scanned row into what it differentiates (e.g. `xs` computed from the initial
+    carry); the plan runs the step on a copy without that history, so it refuses."""
+
+
 class SavedValueModifiedError(CheckpointADError, RuntimeError):
     """A value saved for the backward sweep was changed in place after it was saved."""
 

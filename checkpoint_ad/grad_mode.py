@@ -27,6 +27,9 @@ class _ModeState(threading.local):
     # called with each tensor about to be changed in place while a budget's dry run watches
     # (`pricing._Writes`), None otherwise: in-place ops are rare, so asking costs nothing
     inplace_watch: Any = None
+    # while a checkpointed region runs again (`rerunning_region`): the sequence number its
+    # entries start at, None otherwise
+    rerun_floor: int | None = None
 
     @property
     def grad_enabled(self) -> bool:
@@ -84,6 +87,20 @@ class StepScope:
         """Deal with `tensor.retain_grad()`; False: retain it as usual."""
         return False
 
+    def hook_target(self, tensor: Any) -> Any:
+        """Where `tensor.register_hook` registers: `tensor` itself, another tensor it
+        stands for (step 0's copy of the caller's carry: the caller's), or None to drop
+        the hook (this run's copy of that carry, whose hook the caller's tensor holds)."""
+        return None if self.drops_hooks else tensor
+
+    def note_hook(self, handle: Any) -> None:
+        """A hook this run of the step registered (`handle` removes it): a run whose tape
+        the loop lets go unreversed takes back those on tensors from outside the step."""
+
+    def check_gradient(self, roots: list[Any], inputs: list[Any]) -> None:
+        """Refuse a gradient taken in the step (from the graph edges `roots`, with respect
+        to `inputs`) whose value this run of the step cannot give as a plain loop would."""
+
 
 class _Dropping(StepScope):
     """A run of a step whose hooks and retained tensors nobody sees (a budget's dry run)."""
@@ -117,6 +134,35 @@ class step_scope:
 # one item per record_origins/detect_anomaly block open in any thread: while it is empty (the
 # common case) the tape asks no thread-local question before skipping the origin line
 origin_blocks: list[Any] = []
+
+
+class rerunning_region:
+    """Run the block as a checkpointed region's re-run, whose entries are numbered from
+    `floor` on: see `made_before_rerun`."""
+
+    __slots__ = ("_saved", "floor")
+
+    def __init__(self, floor: int) -> None:
+        self.floor = floor
+
+    def __enter__(self) -> None:
+        self._saved = _state.rerun_floor
+        _state.rerun_floor = self.floor
+
+    def __exit__(self, *exc: object) -> None:
+        _state.rerun_floor = self._saved
+
+
+def made_before_rerun(tensor: Any) -> bool:
+    """Whether a checkpointed region runs again now and `tensor` is not its own (an input,
+    a tensor it captured, a leaf): a hook or `retain_grad()` the function asks for on it was
+    registered by its first run, and is not registered twice (it fires once, as in the
+    plain function)."""
+    floor = _state.rerun_floor
+    if floor is None:
+        return False
+    entry = tensor._entry
+    return entry is None or entry.seq < floor
 
 
 def refuse_trace(reason: str) -> None:

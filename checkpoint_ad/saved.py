@@ -43,6 +43,10 @@ class Strategy:
     # True: the engine asks `for_call` (which sees shapes) instead of `for_primitive` for each
     # call; False (nearly every strategy) keeps the recording path free of building shapes
     per_call: bool = False
+    # False: every saved slot gets a buffer of its own, even for a tensor saved before
+    # (a region's packers: how many values a region saves must not depend on which of its
+    # tensors are the same object, which its re-run cannot reproduce)
+    shares_buffers: bool = True
 
     def pack(self, array: Any) -> Any:
         return array
@@ -87,7 +91,8 @@ class Strategy:
     reads_ahead: ClassVar[bool] = False  # True: prefetch hints help (a disk level)
     # True: `pack` only looks at the array, and the array itself is the stored form (a
     # region's re-run collecting its values): kept by reference, as `stores_as_is` keeps
-    # them, so a parameter or an input it saves again is still known for the caller's memory
+    # them, so a parameter or an input it saves again is still known for the caller's memory;
+    # `buffer_for` tells it `replacing(tensor, ref)` before a tensor's `_saved_ref` changes
     watches_only: ClassVar[bool] = False
 
     def stored_level(self, stored: Any) -> str:
@@ -289,7 +294,8 @@ def buffer_for(tensor: Any, packer: Any, made: list[Any] | None = None) -> Saved
 
     The tensor keeps a weak reference to its latest buffer, so a value saved by several entries
     (a matmul input that is also a tanh output) is packed and stored once, and the buffer dies
-    with the last entry that needs it.
+    with the last entry that needs it; a packer whose `shares_buffers` is False (a region's)
+    packs it again for each.
     """
     array = tensor._data
     if type(packer) is KeepAll:
@@ -297,9 +303,12 @@ def buffer_for(tensor: Any, packer: Any, made: list[Any] | None = None) -> Saved
     ref = tensor._saved_ref
     if ref is not None:
         buffer = ref()
-        if buffer is not None and buffer.packer is packer and buffer.holds(array):
+        if (buffer is not None and buffer.packer is packer and buffer.holds(array)
+                and packer.shares_buffers):
             return buffer
     buffer = pack_value(array, packer, made)
+    if packer.watches_only:  # a region's re-run: it puts back what it replaces here
+        packer.replacing(tensor, ref)
     tensor._saved_ref = weakref.ref(buffer)
     return buffer
 

@@ -18,7 +18,7 @@ from .autograd import backward as _backward
 from .backend import is_array, namespace
 from .entry import _NO_ATTRS, Entry, RemovableHandle, add_hook
 from .errors import BackwardError, InplaceError, RequiresGradConversionError, ShapeError
-from .grad_mode import _state, no_grad, refuse_trace
+from .grad_mode import _state, made_before_rerun, no_grad, refuse_trace, step_scope
 from .ops.elementwise import ADD, DIVIDE, MULTIPLY, NEGATIVE, POWER, SUBTRACT
 from .ops.shape import GETITEM, RESHAPE, TRANSPOSE
 from .saved import VersionCounter, pack_value
@@ -190,22 +190,33 @@ class Tensor(TensorBase, made_by_engine=True):
         """
         refuse_trace("registers a tensor hook")
         scope = _state.step_scope
-        if scope is not None and scope.drops_hooks:
+        if scope is not None:
             # a checkpointed loop's step run for its values alone: the run of the step that
-            # the reverse pulls back registers the hook again, and it fires there
-            return add_hook({}, hook)
+            # the reverse pulls back registers the hook again, and it fires there; step 0's
+            # carry stands for the caller's tensor, which holds the hook (see `hook_target`)
+            target = scope.hook_target(self)
+            if target is None:
+                return add_hook({}, hook)
+            if target is not self:  # registered as in the scope the loop runs in
+                with step_scope(getattr(scope, "outer", None)):
+                    return target.register_hook(hook)
         if not self._current()._requires_grad:
             raise BackwardError(
                 f"cannot register a hook on a tensor that does not require grad ({self.dtype}"
                 f"{list(self.shape)}): it gets no gradient; set requires_grad=True first"
             )
+        if made_before_rerun(self):  # a checkpointed region's re-run: registered already
+            return add_hook({}, hook)
         if self._entry is None:
             target = self if self._leaf_target is None else self._leaf_target
             if target._hooks is None:
                 target._hooks = {}
-            return add_hook(target._hooks, hook)
-        table = self._entry._hooks().outputs.setdefault(self._index, {})
-        return add_hook(table, hook)
+            handle = add_hook(target._hooks, hook)
+        else:
+            handle = add_hook(self._entry._hooks().outputs.setdefault(self._index, {}), hook)
+        if scope is not None:
+            scope.note_hook(handle)
+        return handle
 
     # ----------------------------------------------------------------- in-place
     def _tracked(self, other: Any) -> bool:

@@ -16,7 +16,7 @@ import numpy as np
 
 from .backend import device_name, is_array, is_floating, namespace, resolve_dtype, to_device
 from .errors import BackwardError, DTypeError
-from .grad_mode import _state, refuse_trace
+from .grad_mode import _state, made_before_rerun, refuse_trace
 from .saved import VersionCounter
 
 _new_object = object.__new__
@@ -186,6 +186,8 @@ class TensorBase:
                     "retain_grad() on a tensor that does not require grad has no effect; "
                     "set requires_grad=True on it or on the tensors it is computed from"
                 )
+            return self
+        if made_before_rerun(self):  # a checkpointed region's re-run: retained already
             return self
         if self._entry.retained is None:
             self._entry.retained = {}

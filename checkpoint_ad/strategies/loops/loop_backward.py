@@ -35,6 +35,7 @@ from ..plans.revolve import (
     split_code,
 )
 from .loop import PlannedStep, columns
+from .loop_forward import take_back_kept_hooks
 from .loop_pull_back import pull_back
 from .loop_snapshots import read_ahead, restore_snapshot, take_snapshot
 from .loop_steps import replays_now, tape_steps, values_step
@@ -54,6 +55,7 @@ def run_backward(
     assert forward is not None
     executor.keys_found = None  # found again per backward: xs may take a gradient now
     executor.fixed_keys = None  # (`loop_pull_back.segment_keys`)
+    executor.carry_hooks = {}
     if retain_graph:  # work on copies: the forward's state must answer again
         snapshots = dict(forward.snapshots)
     else:
@@ -92,6 +94,8 @@ def run_backward(
     bare = program is not None and not program.draws and not events.listeners
     bare_reverse = bare and program.tape_as_is is not None and replays_now(executor)
     codes = plan_codes(executor.plan)  # read packed: building each action costs more
+    if forward.kept_hooks and not _reverses_kept(codes, forward.cursor):
+        take_back_kept_hooks(forward)  # its steps run again: they register them again
     for index in range(forward.cursor, len(codes)):
         kind, step, stop = split_code(codes[index])
         if kind == _ADVANCE:
@@ -120,12 +124,13 @@ def run_backward(
             stop = step + 1 if kind == _REVERSE else stop
             kept = forward.kept if index == forward.cursor else None
             if kept is None and bare_reverse:
-                segment = tape_steps(executor, start, stop, arrays, replayable=True)
+                segment = tape_steps(executor, start, stop, arrays, replayable=True,
+                                     on_outputs=_dropped)
             elif kept is None:
                 with events.recomputing(executor.name), random.using(stream), use_packer(
                     executor.step_packer
                 ):
-                    segment = tape_steps(executor, start, stop, arrays)
+                    segment = tape_steps(executor, start, stop, arrays, on_outputs=_dropped)
             else:
                 segment = kept
                 if not retain_graph:
@@ -210,3 +215,18 @@ def output_rows_of(executor: PlannedLoop, per_step: list[list[Any]]) -> list[lis
         rows = column[:-1] if k in executor.same else column
         out.append(None if column[0] is None or not rows else rows)
     return out
+
+
+def _reverses_kept(codes: Any, cursor: int) -> bool:
+    """Whether the backward's first action reverses the forward's kept tape (else it runs
+    those steps again)."""
+    if cursor >= len(codes):
+        return False
+    return split_code(codes[cursor])[0] not in (
+        _ADVANCE, _SNAPSHOT, _DISK_SNAPSHOT, _RESTORE, _DISK_RESTORE, _FREE)
+
+
+def _dropped(ys: list[Any]) -> None:
+    """A re-taped segment's outputs, let go as each step ends: the forward handed them over
+    already, and its pull-back reads only the saved values (a segment holding them all would
+    keep every step's outputs at full precision under a compressing strategy)."""

@@ -64,6 +64,9 @@ class ForwardState:
     current_engine_state: random.GeneratorState | None = None
     current_numpy_state: Any = None
     kept: TapedSegment | ReplayedSegment | None = None  # the first reverse action's steps
+    # the hooks `kept`'s steps registered (a loop stopped by `until`): taken back if the
+    # backward runs those steps again rather than reverse `kept` (`loop_backward`)
+    kept_hooks: list[Any] | None = None
 
 
 def replay_forward(program: StepProgram, loop: StepLoop, arrays: list[Any], start: int,
@@ -94,7 +97,8 @@ def span(action: Any) -> tuple[int, int]:
 
 
 def move_rows(kept: TapedSegment | ReplayedSegment, rows: OutputRows) -> None:
-    """The outputs of a forward's taped end written into the loop's `rows`; a replayed
+    """The outputs of a forward's taped end written into the loop's `rows` (a replayed
+    segment taped with `on_outputs=rows.append` wrote its own as it ran); a replayed
     segment lets go of its own (stacked by `run()`: not kept twice)."""
     rows.extend(arrays_of(ys) for _, ys in kept.y_out)
     if isinstance(kept, ReplayedSegment):
@@ -148,7 +152,11 @@ def forward_prefix(executor: PlannedLoop, discover: bool, per_step: OutputRows) 
     state.cursor = cursor
     start, stop = span(actions[cursor]) if cursor < len(actions) else (loop.n, loop.n)
     if start == len(per_step) and stop == loop.n and start < stop:
-        state.kept = tape_steps(executor, start, stop, arrays)
+        executor.step_hooks = []
+        # each replayed step's outputs go into the rows as it ends: the rows of a long
+        # segment under a compressing strategy are not held twice (issue 37)
+        state.kept = tape_steps(executor, start, stop, arrays, on_outputs=per_step.append)
+        state.kept_hooks, executor.step_hooks = executor.step_hooks, None
         if discover and start == 0:
             discover_from(executor, state.kept)
         move_rows(state.kept, per_step)
@@ -209,7 +217,10 @@ def run_growing_plan(executor: PlannedLoop) -> OutputRows:
                 del state.snapshots[action.step]
         forward_actions += len(actions)
         kept_random = random.get_state()
+        let_go, executor.step_hooks = executor.step_hooks, []
         kept = tape_steps(executor, t, t + 1, arrays)
+        for handle in let_go or ():  # the previous step's tape, never reversed: its steps
+            handle.remove()  # run again in the backward and register their hooks there
         if t == 0:
             discover_from(executor, kept)
         per_step.append(arrays_of(kept.y_out[0][1]))
@@ -217,6 +228,7 @@ def run_growing_plan(executor: PlannedLoop) -> OutputRows:
         t += 1
         if stops(executor.until, loop.carry_spec, as_tensors(executor, arrays, grad=False)):
             break
+    state.kept_hooks, executor.step_hooks = executor.step_hooks, None
     loop.n = t
     state.cursor = forward_actions
     state.kept = kept
@@ -239,3 +251,11 @@ def forward_step(
         loop.count()
         return executor.program.run(arrays, loop.x_arrays(t))
     return values_step(executor, t, arrays)
+
+
+def take_back_kept_hooks(state: ForwardState) -> None:
+    """Remove the hooks the steps of `state.kept` registered: a tape that will not be
+    reversed (its steps run again, and register them again there)."""
+    for handle in state.kept_hooks or ():
+        handle.remove()
+    state.kept_hooks = None

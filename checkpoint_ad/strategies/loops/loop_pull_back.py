@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ...autograd import Capture, backpropagate, fills_grads
+from ...autograd import Capture, backpropagate, fills_grads, run_tensor_hooks
 from ...errors import BackwardError
 from ...tape import edge_of
 from .loop_steps import ReplayedSegment, TapedSegment, discover
@@ -55,6 +55,7 @@ def pull_back(
             "did not use; with a checkpointing strategy every step must capture the same "
             "tensors (pass values that vary by step through xs instead)"
         )
+    _carry_on_hooks(executor, segment)
     roots = []
     for c, g in zip(segment.carry_out, adj_carry):
         if c is not None and g is not None and c.requires_grad:
@@ -102,15 +103,22 @@ def pull_back(
         backpropagate(roots, retain_graph=retain_graph, create_graph=False, capture=sink)
     captured = sink.values
     new_adj = []
-    for c in carry_in:
+    deferred = []
+    for k, c in enumerate(carry_in):
         keep = c is not None and c.requires_grad
         g = captured[keys[(id(c), 0)]] if keep else None
+        if keep and c._hooks and start > 0:
+            deferred.append((k, c._hooks))  # they see the total: the earlier segment's
+        elif keep:  # step 0's: the whole gradient that reaches the loop's initial carry
+            g = _step_input_hooks(c, g, "the carry of step 0")
         owned.pop(id(g), None)  # handed on as a root: a rule may pass it to two inputs
         new_adj.append(g)
-    for t, parts in segment.x_parts:
+    if deferred:
+        executor.carry_hooks[start] = deferred
+    for t, parts in reversed(segment.x_parts):  # later steps' first, as keeping them all
         for k, p in enumerate(parts):
             if p is not None and p.requires_grad:
-                g = captured[keys[(id(p), 0)]]
+                g = _step_input_hooks(p, captured[keys[(id(p), 0)]], f"the row of step {t}")
                 if g is not None:
                     adj_xs[k][t] = g
                     xs_reached[k] = True
@@ -118,6 +126,35 @@ def pull_back(
         if captured[keys[key]] is not None:
             adj_ext[key] = captured[keys[key]]
     return new_adj
+
+
+def _carry_on_hooks(executor: PlannedLoop, segment: TapedSegment) -> None:
+    """Put the hooks the later segment's re-run registered on its input carry onto this
+    segment's output carry, the same value: there they see its whole gradient (what the
+    later steps sent back, and what this segment's own uses of it add), as they would on
+    the previous step's output keeping every step."""
+    for k, hooks in executor.carry_hooks.pop(segment.stop, ()):
+        c = segment.carry_out[k]
+        if c is None or not c.requires_grad:
+            continue
+        if c._entry is None:  # the step returned its input carry: that leaf's hooks
+            target = c if c._leaf_target is None else c._leaf_target
+            if target._hooks is None:
+                target._hooks = {}
+            target._hooks.update(hooks)
+        else:
+            c._entry._hooks().outputs.setdefault(c._index, {}).update(hooks)
+
+
+def _step_input_hooks(leaf: Any, grad: Any, what: str) -> Any:
+    """`grad` through the hooks the step registered on one of its inputs (a carry leaf or
+    a row), which a plan's re-run makes a leaf of its own: keeping every step, that input
+    is the previous step's carry or a row of xs, whose hooks see its whole gradient (the
+    sink's sum here) before it flows on. (A captured tensor's hooks run in the sweep
+    around the loop, once on its total.)"""
+    if leaf is None or grad is None or not leaf._hooks:
+        return grad
+    return run_tensor_hooks(leaf._hooks, grad, False, what)
 
 
 def pull_back_replayed(

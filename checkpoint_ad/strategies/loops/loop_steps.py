@@ -26,6 +26,7 @@ from .grad_flow import deps_of_tensors
 from .loop import PlannedStep, row_tensor
 from .program_cache import REUSED
 from .replayed_step import ReplayedStep
+from .step_cuts import StepCuts
 from .step_program import program_of, traced_call
 
 if TYPE_CHECKING:
@@ -63,13 +64,21 @@ def arrays_of(tensors: list[Any]) -> list[Any]:
 
 
 def call_step(executor: PlannedLoop, t: int, carry: list[Any], x: Any, untaped: bool = False,
-              drops_hooks: bool = False) -> tuple[list[Any], list[Any]]:
+              drops_hooks: bool = False, cuts: StepCuts | None = None,
+              ) -> tuple[list[Any], list[Any]]:
     """Run step `t` (recorded) as a run of the loop's plan (`PlannedStep`: `untaped`,
-    without a tape; `drops_hooks`, with one nobody pulls back)."""
+    without a tape; `drops_hooks`, with one nobody pulls back; `cuts`: the history the
+    run's carry and rows lack, where the step may take a gradient)."""
     scope = PlannedStep(executor.retained, t, executor.first_run, untaped, drops_hooks)
+    scope.handles = executor.step_hooks
+    if cuts is not None:
+        scope.cuts = add_rows(executor, cuts, t, x)
     if t == 0 and executor.first_run:  # step 0's carry stands for the caller's tensors
         scope.callers = {id(c): caller for c, caller in zip(carry, executor.carry_inputs)
                          if isinstance(c, Tensor) and caller is not None}
+    elif t == 0:
+        scope.carry_copies = {id(c) for c, caller in zip(carry, executor.carry_inputs)
+                              if isinstance(c, Tensor) and caller is not None}
     with step_scope(scope):
         return record_step(executor, t, carry, x)
 
@@ -178,6 +187,34 @@ def discover(outputs: list[Any], step_inputs: list[Any], seq_before: int) -> dic
     return found
 
 
+def cuts_from(executor: PlannedLoop, start: int, carry: list[Any]) -> StepCuts:
+    """What the carry `carry` (tensors without history) that a run of steps from `start`
+    begins with stands for: at step 0 the caller's tensors, later a carry whose history
+    the plan does not keep."""
+    cuts = StepCuts(start, next_sequence(), histories=executor.histories)
+    for k, c in enumerate(carry):
+        if not isinstance(c, Tensor):
+            continue
+        caller = executor.carry_inputs[k] if start == 0 else None
+        if caller is not None:
+            cuts.stands_for[id(c)] = (f"its carry's leaf {k} at step 0 (a copy of the "
+                                      "tensor the loop was given)", [caller])
+            cuts.is_caller[id(c)] = caller
+        else:
+            cuts.stands_for[id(c)] = (f"its carry's leaf {k} at step {start} (whose history "
+                                      "the plan does not keep)", None)
+    return cuts
+
+
+def add_rows(executor: PlannedLoop, cuts: StepCuts, t: int, x: Any) -> StepCuts:
+    """`cuts`, with step t's rows of `xs` (leaves without history) standing for `xs`."""
+    if x is not None:
+        for j, (part, whole) in enumerate(zip(flatten(x)[0], executor.loop.xs_leaves)):
+            if isinstance(part, Tensor) and whole is not None:
+                cuts.stands_for[id(part)] = (f"its row of xs (leaf {j}) at step {t}", [whole])
+    return cuts
+
+
 def as_tensors(executor: PlannedLoop, state: list[Any], grad: bool) -> list[Any]:
     """The carry's arrays as new tensors (`grad`: requiring grad where the loop's carry may)."""
     out = []
@@ -213,8 +250,9 @@ def values_step(executor: PlannedLoop, t: int, arrays: list[Any]) -> tuple[list[
     pulls back registers them again."""
     if executor.loop.takes_gradients:
         with enable_grad():
-            new, ys = call_step(executor, t, as_tensors(executor, arrays, grad=True),
-                                x_tensors(executor, t), drops_hooks=True)
+            carry = as_tensors(executor, arrays, grad=True)
+            new, ys = call_step(executor, t, carry, x_tensors(executor, t), drops_hooks=True,
+                                cuts=cuts_from(executor, t, carry))
     else:
         with no_grad():
             new, ys = call_step(executor, t, as_tensors(executor, arrays, grad=False),
@@ -226,13 +264,15 @@ def values_step(executor: PlannedLoop, t: int, arrays: list[Any]) -> tuple[list[
 def tape_steps(
     executor: PlannedLoop, start: int, stop: int | None, arrays: list[Any],
     replayable: bool | None = None, until: Callable[[list[Any]], bool] | None = None,
-    pulled_back: bool = True,
+    pulled_back: bool = True, on_outputs: Callable[[list[Any]], None] | None = None,
 ) -> TapedSegment | ReplayedSegment:
     """Run steps start..stop-1 from the carry `arrays` with a tape (or replayed, keeping
     what the tape would keep; `replayable` says so when the caller knows); `until(carry
     arrays)`, asked after each step, ends the segment early (`stop` None: only it does).
     `pulled_back=False`: no reverse pulls an adjoint back through the tape (hooks
-    registered in the steps are dropped: see `PlannedStep`)."""
+    registered in the steps are dropped: see `PlannedStep`). `on_outputs(arrays)` takes a
+    replayed segment's outputs step by step (its `y_out` then stays empty); a recorded
+    segment keeps its output tensors in `y_out` (its pull-back starts from them)."""
     loop = executor.loop
     if replayable if replayable is not None else replays_now(executor):
         program = executor.program
@@ -240,18 +280,21 @@ def tape_steps(
         made = executor.carry_inputs if executor.carry_made and start == 0 else None
         carry_in = arrays
         steps, y_out, arrays = step_tape.tape_steps(program, arrays, loop.x_arrays, start,
-                                                    stop, made, loop.count, until)
+                                                    stop, made, loop.count, until,
+                                                    on_outputs)
         return ReplayedSegment(start, start + len(steps), steps, carry_in, arrays, y_out)
     carry_in = as_tensors(executor, arrays, grad=True)
     carry = carry_in
     x_parts: list[tuple[int, list[Any]]] = []
     y_out: list[tuple[int, list[Any]]] = []
+    cuts = cuts_from(executor, start, carry_in)
     seq_before = next_sequence()
     t = start
     with enable_grad(), rerunning_from(loop.origin):
         while stop is None or t < stop:
             x = x_tensors(executor, t)
-            carry, ys = call_step(executor, t, carry, x, drops_hooks=not pulled_back)
+            carry, ys = call_step(executor, t, carry, x, drops_hooks=not pulled_back,
+                                  cuts=cuts)
             x_parts.append((t, flatten(x)[0] if x is not None else []))
             y_out.append((t, ys))
             t += 1

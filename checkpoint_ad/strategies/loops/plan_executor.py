@@ -69,6 +69,7 @@ from .loop_forward import (
     run_growing_plan,
     run_kept_until,
     stops,
+    take_back_kept_hooks,
 )
 from .loop_guards import (
     check_versions,
@@ -142,6 +143,11 @@ class PlannedLoop:
         self.discovered = False  # externals (and carry aliases) found
         self.keys_found: Any = None  # see `loop_pull_back.replay_keys`
         self.fixed_keys: Any = None  # see `loop_pull_back.segment_keys`
+        # hooks a re-run registered on a segment's input carry, by its first step: they go
+        # onto the earlier segment's output carry (`loop_pull_back.pull_back`)
+        self.carry_hooks: dict[int, list[tuple[int, dict[int, Any]]]] = {}
+        # while not None, the hooks the steps run now register (see `run_growing_plan`)
+        self.step_hooks: list[Any] | None = None
         self.state: ForwardState | None = None
         self.consumed = False
         self.reruns = True  # whether the backward runs steps again (found in run(): `loop_guards`)
@@ -164,6 +170,8 @@ class PlannedLoop:
         # steps called retain_grad() on, per step (see `PlannedStep`)
         self.first_run = True
         self.retained: dict[int, list[Any]] = {}
+        # id of a tensor from outside -> its history's keys (see `step_cuts.py`)
+        self.histories: dict[tuple[int, int], Any] = {}
         if program is not None:
             self.traces = None
             self.program = program
@@ -210,6 +218,7 @@ class PlannedLoop:
             # get or set): take the forward part of the plan again, keeping it this time
             end_state = np.random.get_state()
             self.tracks_numpy = True
+            take_back_kept_hooks(state)  # its tape is taken again
             run_forward_prefix(self, discover=False, rows=OutputRows(loop.n, keep=False))
             np.random.set_state(end_state)
             state = self.state
@@ -340,7 +349,8 @@ class PlannedLoop:
             if create_graph:
                 return backward_with_graph(self, entry, grads, onto)
             if self.state is None:  # an earlier backward broke off: rebuild the forward state
-                run_forward_prefix(self, discover=False)
+                # (the outputs were handed over: counted, not written into rows again)
+                run_forward_prefix(self, discover=False, rows=OutputRows(self.loop.n, keep=False))
             return run_backward(self, entry, grads, retain_graph, onto)
         except BaseException:
             if self.state is not None:  # no snapshot (no file of a disk level) outlives it

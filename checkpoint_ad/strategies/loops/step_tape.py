@@ -85,6 +85,7 @@ def tape_steps(
     stop: int | None, carry_tensors: list[Any] | None = None,
     count: Callable[[], None] | None = None,
     until: Callable[[list[Any]], bool] | None = None,
+    on_outputs: Callable[[list[Any]], None] | None = None,
 ) -> tuple[list[tuple[int, ReplayedStep]], list[tuple[int, list[Any]]], list[Any]]:
     """Steps start..stop-1 taped from the carry `arrays`, as a taped segment of a loop
     holds them: (the steps as (t, step), their outputs as (t, arrays), the last carry's
@@ -105,7 +106,10 @@ def tape_steps(
         step = tape(program, arrays, x_arrays(t), previous,
                     carry_tensors if t == start else None)
         arrays = step.output(carry_out)
-        y_out.append((t, step.output(ys_out)))
+        if on_outputs is None:
+            y_out.append((t, step.output(ys_out)))
+        else:
+            on_outputs(step.output(ys_out))
         step.drop_values(carry_out)
         steps.append((t, step))
         if previous is not None and previous.buffers:

@@ -1,0 +1,117 @@
+"""A checkpointed region whose function takes a gradient itself (issue 38).
+
+PyTorch's non-reentrant checkpoint supports a gradient penalty inside the checkpointed
+function (``torch.autograd.grad(..., create_graph=True)`` there) and double backward
+through it: the re-run calls the function on the saved inputs with their history, so the
+gradient it takes reaches them as the first run's did. Here every region is lossless, so
+the gradients are compared bitwise with the plain function's (float64)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import checkpoint_ad as cad
+
+P = cad.checkpoint_policies
+START = np.array([0.1, -0.2, 0.3])
+
+
+def _penalty(a, b, c):
+    (g,) = cad.grad((cad.sin(a) * b).sum(), [a], create_graph=True)
+    return g * 0.5 + c
+
+
+WRAPS = {
+    "plain": lambda fn: fn,
+    "checkpoint": lambda fn: lambda *x: cad.checkpoint(fn, *x),
+    "checkpoint-policy": lambda fn: lambda *x: cad.checkpoint(
+        fn, *x, policy=P.save_any_names_but_these("kept")),
+    "remat": cad.remat,
+    "remat-nothing-saveable": lambda fn: cad.remat(fn, policy=P.nothing_saveable),
+}
+# (a, b, c) from h: one tensor three times, or b computed from a outside the region, so
+# the gradient taken inside flows through the graph before the region too
+INPUTS = {
+    "one-tensor-thrice": lambda h: (h, h, h),
+    "b-made-from-a-outside": lambda h: (h, h * 1.0, h),
+}
+
+
+def _first_and_second_order(wrap, inputs):
+    h0 = cad.tensor(START.copy(), requires_grad=True)
+    h = h0 * 1.0
+    y = WRAPS[wrap](_penalty)(*INPUTS[inputs](h))
+    y.sum().backward()
+    first = h0.grad.numpy().copy()
+    h0 = cad.tensor(START.copy(), requires_grad=True)
+    h = h0 * 1.0
+    y = WRAPS[wrap](_penalty)(*INPUTS[inputs](h))
+    (g,) = cad.grad((y * y).sum(), [h0], create_graph=True)
+    (gg,) = cad.grad((g * g).sum(), [h0])
+    return first, g.numpy().copy(), gg.numpy().copy()
+
+
+@pytest.mark.parametrize("inputs", list(INPUTS))
+@pytest.mark.parametrize("wrap", [w for w in WRAPS if w != "plain"])
+def test_gradient_penalty_inside_checkpoint_gives_the_plain_gradients_like_torch_non_reentrant(
+        wrap, inputs):
+    for got, want in zip(_first_and_second_order(wrap, inputs),
+                         _first_and_second_order("plain", inputs)):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_gradient_penalty_inside_checkpoint_is_the_analytic_one():
+    """The value itself: a, b and c one tensor h, the inner gradient is
+    d/dh sum(sin(h) h) = cos(h) h + sin(h), and the gradient of sum(0.5 (cos(h) h + sin(h)) + h)
+    is 0.5 (2 cos(h) - h sin(h)) + 1."""
+    h0 = cad.tensor(START.copy(), requires_grad=True)
+    h = h0 * 1.0
+    cad.checkpoint(_penalty, h, h, h).sum().backward()
+    want = 0.5 * (2 * np.cos(START) - START * np.sin(START)) + 1.0
+    np.testing.assert_allclose(h0.grad.numpy(), want, rtol=1e-14)
+
+
+@pytest.mark.parametrize("leaf", [True, False], ids=["leaf", "non-leaf"])
+def test_checkpoint_of_one_tensor_passed_twice_like_torch(leaf):
+    """PyTorch: ``checkpoint(f, x, x)`` works; here the re-run saved the tensor's value once
+    per argument where the first run saved it once, and raised RecomputeError."""
+    def grads(region):
+        h0 = cad.tensor(START.copy(), requires_grad=True)
+        h = h0 if leaf else h0 * 1.0
+        fn = lambda a, b: cad.sin(a) * b
+        y = cad.checkpoint(fn, h, h) if region else fn(h, h)
+        (y * y).sum().backward()
+        return h0.grad.numpy()
+
+    np.testing.assert_array_equal(grads(True), grads(False))
+
+
+@pytest.mark.parametrize("leaf", [True, False], ids=["leaf", "non-leaf"])
+def test_hook_and_retain_grad_inside_checkpoint_on_tensors_from_outside_act_once(leaf):
+    """A hook registered inside the checkpointed function on its input or on a captured
+    tensor fires once per backward, and ``retain_grad()`` there fills the caller's tensor,
+    as in the plain function: the re-run, whose input carries the input's history, does not
+    register them again."""
+    def run(region):
+        seen = []
+        h0 = cad.tensor(START.copy(), requires_grad=True)
+        h = h0 if leaf else h0 * 1.0
+        captured = h0 * 2.0
+
+        def fn(a):
+            a.register_hook(lambda g: seen.append("input") or g * 2.0)
+            captured.register_hook(lambda g: seen.append("captured") or g * 3.0)
+            a.retain_grad()
+            return cad.sin(a) * captured
+
+        y = cad.checkpoint(fn, h) if region else fn(h)
+        (y * 3.0).sum().backward()
+        retained = None if leaf else h.grad.numpy()
+        return h0.grad.numpy(), sorted(seen), retained
+
+    got, want = run(True), run(False)
+    np.testing.assert_array_equal(got[0], want[0])
+    assert got[1] == want[1] == ["captured", "input"]
+    if not leaf:
+        np.testing.assert_array_equal(got[2], want[2])
