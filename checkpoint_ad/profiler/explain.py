@@ -74,8 +74,8 @@ class Explanation:
     >>> with cad.profile() as prof:
     ...     hs = [cad.tanh(x)]
     ...     hs[0].sum().backward()
-    >>> prof.explain().causes[0].name
-    'kept alive by your references'
+    >>> [c.name for c in prof.explain().causes]  # tanh's adjoint and its input's; hs[0]
+    ["the backward's working arrays", 'kept alive by your references']
     """
 
     causes: tuple[Cause, ...]
