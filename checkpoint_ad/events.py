@@ -87,7 +87,8 @@ def emit(kind: str, payload: Any) -> None:
     instruction, its values and the carry slots the previous step made; what recording the
     step would have sent as 'record' and 'apply' events, one event per step; and the buffers
     the step made, in the order it made them, when it sent no 'pack' event for them (see
-    `taken_directly`), else None).
+    `taken_directly`), else None), 'traced_step' (a loop step traced for its step program
+    returned: the tensors it made, which the trace held while it ran, let go now).
     """
     sole = _sole.get(kind)
     if sole is not None:

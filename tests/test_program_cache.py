@@ -25,6 +25,7 @@ from checkpoint_ad.profiler import profile
 from checkpoint_ad.strategies import Binomial, Periodic, Quantized, Strategy
 from checkpoint_ad.strategies.loops import program_cache
 from checkpoint_ad.strategies.loops.program_cache import REUSED
+from tests.profile_parity import MEASURED, TRACING
 
 LOOPS = [None, Binomial(3), Periodic(4)]
 LOOP_IDS = ["kept", "binomial", "periodic"]
@@ -389,8 +390,7 @@ def _profiled(step, h0, xs, loop, trace):
 
 def _comparable(prof):
     data = prof.to_dict()
-    for key in ("timeline_seconds", "forward_seconds", "backward_seconds", "recompute_seconds",
-                "rss_peak_bytes", "rss_start_bytes"):
+    for key in (*MEASURED, *TRACING):  # (a reused program traces step 0; trace=False, none)
         data.pop(key)
     return data
 

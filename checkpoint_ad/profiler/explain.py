@@ -22,6 +22,13 @@ keep alive. Each saved buffer is put in exactly one cause, counted once, over th
 - "held only by reference cycles": arrays alive at the block's end that only the cyclic
   collector frees (measured under tracemalloc, `profile(device_memory=True)`), by the line
   that allocated each: memory the process holds until `gc.collect()` runs.
+- "the backward's working arrays": what the sweep holds at its peak beyond the saved values
+  and the gradients: an adjoint in flight and the one it makes, a parameter's partial
+  gradient and the new sum made beside its running one (`profiler.process.working_lines`;
+  transient, and no strategy's to save).
+- "a traced step's values": a planned `scan` traces its steps 0 and 1 to build its step
+  program, and the trace holds every value such a step makes while it runs: the bytes of
+  one step's values that no saved value is (transient, in the forward).
 
 Then the memory no strategy touches: parameters (the leaves' arrays alive at the block's end),
 their gradients (the `.grad` arrays then), and what the process's RSS grew beyond
@@ -35,6 +42,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from .process import working_lines
+
 KEPT = "kept alive by your references"
 ORIGINALS = "originals of packed values you hold"
 VIEWS = "bases kept alive by saved views"
@@ -42,6 +51,9 @@ SNAPSHOTS = "loop snapshots and region inputs"
 ALIASES = "aliases of your live arrays"
 CYCLES = "held only by reference cycles"
 LOOP_ARRAYS = "loops' stacked outputs and input gradients"
+WORKING = "the backward's working arrays"
+TRACED = "a traced step's values"
+TRACED_LINE = "a scan's step traced for its step program (steps 0 and 1)"
 
 
 @dataclass(frozen=True)
@@ -62,8 +74,8 @@ class Explanation:
     >>> with cad.profile() as prof:
     ...     hs = [cad.tanh(x)]
     ...     hs[0].sum().backward()
-    >>> prof.explain().causes[0].name
-    'kept alive by your references'
+    >>> [c.name for c in prof.explain().causes]  # tanh's adjoint and its input's; hs[0]
+    ["the backward's working arrays", 'kept alive by your references']
     """
 
     causes: tuple[Cause, ...]
@@ -75,6 +87,8 @@ class Explanation:
     aliases: int = 0
     cycles: int = 0  # arrays only reference cycles held at the block's end
     loop_arrays: int = 0  # scans' stacked outputs and filled input gradients
+    working: int = 0  # the backward's working arrays (adjoints, a partial gradient)
+    traced: int = 0  # a traced step's values no saved value is, held while it ran
     parameters: int = 0
     gradients: int = 0  # measured (the leaves' .grad arrays), or one per parameter in old files
     beyond_tracemalloc: int | None = None  # RSS growth not seen by tracemalloc
@@ -165,6 +179,14 @@ def explain(profile: Any, top: int = 3) -> Explanation:
     for line, size in getattr(profile, "cycle_lines", {}).items():
         lines[CYCLES][line] += size
         totals[CYCLES] += size
+    if profile.gradient_bytes is not None:  # (files before version 3 measured no gradients)
+        for line, size in working_lines(profile).items():
+            lines[WORKING][line] += size
+            totals[WORKING] += size
+    traced = getattr(profile, "traced_step_bytes", 0)
+    if traced:
+        lines[TRACED][TRACED_LINE] += traced
+        totals[TRACED] += traced
     snapshots = totals.get(SNAPSHOTS, 0)
     causes = tuple(sorted(
         (Cause(name, size, tuple(sorted(lines[name].items(), key=lambda kv: -kv[1])[:top]))
@@ -185,6 +207,8 @@ def explain(profile: Any, top: int = 3) -> Explanation:
         aliases=totals.get(ALIASES, 0),
         cycles=totals.get(CYCLES, 0),
         loop_arrays=totals.get(LOOP_ARRAYS, 0),
+        working=totals.get(WORKING, 0),
+        traced=totals.get(TRACED, 0),
         parameters=profile.leaf_bytes,
         gradients=(profile.leaf_bytes if profile.gradient_bytes is None
                    else profile.gradient_bytes),

@@ -50,7 +50,7 @@ from .accountant import (
 from .cycles import collect_cycles
 from .memory import MemoryProbe, TracemallocProbe, probe_for, rss_bytes, synchronize
 from .records import Profile
-from .saved_facts import SavedFacts
+from .saved_facts import SavedFacts, _root
 from .watch import Tracked
 
 
@@ -111,6 +111,7 @@ class _Recorder(SavedFacts):
             "io_stall": self._io_stall,
             "loop_arrays": self._loop_arrays,
             "planned": self._planned,
+            "traced_step": self._traced_step,
         }
 
     # ------------------------------------------------------------- buffers
@@ -336,6 +337,30 @@ class _Recorder(SavedFacts):
         arrays = self.profile.loop_arrays
         arrays[line] = arrays.get(line, 0) + stacked + filled
 
+    def _traced_step(self, tensors: list[Any]) -> None:
+        """A loop step traced for its step program returned: every value it made was held
+        while it ran (the trace keeps them). Logged for the step holding the most with the
+        owned tape beside it: the bytes of its values that no saved buffer holds and no leaf
+        is, which the tape does not show, and the owned tape then."""
+        saved: set[int] = set()
+        tape: dict[int, int] = {}
+        for t in list(self.tracked.values()):
+            buffer = t()
+            if buffer is not None:
+                root = _root(buffer.packed)
+                saved.add(id(root))
+                if t.seen is None or t.seen[2]:  # owned (not the caller's, by reference)
+                    tape[id(root)] = int(buffer.stored_nbytes)
+        leaves = self.leaf_roots
+        made: dict[int, int] = {}
+        for tensor in tensors:
+            array = _root(getattr(tensor, "_data", None))
+            if array is not None and id(array) not in saved and id(array) not in leaves:
+                made[id(array)] = int(getattr(array, "nbytes", 0))
+        profile, unsaved, owned = self.profile, sum(made.values()), sum(tape.values())
+        if unsaved + owned > profile.traced_step_bytes + profile.traced_tape_bytes:
+            profile.traced_step_bytes, profile.traced_tape_bytes = unsaved, owned
+
     def _planned(self, payload: tuple[float, int]) -> None:
         """A dry run ended (unheard while it ran): its seconds are planning, taken out of the
         phase it ran within (a scan planned inside a backward sweep or a recompute)."""
@@ -379,6 +404,8 @@ class _Recorder(SavedFacts):
             self.profile.rss_peak_bytes = rss
 
     def _backward_begin(self, _: Any) -> None:
+        if self.backward_depth:  # a loop's or a region's pull-back, within the sweep
+            self.profile.nested_sweeps += 1
         if self.backward_depth == 0 and self.recompute_depth == 0:
             synchronize(self.device)
             self._sample_rss()

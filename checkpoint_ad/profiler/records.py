@@ -165,6 +165,19 @@ class Profile:
     loop_arrays: dict[str, int] = field(default_factory=dict)
     """Bytes of the `scan`s' stacked outputs and of the input gradients their backwards
     fill (no saved value: the graph and the backward hold them), by the line of the loop."""
+    largest_gradient_bytes: int = 0
+    """Bytes of the largest `.grad` array, alive when the block ended, of a leaf more than one
+    entry read: the size of the partial gradient (and of the new sum) the backward makes
+    beside its running sum."""
+    traced_step_bytes: int = 0
+    """Bytes a loop step traced for its step program (steps 0 and 1 of a planned `scan`)
+    held as it returned that no saved value is (the trace keeps every value the step makes
+    until then), of the step that held the most with the owned tape beside it
+    (`traced_tape_bytes`)."""
+    traced_tape_bytes: int = 0
+    nested_sweeps: int = 0
+    """Backward sweeps run inside another (a planned loop's pull-back, a region's): a
+    loop's pull-back adds a partial gradient into its running sum in place."""
 
     # ------------------------------------------------------------- queries
     def __getstate__(self) -> dict[str, Any]:
@@ -362,6 +375,10 @@ class Profile:
         fields.setdefault("plans", 0)
         fields.setdefault("plan_tape_bytes", 0)
         fields.setdefault("gradient_bytes", None)
+        fields.setdefault("largest_gradient_bytes", 0)  # added within version 3: unmeasured
+        fields.setdefault("nested_sweeps", 0)
+        fields.setdefault("traced_step_bytes", 0)
+        fields.setdefault("traced_tape_bytes", 0)
         fields.setdefault("alias_buffers", {})
         unknown = set(fields) - set(cls.__dataclass_fields__)
         if unknown:

@@ -52,6 +52,9 @@ class SavedFacts:
         # (a planned loop's re-run steps make leaves of their own, which die with the loop)
         self.leaf_root_bytes: dict[int, tuple[Any, int]] = {}
         self.leaf_tensors: dict[int, Any] = {}
+        # ids of leaf arrays read by more than one entry: their gradient is summed (a running
+        # sum, and a partial beside it), not made once
+        self.reused: set[int] = set()
 
     def _tracked(self, buffer: Any, opcode: int) -> Tracked:
         """Start watching a live buffer and log it: the recorder's (it holds the log)."""
@@ -128,6 +131,7 @@ class SavedFacts:
         region makes while re-running steps for the backward sweep are its own, not these.)"""
         known = self.leaf_roots.get(id(array))
         if known is not None and known() is array:  # the common case: a parameter seen before
+            self.reused.add(id(array))
             return
         root = _root(array)
         known = self.leaf_roots.get(id(root))
@@ -135,6 +139,8 @@ class SavedFacts:
             ref = self.leaf_roots[id(root)] = weakref.ref(root)
             self.leaf_root_bytes[id(root)] = (ref, int(getattr(root, "nbytes", 0)))
             self.leaves_learned += 1
+        else:  # a new view of one seen before (a transposed weight)
+            self.reused.add(id(root))
         if root is not array:  # a view of one (a transposed weight): known by id next time
             self.leaf_roots[id(array)] = weakref.ref(array)
 
@@ -150,6 +156,8 @@ class SavedFacts:
                 if known is None or known() is not array:
                     self._learn_leaf(array)
                     self.leaf_tensors[id(node)] = weakref.ref(node)
+                else:
+                    self.reused.add(id(array))
 
     def _is_leaf_kind(self, node: Any) -> bool:
         """Whether an entry's input node of this type is a leaf tensor (remembered per type:
@@ -169,18 +177,25 @@ class SavedFacts:
     def _count_leaves(self) -> None:
         """Parameters: the bytes of the leaves' arrays still alive as the block ends, each
         counted once (not the leaves a loop made to re-run its steps from snapshots, which
-        die with it); gradients: the distinct `.grad` arrays of the leaf tensors still alive."""
+        die with it); gradients: the distinct `.grad` arrays of the leaf tensors still alive,
+        and the largest of those of leaves read more than once (summed in the backward)."""
         profile = self.profile
         profile.leaf_bytes = sum(size for ref, size in self.leaf_root_bytes.values()
                                  if ref() is not None)
         grads: dict[int, int] = {}
+        summed = 0  # the largest gradient of a leaf read more than once
+        reused = self.reused
         for ref in self.leaf_tensors.values():
             leaf = ref()
             grad = getattr(leaf, "grad", None) if leaf is not None else None
             if grad is not None:
                 array = _root(getattr(grad, "_data", grad))
-                grads[id(array)] = int(getattr(array, "nbytes", 0))
+                size = grads[id(array)] = int(getattr(array, "nbytes", 0))
+                data = leaf._data
+                if id(data) in reused or id(_root(data)) in reused:
+                    summed = max(summed, size)
         profile.gradient_bytes = sum(grads.values())
+        profile.largest_gradient_bytes = summed
 
 
 def _root(array: Any) -> Any:

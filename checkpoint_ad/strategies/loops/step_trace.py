@@ -15,6 +15,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
+from ... import events
 from ...backend import namespace
 from ...grad_mode import _state
 from ...pytree import flatten
@@ -234,6 +235,10 @@ class Trace:
             carry = tuple(-1 if t is None else self._slot(t) for t in outputs)
             y = tuple(-1 if t is None else self._slot(t) for t in ys)
             self.outputs = (carry, y)
+        if events.listeners:  # a profile: the values the step made, held until now
+            events.emit("traced_step", [t for k, t in enumerate(self.tensors)
+                                        if k >= self.n_inputs and t is not None
+                                        and k not in self.constants])
         # what a program needs of each slot, kept; the step's tensors let go now (they would
         # keep its tape, and the buffers the profiler counts, alive until the next step)
         self.facts = [
