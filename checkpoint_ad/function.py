@@ -13,7 +13,7 @@ from typing import Any
 from .backend import namespace
 from .errors import BackwardError, InplaceError
 from .grad_mode import _state, enable_grad, no_grad
-from .saved import SavedSlot, current_packer
+from .saved import SavedSlot, _watching, current_packer, note_reads
 from .tape import Entry, add_entry, edge_of, save_tensor, unpack_saved
 from .tensor import Tensor
 
@@ -177,6 +177,8 @@ class Function:
                     f"{cls.__name__}.forward must return Tensors, output {i} is "
                     f"{type(o).__name__}"
                 )
+        if _watching:  # a checkpointed region's first run: what it reads from outside
+            note_reads(cls, tensors, None, False)
         if not (_state.grad_enabled and any(needs)):
             return raw
         packer = current_packer()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import gc
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -426,6 +426,32 @@ def current_packer() -> Strategy:
         return KEEP
     items = _stack.items
     return items[-1] if items else KEEP
+
+
+# the checkpointed regions whose first run is running, per thread (innermost last), and one
+# item per such region in any thread: empty means no operation needs telling them
+_regions = _PackerStack()
+_watching: list[Any] = []
+
+
+def note_reads(op: Any, tensors: Sequence[Any], result: Any, view: bool) -> None:
+    """Tell the checkpointed regions whose first run runs in this thread that `op` read
+    `tensors` (making `result`, a view of the first when `view`): their re-runs read again
+    the tensors from outside them (see `RegionPacker.note_reads`)."""
+    for region in _regions.items:
+        region.note_reads(op, tensors, result, view)
+
+
+@contextmanager
+def watching_reads(region: Any) -> Iterator[Any]:
+    """Tell `region` what every operation inside the block reads (`note_reads`)."""
+    _regions.items.append(region)
+    _watching.append(region)
+    try:
+        yield region
+    finally:
+        _watching.pop()
+        _regions.items.pop()
 
 
 @contextmanager

@@ -51,9 +51,11 @@ from .saved import (
     SavedSlot,
     Strategy,
     _pushed,
+    _watching,
     buffer_for,
     current_packer,
     freed_error,
+    note_reads,
 )
 from .tensor_base import TensorBase, as_tensor_like, make_tensor
 
@@ -583,6 +585,8 @@ def _record_any(prim: Primitive, tensors: tuple[Any, ...], attrs: dict[str, Any]
             packer.recorded(prim, attrs, tensors, result)
     if view:
         _link_view(result, tensors[0], prim, attrs)
+    if _watching:  # a checkpointed region's first run: what it reads from outside
+        note_reads(prim, tensors, result, view)
     tracer = _state.tracer
     if tracer is not None:
         tracer.note(prim, tensors, attrs, result)

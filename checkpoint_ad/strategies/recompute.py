@@ -22,7 +22,7 @@ from .. import events, random
 from ..backend import nbytes as array_nbytes
 from ..backend import to_device
 from ..entry import Entry
-from ..errors import RecomputeError
+from ..errors import RecomputeError, SavedValueModifiedError
 from ..grad_mode import (
     enable_grad,
     is_grad_enabled,
@@ -30,7 +30,7 @@ from ..grad_mode import (
     refuse_trace,
     rerunning_region,
 )
-from ..origins import caller_origin, rerun_boundary, rerunning_from
+from ..origins import NO_ORIGIN, caller_origin, origin_text, rerun_boundary, rerunning_from
 from ..pytree import flatten
 from ..saved import (
     KEEP,
@@ -40,6 +40,7 @@ from ..saved import (
     buffer_for,
     current_packer,
     use_packer,
+    watching_reads,
 )
 from ..tape import edge_of, graph_tensor, next_sequence
 from ..tensor import Tensor
@@ -141,6 +142,14 @@ class RegionPacker(Strategy):
         # again by another slot, it is stored once (`first_run` tells whether it is the same)
         self.kept_forms: dict[int, tuple[int, _Kept]] | None = {}
         self._choose = choose
+        # the tensors from outside the region that its first run read (`note_reads`), by
+        # version counter: id -> (counter, dtype, shape, what read it); none held (a counter
+        # holds no tensor). `skip`: counters not to guard (the arguments' own, guarded by
+        # their saved slots, and those of tensors the first run made). Once it ended,
+        # `captured` holds guards with versions (`check_captured`).
+        self.seq_before = 0
+        self.skip: set[int] | None = None
+        self.captured: Any = None
 
     def choose_form(self, prim: Any) -> Any:
         return self._choose(prim) if self._choose is not None else prim.forms[0]
@@ -167,6 +176,63 @@ class RegionPacker(Strategy):
             forms[id(array)] = (index, kept)
         return kept
 
+    def watch(self, args: Any, kwargs: Any, seq_before: int) -> None:
+        """The first run starts (entries after `seq_before` are its own): guard what it reads
+        from outside, but its arguments (`note_reads`)."""
+        self.seq_before = seq_before
+        self.skip = {id(t._version) for t in (*args, *kwargs.values()) if isinstance(t, Tensor)}
+        self.captured = {}
+
+    def note_reads(self, op: Any, tensors: Any, result: Any, view: bool) -> None:
+        """An operation of the first run read `tensors` and made `result`: note each tensor
+        from outside the region (not made by it, not an argument), whose re-run reads it
+        again, as PyTorch's saved tensors are noted, and mark `result` as the region's (a
+        view shares its base's counter: the base may be from outside)."""
+        skip, captured = self.skip, self.captured
+        if skip is None:
+            return
+        for t in tensors:
+            counter = t._version
+            key = id(counter)
+            if key in skip or key in captured:
+                continue
+            entry = t._entry
+            if entry is not None and entry.seq > self.seq_before:
+                continue
+            name = getattr(op, "name", None) or getattr(op, "__name__", "an operation")
+            frame = result._entry.origin_frame if result is not None and (
+                result._entry is not None) else NO_ORIGIN
+            where = f"first read by {name!r}"
+            if frame[0] is not None:
+                where += f" at {origin_text(frame)}"
+            captured[key] = (counter, t.dtype, t.shape, where)
+        if result is not None and not view:
+            skip.add(id(result._version))
+
+    def check_captured(self) -> None:
+        """Before a re-run: raise where a tensor from outside that the first run read was
+        modified in place since (the re-run would read the new values and give another
+        gradient than the plain function, silently)."""
+        for counter, version, dtype, shape, where in self.captured or ():
+            if counter.value != version:
+                origin = self.region.origin
+                called = f" (called at {origin_text(origin)})" if origin else ""
+                raise SavedValueModifiedError(
+                    f"the checkpointed region {self.region.name!r}{called} re-reads a tensor it "
+                    f"captures ({dtype}{list(shape)}, {where}) when it re-runs in the "
+                    "backward, but it was modified in place since the region ran (version "
+                    f"{version}, now {counter.value}); modify it after the backward, or "
+                    "modify a copy (c = c.clone()) or use an out-of-place operation "
+                    "(c = c * 2 rather than c.mul_(2)); PyTorch raises the same for a saved "
+                    "tensor modified by an inplace operation"
+                )
+
+    def _noted_versions(self) -> None:
+        """The captured tensors' versions as they are now: what a re-run must find (a
+        change the region makes itself, in its first run or a re-run, is its own)."""
+        self.captured = [(counter, counter.value, dtype, shape, where)
+                         for counter, _, dtype, shape, where in self.captured or ()]
+
     def _alive(self, i: int) -> Any:
         """The first run's value `i` if it is still alive (None: gone, or no first run)."""
         ref = self.first_run[i] if self.first_run is not None else None
@@ -176,6 +242,9 @@ class RegionPacker(Strategy):
         """The first run returned `outputs`: count the reads of each value by the entries it
         made (those after `seq_before` that lead to an output), and take no more values."""
         self.closed = True
+        self.captured = [(counter, counter.value, dtype, shape, where) for
+                         counter, dtype, shape, where in (self.captured or {}).values()]
+        self.skip = None
         self.shares_buffers = True  # a value saved from now on is kept as is: store it once
         self.first_run = self.early = None
         self.kept_forms = None
@@ -203,7 +272,9 @@ class RegionPacker(Strategy):
             return self._read_early(handle.index)
         values = self.values
         if values is None or values[handle.index] is None:
+            self.check_captured()
             self.region.materialize(self)
+            self._noted_versions()
             values = self.values
             assert values is not None
             self.left = list(self.reads) if self.closed else [1] * len(self.meta)
@@ -472,7 +543,8 @@ def checkpoint(
     refuse_trace("opens a checkpointed region (checkpoint, or remat without a saving "
                  "policy), which a replay would not re-run")
     seq_before = next_sequence()
-    with use_packer(packer):
+    packer.watch(args, kwargs, seq_before)
+    with use_packer(packer), watching_reads(packer):
         outputs = fn(*args, **kwargs)
     packer.close(outputs, seq_before)
     return outputs
