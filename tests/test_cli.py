@@ -187,6 +187,9 @@ def test_a_sweep_into_an_existing_folder_replaces_its_files_and_keeps_the_others
 
 _SIGINT_WHILE_SAVING = """
 import os, signal, sys, time
+# Ctrl-C in a terminal raises KeyboardInterrupt; a child inherits an ignored SIGINT from its
+# parent (a test runner whose earlier tests left it so), and Python keeps it ignored
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from checkpoint_ad import sweep
 from checkpoint_ad.cli import main
 real_save = sweep.SweepResult.save

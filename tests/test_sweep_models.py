@@ -34,6 +34,7 @@ def test_the_table_header_names_every_size_the_defaults_included(model, tmp_path
                  "--out", str(tmp_path), "--quiet", "--no-plots", "--repeats", "1"]) == 0
     header = capsys.readouterr().out.splitlines()[0]
     expected = {**SWEEP_SIZES[model], "steps": 4}
-    assert header.startswith(f"{model} (") and header.endswith(") on cpu")
+    assert header.startswith(f"{model} (") and header.endswith(
+        (") on cpu, 1 BLAS thread", " BLAS threads"))
     for key, value in expected.items():
         assert f"{key}={value}" in header
