@@ -138,8 +138,12 @@ def test_gradient_wrt_a_capture_the_initial_carry_was_computed_from_raises(strat
 
     want, _ = cad.scan(step, h, length=2)
     resolved = _resolve(strategy, step, h, length=2)
-    if strategy == "budget":  # a loop this small keeps every step even at its leanest,
-        got, _ = cad.scan(step, h, length=2, strategy=resolved)  # and has the loop's value
+    if strategy == "budget":  # a loop this small may keep every step even at its leanest
+        try:  # (the fastest of the leanest plans, by the machine's timing)
+            got, _ = cad.scan(step, h, length=2, strategy=resolved)
+        except StepGradientCutError:  # it chose a plan that re-runs step 0
+            assert resolved.last.chosen.evaluations > resolved.last.n_steps
+            return
         np.testing.assert_array_equal(got.numpy(), want.numpy())
         return
     with pytest.raises(StepGradientCutError, match="at step 0"):
