@@ -511,8 +511,9 @@ def test_a_python_loop_on_disk_gives_keep_all_gradients_from_few_files(
     got = _python_loop_heat(300, Offload("disk", dir=disk_folder))
     assert all(np.array_equal(a, b) for a, b in zip(reference, got))
     # a value freed while queued is never written (one the loop saved, then dropped: how many
-    # depends on how long the writer lingers, so on the machine's load): most are written
-    assert len(puts) >= sum(written) >= len(puts) // 2 and len(written) < len(puts) // 4
+    # depends on how long the writer lingers, so on the machine's timing); those written go
+    # several to a file
+    assert written and len(puts) >= sum(written) >= 4 * len(written)
     gc.collect()
     assert Offload("disk", dir=disk_folder).folder is None and os.listdir(disk_folder) == []
 
