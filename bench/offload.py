@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from .dtr_scaling import _heat
 from .measure import pin_threads, time_median
 
 
@@ -79,21 +80,11 @@ def heat_disk(params: dict, threads: int) -> dict[str, Any]:
 
 
 def _heat_loop(steps: int, strategy: Any, size: int) -> tuple[list[np.ndarray], float]:
-    """The loop of `bench.dtr_scaling`, its backward timed apart."""
-    import checkpoint_ad as cad
-
-    rng = np.random.default_rng(0)
-    kappa = cad.tensor(np.float32(0.2), requires_grad=True)
-    q = cad.tensor((0.1 * rng.standard_normal(size)).astype(np.float32), requires_grad=True)
-    u = cad.tensor(rng.standard_normal(size).astype(np.float32))
-    with cad.use(strategy):
-        for _ in range(steps):
-            lap = cad.roll(u, 1) + cad.roll(u, -1) - 2.0 * u
-            u = u + 0.1 * (kappa * lap + cad.sin(u) * q)
-        loss = (u * u).sum()
-        started = time.perf_counter()
-        loss.backward()
-    return [kappa.grad.numpy(), q.grad.numpy()], time.perf_counter() - started
+    """`bench.dtr_scaling`'s heat loop, its backward (and the loss's sum, microseconds)
+    timed apart."""
+    marks: list[float] = []
+    grads = _heat(steps, strategy, size, mark=lambda: marks.append(time.perf_counter()))
+    return grads, time.perf_counter() - marks[0]
 
 
 def _round(fn: Any) -> float:
