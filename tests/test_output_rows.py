@@ -217,3 +217,96 @@ def test_rows_of_unknown_count_across_chunks_stack_as_rows_would():
     for _ in range(20):
         rows.append([None])
     assert rows.stacked({}) == [None]
+
+
+# ----------------------------------------------- a recorded loop (trace=False) writes rows too
+def _plain_loop(step, h, xs):
+    ys = []
+    for t in range(xs.shape[0]):
+        h, y = step(h, xs[t])
+        ys.append(y)
+    return h, cad.stack(ys, axis=0)
+
+
+def test_a_recorded_scan_gives_a_plain_loops_outputs_and_gradients_bitwise():
+    rng = np.random.default_rng(3)
+    w = cad.tensor(rng.standard_normal((4, 4)), requires_grad=True)
+    xs = cad.tensor(rng.standard_normal((6, 2, 4)), requires_grad=True)
+
+    def step(h, x):
+        h = cad.tanh(h @ w + x)
+        return h, (h * 2.0, w)  # a leaf as an output: its gradient sums over the steps
+
+    def grads(scan):
+        w.grad = xs.grad = None
+        h0 = cad.tensor(np.ones((2, 4)))
+        if scan:
+            h, (ys, ws) = cad.scan(step, h0, xs, trace=False)
+        else:
+            h, pairs = h0, []
+            for t in range(xs.shape[0]):
+                h, y = step(h, xs[t])
+                pairs.append(y)
+            ys, ws = (cad.stack([p[k] for p in pairs], axis=0) for k in (0, 1))
+        ((ys * ys).sum() + (ws * 3.0).sum() + h.sum()).backward()
+        return ys.numpy(), w.grad.numpy(), xs.grad.numpy()
+
+    for got, want in zip(grads(True), grads(False)):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_recorded_scan_runs_hooks_and_retain_grad_on_its_outputs():
+    w = cad.tensor(np.array([0.5, -0.3]), requires_grad=True)
+    kept, seen = [], []
+
+    def step(h, x):
+        y = cad.sin(h * w + x)
+        y.retain_grad()
+        y.register_hook(lambda g: seen.append(g.numpy().copy()) or g * 2.0)
+        kept.append(y)
+        return y, y * 1.0
+
+    def run(scan):
+        kept.clear()
+        seen.clear()
+        w.grad = None
+        xs = cad.tensor(np.linspace(0.0, 1.0, 8).reshape(4, 2))
+        h0 = cad.tensor(np.array([0.1, 0.2]))
+        _, ys = cad.scan(step, h0, xs, trace=False) if scan else _plain_loop(step, h0, xs)
+        (ys * ys).sum().backward()
+        return [w.grad.numpy(), *[t.grad.numpy() for t in kept], *seen]
+
+    got, want = run(True), run(False)
+    assert len(got) == len(want) == 1 + 4 + 4
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_recorded_scan_whose_rows_change_dtype_stacks_as_a_plain_loop():
+    def step(h, x):
+        y = h * x
+        return h, y if int(x.numpy()[0]) % 2 else cad.astype(y, "float32")
+
+    def run(scan):
+        h0 = cad.tensor(np.array([0.5, 1.5]), requires_grad=True)
+        xs = cad.tensor(np.arange(8.0).reshape(4, 2))
+        _, ys = cad.scan(step, h0, xs, trace=False) if scan else _plain_loop(step, h0, xs)
+        (ys * ys).sum().backward()
+        return ys.dtype, ys.numpy(), h0.grad.numpy()
+
+    (dtype, ys, grad), (want_dtype, want_ys, want_grad) = run(True), run(False)
+    assert dtype == want_dtype
+    np.testing.assert_array_equal(ys, want_ys)
+    np.testing.assert_array_equal(grad, want_grad)
+
+
+def test_a_recorded_scan_whose_rows_change_shape_fails_as_stacking_does():
+    def step(h, x):
+        return h, h[: 1 + int(x.numpy()[0])]
+
+    xs = cad.tensor(np.array([[0.0], [1.0]]))
+    h0 = cad.tensor(np.ones(3))
+    with pytest.raises(Exception) as plain:
+        _plain_loop(step, h0, xs)
+    with pytest.raises(type(plain.value)):
+        cad.scan(step, h0, xs, trace=False)

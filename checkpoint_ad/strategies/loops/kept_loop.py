@@ -27,7 +27,7 @@ from ...pytree import flatten, unflatten
 from ...tensor import Tensor
 from ..plans.loop_strategies import Periodic
 from .loop import StepLoop, as_row, stack_outputs
-from .output_rows import join_rows
+from .output_rows import RecordedRows, join_rows
 from .plan_executor import PlannedLoop, stops
 from .program_cache import REUSED, find
 from .step_program import program_of, traced_call
@@ -150,14 +150,22 @@ def record_steps(loop: StepLoop, carry: list[Any], per_step: list[list[Any]],
     without xs) until the loop has run `bound` steps (None: no bound) or `until` says so
     after one; (carry, ys) of the whole loop, whose `n` is then the steps run."""
     done = t = len(per_step)
+    # each step's outputs written into their place as it ends (`RecordedRows`): the step's
+    # tensors, once used, are let go; a loop `until` ends writes into growing chunks
+    written = RecordedRows(bound if until is None else None)
+    for ys in per_step:
+        written.append(ys)
+    del per_step[:]
     while bound is None or t < bound:
         carry, ys = loop.call(t, carry, None if rows is None else rows[t - done])
-        per_step.append(ys)
+        written.append(ys)
+        del ys
         t += 1
         if _stops(loop, until, carry):
             break
     loop.n = t
-    return _recorded_outputs(loop, carry, per_step)
+    return (unflatten(loop.carry_spec, iter(carry)),
+            unflatten(loop.y_spec, iter(written.stacked())))
 
 
 def _recorded_outputs(loop: StepLoop, carry: list[Any], per_step: list[list[Any]],

@@ -175,13 +175,27 @@ def run_kept_until(executor: PlannedLoop) -> OutputRows:
     then `Periodic(n)`'s for the n steps run (one segment, reversed at once)."""
     loop = executor.loop
     state = ForwardState()
-    kept = tape_steps(executor, 0, executor.limit, list(executor.initial),
-                      until=partial(stops_at, executor))
-    n = loop.n = kept.stop
+    lead, executor.lead_rows = executor.lead_rows, ()
+    program, most = executor.program, executor.limit
+    if program is not None and program.tape_as_is is None and most and loop.xs_leaves:
+        # saved values stored packed, at most len(xs) steps: each replayed step's outputs
+        # go into rows made at that size as it ends, not held at full precision by the
+        # segment until `until` stops it and then copied (issue 37); an early stop leaves
+        # the rest of the rows unused. (Where values are kept as they are, the outputs are
+        # mostly saved values anyway: moved into rows once the length is known.)
+        per_step = OutputRows(most, lead=lead)
+        kept = tape_steps(executor, 0, most, list(executor.initial),
+                          until=partial(stops_at, executor), on_outputs=per_step.append)
+        n = loop.n = kept.stop
+        move_rows(kept, per_step)
+        per_step.ended_at(n)
+    else:
+        kept = tape_steps(executor, 0, most, list(executor.initial),
+                          until=partial(stops_at, executor))
+        n = loop.n = kept.stop
+        per_step = OutputRows(n, lead=lead)
+        move_rows(kept, per_step)
     executor.plan = periodic_plan(n, n)
-    per_step = OutputRows(n, lead=executor.lead_rows)
-    executor.lead_rows = ()
-    move_rows(kept, per_step)
     state.kept = kept
     executor.state = state
     return per_step

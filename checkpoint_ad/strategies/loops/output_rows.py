@@ -26,7 +26,7 @@ from ...backend import namespace
 from ...grad_mode import is_grad_enabled
 from ...ops import getitem
 from ...tape import add_entry, edge_of
-from ...tensor_base import make_tensor
+from ...tensor_base import TensorBase, make_tensor
 from .loop import columns
 
 
@@ -145,6 +145,15 @@ class OutputRows:
             arrays.append(namespace(first).concat(parts, axis=0))
         self.arrays, self.chunks, self.filled = arrays, [], 0
 
+    def ended_at(self, count: int) -> None:
+        """A loop made at its most steps (`n`) ended after `count` of them (`until`): its
+        arrays are cut to the rows written (views: the rest stays unused)."""
+        assert count == self.count <= (self.n or 0)
+        if self.arrays is not None:
+            rows = self.lead + count
+            self.arrays = [None if a is None else a[:rows] for a in self.arrays]
+        self.n = count
+
     def extend(self, per_step: Iterable[list[Any]]) -> None:
         for ys in per_step:
             self.append(ys)
@@ -238,7 +247,58 @@ def join_rows(pieces: Sequence[Any], whole: Any) -> Any:
             spans.append(at)
             at += 1
     assert at == whole.shape[0]
-    edges = [edge_of(p) for p in pieces]
+    return join_edges([edge_of(p) for p in pieces], spans, whole)
+
+
+def join_edges(edges: Sequence[Any], spans: list[Any], whole: Any) -> Any:
+    """`join_rows` of pieces given by their graph edges (None: no gradient) and their
+    spans of `whole` (a row, or a slice of rows): the pieces' tensors need not be alive."""
     if not is_grad_enabled() or all(e is None for e in edges):
         return make_tensor(whole)
-    return add_entry(_JoinRows(spans), edges, [whole])[0]
+    return add_entry(_JoinRows(list(spans)), list(edges), [whole])[0]
+
+
+class RecordedRows:
+    """The outputs of a loop that records its steps, written into one array per output as
+    each step ends; what is kept of a step's output tensors is their graph edges.
+
+    Why: holding every step's output tensors until the loop ends, then stacking them, holds
+    the outputs twice at the forward's end, and under a strategy that stores saved values
+    packed (`Quantized`) the full-precision rows live only for that stack: writing each row
+    into its place lets the step's array go with its tensor. Rows unlike the first (shape,
+    dtype, array type) fall back to stacking tensors remade from the kept rows and edges,
+    as stacking the tensors did."""
+
+    def __init__(self, n: int | None) -> None:
+        self.rows = OutputRows(n)
+        self.edges: list[list[Any]] = []  # per step, each output's edge (None: no gradient)
+
+    def append(self, ys: list[Any]) -> None:
+        """Step `len(self.edges)`'s output leaves (tensors, or None)."""
+        self.rows.append([None if y is None else y._data for y in ys])
+        self.edges.append([None if y is None else edge_of(y) for y in ys])
+
+    def stacked(self) -> list[Any]:
+        """Each output leaf stacked over the steps (None leaves stay None), as `stack`
+        would give it."""
+        rows = self.rows
+        arrays = rows.stacked({}) if rows.rows is None else None
+        if rows.rows is not None:  # unlike rows: stack tensors remade over them
+            from ...ops import stack
+
+            per_step = [[None if a is None else _tensor_over(a, e) for a, e in zip(r, es)]
+                        for r, es in zip(rows.rows, self.edges)]
+            return [None if c[0] is None else stack(c, axis=0) for c in columns(per_step)]
+        spans = list(range(len(self.edges)))
+        return [None if a is None else join_edges([es[k] for es in self.edges], spans, a)
+                for k, a in enumerate(arrays)]
+
+
+def _tensor_over(array: Any, edge: Any) -> Any:
+    """A tensor over `array` whose gradient goes to `edge`: a leaf edge's own tensor, or a
+    new one on the entry's output."""
+    if edge is None:
+        return make_tensor(array)
+    if isinstance(edge[0], TensorBase):
+        return edge[0]  # a leaf: the tensor itself
+    return make_tensor(array, edge[0], edge[1])
