@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# python -m bench.blas_peak  threads: 1 ({how}); load average {os.getloadavg()}")
     for pool in blas_info():
         print(f"# pool: {pool}")
-    print(f"# clock {ghz:.2f} GHz (/proc/cpuinfo); peak = 2 FMA units x 256-bit x 2 flops x clock")
+    clock = "unknown" if ghz is None else f"{ghz:.2f}"
+    print(f"# clock {clock} GHz (/proc/cpuinfo); peak = 2 FMA units x 256-bit x 2 flops x clock")
     for dtype in (np.float32, np.float64):
         peak = peak_gflops(dtype, ghz)
         for m, k, n in SHAPES:
