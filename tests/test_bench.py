@@ -390,3 +390,13 @@ def test_transformer_table_rows_match_the_derived_formula_and_feed_the_targets()
     assert s2.status == "met" and s2.measured == 1.0
     assert targets["transformer: the non-attention part <= 32 arrays of s·b·h (float32)"
                    ].status == "met"
+
+
+def test_blas_peak_reports_a_share_of_the_nominal_peak():
+    from bench import blas_peak
+
+    # 2 FMA units x 8 float32 lanes x 2 flops x 2 GHz; half the lanes in float64
+    assert blas_peak.peak_gflops(np.float32, 2.0) == 64.0
+    assert blas_peak.peak_gflops(np.float64, 2.0) == 32.0
+    assert blas_peak.peak_gflops(np.float32, None) is None
+    assert blas_peak.gflops(16, 16, 16, np.float32, repeats=1) > 0
