@@ -71,6 +71,7 @@ def call_step(executor: PlannedLoop, t: int, carry: list[Any], x: Any, untaped: 
     run's carry and rows lack, where the step may take a gradient)."""
     scope = PlannedStep(executor.retained, t, executor.first_run, untaped, drops_hooks)
     scope.handles = executor.step_hooks
+    scope.leaves = executor.retained_leaves
     if cuts is not None:
         scope.cuts = add_rows(executor, cuts, t, x)
     if t == 0 and executor.first_run:  # step 0's carry stands for the caller's tensors
@@ -80,7 +81,24 @@ def call_step(executor: PlannedLoop, t: int, carry: list[Any], x: Any, untaped: 
         scope.carry_copies = {id(c) for c, caller in zip(carry, executor.carry_inputs)
                               if isinstance(c, Tensor) and caller is not None}
     with step_scope(scope):
-        return record_step(executor, t, carry, x)
+        new, ys = record_step(executor, t, carry, x)
+    if executor.first_run:
+        note_carry(executor, t, carry, new)
+    return new, ys
+
+
+def note_carry(executor: PlannedLoop, t: int, carry: list[Any], new: list[Any]) -> None:
+    """What recorded step t of the loop's first run did with its carry: the leaves it
+    returned unchanged (a final carry every step passed on is the caller's tensor, as in a
+    Python loop), and the leaves it returned as one tensor (see
+    `PlannedLoop._final_carry_as_a_python_loop`)."""
+    passed = [c is not None and c is m for c, m in zip(carry, new)]
+    if executor.carry_passed is not None:
+        passed = [a and b for a, b in zip(executor.carry_passed, passed)]
+    executor.carry_passed = passed
+    first = tuple(next(j for j, o in enumerate(new) if o is m) if m is not None else k
+                  for k, m in enumerate(new))
+    executor.last_carry = (t, first)
 
 
 def record_step(executor: PlannedLoop, t: int, carry: list[Any], x: Any,

@@ -170,8 +170,20 @@ class PlannedLoop:
         # steps called retain_grad() on, per step (see `PlannedStep`)
         self.first_run = True
         self.retained: dict[int, list[Any]] = {}
+        # retained inputs of runs pulled back, made leaves by the plan (see `PlannedStep`),
+        # and those a later segment's first step retained, by its start: they go onto the
+        # earlier segment's output carry (`loop_pull_back.pull_back`)
+        self.retained_leaves: dict[int, Any] = {}
+        self.carry_retained: dict[int, list[tuple[int, list[Any]]]] = {}
         # id of a tensor from outside -> its history's keys (see `step_cuts.py`)
         self.histories: dict[tuple[int, int], Any] = {}
+        # what the first run's recorded steps did with the carry (`loop_steps.note_carry`):
+        # per leaf, whether each returned it unchanged; and the last one's (step, leaves
+        # that are one tensor: leaf -> the first leaf it is)
+        self.carry_passed: list[bool] | None = None
+        self.last_carry: tuple[int, tuple[int, ...]] | None = None
+        # the final carry's leaves that are the caller's tensors (`_final_carry_as_a_python_loop`)
+        self.final_passed: list[bool] = []
         if program is not None:
             self.traces = None
             self.program = program
@@ -255,6 +267,7 @@ class PlannedLoop:
         results = self._detach_constant_outputs(results, n_carry)
         self._share_packed_carry(results[:n_carry])
         guard_final_carry(self, results[:n_carry])
+        results[:n_carry] = self._final_carry_as_a_python_loop(carry_leaves, results[:n_carry])
         results = self._last_rows_from_carry(results, n_carry, rows)
         carry = unflatten(loop.carry_spec, iter(results[:n_carry]))
         ys = unflatten(loop.y_spec, iter(results[n_carry:])) if loop.y_spec is not None else None
@@ -277,6 +290,32 @@ class PlannedLoop:
         if len(carry_rg) != n_carry or len(flags) != len(results):
             return results
         return [t if t is None or rg else make_tensor(t._data) for t, rg in zip(results, flags)]
+
+    def _final_carry_as_a_python_loop(self, carry_leaves: list[Any],
+                                      carry: list[Any]) -> list[Any]:
+        """The final carry a Python loop (and `scan` recording every step) gives: a leaf
+        every step returned unchanged is the caller's tensor itself, and leaves the last step
+        returned as one tensor are one tensor (changing one in place changes the other, as
+        it does there). The entry's outputs for them are left unused; their gradients reach
+        the caller's tensor directly, or through the one tensor kept."""
+        program, n = self.program, len(carry)
+        passed = list(self.carry_passed or [True] * n)
+        last = self.last_carry
+        if program is not None:
+            passed = [p and program.carry_out[k] == k for k, p in enumerate(passed)]
+        if last is not None and (program is None or last[0] == self.loop.n - 1):
+            first = last[1]  # the last step was recorded: its tensors said
+        elif program is not None:
+            slots = program.carry_out
+            first = tuple(slots.index(s) if s >= 0 else k for k, s in enumerate(slots))
+        else:
+            first = tuple(range(n))
+        out = list(carry)
+        self.final_passed = [p and c is not None for p, c in zip(passed, carry_leaves)]
+        for k in range(n):
+            if self.final_passed[k]:
+                out[k] = carry_leaves[k]
+        return [out[first[k]] for k in range(n)]
 
     def _share_packed_carry(self, carry: list[Any]) -> None:
         """The final carry's tensors point at the buffers the last kept replayed step packed
