@@ -708,15 +708,22 @@ def backward(
         name = "the tensor backward() was called on" if single else f"tensors[{i}]"
         roots.append((_root_edge(out, name), _seed_value(_seed(out, seed, name), create_graph)))
     retain = create_graph if retain_graph is None else retain_graph
+    scope = _state.step_scope  # (a step of a checkpointed loop: see `StepScope`)
     if inputs is None:
+        if scope is not None:
+            scope.check_gradient([edge for edge, _ in roots], None)
+            if not scope.fills_grads():
+                return  # the step's run in the loop's forward filled them, once
         backpropagate(roots, retain_graph=retain, create_graph=create_graph)
         return
     ins, _ = _as_list(inputs)
     if not ins:
         raise ValueError("backward(inputs=...) was given no tensors; leave inputs out instead")
     keys = _capture_keys(ins, "inputs")
-    if _state.step_scope is not None:
-        _state.step_scope.check_gradient([edge for edge, _ in roots], ins)
+    if scope is not None:
+        scope.check_gradient([edge for edge, _ in roots], ins)
+        if not scope.fills_grads():
+            return
     captured = Capture(keys)
     backpropagate(roots, retain_graph=retain, create_graph=create_graph, capture=captured)
     done: set[tuple[int, int]] = set()

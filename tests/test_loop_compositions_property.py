@@ -80,16 +80,7 @@ EXAMPLES = int(os.environ.get("LOOP_PROPERTY_EXAMPLES", "25"))
 
 # Failures known and being fixed on another branch; each name is matched by `_known_gap`
 # (a precise condition) and the lead empties this set when the fix merges.
-KNOWN_GAPS = {
-    # test_retain_grad_on_every_steps_input_carry_in_a_planned_loop (xfail)
-    "retain_grad on a planned loop's input carry",
-    # test_traced_inner_scan_and_region_in_a_planned_step_capture_the_same_tensors (xfail)
-    "traced inner scan and region in a planned step",
-    # test_final_carry_returned_unchanged_is_the_callers_leaf_in_every_mode (xfail)
-    "final carry returned unchanged is a new tensor",
-    # test_final_carry_leaves_that_are_one_tensor_stay_one_tensor (xfail)
-    "final carry leaves that are one tensor come back apart",
-}
+KNOWN_GAPS: set[str] = set()  # (issue 38's four closed: see the tests after the property)
 
 # ----------------------------------------------------------------- configurations
 P = cad.checkpoint_policies

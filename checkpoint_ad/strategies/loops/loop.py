@@ -287,9 +287,16 @@ class PlannedStep(StepScope):
             return None
         return None if self.drops_hooks else tensor
 
-    def check_gradient(self, roots: list[Any], inputs: list[Any]) -> None:
+    def check_gradient(self, roots: list[Any], inputs: list[Any] | None) -> None:
         if self.cuts is not None and not self.dry:
             self.cuts.check(roots, inputs)
+
+    def fills_grads(self) -> bool:
+        """Only in the loop's first run (its forward), as a Python loop's step fills them
+        once; in an outer loop's step, where that one fills them too."""
+        outer = self.outer
+        return self.first and not self.dry and self.retained is not None and (
+            outer is None or outer.fills_grads())
 
     def retain(self, tensor: Any) -> bool:
         k = self.calls

@@ -22,7 +22,7 @@ from ...pytree import flatten, unflatten
 from ...tape import Entry, edge_of, next_sequence
 from ...tensor import Tensor
 from . import step_tape
-from .grad_flow import deps_of_tensors
+from .grad_flow import deps_of_tensors, outputs_requiring_grad
 from .loop import PlannedStep, row_tensor
 from .program_cache import REUSED
 from .replayed_step import ReplayedStep
@@ -210,6 +210,10 @@ def cuts_from(executor: PlannedLoop, start: int, carry: list[Any]) -> StepCuts:
     begins with stands for: at step 0 the caller's tensors, later a carry whose history
     the plan does not keep."""
     cuts = StepCuts(start, next_sequence(), histories=executor.histories)
+    if start > 0 and executor.step_deps is not None:  # (step 0 taped alone told them)
+        deps = executor.step_deps
+        cuts.plain_carry_rg = lambda: outputs_requiring_grad(executor.carry_rg, *deps,
+                                                             start)[0]
     for k, c in enumerate(carry):
         if not isinstance(c, Tensor):
             continue
@@ -221,6 +225,7 @@ def cuts_from(executor: PlannedLoop, start: int, carry: list[Any]) -> StepCuts:
         else:
             cuts.stands_for[id(c)] = (f"its carry's leaf {k} at step {start} (whose history "
                                       "the plan does not keep)", None)
+            cuts.carry_leaf[id(c)] = k
     return cuts
 
 
