@@ -244,7 +244,7 @@ class PlannedStep(StepScope):
     the caller's tensor, which keeping every step hands the step itself. A retained
     tensor that is a leaf in a run pulled back (its input carry or row, which the plan
     makes new leaves) is noted in `leaves` (id -> (the leaf, the tensors it stands for),
-    weakly): the pull-back hands them its gradient (`loop_pull_back.fill_retained_inputs`)."""
+    weakly): the pull-back hands them its gradient (`loop_pull_back._retained_carry`)."""
 
     __slots__ = ("callers", "calls", "carry_copies", "cuts", "drops_hooks", "dry", "first",
                  "handles", "leaves", "outer", "retained", "t", "untaped")

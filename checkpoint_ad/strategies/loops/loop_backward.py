@@ -81,9 +81,11 @@ def run_backward(
     if onto is not None:
         carry_sums = list(onto[:n_carry])
         for k, passed in enumerate(executor.final_passed):
-            if passed:  # the final carry is the initial one: what reached it from after
-                # the loop starts the last step's sum, as on a plain tape
-                adj_carry[k], carry_sums[k] = carry_sums[k], None
+            if passed and carry_sums[k] is not None:  # the final carry is the initial
+                # one: what reached it from after the loop starts the last step's sum, as
+                # on a plain tape (the entry's own output for it is handed to no one)
+                moved, carry_sums[k] = carry_sums[k], None
+                adj_carry[k] = moved if adj_carry[k] is None else moved + adj_carry[k]
         for key, start in zip(executor.externals, onto[executor.n_inputs:]):
             if start is not None:
                 adj_ext[key] = start
