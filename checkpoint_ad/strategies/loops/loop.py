@@ -305,23 +305,27 @@ class PlannedStep(StepScope):
         if retained is None:
             return self.drops_hooks
         if self.first:
-            retained.setdefault(self.t, []).append(weakref.ref(tensor))
             caller = self.callers.get(id(tensor)) if self.callers else None
             if caller is not None:
-                _state.step_scope = None  # as outside the loop, refusals included
+                retained.setdefault(self.t, []).append(weakref.ref(tensor))
+                _state.step_scope = self.outer  # as outside the loop, refusals included
                 try:
                     caller.retain_grad()
                 finally:
                     _state.step_scope = self
                 self.note_leaf(tensor, tensor)  # (its `.grad` mirrors the caller's)
                 return True
-            if not self.drops_hooks and tensor._entry is None:
-                self.note_leaf(tensor, tensor)
-            return self.drops_hooks  # a run pulled back retains it as usual
+            original = self.stand_in_of_outer(tensor)
+            retained.setdefault(self.t, []).append(weakref.ref(original))
+            if original is tensor:
+                if not self.drops_hooks and tensor._entry is None:
+                    self.note_leaf(tensor, tensor)
+                return self.drops_hooks  # a run pulled back retains it as usual
+        else:
+            noted = retained.get(self.t, ())
+            original = noted[k]() if k < len(noted) else None
         if self.drops_hooks:
             return True
-        noted = retained.get(self.t, ())
-        original = noted[k]() if k < len(noted) else None
         if tensor._entry is None:  # (no graph in a run pulled back: refused as usual)
             if original is not None:
                 self.note_leaf(tensor, original)
@@ -332,6 +336,24 @@ class PlannedStep(StepScope):
         # the next step retains as its input carry, as one tensor is kept every step)
         retain_also(tensor._entry, tensor._index, original)
         return True
+
+    def stand_in_of_outer(self, tensor: Any) -> Any:
+        """The tensor the caller holds for `tensor`, retained in this loop's first run:
+        `tensor` itself, or, where this loop runs in a re-run of an outer loop's step, the
+        tensor that step's first run retained at the same call (there, this loop may have
+        run otherwise: without gradients, keeping every step)."""
+        outer = self.outer
+        if type(outer) is not PlannedStep or outer.retained is None:
+            return tensor
+        k = outer.calls
+        outer.calls += 1
+        if outer.first:
+            original = outer.stand_in_of_outer(tensor)
+            outer.retained.setdefault(outer.t, []).append(weakref.ref(original))
+            return original
+        noted = outer.retained.get(outer.t, ())
+        original = noted[k]() if k < len(noted) else None
+        return tensor if original is None else original
 
     def note_leaf(self, leaf: Any, original: Any) -> None:
         """`leaf` (an input this run's plan made a leaf) stands for `original`, retained."""

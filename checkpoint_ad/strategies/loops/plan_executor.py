@@ -310,12 +310,12 @@ class PlannedLoop:
             first = tuple(slots.index(s) if s >= 0 else k for k, s in enumerate(slots))
         else:
             first = tuple(range(n))
-        out = list(carry)
         self.final_passed = [p and c is not None for p, c in zip(passed, carry_leaves)]
-        for k in range(n):
+        one: dict[int, Any] = {}  # the tensor of each group of leaves that are one tensor
+        for k in range(n):  # (a caller's tensor, where a leaf of the group passed it on)
             if self.final_passed[k]:
-                out[k] = carry_leaves[k]
-        return [out[first[k]] for k in range(n)]
+                one.setdefault(first[k], carry_leaves[k])
+        return [one.get(first[k], carry[first[k]]) for k in range(n)]
 
     def _share_packed_carry(self, carry: list[Any]) -> None:
         """The final carry's tensors point at the buffers the last kept replayed step packed
