@@ -986,8 +986,39 @@ def test_final_carry_leaves_one_passed_on_tensor_are_the_callers_tensor(mode):
     strategy, trace = mode
     h0 = cad.tensor(np.array([0.1, 0.2, 0.3]), requires_grad=True)
     h1 = cad.tensor(np.array([0.4, 0.5, 0.6]), requires_grad=True)
-    (a, b), ys = cad.scan(lambda c, x: ((c[1], c[1]), c[0] * x), (h0, h1),
+    (a, b), _ = cad.scan(lambda c, x: ((c[1], c[1]), c[0] * x), (h0, h1),
                           cad.tensor(np.ones((3, 3))), strategy=strategy, trace=trace)
     assert a is h1 and b is h1
     with pytest.raises(cad.InplaceError):
         a.mul_(2.0)
+
+
+@pytest.mark.parametrize("change", [False, True])
+@_every()
+def test_final_carry_that_is_a_captured_tensor_is_that_tensor(mode, change):
+    """(Found by the property.) A step returning a tensor from outside the loop as a carry
+    leaf: a Python loop's final carry is that tensor itself, so changing it in place after
+    the loop changes the captured tensor; the gradients are keeping every step's, bitwise,
+    or, where the plan re-runs the step (which returns it again), the change is refused."""
+    def run(strategy, trace):
+        c0 = cad.tensor(np.array([0.3, -0.2, 0.5]), requires_grad=True)
+        w = cad.tensor(np.array([0.5, 0.7, 0.9]), requires_grad=True)
+        c = cad.tanh(c0) * 0.5
+        h0 = cad.tensor(np.array([0.1, 0.2, 0.3]), requires_grad=True)
+        (a, b), ys = cad.scan(lambda k, x: ((c, k[1] * x + w), k[0] * x), (h0, h0 * 2.0),
+                              cad.tensor(np.linspace(0.5, 1.5, 9).reshape(3, 3)),
+                              strategy=strategy, trace=trace)
+        assert a is c
+        if change:
+            a.mul_(1.5)  # changes c, as in a Python loop
+        (a.sum() + (b * w).sum() + (ys * ys).sum()).backward()
+        return c0.grad.numpy(), w.grad.numpy(), h0.grad.numpy()
+
+    want = run(None, False)
+    try:
+        got = run(*mode)
+    except cad.SavedValueModifiedError:
+        assert change and mode[0] is not None  # a re-run would read the changed tensor
+        return
+    for g, v in zip(got, want):
+        np.testing.assert_array_equal(g, v)

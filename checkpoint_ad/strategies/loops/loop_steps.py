@@ -83,14 +83,16 @@ def call_step(executor: PlannedLoop, t: int, carry: list[Any], x: Any, untaped: 
     with step_scope(scope):
         new, ys = record_step(executor, t, carry, x)
     if executor.first_run:
-        note_carry(executor, t, carry, new)
+        note_carry(executor, t, carry, x, new)
     return new, ys
 
 
-def note_carry(executor: PlannedLoop, t: int, carry: list[Any], new: list[Any]) -> None:
+def note_carry(executor: PlannedLoop, t: int, carry: list[Any], x: Any, new: list[Any],
+               ) -> None:
     """What recorded step t of the loop's first run did with its carry: the leaves it
     returned unchanged (a final carry every step passed on is the caller's tensor, as in a
-    Python loop), and the leaves it returned as one tensor (see
+    Python loop), the leaves it returned as one tensor, and those it returned that it did
+    not make (a captured tensor: a Python loop's final carry is that tensor itself; see
     `PlannedLoop._final_carry_as_a_python_loop`)."""
     passed = [c is not None and c is m for c, m in zip(carry, new)]
     if executor.carry_passed is not None:
@@ -98,7 +100,16 @@ def note_carry(executor: PlannedLoop, t: int, carry: list[Any], new: list[Any]) 
     executor.carry_passed = passed
     first = tuple(next(j for j, o in enumerate(new) if o is m) if m is not None else k
                   for k, m in enumerate(new))
-    executor.last_carry = (t, first)
+    given = {id(c) for c in [*carry, *(flatten(x)[0] if x is not None else [])]
+             if c is not None}
+    # a leaf given to the step is the plan's copy, unless the step before returned it
+    # (from outside: it passes it on, within a segment)
+    known = {id(m) for m in executor.last_carry[2].values()} if (
+        executor.last_carry is not None and executor.last_carry[0] == t - 1) else set()
+    outside = {k: m for k, m in enumerate(new) if isinstance(m, Tensor) and (
+        m._entry.seq < executor.seq_started if m._entry is not None
+        else m._requires_grad and (id(m) not in given or id(m) in known))}
+    executor.last_carry = (t, first, outside)
 
 
 def record_step(executor: PlannedLoop, t: int, carry: list[Any], x: Any,

@@ -54,7 +54,8 @@ from ... import random
 from ...ops import concatenate, expand_dims
 from ...pytree import unflatten
 from ...saved import KEEP, PackedBuffer, SavedSlot, current_packer, freed_error
-from ...tape import Entry, add_entry, edge_of
+from ...tape import Entry, add_entry, edge_of, next_sequence
+from ...tensor import Tensor
 from ...tensor_base import make_tensor
 from ..kinds import LoopStrategy
 from ..plans.revolve import Action
@@ -181,7 +182,7 @@ class PlannedLoop:
         # per leaf, whether each returned it unchanged; and the last one's (step, leaves
         # that are one tensor: leaf -> the first leaf it is)
         self.carry_passed: list[bool] | None = None
-        self.last_carry: tuple[int, tuple[int, ...]] | None = None
+        self.last_carry: tuple[int, tuple[int, ...], dict[int, Any]] | None = None
         # the final carry's leaves that are the caller's tensors (`_final_carry_as_a_python_loop`)
         self.final_passed: list[bool] = []
         if program is not None:
@@ -195,6 +196,7 @@ class PlannedLoop:
     # ------------------------------------------------------------- forward
     def run(self, carry_leaves: list[Any]) -> tuple[Any, Any]:
         loop = self.loop
+        self.seq_started = next_sequence()  # what is older comes from outside the loop
         self.carry_inputs = carry_leaves
         self.carry_rg = [t is not None and t.requires_grad for t in carry_leaves]
         self.carry_meta = [None if t is None else (t.shape, t.dtype) for t in carry_leaves]
@@ -303,11 +305,14 @@ class PlannedLoop:
         last = self.last_carry
         if program is not None:
             passed = [p and program.carry_out[k] == k for k, p in enumerate(passed)]
+        outside: dict[int, Any] = {}  # leaves that are a tensor from outside the loop
         if last is not None and (program is None or last[0] == self.loop.n - 1):
-            first = last[1]  # the last step was recorded: its tensors said
+            first, outside = last[1], last[2]  # the last step was recorded: its tensors said
         elif program is not None:
             slots = program.carry_out
             first = tuple(slots.index(s) if s >= 0 else k for k, s in enumerate(slots))
+            outside = {k: program.constant_tensors[s] for k, s in enumerate(slots)
+                       if isinstance(program.constant_tensors.get(s), Tensor)}
         else:
             first = tuple(range(n))
         self.final_passed = [p and c is not None for p, c in zip(passed, carry_leaves)]
@@ -315,6 +320,12 @@ class PlannedLoop:
         for k in range(n):  # (a caller's tensor, where a leaf of the group passed it on)
             if self.final_passed[k]:
                 one.setdefault(first[k], carry_leaves[k])
+        for k, tensor in outside.items():
+            one.setdefault(first[k], tensor)
+            # a re-run of the step returns it again: changed in place since, refused
+            self.input_guards.append((tensor._version, tensor._version.value,
+                                      "a tensor the step returns as its carry",
+                                      tensor.dtype, tensor.shape))
         return [one.get(first[k], carry[first[k]]) for k in range(n)]
 
     def _share_packed_carry(self, carry: list[Any]) -> None:
