@@ -993,9 +993,10 @@ def test_final_carry_leaves_one_passed_on_tensor_are_the_callers_tensor(mode):
         a.mul_(2.0)
 
 
+@pytest.mark.parametrize("y_is_carry", [False, True])
 @pytest.mark.parametrize("change", [False, True])
 @_every()
-def test_final_carry_that_is_a_captured_tensor_is_that_tensor(mode, change):
+def test_final_carry_that_is_a_captured_tensor_is_that_tensor(mode, change, y_is_carry):
     """(Found by the property.) A step returning a tensor from outside the loop as a carry
     leaf: a Python loop's final carry is that tensor itself, so changing it in place after
     the loop changes the captured tensor; the gradients are keeping every step's, bitwise,
@@ -1005,7 +1006,8 @@ def test_final_carry_that_is_a_captured_tensor_is_that_tensor(mode, change):
         w = cad.tensor(np.array([0.5, 0.7, 0.9]), requires_grad=True)
         c = cad.tanh(c0) * 0.5
         h0 = cad.tensor(np.array([0.1, 0.2, 0.3]), requires_grad=True)
-        (a, b), ys = cad.scan(lambda k, x: ((c, k[1] * x + w), k[0] * x), (h0, h0 * 2.0),
+        (a, b), ys = cad.scan(lambda k, x: ((c, k[1] * x + w), k[0] if y_is_carry
+                                            else k[0] * x), (h0, h0 * 2.0),
                               cad.tensor(np.linspace(0.5, 1.5, 9).reshape(3, 3)),
                               strategy=strategy, trace=trace)
         assert a is c

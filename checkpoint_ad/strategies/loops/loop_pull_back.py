@@ -66,9 +66,10 @@ def pull_back(
     _carry_on_hooks(executor, segment)
     _carry_on_retained(executor, segment, adj_carry)
     roots = []
+    edges = segment.outside_edges
     for c, g in zip(segment.carry_out, adj_carry):
         if c is not None and g is not None and c.requires_grad:
-            roots.append((edge_of(c), g))
+            roots.append((edges.get(id(c)) or edge_of(c), g))
     # later outputs first, and later steps first: a plain tape's stacks of the outputs
     # were recorded last (and in that order), so it adds their adjoints in this order
     # where outputs alias one tensor
@@ -79,7 +80,7 @@ def pull_back(
                 continue  # in adj_carry: added when the next step was reversed, or the
                 # loop's last row, which reaches the entry through its final carry
             if y is not None and g is not None and y.requires_grad:
-                roots.append((edge_of(y), g[t]))
+                roots.append((edges.get(id(y)) or edge_of(y), g[t]))
     keys: dict[tuple[int, int], int] = {}
     for c in carry_in:
         if c is not None and c.requires_grad:

@@ -12,7 +12,7 @@ captures (`discover_from`). Owns the executor's `traces`, `program`, `mode`, `ou
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ...backend import is_floating
@@ -44,6 +44,10 @@ class TapedSegment:
     y_out: list[tuple[int, list[Any]]]
     carry_out: list[Any]
     seq_before: int
+    # id -> graph edge, as the steps ran, of the outputs they returned from outside the
+    # loop (a captured tensor): changed in place since (a final carry that is that
+    # tensor), it has another history, and the pull-back delivers to the one they used
+    outside_edges: dict[int, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -334,4 +338,8 @@ def tape_steps(
             t += 1
             if until is not None and until(arrays_of(carry)):
                 break
-    return TapedSegment(start, t, carry_in, x_parts, y_out, carry, seq_before)
+    outside_edges = {id(o): (o._entry, o._index) for o in [*carry, *(
+        y for _, ys in y_out for y in ys)] if o is not None and o._entry is not None and (
+            o._entry.seq <= seq_before)}
+    return TapedSegment(start, t, carry_in, x_parts, y_out, carry, seq_before,
+                        outside_edges)
