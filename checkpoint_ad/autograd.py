@@ -18,6 +18,7 @@ from __future__ import annotations
 import heapq
 import sys
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -87,11 +88,12 @@ class _Grads:
     keeps it until the commit, beside the new sum (the one array more a transaction costs).
     """
 
-    __slots__ = ("graph", "sums")
+    __slots__ = ("graph", "mirrors", "sums")
 
     def __init__(self, graph: bool) -> None:
         self.graph = graph  # create_graph: sums are Tensors with a history
         self.sums: dict[int, list[Any]] = {}  # id(tensor) -> [tensor, its new `.grad`]
+        self.mirrors: list[tuple[TensorBase, TensorBase]] = []  # (copy, source): `mirror_grad`
 
     def value(self, t: TensorBase) -> Any:
         """`t`'s `.grad` as this sweep has it so far (an array, or a Tensor under
@@ -123,6 +125,9 @@ class _Grads:
         for t, value in self.sums.values():
             t.grad = value if graph else make_tensor(value)
         self.sums.clear()
+        for copy, source in self.mirrors:
+            copy.grad = source.grad
+        self.mirrors.clear()
 
 
 class _Sweeps(threading.local):
@@ -143,6 +148,55 @@ def fills_grads() -> bool:
     the sweep around it would have on a plain tape."""
     grads = _sweeps.grads
     return bool(grads) and grads[-1] is not None
+
+
+class RetainedRef(weakref.ref):
+    """An entry's reference to the tensor retained at one of its outputs, with more tensors
+    whose `.grad` that output's gradient fills too (`retain_also`)."""
+
+    __slots__ = ("more",)
+    more: list[weakref.ref]
+
+
+def retain_also(entry: Entry, index: int, tensor: TensorBase) -> None:
+    """Fill `tensor.grad` with the gradient of `entry`'s output `index` in a `backward()`
+    sweep, beside the tensor retained there already, if any (as `retain_grad()` fills its
+    own): a planned loop's re-run makes one tensor where the caller holds several (a step's
+    output carry and the next step's input carry, one tensor when every step is kept)."""
+    retained = entry.retained
+    if retained is None:
+        retained = entry.retained = {}
+    ref = retained.get(index)
+    first = None if ref is None else ref()
+    if first is None:
+        retained[index] = weakref.ref(tensor)
+        return
+    if first is tensor:
+        return
+    if type(ref) is not RetainedRef:
+        ref = retained[index] = RetainedRef(first)
+        ref.more = []
+    if not any(more() is tensor for more in ref.more):
+        ref.more.append(weakref.ref(tensor))
+
+
+def fill_retained(tensor: TensorBase, grad: Any) -> None:
+    """Add `grad` to the `.grad` the innermost backward sweep gives `tensor` (a loop's
+    pull-back filling a retained step input that its re-run made a leaf of its own, as
+    the sweep fills a retained non-leaf); nothing in a sweep that fills no `.grad`."""
+    grads = _sweeps.grads
+    if grads and grads[-1] is not None and grad is not None:
+        grads[-1].add(tensor, grad)
+
+
+def mirror_grad(copy: TensorBase, source: TensorBase) -> None:
+    """When the innermost backward sweep completes, `copy.grad` is `source.grad`: a planned
+    loop's step 0 takes a copy of the caller's carry, which keeping every step hands the
+    step itself, so what the caller holds as that step's input has the caller's `.grad`.
+    Nothing in a sweep that fills no `.grad`."""
+    grads = _sweeps.grads
+    if grads and grads[-1] is not None:
+        grads[-1].mirrors.append((copy, source))
 
 
 def _as_tensor(grad: Any) -> Any:
@@ -496,6 +550,11 @@ def backpropagate(
                             t = ref()
                             if t is not None and grads[index] is not None:
                                 made.add(t, grads[index])
+                            if type(ref) is RetainedRef and grads[index] is not None:
+                                for more in ref.more:  # (see `retain_also`)
+                                    t = more()
+                                    if t is not None:
+                                        made.add(t, grads[index])
                     if capture is not None and entry not in capture.needed:
                         continue
                     running = None
@@ -649,15 +708,22 @@ def backward(
         name = "the tensor backward() was called on" if single else f"tensors[{i}]"
         roots.append((_root_edge(out, name), _seed_value(_seed(out, seed, name), create_graph)))
     retain = create_graph if retain_graph is None else retain_graph
+    scope = _state.step_scope  # (a step of a checkpointed loop: see `StepScope`)
     if inputs is None:
+        if scope is not None:
+            scope.check_gradient([edge for edge, _ in roots], None)
+            if not scope.fills_grads():
+                return  # the step's run in the loop's forward filled them, once
         backpropagate(roots, retain_graph=retain, create_graph=create_graph)
         return
     ins, _ = _as_list(inputs)
     if not ins:
         raise ValueError("backward(inputs=...) was given no tensors; leave inputs out instead")
     keys = _capture_keys(ins, "inputs")
-    if _state.step_scope is not None:
-        _state.step_scope.check_gradient([edge for edge, _ in roots], ins)
+    if scope is not None:
+        scope.check_gradient([edge for edge, _ in roots], ins)
+        if not scope.fills_grads():
+            return
     captured = Capture(keys)
     backpropagate(roots, retain_graph=retain, create_graph=create_graph, capture=captured)
     done: set[tuple[int, int]] = set()

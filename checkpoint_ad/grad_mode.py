@@ -97,9 +97,16 @@ class StepScope:
         """A hook this run of the step registered (`handle` removes it): a run whose tape
         the loop lets go unreversed takes back those on tensors from outside the step."""
 
-    def check_gradient(self, roots: list[Any], inputs: list[Any]) -> None:
+    def check_gradient(self, roots: list[Any], inputs: list[Any] | None) -> None:
         """Refuse a gradient taken in the step (from the graph edges `roots`, with respect
-        to `inputs`) whose value this run of the step cannot give as a plain loop would."""
+        to `inputs`; None: a ``backward()`` filling every leaf it reaches) whose value this
+        run of the step cannot give as a plain loop would."""
+
+    def fills_grads(self) -> bool:
+        """Whether a ``backward()`` in this run of the step fills `.grad`: not where the
+        loop's forward ran the step already (a plan's re-run) or its values are measured
+        and dropped (a budget's dry run), as a Python loop runs each step once."""
+        return not self.drops_hooks
 
 
 class _Dropping(StepScope):

@@ -21,7 +21,7 @@ from .errors import BackwardError, InplaceError, RequiresGradConversionError, Sh
 from .grad_mode import _state, made_before_rerun, no_grad, refuse_trace, step_scope
 from .ops.elementwise import ADD, DIVIDE, MULTIPLY, NEGATIVE, POWER, SUBTRACT
 from .ops.shape import GETITEM, RESHAPE, TRANSPOSE
-from .saved import VersionCounter, pack_value
+from .saved import VersionCounter, _watching, note_reads, pack_value
 from .tape import next_sequence, record, refresh_view
 from .tensor_base import TensorBase, as_tensor, as_tensor_like, make_tensor, tensor
 
@@ -353,7 +353,7 @@ class Tensor(TensorBase, made_by_engine=True):
 
     # ----------------------------------------------------------------- display
     def __repr__(self) -> str:
-        body = np.array2string(self.numpy(), separator=", ", threshold=20, precision=4)
+        body = np.array2string(self._host_values(), separator=", ", threshold=20, precision=4)
         extra = ""
         if self._entry is not None:
             extra = f", grad_fn=<{self._entry.name}>"
@@ -378,6 +378,8 @@ class Tensor(TensorBase, made_by_engine=True):
                 f"{self.device}) with {what}: the result would silently leave the graph; call "
                 "t.detach().numpy() (or pass t.detach()) to take its values"
             )
+        if _watching:  # a checkpointed region's first run: its re-run reads it again
+            note_reads(Tensor.__array__, (self,), None, False)
         return self._data
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:

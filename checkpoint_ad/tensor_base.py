@@ -17,7 +17,7 @@ import numpy as np
 from .backend import device_name, is_array, is_floating, namespace, resolve_dtype, to_device
 from .errors import BackwardError, DTypeError
 from .grad_mode import _state, made_before_rerun, refuse_trace
-from .saved import VersionCounter
+from .saved import VersionCounter, _watching, note_reads
 
 _new_object = object.__new__
 
@@ -80,6 +80,8 @@ class TensorBase:
     @property
     def data(self) -> Any:
         """The backend array (numpy or cupy). Changing it bypasses version checks."""
+        if _watching:  # a checkpointed region's first run: its re-run reads it again
+            note_reads(TensorBase.data.fget, (self,), None, False)
         return self._data
 
     @property
@@ -151,6 +153,13 @@ class TensorBase:
     # ----------------------------------------------------------------- conversions
     def numpy(self) -> np.ndarray:
         """The values as a numpy array (copied to the host for GPU tensors)."""
+        if _watching:  # a checkpointed region's first run: its re-run reads it again
+            note_reads(TensorBase.numpy, (self,), None, False)
+        return self._host_values()
+
+    def _host_values(self) -> np.ndarray:
+        """`numpy()` without telling a checkpointed region (a print reads no value the
+        region computes with)."""
         refuse_trace("reads a tensor's values into Python (numpy/item/tolist/bool/float)")
         return to_device(self._data, "cpu")
 

@@ -192,6 +192,45 @@ def test_custom_function_reading_a_capture_is_guarded():
         y.sum().backward()
 
 
+@pytest.mark.parametrize("read", ["numpy", "data", "asarray", "item"])
+@pytest.mark.parametrize("through", ["closure", "attribute"])
+def test_custom_function_reading_a_capture_through_another_object_is_guarded(read, through):
+    """A `Function` whose forward reads a tensor that is not its argument (a closure, an
+    attribute of an object) as an array: the region's re-run reads it again, so a change
+    in place since the forward raises, as for one it is given."""
+    _, k, change = _captured("constant")
+    holder = type("Holder", (), {"k": k})()
+    values = {"numpy": lambda t: t.numpy(), "data": lambda t: t.data,
+              "asarray": np.asarray, "item": lambda t: t.sum().item()}[read]
+
+    class AddCaptured(cad.Function):
+        @staticmethod
+        def forward(ctx, a):
+            captured = k if through == "closure" else holder.k
+            return cad.tensor(a.detach().numpy() + values(captured))
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    h = cad.tensor(H.copy(), requires_grad=True)
+    y = cad.checkpoint(lambda a: cad.tanh(AddCaptured.apply(a * 1.0)), h)
+    change()
+    with pytest.raises(cad.SavedValueModifiedError, match=f"first read by '{read}"
+                       if read in ("numpy", "data") else "first read by"):
+        y.sum().backward()
+
+
+def test_printing_a_capture_in_a_region_guards_nothing():
+    """Printing reads no value the region computes with: a change after it is no error."""
+    _, k, change = _captured("constant")
+    h = cad.tensor(H.copy(), requires_grad=True)
+    y = cad.checkpoint(lambda a: (repr(k), cad.tanh(a * 2.0))[1], h)
+    change()
+    y.sum().backward()
+    np.testing.assert_allclose(h.grad.numpy(), 2.0 / np.cosh(2.0 * H) ** 2)
+
+
 @pytest.mark.parametrize("trace", [True, False])
 def test_region_in_a_keep_all_scan_step_raises(trace):
     _, c, change = _captured("non-leaf")

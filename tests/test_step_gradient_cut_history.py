@@ -198,3 +198,89 @@ def test_gradient_wrt_a_later_carry_alone_still_matches_keep_all_bitwise():
     for got in results[1:]:
         for mine, want in zip(got, results[0]):
             np.testing.assert_array_equal(mine, want)
+
+
+def _backward_everything_run(strategy, carry_from_w, trace=False):
+    """(w.grad after the forward, w.grad after the loss) of a loop whose step calls
+    ``backward()`` without ``inputs=`` on an energy of its carry and a captured `w`."""
+    w = cad.tensor(W0.copy(), requires_grad=True)
+    xs = cad.tensor(np.linspace(0.1, 0.6, 12).reshape(4, 3))
+
+    def step(h, x):
+        (cad.sin(h * w) * x).sum().backward(retain_graph=True)
+        return (cad.tanh(h * w + x) if carry_from_w else cad.tanh(h + x)), None
+
+    h0 = cad.tensor(H0.copy())
+    strategy = _resolve(strategy, step, h0, xs)
+    h, _ = cad.scan(step, h0, xs, strategy=strategy, trace=trace)
+    after_forward = w.grad.numpy().copy()
+    (h.sum() + (w * w).sum()).backward()
+    return after_forward, w.grad.numpy()
+
+
+@pytest.mark.parametrize("trace", [True, False])
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=repr)
+def test_backward_without_inputs_through_a_carry_made_from_a_weight_raises(strategy, trace):
+    """PyTorch's `loss.backward()` in a Python loop's body goes on through the carry's
+    history (earlier steps, the weights they used) and adds into every leaf's `.grad`; a
+    plan runs the step on a copy without that history, so it refuses (it gave other
+    values silently) and says to pass ``inputs=`` or keep every step."""
+    keep = _backward_everything_run(None, carry_from_w=True, trace=trace)
+    assert keep[0] is not None  # the plain loop works (retain_graph: history kept)
+    with pytest.raises(StepGradientCutError, match="without inputs="):
+        _backward_everything_run(strategy, carry_from_w=True, trace=trace)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=repr)
+def test_backward_without_inputs_through_a_carry_without_grad_history_matches_keep_all(
+        strategy):
+    """No false alarm: where the carry's history needs no gradient (nothing it was made
+    from requires grad), ``backward()`` in the step fills `w.grad` as keeping every step,
+    bitwise, before and after the loop's own backward."""
+    want = _backward_everything_run(None, carry_from_w=False)
+    for got, expected in zip(_backward_everything_run(strategy, carry_from_w=False), want):
+        np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES[:-1], ids=repr)
+def test_backward_without_inputs_reaching_the_callers_carry_raises(strategy):
+    """Step 0's carry is, in a Python loop, the caller's tensor, whose history (its leaf
+    `h0`) ``backward()`` fills; the plan's copy would fill nothing of the caller's."""
+    def step(h, x):
+        (cad.sin(h) * x).sum().backward(retain_graph=True)
+        return h * 0.5, None
+
+    h0 = cad.tensor(H0.copy(), requires_grad=True)
+    with pytest.raises(StepGradientCutError, match="step 0"):
+        cad.scan(step, h0 * 1.0, cad.tensor(np.ones((3, 3))), strategy=strategy, trace=False)
+
+
+@pytest.mark.parametrize("inputs", [False, True])
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=repr)
+def test_backward_inside_a_step_fills_grad_once_per_step_as_a_python_loop(strategy, inputs):
+    """A Python loop runs each step once, so a ``backward()`` in its body adds into
+    `w.grad` once per step; a plan's re-runs of the step (and a budget's dry run) add
+    nothing more: `w.grad` is keeping every step's, bitwise, after the loop and after
+    its backward (which does not read `w`). (The re-runs added into it again before.)"""
+    def run(strategy):
+        w = cad.tensor(W0.copy(), requires_grad=True)
+        v = cad.tensor(W0.copy() * 0.5, requires_grad=True)
+        xs = cad.tensor(np.linspace(0.1, 0.6, 15).reshape(5, 3))
+
+        def step(h, x):
+            energy = (cad.sin(w) * x).sum()
+            if inputs:
+                energy.backward(inputs=[w])
+            else:
+                energy.backward()
+            return cad.tanh(h * v + x), None
+
+        h0 = cad.tensor(H0.copy())
+        resolved = _resolve(strategy, step, h0, xs) if strategy is not None else None
+        h, _ = cad.scan(step, h0, xs, strategy=resolved, trace=False)
+        after_forward = w.grad.numpy().copy()
+        h.sum().backward()
+        return after_forward, w.grad.numpy(), v.grad.numpy()
+
+    for got, want in zip(run(strategy), run(None)):
+        np.testing.assert_array_equal(got, want)

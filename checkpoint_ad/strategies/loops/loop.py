@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ... import events
+from ...autograd import retain_also
 from ...backend import is_floating
 from ...errors import ShapeError, StepNeedsTapeError
 from ...function import Function
@@ -240,10 +241,13 @@ class PlannedStep(StepScope):
     noted one, so `.grad` fills on the tensor the caller holds, as keeping every step would
     (PyTorch's non-reentrant checkpoint fills it the same way). Step 0's input carry, in
     the first run a copy of the caller's (`callers`: id -> the caller's tensor), retains
-    the caller's tensor, which keeping every step hands the step itself."""
+    the caller's tensor, which keeping every step hands the step itself. A retained
+    tensor that is a leaf in a run pulled back (its input carry or row, which the plan
+    makes new leaves) is noted in `leaves` (id -> (the leaf, the tensors it stands for),
+    weakly): the pull-back hands them its gradient (`loop_pull_back._retained_carry`)."""
 
     __slots__ = ("callers", "calls", "carry_copies", "cuts", "drops_hooks", "dry", "first",
-                 "handles", "outer", "retained", "t", "untaped")
+                 "handles", "leaves", "outer", "retained", "t", "untaped")
 
     def __init__(self, retained: dict[int, list[Any]] | None, t: int, first: bool,
                  untaped: bool = False, drops_hooks: bool = False) -> None:
@@ -263,6 +267,7 @@ class PlannedStep(StepScope):
         # the hooks this run registered, where its tape may be let go (`run_growing_plan`)
         self.handles: list[Any] | None = None
         self.cuts: StepCuts | None = None  # the history this run cuts (`step_cuts.py`)
+        self.leaves: dict[int, Any] | None = None  # retained leaves (see the class's doc)
 
     def note_hook(self, handle: Any) -> None:
         if self.handles is not None:
@@ -282,9 +287,16 @@ class PlannedStep(StepScope):
             return None
         return None if self.drops_hooks else tensor
 
-    def check_gradient(self, roots: list[Any], inputs: list[Any]) -> None:
+    def check_gradient(self, roots: list[Any], inputs: list[Any] | None) -> None:
         if self.cuts is not None and not self.dry:
             self.cuts.check(roots, inputs)
+
+    def fills_grads(self) -> bool:
+        """Only in the loop's first run (its forward), as a Python loop's step fills them
+        once; in an outer loop's step, where that one fills them too."""
+        outer = self.outer
+        return self.first and not self.dry and self.retained is not None and (
+            outer is None or outer.fills_grads())
 
     def retain(self, tensor: Any) -> bool:
         k = self.calls
@@ -293,26 +305,77 @@ class PlannedStep(StepScope):
         if retained is None:
             return self.drops_hooks
         if self.first:
-            retained.setdefault(self.t, []).append(weakref.ref(tensor))
             caller = self.callers.get(id(tensor)) if self.callers else None
             if caller is not None:
-                _state.step_scope = None  # as outside the loop, refusals included
+                retained.setdefault(self.t, []).append(weakref.ref(tensor))
+                _state.step_scope = self.outer  # as outside the loop, refusals included
                 try:
                     caller.retain_grad()
                 finally:
                     _state.step_scope = self
+                self.note_leaf(tensor, tensor)  # (its `.grad` mirrors the caller's)
                 return True
-            return self.drops_hooks  # a run pulled back retains it as usual
-        if self.drops_hooks or tensor._entry is None:
-            return self.drops_hooks  # (no graph in a run pulled back: refused as usual)
-        noted = retained.get(self.t, ())
-        original = noted[k]() if k < len(noted) else None
+            original = self.stand_in_of_outer(tensor)
+            retained.setdefault(self.t, []).append(weakref.ref(original))
+            if original is tensor:
+                if not self.drops_hooks and tensor._entry is None:
+                    self.note_leaf(tensor, tensor)
+                return self.drops_hooks  # a run pulled back retains it as usual
+        else:
+            noted = retained.get(self.t, ())
+            original = noted[k]() if k < len(noted) else None
+        if self.drops_hooks:
+            return True
+        if tensor._entry is None:  # (no graph in a run pulled back: refused as usual)
+            if original is not None:
+                self.note_leaf(tensor, original)
+            return False
         if original is None or original is tensor:
             return False
-        if tensor._entry.retained is None:
-            tensor._entry.retained = {}
-        tensor._entry.retained[tensor._index] = weakref.ref(original)
+        # (beside another the output stands for: a step's output carry, retained, which
+        # the next step retains as its input carry, as one tensor is kept every step)
+        retain_also(tensor._entry, tensor._index, original)
         return True
+
+    def stand_in_of_outer(self, tensor: Any) -> Any:
+        """The tensor the caller holds for `tensor`, retained in this loop's first run:
+        `tensor` itself, or, where this loop runs in a re-run of an outer loop's step, the
+        tensor that step's first run retained at the same call (there, this loop may have
+        run otherwise: without gradients, keeping every step)."""
+        outer = self.outer
+        if type(outer) is not PlannedStep or outer.retained is None:
+            return tensor
+        k = outer.calls
+        outer.calls += 1
+        if outer.first:
+            original = outer.stand_in_of_outer(tensor)
+            outer.retained.setdefault(outer.t, []).append(weakref.ref(original))
+            return original
+        noted = outer.retained.get(outer.t, ())
+        original = noted[k]() if k < len(noted) else None
+        return tensor if original is None else original
+
+    def note_leaf(self, leaf: Any, original: Any) -> None:
+        """`leaf` (an input this run's plan made a leaf) stands for `original`, retained."""
+        if self.leaves is not None and leaf._requires_grad:
+            note_retained_leaf(self.leaves, leaf, original)
+
+
+def note_retained_leaf(leaves: dict[int, Any], leaf: Any, original: Any) -> None:
+    """Note in `leaves` that `leaf`'s gradient is also `original`'s (see `PlannedStep`)."""
+    item = leaves.get(id(leaf))
+    if item is None or item[0]() is not leaf:
+        item = leaves[id(leaf)] = (weakref.ref(leaf), [])
+    if not any(ref() is original for ref in item[1]):
+        item[1].append(weakref.ref(original))
+
+
+def retained_for(leaves: dict[int, Any], leaf: Any) -> list[Any]:
+    """The tensors `leaf` stands for (see `PlannedStep`): those alive."""
+    item = leaves.get(id(leaf))
+    if item is None or item[0]() is not leaf:
+        return []
+    return [t for t in (ref() for ref in item[1]) if t is not None]
 
 
 _planned_steps = threading.local()  # .depth: steps of budget-planned loops running now

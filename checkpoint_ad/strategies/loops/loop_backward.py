@@ -56,6 +56,10 @@ def run_backward(
     executor.keys_found = None  # found again per backward: xs may take a gradient now
     executor.fixed_keys = None  # (`loop_pull_back.segment_keys`)
     executor.carry_hooks = {}
+    executor.carry_retained = {}
+    leaves = executor.retained_leaves  # (those of runs gone: let go)
+    for key in [key for key, (leaf, _) in leaves.items() if leaf() is None]:
+        del leaves[key]
     if retain_graph:  # work on copies: the forward's state must answer again
         snapshots = dict(forward.snapshots)
     else:
@@ -76,6 +80,12 @@ def run_backward(
     carry_sums: list[Any] = [None] * n_carry  # what the carry's gradient adds onto
     if onto is not None:
         carry_sums = list(onto[:n_carry])
+        for k, passed in enumerate(executor.final_passed):
+            if passed and carry_sums[k] is not None:  # the final carry is the initial
+                # one: what reached it from after the loop starts the last step's sum, as
+                # on a plain tape (the entry's own output for it is handed to no one)
+                moved, carry_sums[k] = carry_sums[k], None
+                adj_carry[k] = moved if adj_carry[k] is None else moved + adj_carry[k]
         for key, start in zip(executor.externals, onto[executor.n_inputs:]):
             if start is not None:
                 adj_ext[key] = start

@@ -13,9 +13,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ...autograd import Capture, backpropagate, fills_grads, run_tensor_hooks
+from ...autograd import (
+    Capture,
+    backpropagate,
+    fill_retained,
+    fills_grads,
+    mirror_grad,
+    retain_also,
+    run_tensor_hooks,
+)
 from ...errors import BackwardError
 from ...tape import edge_of
+from .loop import note_retained_leaf, retained_for
 from .loop_steps import ReplayedSegment, TapedSegment, discover
 from .step_pull_back import pull_back_steps
 
@@ -49,17 +58,18 @@ def pull_back(
         produced, carry_in + [p for _, parts in segment.x_parts for p in parts],
         segment.seq_before,
     )
-    if not set(found) <= set(executor.externals):
-        raise BackwardError(
-            f"scan: steps {start}..{stop - 1} used tensors from outside the loop that step 0 "
-            "did not use; with a checkpointing strategy every step must capture the same "
-            "tensors (pass values that vary by step through xs instead)"
-        )
+    # tensors from outside that step 0's tape did not reach: captured too, and refused
+    # only where a gradient reaches them (the loop's entry has no edge to hand it on). A
+    # tape reaches more than the gradient does: a re-run's inner `scan` may replay where
+    # step 0's (run in a trace) recorded, and its entry has an edge to every input
+    unknown = [key for key in found if key not in executor.externals]
     _carry_on_hooks(executor, segment)
+    _carry_on_retained(executor, segment, adj_carry)
     roots = []
+    edges = segment.outside_edges
     for c, g in zip(segment.carry_out, adj_carry):
         if c is not None and g is not None and c.requires_grad:
-            roots.append((edge_of(c), g))
+            roots.append((edges.get(id(c)) or edge_of(c), g))
     # later outputs first, and later steps first: a plain tape's stacks of the outputs
     # were recorded last (and in that order), so it adds their adjoints in this order
     # where outputs alias one tensor
@@ -70,7 +80,7 @@ def pull_back(
                 continue  # in adj_carry: added when the next step was reversed, or the
                 # loop's last row, which reaches the entry through its final carry
             if y is not None and g is not None and y.requires_grad:
-                roots.append((edge_of(y), g[t]))
+                roots.append((edges.get(id(y)) or edge_of(y), g[t]))
     keys: dict[tuple[int, int], int] = {}
     for c in carry_in:
         if c is not None and c.requires_grad:
@@ -80,6 +90,8 @@ def pull_back(
             if p is not None and p.requires_grad:
                 keys[(id(p), 0)] = len(keys)
     for key in executor.externals:
+        keys.setdefault(key, len(keys))
+    for key in unknown:
         keys.setdefault(key, len(keys))
     # carry on adding each captured tensor's gradient in the order a plain tape would
     initial: list[Any] = [None] * len(keys)
@@ -102,8 +114,15 @@ def pull_back(
     if roots:
         backpropagate(roots, retain_graph=retain_graph, create_graph=False, capture=sink)
     captured = sink.values
+    if any(captured[keys[key]] is not None for key in unknown):
+        raise BackwardError(
+            f"scan: steps {start}..{stop - 1} used tensors from outside the loop that step 0 "
+            "did not use; with a checkpointing strategy every step must capture the same "
+            "tensors (pass values that vary by step through xs instead)"
+        )
     new_adj = []
     deferred = []
+    carried: list[tuple[int, list[Any]]] = []
     for k, c in enumerate(carry_in):
         keep = c is not None and c.requires_grad
         g = captured[keys[(id(c), 0)]] if keep else None
@@ -111,14 +130,20 @@ def pull_back(
             deferred.append((k, c._hooks))  # they see the total: the earlier segment's
         elif keep:  # step 0's: the whole gradient that reaches the loop's initial carry
             g = _step_input_hooks(c, g, "the carry of step 0")
+        if keep:
+            _retained_carry(executor, start, k, c, carried)
         owned.pop(id(g), None)  # handed on as a root: a rule may pass it to two inputs
         new_adj.append(g)
     if deferred:
         executor.carry_hooks[start] = deferred
+    if carried:
+        executor.carry_retained[start] = carried
     for t, parts in reversed(segment.x_parts):  # later steps' first, as keeping them all
         for k, p in enumerate(parts):
             if p is not None and p.requires_grad:
                 g = _step_input_hooks(p, captured[keys[(id(p), 0)]], f"the row of step {t}")
+                for original in retained_for(executor.retained_leaves, p):
+                    fill_retained(original, g)  # a row retained_grad() was called on
                 if g is not None:
                     adj_xs[k][t] = g
                     xs_reached[k] = True
@@ -144,6 +169,50 @@ def _carry_on_hooks(executor: PlannedLoop, segment: TapedSegment) -> None:
             target._hooks.update(hooks)
         else:
             c._entry._hooks().outputs.setdefault(c._index, {}).update(hooks)
+
+
+def _retained_carry(executor: PlannedLoop, start: int, k: int, leaf: Any,
+                    carried: list[tuple[int, list[Any]]]) -> None:
+    """The tensors a segment's input carry leaf `k` stands for, retained in its first step
+    (`PlannedStep`): at step 0, copies of the caller's tensor, whose `.grad` is the
+    caller's (keeping every step hands the step the caller's tensor itself); later, the
+    previous step's output carry, which the earlier segment's reverse fills
+    (`_carry_on_retained`: there it gets its whole gradient, after that tensor's hooks)."""
+    originals = retained_for(executor.retained_leaves, leaf)
+    if not originals:
+        return
+    if start > 0:
+        carried.append((k, originals))
+        return
+    caller = executor.carry_inputs[k]
+    for original in originals:
+        if caller is not None and original is not caller:
+            mirror_grad(original, caller)
+
+
+def _carry_on_retained(executor: PlannedLoop, segment: TapedSegment,
+                       adj_carry: list[Any]) -> None:
+    """Retain the output carry of `segment` for the tensors the later segment's first step
+    retained as its input carry (the same value, see `_retained_carry`), as its hooks go
+    there (`_carry_on_hooks`): its gradient is then what it is keeping every step, the
+    uses in this segment's last step and its hooks included. A carry this segment's step
+    returned unchanged passes them on to its own input carry; one from before the loop (a
+    captured tensor returned as the carry) gives them the gradient that reached it from
+    the later steps."""
+    for k, originals in executor.carry_retained.pop(segment.stop, ()):
+        c = segment.carry_out[k]
+        if c is None or not c.requires_grad:
+            continue
+        entry = c._entry
+        if entry is None and any(c is i for i in segment.carry_in):
+            for original in originals:
+                note_retained_leaf(executor.retained_leaves, c, original)
+        elif entry is not None and entry.seq > segment.seq_before:
+            for original in originals:
+                retain_also(entry, c._index, original)
+        else:
+            for original in originals:
+                fill_retained(original, adj_carry[k])
 
 
 def _step_input_hooks(leaf: Any, grad: Any, what: str) -> Any:

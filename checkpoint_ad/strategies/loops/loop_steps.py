@@ -12,7 +12,7 @@ captures (`discover_from`). Owns the executor's `traces`, `program`, `mode`, `ou
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ...backend import is_floating
@@ -22,7 +22,7 @@ from ...pytree import flatten, unflatten
 from ...tape import Entry, edge_of, next_sequence
 from ...tensor import Tensor
 from . import step_tape
-from .grad_flow import deps_of_tensors
+from .grad_flow import deps_of_tensors, outputs_requiring_grad
 from .loop import PlannedStep, row_tensor
 from .program_cache import REUSED
 from .replayed_step import ReplayedStep
@@ -44,6 +44,10 @@ class TapedSegment:
     y_out: list[tuple[int, list[Any]]]
     carry_out: list[Any]
     seq_before: int
+    # id -> graph edge, as the steps ran, of the outputs they returned from outside the
+    # loop (a captured tensor): changed in place since (a final carry that is that
+    # tensor), it has another history, and the pull-back delivers to the one they used
+    outside_edges: dict[int, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -71,6 +75,7 @@ def call_step(executor: PlannedLoop, t: int, carry: list[Any], x: Any, untaped: 
     run's carry and rows lack, where the step may take a gradient)."""
     scope = PlannedStep(executor.retained, t, executor.first_run, untaped, drops_hooks)
     scope.handles = executor.step_hooks
+    scope.leaves = executor.retained_leaves
     if cuts is not None:
         scope.cuts = add_rows(executor, cuts, t, x)
     if t == 0 and executor.first_run:  # step 0's carry stands for the caller's tensors
@@ -80,7 +85,35 @@ def call_step(executor: PlannedLoop, t: int, carry: list[Any], x: Any, untaped: 
         scope.carry_copies = {id(c) for c, caller in zip(carry, executor.carry_inputs)
                               if isinstance(c, Tensor) and caller is not None}
     with step_scope(scope):
-        return record_step(executor, t, carry, x)
+        new, ys = record_step(executor, t, carry, x)
+    if executor.first_run:
+        note_carry(executor, t, carry, x, new)
+    return new, ys
+
+
+def note_carry(executor: PlannedLoop, t: int, carry: list[Any], x: Any, new: list[Any],
+               ) -> None:
+    """What recorded step t of the loop's first run did with its carry: the leaves it
+    returned unchanged (a final carry every step passed on is the caller's tensor, as in a
+    Python loop), the leaves it returned as one tensor, and those it returned that it did
+    not make (a captured tensor: a Python loop's final carry is that tensor itself; see
+    `PlannedLoop._final_carry_as_a_python_loop`)."""
+    passed = [c is not None and c is m for c, m in zip(carry, new)]
+    if executor.carry_passed is not None:
+        passed = [a and b for a, b in zip(executor.carry_passed, passed)]
+    executor.carry_passed = passed
+    first = tuple(next(j for j, o in enumerate(new) if o is m) if m is not None else k
+                  for k, m in enumerate(new))
+    given = {id(c) for c in [*carry, *(flatten(x)[0] if x is not None else [])]
+             if c is not None}
+    # a leaf given to the step is the plan's copy, unless the step before returned it
+    # (from outside: it passes it on, within a segment)
+    known = {id(m) for m in executor.last_carry[2].values()} if (
+        executor.last_carry is not None and executor.last_carry[0] == t - 1) else set()
+    outside = {k: m for k, m in enumerate(new) if isinstance(m, Tensor) and (
+        m._entry.seq < executor.seq_started if m._entry is not None
+        else m._requires_grad and (id(m) not in given or id(m) in known))}
+    executor.last_carry = (t, first, outside)
 
 
 def record_step(executor: PlannedLoop, t: int, carry: list[Any], x: Any,
@@ -192,6 +225,10 @@ def cuts_from(executor: PlannedLoop, start: int, carry: list[Any]) -> StepCuts:
     begins with stands for: at step 0 the caller's tensors, later a carry whose history
     the plan does not keep."""
     cuts = StepCuts(start, next_sequence(), histories=executor.histories)
+    if start > 0 and executor.step_deps is not None:  # (step 0 taped alone told them)
+        deps = executor.step_deps
+        cuts.plain_carry_rg = lambda: outputs_requiring_grad(executor.carry_rg, *deps,
+                                                             start)[0]
     for k, c in enumerate(carry):
         if not isinstance(c, Tensor):
             continue
@@ -203,6 +240,7 @@ def cuts_from(executor: PlannedLoop, start: int, carry: list[Any]) -> StepCuts:
         else:
             cuts.stands_for[id(c)] = (f"its carry's leaf {k} at step {start} (whose history "
                                       "the plan does not keep)", None)
+            cuts.carry_leaf[id(c)] = k
     return cuts
 
 
@@ -300,4 +338,8 @@ def tape_steps(
             t += 1
             if until is not None and until(arrays_of(carry)):
                 break
-    return TapedSegment(start, t, carry_in, x_parts, y_out, carry, seq_before)
+    outside_edges = {id(o): (o._entry, o._index) for o in [*carry, *(
+        y for _, ys in y_out for y in ys)] if o is not None and o._entry is not None and (
+            o._entry.seq <= seq_before)}
+    return TapedSegment(start, t, carry_in, x_parts, y_out, carry, seq_before,
+                        outside_edges)

@@ -54,7 +54,8 @@ from ... import random
 from ...ops import concatenate, expand_dims
 from ...pytree import unflatten
 from ...saved import KEEP, PackedBuffer, SavedSlot, current_packer, freed_error
-from ...tape import Entry, add_entry, edge_of
+from ...tape import Entry, add_entry, edge_of, next_sequence
+from ...tensor import Tensor
 from ...tensor_base import make_tensor
 from ..kinds import LoopStrategy
 from ..plans.revolve import Action
@@ -170,8 +171,20 @@ class PlannedLoop:
         # steps called retain_grad() on, per step (see `PlannedStep`)
         self.first_run = True
         self.retained: dict[int, list[Any]] = {}
+        # retained inputs of runs pulled back, made leaves by the plan (see `PlannedStep`),
+        # and those a later segment's first step retained, by its start: they go onto the
+        # earlier segment's output carry (`loop_pull_back.pull_back`)
+        self.retained_leaves: dict[int, Any] = {}
+        self.carry_retained: dict[int, list[tuple[int, list[Any]]]] = {}
         # id of a tensor from outside -> its history's keys (see `step_cuts.py`)
         self.histories: dict[tuple[int, int], Any] = {}
+        # what the first run's recorded steps did with the carry (`loop_steps.note_carry`):
+        # per leaf, whether each returned it unchanged; and the last one's (step, leaves
+        # that are one tensor: leaf -> the first leaf it is)
+        self.carry_passed: list[bool] | None = None
+        self.last_carry: tuple[int, tuple[int, ...], dict[int, Any]] | None = None
+        # the final carry's leaves that are the caller's tensors (`_final_carry_as_a_python_loop`)
+        self.final_passed: list[bool] = []
         if program is not None:
             self.traces = None
             self.program = program
@@ -183,6 +196,7 @@ class PlannedLoop:
     # ------------------------------------------------------------- forward
     def run(self, carry_leaves: list[Any]) -> tuple[Any, Any]:
         loop = self.loop
+        self.seq_started = next_sequence()  # what is older comes from outside the loop
         self.carry_inputs = carry_leaves
         self.carry_rg = [t is not None and t.requires_grad for t in carry_leaves]
         self.carry_meta = [None if t is None else (t.shape, t.dtype) for t in carry_leaves]
@@ -255,6 +269,7 @@ class PlannedLoop:
         results = self._detach_constant_outputs(results, n_carry)
         self._share_packed_carry(results[:n_carry])
         guard_final_carry(self, results[:n_carry])
+        results[:n_carry] = self._final_carry_as_a_python_loop(carry_leaves, results[:n_carry])
         results = self._last_rows_from_carry(results, n_carry, rows)
         carry = unflatten(loop.carry_spec, iter(results[:n_carry]))
         ys = unflatten(loop.y_spec, iter(results[n_carry:])) if loop.y_spec is not None else None
@@ -277,6 +292,41 @@ class PlannedLoop:
         if len(carry_rg) != n_carry or len(flags) != len(results):
             return results
         return [t if t is None or rg else make_tensor(t._data) for t, rg in zip(results, flags)]
+
+    def _final_carry_as_a_python_loop(self, carry_leaves: list[Any],
+                                      carry: list[Any]) -> list[Any]:
+        """The final carry a Python loop (and `scan` recording every step) gives: a leaf
+        every step returned unchanged is the caller's tensor itself, and leaves the last step
+        returned as one tensor are one tensor (changing one in place changes the other, as
+        it does there). The entry's outputs for them are left unused; their gradients reach
+        the caller's tensor directly, or through the one tensor kept."""
+        program, n = self.program, len(carry)
+        passed = list(self.carry_passed or [True] * n)
+        last = self.last_carry
+        if program is not None:
+            passed = [p and program.carry_out[k] == k for k, p in enumerate(passed)]
+        outside: dict[int, Any] = {}  # leaves that are a tensor from outside the loop
+        if last is not None and (program is None or last[0] == self.loop.n - 1):
+            first, outside = last[1], last[2]  # the last step was recorded: its tensors said
+        elif program is not None:
+            slots = program.carry_out
+            first = tuple(slots.index(s) if s >= 0 else k for k, s in enumerate(slots))
+            outside = {k: program.constant_tensors[s] for k, s in enumerate(slots)
+                       if isinstance(program.constant_tensors.get(s), Tensor)}
+        else:
+            first = tuple(range(n))
+        self.final_passed = [p and c is not None for p, c in zip(passed, carry_leaves)]
+        one: dict[int, Any] = {}  # the tensor of each group of leaves that are one tensor
+        for k in range(n):  # (a caller's tensor, where a leaf of the group passed it on)
+            if self.final_passed[k]:
+                one.setdefault(first[k], carry_leaves[k])
+        for k, tensor in outside.items():
+            one.setdefault(first[k], tensor)
+            # a re-run of the step returns it again: changed in place since, refused
+            self.input_guards.append((tensor._version, tensor._version.value,
+                                      "a tensor the step returns as its carry",
+                                      tensor.dtype, tensor.shape))
+        return [one.get(first[k], carry[first[k]]) for k in range(n)]
 
     def _share_packed_carry(self, carry: list[Any]) -> None:
         """The final carry's tensors point at the buffers the last kept replayed step packed

@@ -12,6 +12,7 @@ and the value would differ silently; `StepCuts.check` raises instead.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,12 +37,20 @@ class StepCuts:
     # (node id, index) of an edge from outside -> (its node, kept alive so the id stays its
     # own; the keys of its history, its own included): walked once per loop
     histories: dict[Key, tuple[Any, frozenset[Key]]] = field(default_factory=dict)
+    # id of a later step's carry copy -> its leaf index, and which leaves require grad in
+    # the plain loop at that step (asked only for a ``backward()`` without ``inputs=``)
+    carry_leaf: dict[int, int] = field(default_factory=dict)
+    plain_carry_rg: Callable[[], Sequence[bool]] | None = None
 
-    def check(self, roots: list[Any], inputs: list[Any]) -> None:
+    def check(self, roots: list[Any], inputs: list[Any] | None) -> None:
         """Raise `StepGradientCutError` if a gradient from the edges `roots` with respect
         to `inputs` would, in the plain loop, also flow into one of the inputs along a path
         this run cuts: through a cut tensor's history, or (for step 0's carry, which is the
-        caller's tensor there) through a tensor from outside computed from it."""
+        caller's tensor there) through a tensor from outside computed from it. `inputs`
+        None: a ``backward()`` without ``inputs=``, which fills every leaf it reaches."""
+        if inputs is None:
+            self._check_every_leaf(roots)
+            return
         targets: dict[Key, Any] = {}  # the inputs as the plain loop has them, from outside
         own: dict[int, Key] = {}  # id of an input cut tensor -> its target's key
         for t in inputs:
@@ -77,6 +86,32 @@ class StepCuts:
                     raise StepGradientCutError(_message(
                         "a tensor from outside the step computed from that carry",
                         self._name(targets, hits)))
+
+    def _check_every_leaf(self, roots: list[Any]) -> None:
+        """``backward()`` without ``inputs=`` fills the `.grad` of every leaf it reaches:
+        in the plain loop it goes on through the history of the step's carry and rows into
+        the tensors they were computed from (the initial carry's, `xs`', captured weights'),
+        which this run's copies lack, so refuse where a cut tensor it reaches has a history
+        that needs a gradient there."""
+        plain_rg: Sequence[bool] | None = None
+        for cut in self._reached(roots)[0]:
+            what, outer = self.stands_for[id(cut)]
+            if outer is not None:
+                needs = any(getattr(o, "requires_grad", False) for o in outer)
+            elif self.plain_carry_rg is None or id(cut) not in self.carry_leaf:
+                needs = True  # not known: it may
+            else:
+                plain_rg = self.plain_carry_rg() if plain_rg is None else plain_rg
+                needs = bool(plain_rg[self.carry_leaf[id(cut)]])
+            if needs:
+                raise StepGradientCutError(
+                    f"a step of a checkpointed loop calls backward() without inputs= and "
+                    f"reaches {what}; keeping every step (a Python loop), it would go on "
+                    "through that tensor's history and add into the .grad of what it was "
+                    "computed from, but this plan runs the step on a copy without that "
+                    "history, so those .grad would differ. Pass inputs= (the tensors whose "
+                    ".grad the step needs: checked the same way), take cad.grad(...) with "
+                    "respect to them, or run this loop keeping every step (strategy=None)")
 
     def _name(self, targets: dict[Key, Any], hits: set[Key]) -> str:
         target = targets[next(iter(hits))]
