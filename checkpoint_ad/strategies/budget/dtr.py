@@ -161,6 +161,13 @@ def _find(node: _Class) -> _Class:
     return node
 
 
+class _KeyedRef(weakref.ref):  # type: ignore[type-arg]
+    """A weak reference that knows its key in the table (`weakref.KeyedRef` without its
+    Python-level constructor: this one is made for every recorded primitive)."""
+
+    __slots__ = ("key",)
+
+
 class _ByArray:
     """id(array) -> the `_Value` that is that array, weakly (a WeakValueDictionary that also
     gives its table's room back once the last value is gone: a pool outlives its programs,
@@ -169,10 +176,10 @@ class _ByArray:
     __slots__ = ("__weakref__", "data", "remove")
 
     def __init__(self) -> None:
-        self.data: dict[int, weakref.KeyedRef] = {}
+        self.data: dict[int, _KeyedRef] = {}
         selfref = weakref.ref(self)
 
-        def remove(ref: weakref.KeyedRef, selfref: weakref.ref[_ByArray] = selfref) -> None:
+        def remove(ref: _KeyedRef, selfref: weakref.ref[_ByArray] = selfref) -> None:
             table = selfref()
             if table is not None:
                 data = table.data
@@ -188,7 +195,8 @@ class _ByArray:
         return ref() if ref is not None else None
 
     def __setitem__(self, key: int, value: _Value) -> None:
-        self.data[key] = weakref.KeyedRef(value, self.remove, key)
+        ref = self.data[key] = _KeyedRef(value, self.remove)
+        ref.key = key
 
     def __len__(self) -> int:
         return len(self.data)
@@ -707,7 +715,7 @@ class _Sizes:
         from ...saved import PackedBuffer, SavedSlot
 
         ref = sys.getsizeof(weakref.ref(self))
-        keyed = sys.getsizeof(weakref.KeyedRef(self, None, 0))  # the array table's
+        keyed = sys.getsizeof(_KeyedRef(self))  # the array table's
         slots = (_Value.__slots__, _Handle.__slots__, Entry.__slots__, EntryExtra.__slots__,
                  _Fixed.__slots__, (*PackedBuffer.__slots__, "packed", "__weakref__"),
                  SavedSlot.__slots__)
