@@ -50,13 +50,14 @@ def _heat(steps: int, strategy: Any, size: int, mark: Any = None) -> Any:
     return [kappa.grad.numpy(), q.grad.numpy()]
 
 
-def _timed(fn: Any) -> tuple[float, Any]:
+def _timed(fn: Any) -> tuple[float, float, Any]:
+    """(wall seconds, this process's CPU seconds, result) of `fn`, gc frozen."""
     gc.collect()
     gc.freeze()
     try:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         out = fn()
-        return time.perf_counter() - start, out
+        return time.perf_counter() - start, time.process_time() - cpu, out
     finally:
         gc.unfreeze()
 
@@ -144,9 +145,10 @@ def _traced_split(run: Any, budget: Any, stride: int) -> dict[str, int]:
     return out
 
 
-def _median_time(fn: Any, repeats: int) -> tuple[float, Any]:
+def _median_time(fn: Any, repeats: int) -> tuple[float, float, Any]:
     runs = [_timed(fn) for _ in range(repeats)]
-    return float(np.median([t for t, _ in runs])), runs[-1][1]
+    return (float(np.median([t for t, _, _ in runs])), float(np.median([c for _, c, _ in runs])),
+            runs[-1][2])
 
 
 def heat_rows(lengths: list[int], size: int, limit: str, traced_up_to: int,
@@ -159,12 +161,14 @@ def heat_rows(lengths: list[int], size: int, limit: str, traced_up_to: int,
     _heat(50, KeepAll(), size)  # warm
     for steps in lengths:
         n = repeats if steps <= repeated_up_to else 1
-        keep_s, reference = _median_time(lambda s=steps: _heat(s, KeepAll(), size), n)
+        keep_s, keep_cpu, reference = _median_time(lambda s=steps: _heat(s, KeepAll(), size), n)
         budget = Budget(limit)
-        seconds, grads = _median_time(lambda s=steps, b=budget: _heat(s, b, size), n)
+        seconds, cpu, grads = _median_time(lambda s=steps, b=budget: _heat(s, b, size), n)
         pool = budget._pool()  # the thread's eviction pool
         row = {"name": f"heat {steps} steps", "seconds": seconds, "repeats": n, "extras": {
             "steps": steps, "keep_all_seconds": keep_s, "over_keep_all": seconds / keep_s,
+            "cpu_seconds": cpu, "keep_all_cpu_seconds": keep_cpu,
+            "cpu_over_keep_all": cpu / keep_cpu,
             "same_grads": all(np.array_equal(a, b) for a, b in zip(grads, reference))}}
         if pool is not None:
             row["extras"].update(evictions=pool.evictions, rematerializations=pool.
@@ -193,8 +197,11 @@ def heat_rows(lengths: list[int], size: int, limit: str, traced_up_to: int,
         slope = float(np.polyfit(xs, ys, 1)[0])
         keep_slope = float(np.polyfit(xs, [math.log(r["extras"]["keep_all_seconds"])
                                            for r in rows], 1)[0])
+        cpu_slope = float(np.polyfit(xs, [math.log(r["extras"]["cpu_seconds"])
+                                          for r in rows], 1)[0])
         for r in rows:
-            r["extras"].update(time_exponent=slope, keep_all_time_exponent=keep_slope)
+            r["extras"].update(time_exponent=slope, keep_all_time_exponent=keep_slope,
+                               cpu_time_exponent=cpu_slope)
     return rows
 
 
