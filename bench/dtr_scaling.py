@@ -6,9 +6,12 @@
 
 Per length: keep-all's and the budget's time (one run each, gc frozen), their ratio, the
 evictions, primitives re-run and candidates scored per eviction, and the budget's tracemalloc
-peak (collector off) split into the array bytes (numpy's tracemalloc domain, at the end of
-the forward sweep) and the rest (the tape's and the pool's objects, O(steps) for any
-strategy). The fit of log(time) on log(steps) gives the exponent. The RNN row: tracemalloc
+(collector off): the forward sweep's peak (the run's: the tape's objects are all there at its
+end), split at the end of the forward sweep into the array data (numpy's tracemalloc domain)
+and the rest (the tape's and the pool's objects, O(steps) for any strategy, given per step);
+and for the backward sweep an upper bound of its array data: the arrays held at the end of
+the forward sweep plus the peak of what the backward allocates (traced afresh from there).
+The fit of log(time) on log(steps) gives the exponent. The RNN row: tracemalloc
 peak over the limit under a pool that holds the process's memory (as a `Budget`'s does) and
 under one that holds its saved arrays alone, and where the bytes are.
 """
@@ -20,9 +23,12 @@ import gc
 import math
 import time
 import tracemalloc
+import weakref
 from typing import Any
 
 import numpy as np
+
+from checkpoint_ad import events
 
 from .measure import pin_threads
 
@@ -44,13 +50,14 @@ def _heat(steps: int, strategy: Any, size: int, mark: Any = None) -> Any:
     return [kappa.grad.numpy(), q.grad.numpy()]
 
 
-def _timed(fn: Any) -> tuple[float, Any]:
+def _timed(fn: Any) -> tuple[float, float, Any]:
+    """(wall seconds, this process's CPU seconds, result) of `fn`, gc frozen."""
     gc.collect()
     gc.freeze()
     try:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         out = fn()
-        return time.perf_counter() - start, out
+        return time.perf_counter() - start, time.process_time() - cpu, out
     finally:
         gc.unfreeze()
 
@@ -79,9 +86,69 @@ def _traced(run: Any) -> tuple[int, int]:
     return peak, arrays[0]
 
 
-def _median_time(fn: Any, repeats: int) -> tuple[float, Any]:
+def _traced_split(run: Any, budget: Any, stride: int) -> dict[str, int]:
+    """tracemalloc (collector off) of `run`, split at its `mark` between the forward and the
+    backward sweep: the forward's peak above the level before; at the mark, numpy's array data
+    (its tracemalloc domain) and the rest (the tape's and the pool's objects). Then tracing
+    starts again, so that the backward's peak counts only what the backward allocates and
+    still holds: the arrays at the mark plus that peak bound the backward's array data from
+    above (its objects count in it too, and the pool's arrays it lets go stay counted). Every
+    `stride`-th value the pool holds again, a snapshot of the array data gives a sample from
+    below: the arrays at the mark less those the pool held then and has let go since, plus
+    the array data the backward allocated and holds."""
+    out: dict[str, int] = {}
+    freed = [0]
+    seen = [0]
+    domain = [tracemalloc.DomainFilter(True, np.lib.tracemalloc_domain)]
+
+    def let_go(nbytes: int) -> None:
+        freed[0] += nbytes
+
+    def sample(kind: str, payload: Any) -> None:
+        seen[0] += 1
+        if payload is None or seen[0] % stride:
+            return
+        new = sum(t.size for t in tracemalloc.take_snapshot().filter_traces(domain).traces)
+        out["backward_sampled"] = max(out["backward_sampled"],
+                                      out["arrays_at_mark"] - freed[0] + new)
+
+    def mark() -> None:
+        out["forward_peak"] = tracemalloc.get_traced_memory()[1] - out["base"]
+        snap = tracemalloc.take_snapshot()
+        arrays = sum(t.size for t in snap.filter_traces(domain).traces)
+        out["arrays_at_mark"] = out["backward_sampled"] = arrays
+        out["objects_at_mark"] = sum(t.size for t in snap.traces) - arrays - out["base"]
+        del snap
+        pool = budget._pool()
+        for holders in list(pool._holders.values()):
+            handle = next(iter(holders.values()))()
+            if handle is not None and handle.array is not None:
+                weakref.finalize(handle.array, let_go, handle.nbytes)
+        tracemalloc.stop()
+        tracemalloc.start()
+        stop.append(events.subscribe(sample, ["rematerialize"]))
+
+    stop: list[Any] = []
+    gc.collect()
+    gc.disable()
+    tracemalloc.start()
+    try:
+        out["base"] = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        run(mark)
+        out["backward_peak"] = tracemalloc.get_traced_memory()[1]
+    finally:
+        for unsubscribe in stop:
+            unsubscribe()
+        tracemalloc.stop()
+        gc.enable()
+    return out
+
+
+def _median_time(fn: Any, repeats: int) -> tuple[float, float, Any]:
     runs = [_timed(fn) for _ in range(repeats)]
-    return float(np.median([t for t, _ in runs])), runs[-1][1]
+    return (float(np.median([t for t, _, _ in runs])), float(np.median([c for _, c, _ in runs])),
+            runs[-1][2])
 
 
 def heat_rows(lengths: list[int], size: int, limit: str, traced_up_to: int,
@@ -94,22 +161,35 @@ def heat_rows(lengths: list[int], size: int, limit: str, traced_up_to: int,
     _heat(50, KeepAll(), size)  # warm
     for steps in lengths:
         n = repeats if steps <= repeated_up_to else 1
-        keep_s, reference = _median_time(lambda s=steps: _heat(s, KeepAll(), size), n)
+        keep_s, keep_cpu, reference = _median_time(lambda s=steps: _heat(s, KeepAll(), size), n)
         budget = Budget(limit)
-        seconds, grads = _median_time(lambda s=steps, b=budget: _heat(s, b, size), n)
+        seconds, cpu, grads = _median_time(lambda s=steps, b=budget: _heat(s, b, size), n)
         pool = budget._pool()  # the thread's eviction pool
         row = {"name": f"heat {steps} steps", "seconds": seconds, "repeats": n, "extras": {
             "steps": steps, "keep_all_seconds": keep_s, "over_keep_all": seconds / keep_s,
+            "cpu_seconds": cpu, "keep_all_cpu_seconds": keep_cpu,
+            "cpu_over_keep_all": cpu / keep_cpu,
             "same_grads": all(np.array_equal(a, b) for a, b in zip(grads, reference))}}
         if pool is not None:
             row["extras"].update(evictions=pool.evictions, rematerializations=pool.
                                  rematerializations, scored_per_eviction=pool.scored / max(
                                      pool.evictions, 1), pool_peak_bytes=pool.peak_bytes)
         if steps <= traced_up_to:
-            peak, arrays = _traced(lambda mark, s=steps: _heat(s, Budget(limit), size, mark))
-            row["extras"].update(traced_peak_bytes=peak,
-                                 traced_peak_over_limit=peak / parse_bytes(limit),
-                                 arrays_at_end_of_forward=arrays)
+            traced_budget = Budget(limit)
+            split = _traced_split(lambda mark, s=steps, b=traced_budget: _heat(s, b, size, mark),
+                                  traced_budget, max(1, steps // 10))
+            arrays = split["arrays_at_mark"]
+            backward_arrays = arrays + split["backward_peak"]
+            row["extras"].update(
+                forward_traced_peak_bytes=split["forward_peak"],
+                forward_traced_peak_over_limit=split["forward_peak"] / parse_bytes(limit),
+                arrays_at_end_of_forward=arrays,
+                arrays_at_end_of_forward_over_limit=arrays / parse_bytes(limit),
+                backward_arrays_at_most=backward_arrays,
+                backward_arrays_at_most_over_limit=backward_arrays / parse_bytes(limit),
+                backward_arrays_sampled=split["backward_sampled"],
+                backward_arrays_sampled_over_limit=split["backward_sampled"] / parse_bytes(limit),
+                objects_per_step_at_end_of_forward=split["objects_at_mark"] / steps)
         rows.append(row)
     xs = [math.log(r["extras"]["steps"]) for r in rows]
     ys = [math.log(r["seconds"]) for r in rows]
@@ -117,8 +197,11 @@ def heat_rows(lengths: list[int], size: int, limit: str, traced_up_to: int,
         slope = float(np.polyfit(xs, ys, 1)[0])
         keep_slope = float(np.polyfit(xs, [math.log(r["extras"]["keep_all_seconds"])
                                            for r in rows], 1)[0])
+        cpu_slope = float(np.polyfit(xs, [math.log(r["extras"]["cpu_seconds"])
+                                          for r in rows], 1)[0])
         for r in rows:
-            r["extras"].update(time_exponent=slope, keep_all_time_exponent=keep_slope)
+            r["extras"].update(time_exponent=slope, keep_all_time_exponent=keep_slope,
+                               cpu_time_exponent=cpu_slope)
     return rows
 
 

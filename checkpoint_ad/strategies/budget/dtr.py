@@ -48,6 +48,7 @@ bytes back on the tape, or None for a value no saved buffer holds). Each re-run 
 
 from __future__ import annotations
 
+import heapq
 import math
 import random
 import sys
@@ -75,6 +76,7 @@ __all__ = ["Rematerializing"]
 
 _NEIGHBOURS = 8  # the most saved values a value remembers reading, and being read by
 _SAMPLE_FLOOR = 8  # evictions score at least this many candidates (all, if fewer)
+_SLACK = 64  # making room evicts down to 1/_SLACK of the room below what is needed
 
 
 class _Value:
@@ -105,25 +107,29 @@ class _Value:
         # `_NEIGHBOURS`: a running sum's would otherwise grow with every step). `users`: weak
         # references to the saved values that have this one in their frontier; `cls`: this
         # value's class of evicted neighbours while it is evicted (see `_Class`).
-        self.chain = cost
         frontier: list[_Value] = []
         for source in inputs:
             if type(source) is not _Value:
                 continue
             if source.handle is not None:
-                _add_neighbour(frontier, source)
+                if len(frontier) < _NEIGHBOURS and source not in frontier:
+                    frontier.append(source)
             else:
-                self.chain += source.chain
+                cost += source.chain
                 for f in source.frontier:
-                    _add_neighbour(frontier, f)
-        self.frontier = tuple(frontier)
+                    if len(frontier) < _NEIGHBOURS and f not in frontier:
+                        frontier.append(f)
+        self.chain = cost
+        self.frontier = tuple(frontier) if frontier else ()
         self.users: list[weakref.ref[_Value]] | None = None
         self.cls: _Class | None = None
-        self.objects = 0  # bytes of objects counted for it (a pool counting the process's)
+        # a pool counting the process's memory counted its objects: 1 + how many of its inputs
+        # are `_Fixed` (a small int, shared, where their bytes would be an int of its own)
+        self.objects = 0
 
     def __del__(self) -> None:
         if self.objects:
-            self.pool._forget(self.objects)
+            self.pool._forget(_object_bytes(self))
 
     def present(self) -> Any:
         """The array if it is still in memory unchanged (held, or alive in the caller's
@@ -132,11 +138,6 @@ class _Value:
         if array is None or self.counter.value != self.version:
             return None
         return array
-
-
-def _add_neighbour(frontier: list[_Value], value: _Value) -> None:
-    if len(frontier) < _NEIGHBOURS and value not in frontier:
-        frontier.append(value)
 
 
 class _Class:
@@ -160,6 +161,13 @@ def _find(node: _Class) -> _Class:
     return node
 
 
+class _KeyedRef(weakref.ref):  # type: ignore[type-arg]
+    """A weak reference that knows its key in the table (`weakref.KeyedRef` without its
+    Python-level constructor: this one is made for every recorded primitive)."""
+
+    __slots__ = ("key",)
+
+
 class _ByArray:
     """id(array) -> the `_Value` that is that array, weakly (a WeakValueDictionary that also
     gives its table's room back once the last value is gone: a pool outlives its programs,
@@ -168,10 +176,10 @@ class _ByArray:
     __slots__ = ("__weakref__", "data", "remove")
 
     def __init__(self) -> None:
-        self.data: dict[int, weakref.KeyedRef] = {}
+        self.data: dict[int, _KeyedRef] = {}
         selfref = weakref.ref(self)
 
-        def remove(ref: weakref.KeyedRef, selfref: weakref.ref[_ByArray] = selfref) -> None:
+        def remove(ref: _KeyedRef, selfref: weakref.ref[_ByArray] = selfref) -> None:
             table = selfref()
             if table is not None:
                 data = table.data
@@ -187,7 +195,8 @@ class _ByArray:
         return ref() if ref is not None else None
 
     def __setitem__(self, key: int, value: _Value) -> None:
-        self.data[key] = weakref.KeyedRef(value, self.remove, key)
+        ref = self.data[key] = _KeyedRef(value, self.remove)
+        ref.key = key
 
     def __len__(self) -> int:
         return len(self.data)
@@ -357,18 +366,25 @@ class Rematerializing(Strategy):
         their recipes."""
         self._clock += 1
         sources: list[Any] = []
-        for t in inputs:
-            value = self._value_of(t._entry)
-            if value is None or value.present() is not t._data:
+        fixed = 0
+        for t in inputs:  # `_value_of` and `present`, inlined (this runs for every primitive)
+            entry = t._entry
+            extra = entry._extra if entry is not None else None
+            value = extra.remat if type(extra) is EntryExtra else None
+            if (value is None or value.pool is not self or value.ref() is not t._data
+                    or value.counter.value != value.version):
                 value = _Fixed(t)
-                if self.process and t._requires_grad and t._entry is None:
+                fixed += 1
+                if self.process and t._requires_grad and entry is None:
                     self._reads_leaf(t)
             sources.append(value)
         value = _Value(self, prim, attrs, tuple(sources), result, _cost(prim, inputs, result))
         result._entry._extras().remat = value  # lives as long as the entry, like its values
         if self.process:
-            self._count_objects(value, result)
+            self._count_objects(value, result, fixed)
         self._by_array[id(result._data)] = value
+        if not self._fresh:
+            return
         fresh, self._fresh = self._fresh, []
         for ref in fresh:
             handle = ref()
@@ -388,26 +404,17 @@ class Rematerializing(Strategy):
         self.gradient_bytes = (sum(leaves) + 2 * (max(leaves) if leaves else 0)
                                + 6 * self._largest)
 
-    def _count_objects(self, value: _Value, result: Any) -> None:
+    def _count_objects(self, value: _Value, result: Any, fixed: int) -> None:
         """Count the tape's and the pool's objects for `value` (given back when it dies),
-        and keep room for its gradient if it is the largest value yet."""
-        sizes = _sizes()
-        value.objects = sizes.value + sizes.per_input * len(value.inputs) + sizes.per_fixed * sum(
-            type(s) is _Fixed for s in value.inputs)
-        self.object_bytes += value.objects
+        and keep room for its gradient if it is the largest value yet. `fixed`: how many of
+        its inputs are `_Fixed`."""
+        value.objects = 1 + fixed
+        self.object_bytes += _object_bytes(value)
         self._values += 1
         size = array_nbytes(result._data)
         if size > self._largest:
             self._largest = size
             self._gradients_changed()
-
-    def _value_of(self, entry: Any) -> _Value | None:
-        """How this pool remembers `entry`'s result was made (None: not under this pool)."""
-        extra = entry._extra if entry is not None else None
-        if type(extra) is not EntryExtra:
-            return None
-        value = extra.remat
-        return value if value is not None and value.pool is self else None
 
     # ------------------------------------------------------------- holding and evicting
     def _hold(self, handle: _Handle) -> None:
@@ -481,18 +488,18 @@ class Rematerializing(Strategy):
             self._largest = 0
             self.gradient_bytes = 0
 
-    def _victim(self, locked: _Handle | None) -> _Handle | None:
-        """The evictable held handle of lowest score among about sqrt(n) drawn of the n
-        (all of them when n is small); None when there is none but `locked`. The score is
-        `_score`'s, inlined: this loop is most of what an eviction costs."""
+    def _victims(self, locked: _Handle | None) -> list[tuple[float, int, _Handle]]:
+        """About sqrt(n) drawn of the n evictable held handles (all of them when n is small),
+        as a heap of (score, draw, handle): the lowest first; empty when there is none but
+        `locked`. The score is `_score`'s, inlined: this loop is most of what an eviction
+        costs (cache misses on the candidates' objects, most of it)."""
         evictable = self._evictable
         n = len(evictable)
         draws = n if n <= _SAMPLE_FLOOR else max(_SAMPLE_FLOOR, math.isqrt(n) + 1)
         draw = self._random.random
         holders_of = self._holders.get
         clock = self._clock + 1
-        best: _Handle | None = None
-        best_score = math.inf
+        sample: list[tuple[float, int, _Handle]] = []
         for i in range(draws):
             handle = evictable[i if draws == n else int(draw() * n)]()
             if handle is None or handle is locked:
@@ -501,15 +508,49 @@ class Rematerializing(Strategy):
             if holders is not None and len(holders) > 1 and not self._frees(handle, locked):
                 continue
             value = handle.value
-            score = (value.chain + _neighbourhood_cost(value)) / (
-                (handle.nbytes or 1) * (clock - handle.last))
-            if score < best_score or best is None:
-                best, best_score = handle, score
+            # c(t): its chain, plus the summed costs of the distinct classes of its evicted
+            # neighbours (`_neighbourhood_cost`, inlined; most have one class, or none)
+            cost = value.chain
+            first = roots = None
+            for source in value.frontier:
+                node = source.cls
+                if node is None:
+                    continue
+                if node.parent is not None:  # `_find`, linking the member to its root
+                    root = node.parent
+                    while root.parent is not None:
+                        root = root.parent
+                    node.parent = node = root
+                if first is None:
+                    first = node
+                    cost += node.cost
+                elif node is not first and (roots is None or node not in roots):
+                    roots = [node] if roots is None else [*roots, node]
+                    cost += node.cost
+            for ref in value.users or ():
+                user = ref()
+                node = user.cls if user is not None else None
+                if node is None:
+                    continue
+                if node.parent is not None:  # `_find`, linking the member to its root
+                    root = node.parent
+                    while root.parent is not None:
+                        root = root.parent
+                    node.parent = node = root
+                if first is None:
+                    first = node
+                    cost += node.cost
+                elif node is not first and (roots is None or node not in roots):
+                    roots = [node] if roots is None else [*roots, node]
+                    cost += node.cost
+            sample.append((cost / ((handle.nbytes or 1) * (clock - handle.last)), i, handle))
         self.scored += draws
-        if best is None and draws < n:  # drew none that frees memory: look at all
+        if not sample and draws < n:  # drew none that frees memory: look at all
             best = next((h for h in (r() for r in evictable) if h is not None
                          and h is not locked and self._frees(h, locked)), None)
-        return best
+            return [(0.0, 0, best)] if best is not None else []
+        heapq.heapify(sample)
+        return sample
 
     def _frees(self, handle: _Handle, locked: _Handle | None) -> bool:
         """Whether evicting `handle` with the others that hold its array frees it: none of
@@ -529,11 +570,30 @@ class Rematerializing(Strategy):
         reserved = self._reserved_bytes()
         limit = self.limit_bytes - reserved
         room = limit - self.unseen_bytes()
+        # One sample serves up to sqrt(its size) evictions, while they bring the pool down
+        # to `_SLACK` of the room below what `size` needs (so that the next values fit
+        # without a sample of their own): the lowest-scored of the sample that is left,
+        # scored again first (evicting a neighbour only raises a score, DTR's e*), so each is
+        # the one a new scoring of the rest of the sample would choose.
+        floor = room - room // _SLACK
         while self.held_bytes + size > room:
-            victim = self._victim(locked)
-            if victim is None:
+            sample = self._victims(locked)
+            if not sample:
                 break
-            self._evict(victim)
+            taken = 0
+            cap = math.isqrt(len(sample))
+            while sample and taken < max(cap, 1) and self.held_bytes + size > floor:
+                _, i, handle = heapq.heappop(sample)
+                if handle.array is None:  # went with another holder of its array
+                    continue
+                if taken:
+                    self.scored += 1
+                    now = self._score(handle)
+                    if sample and now > sample[0][0]:
+                        heapq.heappush(sample, (now, i, handle))
+                        continue
+                self._evict(handle)
+                taken += 1
         if self.held_bytes + size > limit and strict and reserved and (
                 self.held_bytes + size <= self.limit_bytes):
             # the budget's loops took the room: over the budget this once (the budget plans
@@ -655,7 +715,7 @@ class _Sizes:
         from ...saved import PackedBuffer, SavedSlot
 
         ref = sys.getsizeof(weakref.ref(self))
-        keyed = sys.getsizeof(weakref.KeyedRef(self, None, 0))  # the array table's
+        keyed = sys.getsizeof(_KeyedRef(self))  # the array table's
         slots = (_Value.__slots__, _Handle.__slots__, Entry.__slots__, EntryExtra.__slots__,
                  _Fixed.__slots__, (*PackedBuffer.__slots__, "packed", "__weakref__"),
                  SavedSlot.__slots__)
@@ -668,6 +728,13 @@ class _Sizes:
         listed = 56 + ref  # a list of users and a weak reference in it
         held = 232 + ref  # a dict of the handles holding its array, and one in it
         self.handle = handle + buffer + slot + 3 * ref + listed + held
+
+
+def _object_bytes(value: _Value) -> int:
+    """The bytes of objects counted for `value` (see `Rematerializing._count_objects`)."""
+    sizes = _SIZES[0] if _SIZES else _sizes()
+    return (sizes.value + sizes.per_input * len(value.inputs)
+            + sizes.per_fixed * (value.objects - 1))
 
 
 def _slotted(names: tuple[str, ...]) -> int:
@@ -759,12 +826,25 @@ def _neighbourhood_cost(value: _Value) -> float:
 
 
 def _join_evicted(value: _Value) -> None:
-    """`value` is no longer in memory: it joins the classes of its evicted neighbours."""
+    """`value` is no longer in memory: it joins the classes of its evicted neighbours, under
+    the root of the costliest (a class of many members keeps its root, so that their finds
+    stay short: in a long chain of evictions each new member would otherwise become the
+    root above all the others)."""
     node = value.cls = _Class(value.chain)
-    for root in _evicted_neighbours(value):
-        if root is not node:
-            root.parent = node
-            node.cost += root.cost
+    roots = _evicted_neighbours(value)
+    if not roots:
+        return
+    top = max(roots, key=_class_cost)
+    for root in roots:
+        if root is not top:
+            root.parent = top
+            top.cost += root.cost
+    node.parent = top
+    top.cost += node.cost
+
+
+def _class_cost(node: _Class) -> float:
+    return node.cost
 
 
 def _leave_evicted(value: _Value) -> None:
