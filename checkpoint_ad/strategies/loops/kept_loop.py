@@ -122,7 +122,8 @@ def keep_every_step(loop: StepLoop, carry_leaves: list[Any], until: Any = None,
     most = None if bound is None else bound - done
     rest_loop = StepLoop(loop.step, loop.carry_spec, rest or [], loop.xs_spec,
                          most or 0, y_spec=loop.y_spec, origin=loop.origin,
-                         planned_by_budget=loop.planned_by_budget, holders=loop.holders)
+                         planned_by_budget=loop.planned_by_budget, holders=loop.holders,
+                         batch_rows=loop.batch_rows, row_offset=done)
     lead = [[None if y is None else y._data for y in ys] for ys in per_step]
     executor = PlannedLoop(rest_loop, Periodic(most or 1), until, most, program=program,
                            name="scan[keep-all]", lead_rows=lead, mode=mode,

@@ -48,6 +48,7 @@ def scan(
     trace: bool = True,
     until: Callable[[Any], Any] | None = None,
     progress: bool = False,
+    batch_rows: bool = True,
 ) -> tuple[Any, Any]:
     """Run ``carry, y = step(carry, x)`` over the leading axis of `xs`; return (carry, ys).
 
@@ -86,6 +87,14 @@ def scan(
     must plan loops of unknown length: `Binomial(s)` places its at most s snapshots online
     (see `online.py`), with gradients bitwise equal to keeping every step.
 
+    Where a step multiplies its row of `xs` by a matrix captured from outside the loop
+    (an RNN's ``x @ U``), replayed steps take that product from one product over a chunk of
+    up to 32 rows, and the matrix's gradient is summed over each chunk as one product too
+    (see `hoisted_rows.py`): far fewer, larger matrix products. The chunks depend on the
+    step index alone, so every lossless strategy still gives bitwise the gradients of
+    keeping every step; the sums round differently from a Python loop's per-row products
+    (equal to rounding, not bitwise). `batch_rows=False` computes them row by row.
+
     `progress=True` shows a tqdm bar over the forward's steps; ``with cad.progress():`` around
     the forward and the backward also counts the steps a plan runs again.
 
@@ -103,7 +112,8 @@ def scan(
     if progress:  # a bar over the forward's steps; `with cad.progress():` counts re-runs too
         xs_length = None if xs is None or until is not None else flatten(xs)[0][0].shape[0]
         with progress_bar(total=length if length is not None else xs_length, desc="scan"):
-            return scan(step, init, xs, length, strategy, reverse, unroll, trace, until)
+            return scan(step, init, xs, length, strategy, reverse, unroll, trace, until,
+                        batch_rows=batch_rows)
     if not isinstance(unroll, bool) and (not isinstance(unroll, int) or unroll < 1):
         raise ValueError(f"scan: unroll must be an int >= 1 or a bool, got {unroll!r}")
     if strategy is None:
@@ -120,7 +130,8 @@ def scan(
     carry_leaves, carry_spec = flatten(init)
     xs_leaves, xs_spec = ([], None) if xs is None else flatten(xs)
     limit = loop_length(xs_leaves, length, open_ended=until is not None)
-    loop = StepLoop(step, carry_spec, xs_leaves, xs_spec, limit if until is None else 0)
+    loop = StepLoop(step, carry_spec, xs_leaves, xs_spec, limit if until is None else 0,
+                    batch_rows=batch_rows)
     loop.origin = caller_origin()
     if limit == 0:
         loop.mode = "recorded: a loop of no steps"
