@@ -250,6 +250,8 @@ def plan_table(
              # device peak read 0.82-0.92 of its prediction at batch 512, hidden 1,024
              "gradient of the final carry": cost.carry_bytes,
              "engine (program, executor state)": engine_bytes(cost)}
+    if cost.batched_bytes:  # (a table without batched rows reads as before)
+        fixed["batched rows (a chunk of products and of their gradients)"] = cost.batched_bytes
     extra = sum(fixed.values())
     least = cost.trial.forward_bytes if cost.trial is not None else 0
     rerun = rerun_engine_bytes(cost)

@@ -98,6 +98,10 @@ class RowSource:
         self.grads: list[Any] = []
         self.grad_stop = 0  # one past the last step a gradient row was kept for
 
+    def chunk_bytes(self) -> int:
+        """Bytes of one chunk of products (a chunk of their gradients is as large)."""
+        return chunk_bytes(self.hoisted, self.chunk, self.xs, self.weights)
+
     def core(self, t: int) -> bool:
         """Whether step t takes its products from a chunk (and gives their gradients back)."""
         return t + self.offset >= HOIST_FROM
@@ -170,6 +174,22 @@ class RowSource:
         """Let go of the chunk held (the loop's run or backward ended)."""
         self.products, self.at_chunk = [], -1
         self.grads, self.grad_chunk = [], -1
+
+
+def chunk_bytes(hoisted: tuple[Hoisted, ...], chunk: int, xs: list[Any],
+                weights: list[Any]) -> int:
+    """Bytes of one chunk of the `hoisted` products over the scanned arrays `xs`."""
+    return sum(chunk * prod(xs[h.k].shape[1:-1]) * w.shape[1] * w.itemsize
+               for h, w in zip(hoisted, weights))
+
+
+def program_chunk_bytes(program: Any, xs: list[Any]) -> int:
+    """What a loop of `program` over the scanned arrays `xs` holds of batched rows at most:
+    a chunk of products and one of their gradients (0 where it batches none)."""
+    if not program.hoisted:
+        return 0
+    weights = [program.constants[h.weight] for h in program.hoisted]
+    return 2 * chunk_bytes(program.hoisted, program.chunk, xs, weights)
 
 
 def _row(array: Any, t: int) -> Any:

@@ -130,6 +130,7 @@ def keep_every_step(loop: StepLoop, carry_leaves: list[Any], until: Any = None,
                            keeps_every_step=until is not None)
     carry_out, ys_rest = executor.run(list(carry))
     loop.evaluations += rest_loop.evaluations
+    loop.rows = rest_loop.rows  # (what a profile counts of its chunk: `scan._loop_arrays`)
     loop.n = done + rest_loop.n
     whole, executor.full_outputs = executor.full_outputs, None  # the entry keeps no outputs
     from_rest = [None] * len(per_step[0]) if ys_rest is None else flatten(ys_rest)[0]

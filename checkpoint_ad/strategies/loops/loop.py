@@ -134,7 +134,7 @@ class StepLoop:
     row_offset: int = 0
     """The index in the whole scan of this loop's step 0 (a loop keeping every step replays
     the steps after the traced ones as a loop of its own): what aligns the chunks."""
-    rows: Any = field(default=None, repr=False)
+    rows: Any = field(default=None, init=False, repr=False)
     """(program, `RowSource`) of the latest `rows_for`."""
 
     def most_steps(self, until: Any, limit: int | None) -> int | None:

@@ -165,16 +165,18 @@ def scan(
         carry, ys = _keep_all(loop, carry_leaves, until, limit, trace)
     _log(loop, strategy)
     if events.listeners and is_grad_enabled():
-        events.emit("loop_arrays", _loop_arrays(ys, xs_leaves, loop.origin))
+        events.emit("loop_arrays", _loop_arrays(ys, xs_leaves, loop.origin,
+                                                _chunk_bytes(loop, strategy)))
     return carry, (_flipped(ys) if reverse and ys is not None else ys)
 
 
-def _loop_arrays(ys: Any, xs_leaves: list[Any], origin: Any) -> tuple[int, int, Any]:
+def _loop_arrays(ys: Any, xs_leaves: list[Any], origin: Any, chunk: int = 0,
+                 ) -> tuple[int, int, Any]:
     """For a profile: bytes of the stacked outputs (the graph holds them while the loss
-    lives), of the input gradient the backward fills (xs that require grad), the loop's
-    origin."""
-    stacked = sum(int(leaf._data.nbytes) for leaf in flatten(ys)[0]
-                  if hasattr(leaf, "_data")) if ys is not None else 0
+    lives) and of the chunks of batched products the loop holds (`chunk`), of the input
+    gradient the backward fills (xs that require grad), the loop's origin."""
+    stacked = chunk + (sum(int(leaf._data.nbytes) for leaf in flatten(ys)[0]
+                           if hasattr(leaf, "_data")) if ys is not None else 0)
     filled = sum(int(x._data.nbytes) for x in xs_leaves if getattr(x, "requires_grad", False))
     return stacked, filled, origin
 
@@ -190,6 +192,16 @@ def _planned(executor: PlannedLoop, carry_leaves: list[Any]) -> tuple[Any, Any]:
     out = executor.run(carry_leaves)
     executor.loop.mode = executor.mode
     return out
+
+
+def _chunk_bytes(loop: StepLoop, strategy: Any) -> int:
+    """What the loop's batched products hold at most (`hoisted_rows.py`): one chunk of
+    products in the forward and one of their gradients in the backward; both at once in a
+    plan's backward, which makes products again for its re-runs."""
+    if loop.rows is None:
+        return 0
+    chunk = loop.rows[1].chunk_bytes()
+    return 2 * chunk if isinstance(strategy, (LoopStrategy, LoopPlanner)) else chunk
 
 
 def _strategy_name(strategy: Any) -> str:
