@@ -39,7 +39,7 @@ def _inputs(T, dtype=np.float32, seed=0, B=4, H=8, n_in=6):
 
 
 def _rnn(arrays, strategy=None, batch_rows=True, reverse=False, xs_grad=True,
-         u_leaf=True, chain=False, hoistable=True):
+         u_leaf=True, chain=False, hoistable=True, trace=True):
     """(loss, gradients of W, U (or its leaf), xs (or None)) of an RNN over `arrays`."""
     W0, U0, X0, H0 = arrays
     W = cad.tensor(W0, requires_grad=True)
@@ -56,7 +56,7 @@ def _rnn(arrays, strategy=None, batch_rows=True, reverse=False, xs_grad=True,
         return h, h
 
     h, ys = cad.scan(step, cad.tensor(H0), X, strategy=strategy, reverse=reverse,
-                     batch_rows=batch_rows)
+                     batch_rows=batch_rows, trace=trace)
     loss = (ys * ys).sum() + h.sum()
     loss.backward()
     return loss.item(), [W.grad.numpy(), V.grad.numpy(),
@@ -109,23 +109,9 @@ def test_batching_on_and_off_agree_to_rounding():
 
 def test_batching_off_is_the_recorded_loop_bitwise():
     arrays = _inputs(30, dtype=np.float64)
-    W0, U0, X0, H0 = arrays
-
-    def python_loop():
-        W, U = cad.tensor(W0, requires_grad=True), cad.tensor(U0, requires_grad=True)
-        X = cad.tensor(X0, requires_grad=True)
-        h, ys = cad.tensor(H0), []
-        for t in range(X0.shape[0]):
-            h = cad.tanh(h @ W + X[t] @ U)
-            ys.append(h)
-        loss = (cad.stack(ys) * cad.stack(ys)).sum() + h.sum()
-        return loss.item(), [g.numpy() for g in cad.grad(loss, [W, U, X])]
-
-    ref = python_loop()
-    got = _rnn(arrays, batch_rows=False)
-    assert got[0] == ref[0]
-    for g, r in zip(got[1], ref[1], strict=True):
-        np.testing.assert_array_equal(g, r)
+    recorded = _rnn(arrays, trace=False)
+    _same(_rnn(arrays, batch_rows=False), recorded)
+    _same(_rnn(arrays, Binomial(3), batch_rows=False), recorded)
 
 
 def test_a_step_with_nothing_to_batch_is_unchanged():
@@ -138,17 +124,19 @@ def test_a_step_with_nothing_to_batch_is_unchanged():
 def test_only_a_row_times_a_captured_matrix_is_batched():
     from checkpoint_ad.strategies.loops.step_trace import Instruction
 
-    def ins(name, inputs, shapes):
+    def ins(name, inputs):
         prim = type("P", (), {"name": name})()
-        return Instruction(prim, inputs, {}, 9, True, (True, True), None, (), shapes, None)
+        return Instruction(prim, inputs, {}, 9, True, (True, True), None, (), (), None)
 
     dtypes = [np.dtype("float32")] * 10
+    # slots: 0 the carry (4, 6), 1 the row (4, 6), 2 a captured (6, 8), 3 a captured (6,)
+    shapes = [(4, 6), (4, 6), (6, 8), (6,)] + [None] * 6
     found, chunk = find_hoisted(
-        (ins("matmul", (1, 2), ((4, 6), (6, 8))),  # row @ captured matrix: batched
-         ins("matmul", (0, 2), ((4, 8), (8, 8))),  # the carry's: not
-         ins("matmul", (2, 1), ((6, 8), (4, 6))),  # matrix @ row: not
-         ins("add", (1, 2), ((4, 6), (6,)))),  # not a product
-        (1,), {2: None}, dtypes)
+        (ins("matmul", (1, 2)),  # row @ captured matrix: batched
+         ins("matmul", (0, 2)),  # the carry's: not
+         ins("matmul", (1, 3)),  # row @ captured vector: not
+         ins("add", (1, 2))),  # not a product
+        (1,), {2: None, 3: None}, dtypes, shapes)
     assert [h.index for h in found] == [0] and chunk >= 2
 
 
@@ -211,3 +199,22 @@ def test_the_rnn_step_makes_one_product_per_chunk(monkeypatch, batch_rows):
     _rnn(_inputs(70), batch_rows=batch_rows)
     # steps 0 and 1 are traced; 2..69 in chunks of 32 aligned on step 2
     assert made == ([(2, 34), (34, 66), (66, 70)] if batch_rows else [])
+
+
+def test_a_scan_without_gradients_batches_as_one_with_them():
+    W0, U0, X0, H0 = _inputs(45)
+    W, U, X = cad.tensor(W0), cad.tensor(U0), cad.tensor(X0)
+
+    def step(h, x):
+        h = cad.tanh(h @ W + x @ U)
+        return h, h
+
+    outputs = {}
+    for mode in ("no_grad", "grad", "periodic"):
+        program_cache.clear()
+        W.requires_grad = mode != "no_grad"
+        strategy = Periodic(4) if mode == "periodic" else None
+        with cad.set_grad_enabled(mode != "no_grad"):
+            outputs[mode] = cad.scan(step, cad.tensor(H0), X, strategy=strategy)[1].numpy()
+    np.testing.assert_array_equal(outputs["grad"], outputs["no_grad"])
+    np.testing.assert_array_equal(outputs["periodic"], outputs["no_grad"])

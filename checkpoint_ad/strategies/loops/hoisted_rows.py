@@ -49,10 +49,11 @@ class Hoisted:
 
 
 def find_hoisted(instructions: tuple[Any, ...], x_in: tuple[int, ...],
-                 constants: dict[int, Any], dtypes: list[Any],
+                 constants: dict[int, Any], dtypes: list[Any], shapes: list[Any],
                  ) -> tuple[tuple[Hoisted, ...], int]:
     """The products of a program that may be batched over a chunk's rows, and the chunk's
-    steps (none and 0 where no product qualifies or a chunk would hold fewer than 2 steps)."""
+    steps (none and 0 where no product qualifies or a chunk would hold fewer than 2 steps).
+    `shapes`: each slot's shape as traced (None where unknown)."""
     found = []
     most_bytes = 1
     first_x = x_in[0] if x_in else 0
@@ -64,8 +65,8 @@ def find_hoisted(instructions: tuple[Any, ...], x_in: tuple[int, ...],
         a, b = ins.inputs
         if a not in x_in or b not in constants or a == b:
             continue
-        a_shape, b_shape = ins.in_shapes
-        if len(a_shape) < 2 or len(b_shape) != 2:
+        a_shape, b_shape = shapes[a], shapes[b]
+        if a_shape is None or b_shape is None or len(a_shape) < 2 or len(b_shape) != 2:
             continue
         row_bytes = prod(a_shape[:-1]) * b_shape[1] * np.dtype(dtypes[ins.output]).itemsize
         most_bytes = max(most_bytes, row_bytes)

@@ -158,7 +158,8 @@ class StepProgram:
         matrix: no new memory), and their matrix's gradient is kept for the chunk's batched
         product (`HOIST` rules) instead of added per step."""
         self.hoisted, self.chunk = find_hoisted(
-            self.instructions, self.x_in, trace.constants, self.dtype)
+            self.instructions, self.x_in, trace.constants, self.dtype,
+            trace.shapes)
         self.hoisted_outputs = tuple(h.output for h in self.hoisted)
         by_index = {h.index: j for j, h in enumerate(self.hoisted)}
         self.core_forwards = tuple(
