@@ -291,9 +291,9 @@ def measure(
                     break
                 continue  # this form alone records (a region `Selective` checkpoints)
             mode, anew = traced_mode, traced_anew
-            if loop.batch_rows:
+            if loop.batch_rows:  # (the caller's xs: the dry run's are a few rows)
                 batched = max(batched, program_chunk_bytes(
-                    program, [None if x is None else x._data for x in loop.xs_leaves]))
+                    program, [None if x is None else x._data for x in caller_loop.xs_leaves]))
             calls.append(seconds - _steps(loop) * priced[name].taped_seconds)
             run, forward, taped, backward, held = _replayed(program, loop, carry_leaves,
                                                             engine_state)

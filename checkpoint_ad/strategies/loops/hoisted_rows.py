@@ -100,8 +100,9 @@ class RowSource:
         self.grad_stop = 0  # one past the last step a gradient row was kept for
 
     def chunk_bytes(self) -> int:
-        """Bytes of one chunk of products (a chunk of their gradients is as large)."""
-        return chunk_bytes(self.hoisted, self.chunk, self.xs, self.weights)
+        """Bytes of the largest chunk of products (a chunk of their gradients is as large)."""
+        rows = min(self.chunk, max(0, self.length + self.offset - HOIST_FROM))
+        return chunk_bytes(self.hoisted, rows, self.xs, self.weights)
 
     def core(self, t: int) -> bool:
         """Whether step t takes its products from a chunk (and gives their gradients back)."""
@@ -190,7 +191,9 @@ def program_chunk_bytes(program: Any, xs: list[Any]) -> int:
     if not program.hoisted:
         return 0
     weights = [program.constants[h.weight] for h in program.hoisted]
-    return 2 * chunk_bytes(program.hoisted, program.chunk, xs, weights)
+    length = min((x.shape[0] for x in xs if x is not None), default=0)
+    rows = min(program.chunk, max(0, length - HOIST_FROM))
+    return 2 * chunk_bytes(program.hoisted, rows, xs, weights)
 
 
 def _row(array: Any, t: int) -> Any:
