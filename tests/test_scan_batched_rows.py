@@ -218,3 +218,29 @@ def test_a_scan_without_gradients_batches_as_one_with_them():
             outputs[mode] = cad.scan(step, cad.tensor(H0), X, strategy=strategy)[1].numpy()
     np.testing.assert_array_equal(outputs["grad"], outputs["no_grad"])
     np.testing.assert_array_equal(outputs["periodic"], outputs["no_grad"])
+
+
+@pytest.mark.parametrize("strategy", [None, Binomial(3)], ids=["keep-all", "binomial"])
+def test_a_profile_sees_the_same_saved_values_and_counts_the_chunk(strategy):
+    from checkpoint_ad.profiler import profile
+
+    W0, U0, X0, H0 = _inputs(40)
+    profiles = {}
+    for batch_rows in (True, False):
+        program_cache.clear()
+        W, U = cad.tensor(W0, requires_grad=True), cad.tensor(U0, requires_grad=True)
+        with profile() as prof:
+            def step(h, x):
+                h = cad.tanh(h @ W + x @ U)
+                return h, h
+
+            h, ys = cad.scan(step, cad.tensor(H0), cad.tensor(X0), strategy=strategy,
+                             batch_rows=batch_rows)
+            (ys.sum() + h.sum()).backward()
+        profiles[batch_rows] = prof
+    on, off = profiles[True], profiles[False]
+    assert on.peak_tape_bytes == off.peak_tape_bytes
+    assert len(on.records) == len(off.records)
+    chunk = 32 * 4 * 8 * 4  # rows of a chunk, batch, hidden, float32
+    extra = sum(on.loop_arrays.values()) - sum(off.loop_arrays.values())
+    assert extra == (2 * chunk if strategy is not None else chunk)
