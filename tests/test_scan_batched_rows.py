@@ -17,7 +17,7 @@ import pytest
 import checkpoint_ad as cad
 from checkpoint_ad.strategies import Binomial, Budget, Periodic, Recompute
 from checkpoint_ad.strategies.loops import program_cache
-from checkpoint_ad.strategies.loops.hoisted_rows import find_hoisted
+from checkpoint_ad.strategies.loops.hoisted_rows import choose_chunk, find_hoisted
 from checkpoint_ad.testing import gradcheck
 
 LOSSLESS = [Periodic(1), Periodic(5), Binomial(2), Binomial(4), Recompute(), Budget("1GiB")]
@@ -72,7 +72,8 @@ def _same(a, b):
             np.testing.assert_array_equal(g, r)
 
 
-@pytest.mark.parametrize("T", [37, 70])
+# chunks of 8 rows at 130 steps (the last chunk of 2), of 12 at 200 (`choose_chunk`)
+@pytest.mark.parametrize("T", [130, 200])
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("xs_grad", [True, False])
 def test_every_lossless_strategy_keeps_keep_alls_gradients_with_rows_batched(
@@ -86,21 +87,21 @@ def test_every_lossless_strategy_keeps_keep_alls_gradients_with_rows_batched(
 @pytest.mark.parametrize("u_leaf", [True, False], ids=["leaf", "non-leaf"])
 @pytest.mark.parametrize("chain", [False, True], ids=["xU", "xU*c"])
 def test_batched_rows_with_a_captured_non_leaf_and_a_chain(u_leaf, chain):
-    arrays = _inputs(45)
+    arrays = _inputs(150)
     ref = _rnn(arrays, u_leaf=u_leaf, chain=chain)
     for strategy in (Periodic(4), Binomial(3), Recompute()):
         _same(_rnn(arrays, strategy, u_leaf=u_leaf, chain=chain), ref)
 
 
 def test_a_second_call_reusing_the_program_keeps_the_gradients():
-    arrays = _inputs(40)
+    arrays = _inputs(140)
     first = _rnn(arrays)  # makes the program a later call reuses (step 1 then replayed)
     for strategy in (None, Periodic(3), Binomial(2)):
         _same(_rnn(arrays, strategy), first)
 
 
 def test_batching_on_and_off_agree_to_rounding():
-    arrays = _inputs(50)
+    arrays = _inputs(300)
     on, off = _rnn(arrays), _rnn(arrays, batch_rows=False)
     assert on[0] == pytest.approx(off[0], rel=1e-5)
     for g, r in zip(on[1], off[1], strict=True):
@@ -108,14 +109,14 @@ def test_batching_on_and_off_agree_to_rounding():
 
 
 def test_batching_off_is_the_recorded_loop_bitwise():
-    arrays = _inputs(30, dtype=np.float64)
+    arrays = _inputs(140, dtype=np.float64)
     recorded = _rnn(arrays, trace=False)
     _same(_rnn(arrays, batch_rows=False), recorded)
     _same(_rnn(arrays, Binomial(3), batch_rows=False), recorded)
 
 
 def test_a_step_with_nothing_to_batch_is_unchanged():
-    arrays = _inputs(33)
+    arrays = _inputs(133)
     on = _rnn(arrays, hoistable=False)
     _same(_rnn(arrays, batch_rows=False, hoistable=False), on)
     _same(_rnn(arrays, Binomial(3), hoistable=False), on)
@@ -131,20 +132,23 @@ def test_only_a_row_times_a_captured_matrix_is_batched():
     dtypes = [np.dtype("float32")] * 10
     # slots: 0 the carry (4, 6), 1 the row (4, 6), 2 a captured (6, 8), 3 a captured (6,)
     shapes = [(4, 6), (4, 6), (6, 8), (6,)] + [None] * 6
-    found, chunk = find_hoisted(
+    found, row_bytes = find_hoisted(
         (ins("matmul", (1, 2)),  # row @ captured matrix: batched
          ins("matmul", (0, 2)),  # the carry's: not
          ins("matmul", (1, 3)),  # row @ captured vector: not
          ins("add", (1, 2))),  # not a product
         (1,), {2: None, 3: None}, dtypes, shapes)
-    assert [h.index for h in found] == [0] and chunk >= 2
+    assert [h.index for h in found] == [0] and row_bytes == 4 * 8 * 4
+    # chunks: at most 32 steps, 2 MiB, a 16th of the loop; fewer than 8 steps: none
+    assert choose_chunk(row_bytes, 1000) == 32 and choose_chunk(row_bytes, 200) == 12
+    assert choose_chunk(row_bytes, 100) == 0 and choose_chunk(1 << 20, 1000) == 0
 
 
 def test_gradients_are_right_in_float64():
     rng = np.random.default_rng(3)
     W = cad.tensor(rng.standard_normal((3, 3)) * 0.4, requires_grad=True)
     U = cad.tensor(rng.standard_normal((2, 3)) * 0.4, requires_grad=True)
-    X = cad.tensor(rng.standard_normal((11, 2, 2)), requires_grad=True)
+    X = cad.tensor(rng.standard_normal((130, 2, 2)) * 0.3, requires_grad=True)
 
     def fn(W, U, X):
         def step(h, x):
@@ -176,7 +180,7 @@ def _peak(arrays, batch_rows, strategy):
 
 @pytest.mark.parametrize("strategy", [None, Periodic(8)], ids=["keep-all", "periodic"])
 def test_batching_adds_at_most_about_one_chunk_to_the_peak(strategy):
-    arrays = _inputs(96, B=16, H=64, n_in=64)
+    arrays = _inputs(512, B=16, H=64, n_in=64)
     _peak(arrays, True, strategy)  # programs made, caches warm
     _peak(arrays, False, strategy)
     on, off = _peak(arrays, True, strategy), _peak(arrays, False, strategy)
@@ -196,13 +200,14 @@ def test_the_rnn_step_makes_one_product_per_chunk(monkeypatch, batch_rows):
         return product(self, h, weight, start, stop)
 
     monkeypatch.setattr(hoisted_rows.RowSource, "_product", spy)
-    _rnn(_inputs(70), batch_rows=batch_rows)
-    # steps 0 and 1 are traced; 2..69 in chunks of 32 aligned on step 2
-    assert made == ([(2, 34), (34, 66), (66, 70)] if batch_rows else [])
+    _rnn(_inputs(530), batch_rows=batch_rows)
+    # steps 0 and 1 are traced; 2..529 in chunks aligned on multiples of 32
+    chunks = [(2, 32)] + [(c, c + 32) for c in range(32, 512, 32)] + [(512, 530)]
+    assert made == (chunks if batch_rows else [])
 
 
 def test_a_scan_without_gradients_batches_as_one_with_them():
-    W0, U0, X0, H0 = _inputs(45)
+    W0, U0, X0, H0 = _inputs(145)
     W, U, X = cad.tensor(W0), cad.tensor(U0), cad.tensor(X0)
 
     def step(h, x):
@@ -224,13 +229,13 @@ def test_a_scan_without_gradients_batches_as_one_with_them():
 def test_a_profile_sees_the_same_saved_values_and_counts_the_chunk(strategy):
     from checkpoint_ad.profiler import profile
 
-    W0, U0, X0, H0 = _inputs(40)
+    W0, U0, X0, H0 = _inputs(600)
     profiles = {}
     for batch_rows in (True, False):
         program_cache.clear()
         W, U = cad.tensor(W0, requires_grad=True), cad.tensor(U0, requires_grad=True)
         with profile() as prof:
-            def step(h, x):
+            def step(h, x, W=W, U=U):
                 h = cad.tanh(h @ W + x @ U)
                 return h, h
 

@@ -199,8 +199,8 @@ class StepCost:
     until_step_seconds: float = 0.0
     """Per step of a loop keeping every step that stops on `until` (see `overhead.py`)."""
     batched_bytes: int = 0
-    """A chunk of the step's batched products and one of their gradients
-    (`loops/hoisted_rows.py`), held while the loop runs and in its backward."""
+    """A chunk of the step's batched products (`loops/hoisted_rows.py`), held while the loop
+    runs; its backward holds a chunk of their gradients, and a plan re-running steps both."""
     online_step_seconds: float = 0.0
     """Per step of a binomial plan placed online, beyond its taped step and its planner."""
     planner_step_seconds: float = 0.0

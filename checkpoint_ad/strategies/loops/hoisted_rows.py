@@ -7,8 +7,9 @@ over the chunk's stacked rows (`RowSource`: each step then reads its row of the 
 the weight's gradient is summed over the chunk as one product too, when the backward reaches
 the chunk's first step (`RowSource.keep`, `RowSource.step_done`).
 
-The chunks are fixed by the absolute step index alone (steps 2.., in chunks of `chunk` steps
-a program chooses once), never by a plan: a re-run from a snapshot makes the same chunk again,
+The chunks are fixed by the absolute step index alone (steps 2.., in chunks aligned on
+multiples of a chunk's steps, chosen from the product's row size and the loop's length:
+`choose_chunk`), never by a plan: a re-run from a snapshot makes the same chunk again,
 and every plan's backward reaches each chunk's first step after its other steps, so every
 lossless strategy gives bitwise the gradients of keeping every step. A product over stacked
 rows rounds differently from the per-step ones, so a scan's results then equal a recorded
@@ -34,6 +35,19 @@ from ...ops import astype
 HOIST_FROM = 2  # the first step whose rows come from a chunk (steps 0 and 1 are traced)
 MOST_CHUNK = 32  # steps per chunk at most
 CHUNK_BYTES = 2 << 20  # a chunk's products (each hoisted output) at most this size, about
+LEAST_CHUNK = 8  # fewer steps per chunk: not batched (a product over 8 rows or fewer gained
+# nothing measured over per-row ones: RNN batch 64, hidden 256, OpenBLAS, one thread)
+STEPS_PER_CHUNK_STEP = 16  # a chunk is at most a 16th of the loop's steps: a plan that
+# re-runs steps holds a chunk of products and one of their gradients beside its snapshots
+
+
+def choose_chunk(row_bytes: int, steps: int) -> int:
+    """Steps per chunk for products of `row_bytes` per step in a loop of `steps` (the whole
+    scan's): 0 where batching is not worth its memory."""
+    if row_bytes <= 0:
+        return 0
+    chunk = min(MOST_CHUNK, CHUNK_BYTES // row_bytes, steps // STEPS_PER_CHUNK_STEP)
+    return chunk if chunk >= LEAST_CHUNK else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,11 +65,11 @@ class Hoisted:
 def find_hoisted(instructions: tuple[Any, ...], x_in: tuple[int, ...],
                  constants: dict[int, Any], dtypes: list[Any], shapes: list[Any],
                  ) -> tuple[tuple[Hoisted, ...], int]:
-    """The products of a program that may be batched over a chunk's rows, and the chunk's
-    steps (none and 0 where no product qualifies or a chunk would hold fewer than 2 steps).
+    """The products of a program that may be batched over a chunk's rows, and the bytes of
+    the largest one's row (what `choose_chunk` sizes chunks by; 0 where none qualifies).
     `shapes`: each slot's shape as traced (None where unknown)."""
     found = []
-    most_bytes = 1
+    most_bytes = 0
     first_x = x_in[0] if x_in else 0
     for i, ins in enumerate(instructions):
         if ins.prim is None or getattr(ins.prim, "name", None) != "matmul":
@@ -71,10 +85,7 @@ def find_hoisted(instructions: tuple[Any, ...], x_in: tuple[int, ...],
         row_bytes = prod(a_shape[:-1]) * b_shape[1] * np.dtype(dtypes[ins.output]).itemsize
         most_bytes = max(most_bytes, row_bytes)
         found.append(Hoisted(i, a - first_x, b, ins.output, ins.taped and ins.mask[1]))
-    chunk = min(MOST_CHUNK, CHUNK_BYTES // most_bytes)
-    if not found or chunk < 2:
-        return (), 0
-    return tuple(found), chunk
+    return tuple(found), most_bytes
 
 
 class RowSource:
@@ -85,9 +96,9 @@ class RowSource:
     gradients at a time. `offset`: the loop's first step's index in the whole scan (a loop
     keeping every step replays its steps from 1 or 2)."""
 
-    def __init__(self, program: Any, xs: list[Any], offset: int) -> None:
+    def __init__(self, program: Any, xs: list[Any], offset: int, chunk: int) -> None:
         self.hoisted: tuple[Hoisted, ...] = program.hoisted
-        self.chunk: int = program.chunk
+        self.chunk = chunk
         self.weights = [program.constants[h.weight] for h in self.hoisted]
         self.weight_dtypes = [program.dtype[h.weight] for h in self.hoisted]
         self.xs = xs  # the scanned arrays (None where a leaf is None)
@@ -110,10 +121,11 @@ class RowSource:
 
     def _bounds(self, t: int) -> tuple[int, int, int]:
         """(chunk index, first step, one past the last step) of step t's chunk, in the
-        loop's own step numbers."""
-        c = (t + self.offset - HOIST_FROM) // self.chunk
-        start = HOIST_FROM + c * self.chunk - self.offset
-        return c, start, min(start + self.chunk, self.length)
+        loop's own step numbers: chunks are aligned on multiples of `chunk` in the whole
+        scan (as a periodic plan's segments are), the first begins at `HOIST_FROM`."""
+        c = (t + self.offset) // self.chunk
+        start = max(c * self.chunk, HOIST_FROM) - self.offset
+        return c, start, min(c * self.chunk + self.chunk - self.offset, self.length)
 
     def at(self, t: int) -> list[Any]:
         """Step t's inputs: its scanned rows, then (from `HOIST_FROM` on) its rows of the
@@ -186,14 +198,14 @@ def chunk_bytes(hoisted: tuple[Hoisted, ...], chunk: int, xs: list[Any],
 
 
 def program_chunk_bytes(program: Any, xs: list[Any]) -> int:
-    """What a loop of `program` over the scanned arrays `xs` holds of batched rows at most:
-    a chunk of products and one of their gradients (0 where it batches none)."""
-    if not program.hoisted:
+    """What a loop of `program` over the scanned arrays `xs` holds of batched rows in a
+    chunk, of products (a chunk of their gradients is as large; 0 where it batches none)."""
+    length = min((x.shape[0] for x in xs if x is not None), default=0)
+    chunk = choose_chunk(program.row_bytes, length) if program.hoisted else 0
+    if not chunk:
         return 0
     weights = [program.constants[h.weight] for h in program.hoisted]
-    length = min((x.shape[0] for x in xs if x is not None), default=0)
-    rows = min(program.chunk, max(0, length - HOIST_FROM))
-    return 2 * chunk_bytes(program.hoisted, rows, xs, weights)
+    return chunk_bytes(program.hoisted, chunk, xs, weights)
 
 
 def _row(array: Any, t: int) -> Any:

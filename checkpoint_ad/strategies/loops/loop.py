@@ -32,7 +32,7 @@ from ...ops.shape import GETITEM
 from ...pytree import flatten, unflatten
 from ...saved import VersionCounter
 from ...tensor import Tensor
-from .hoisted_rows import RowSource
+from .hoisted_rows import RowSource, choose_chunk
 from .step_cuts import StepCuts
 
 
@@ -162,15 +162,17 @@ class StepLoop:
             return None
         held = self.rows
         if held is not None and held[0] is program:
-            return held[1]
-        source = RowSource(program, [None if x is None else x._data for x in self.xs_leaves],
-                           self.row_offset)
+            return held[1]  # (None: the loop is too short, or its rows too large)
+        xs = [None if x is None else x._data for x in self.xs_leaves]
+        length = min((x.shape[0] for x in xs if x is not None), default=0)
+        chunk = choose_chunk(program.row_bytes, length + self.row_offset)
+        source = RowSource(program, xs, self.row_offset, chunk) if chunk else None
         self.rows = (program, source)
         return source
 
     def release_rows(self) -> None:
         """Let go of the chunk of products held (a run or a backward ended)."""
-        if self.rows is not None:
+        if self.rows is not None and self.rows[1] is not None:
             self.rows[1].release()
 
     def x_arrays(self, t: int) -> list[Any]:

@@ -198,7 +198,7 @@ def _chunk_bytes(loop: StepLoop, strategy: Any) -> int:
     """What the loop's batched products hold at most (`hoisted_rows.py`): one chunk of
     products in the forward and one of their gradients in the backward; both at once in a
     plan's backward, which makes products again for its re-runs."""
-    if loop.rows is None:
+    if loop.rows is None or loop.rows[1] is None:
         return 0
     chunk = loop.rows[1].chunk_bytes()
     return 2 * chunk if isinstance(strategy, (LoopStrategy, LoopPlanner)) else chunk

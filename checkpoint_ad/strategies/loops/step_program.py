@@ -157,7 +157,7 @@ class StepProgram:
         their output instead of computing it, save what they saved (a row and a captured
         matrix: no new memory), and their matrix's gradient is kept for the chunk's batched
         product (`HOIST` rules) instead of added per step."""
-        self.hoisted, self.chunk = find_hoisted(
+        self.hoisted, self.row_bytes = find_hoisted(
             self.instructions, self.x_in, trace.constants, self.dtype,
             trace.shapes)
         self.hoisted_outputs = tuple(h.output for h in self.hoisted)
