@@ -249,3 +249,30 @@ def test_a_profile_sees_the_same_saved_values_and_counts_the_chunk(strategy):
     chunk = 32 * 4 * 8 * 4  # rows of a chunk, batch, hidden, float32
     extra = sum(on.loop_arrays.values()) - sum(off.loop_arrays.values())
     assert extra == (2 * chunk if strategy is not None else chunk)
+
+
+@pytest.mark.parametrize("strategy", [Binomial(2), Binomial(5)])
+def test_a_loop_stopped_by_until_keeps_keep_alls_gradients_with_rows_batched(strategy):
+    W0, U0, X0, H0 = _inputs(400)
+
+    def run(strategy):
+        program_cache.clear()
+        W, U = cad.tensor(W0, requires_grad=True), cad.tensor(U0, requires_grad=True)
+        count = [0]
+
+        def until(h):
+            count[0] += 1
+            return count[0] >= 170  # mid-chunk, before the end of xs
+
+        def step(h, x):
+            h = cad.tanh(h @ W + x @ U)
+            return h, h
+
+        h, ys = cad.scan(step, cad.tensor(H0), cad.tensor(X0), strategy=strategy,
+                         until=until)
+        assert ys.shape[0] == 170
+        (ys.sum() + h.sum()).backward()
+        return [W.grad.numpy(), U.grad.numpy()]
+
+    for g, r in zip(run(strategy), run(None), strict=True):
+        np.testing.assert_array_equal(g, r)

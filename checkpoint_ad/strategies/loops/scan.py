@@ -89,7 +89,8 @@ def scan(
 
     Where a step multiplies its row of `xs` by a matrix captured from outside the loop
     (an RNN's ``x @ U``), replayed steps take that product from one product over a chunk of
-    up to 32 rows, and the matrix's gradient is summed over each chunk as one product too
+    8 to 32 rows (loops of 128 steps or more), and the matrix's gradient is summed over each
+    chunk as one product too
     (see `hoisted_rows.py`): far fewer, larger matrix products. The chunks depend on the
     step index alone, so every lossless strategy still gives bitwise the gradients of
     keeping every step; the sums round differently from a Python loop's per-row products
