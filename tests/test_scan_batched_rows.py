@@ -276,3 +276,24 @@ def test_a_loop_stopped_by_until_keeps_keep_alls_gradients_with_rows_batched(str
 
     for g, r in zip(run(strategy), run(None), strict=True):
         np.testing.assert_array_equal(g, r)
+
+
+def test_a_second_backward_keeps_keep_alls_gradients_with_rows_batched():
+    W0, U0, X0, H0 = _inputs(150)
+
+    def twice(strategy):
+        program_cache.clear()
+        W, U = cad.tensor(W0, requires_grad=True), cad.tensor(U0, requires_grad=True)
+
+        def step(h, x):
+            h = cad.tanh(h @ W + x @ U)
+            return h, h
+
+        h, ys = cad.scan(step, cad.tensor(H0), cad.tensor(X0), strategy=strategy)
+        loss = ys.sum() + h.sum()
+        loss.backward(retain_graph=True)
+        loss.backward()  # adds onto .grad: the chunk's sums are made again
+        return [W.grad.numpy(), U.grad.numpy()]
+
+    for g, r in zip(twice(Binomial(3)), twice(None), strict=True):
+        np.testing.assert_array_equal(g, r)
