@@ -195,9 +195,9 @@ def test_the_rnn_step_makes_one_product_per_chunk(monkeypatch, batch_rows):
     made = []
     product = hoisted_rows.RowSource._product
 
-    def spy(self, h, weight, start, stop):
+    def spy(self, j, h, weight, start, stop):
         made.append((start + self.offset, stop + self.offset))
-        return product(self, h, weight, start, stop)
+        return product(self, j, h, weight, start, stop)
 
     monkeypatch.setattr(hoisted_rows.RowSource, "_product", spy)
     _rnn(_inputs(530), batch_rows=batch_rows)
@@ -297,3 +297,30 @@ def test_a_second_backward_keeps_keep_alls_gradients_with_rows_batched():
 
     for g, r in zip(twice(Binomial(3)), twice(None), strict=True):
         np.testing.assert_array_equal(g, r)
+
+
+def test_a_product_row_the_step_returns_outlives_its_chunk():
+    """A row of a product that the step returns (or saves, or views) is not made into a
+    reused buffer: every step's output keeps its own row."""
+    W0, U0, X0, H0 = _inputs(150)
+
+    def run(strategy, batch_rows=True):
+        program_cache.clear()
+        W, U = cad.tensor(W0, requires_grad=True), cad.tensor(U0, requires_grad=True)
+
+        def step(h, x):
+            u = x @ U
+            return cad.tanh(h @ W + u), u
+
+        h, us = cad.scan(step, cad.tensor(H0), cad.tensor(X0), strategy=strategy,
+                         batch_rows=batch_rows)
+        ((us * us).sum() + h.sum()).backward()
+        return us.numpy(), [W.grad.numpy(), U.grad.numpy()]
+
+    ref_us, ref = run(None)
+    np.testing.assert_allclose(ref_us, X0 @ U0, rtol=1e-5, atol=1e-6)
+    for strategy in (Binomial(3), Periodic(7)):
+        us, got = run(strategy)
+        np.testing.assert_array_equal(us, ref_us)
+        for g, r in zip(got, ref, strict=True):
+            np.testing.assert_array_equal(g, r)

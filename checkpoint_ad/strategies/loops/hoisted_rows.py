@@ -102,6 +102,11 @@ class RowSource:
         self.weights = [program.constants[h.weight] for h in self.hoisted]
         self.weight_dtypes = [program.dtype[h.weight] for h in self.hoisted]
         self.xs = xs  # the scanned arrays (None where a leaf is None)
+        # no row of a product outlives its step (none saved, returned or viewed): each chunk
+        # is made into the same buffers, which stay warm in cache (`StepProgram.rows_private`)
+        self.private = program.rows_private
+        self.buffers: list[Any] = [None] * len(self.hoisted)
+        self.grad_buffers: list[Any] = [None] * len(self.hoisted)
         self.offset = offset
         self.length = min((x.shape[0] for x in xs if x is not None), default=0)
         self.at_chunk = -1  # the chunk whose products `products` holds
@@ -136,17 +141,26 @@ class RowSource:
         c, start, stop = self._bounds(t)
         if c != self.at_chunk:
             self.products = []  # (let go of the chunk before the next one is made)
-            self.products = [self._product(h, w, start, stop)
-                             for h, w in zip(self.hoisted, self.weights)]
+            self.products = [self._product(j, h, w, start, stop)
+                             for j, (h, w) in enumerate(zip(self.hoisted, self.weights))]
             self.at_chunk = c
         i = t - start
         rows.extend(p[i] for p in self.products)
         return rows
 
-    def _product(self, h: Hoisted, weight: Any, start: int, stop: int) -> Any:
+    def _product(self, j: int, h: Hoisted, weight: Any, start: int, stop: int) -> Any:
         x = self.xs[h.k][start:stop]
         xp = namespace(x)
-        flat = xp.matmul(x.reshape(-1, x.shape[-1]), weight)
+        rows = x.reshape(-1, x.shape[-1])
+        if not self.private:
+            flat = xp.matmul(rows, weight)
+        else:
+            buffer = self.buffers[j]
+            if buffer is None:
+                size = self.chunk * rows.shape[0] // max(stop - start, 1)
+                dtype = xp.result_type(rows.dtype, weight.dtype)
+                buffer = self.buffers[j] = xp.empty((size, weight.shape[1]), dtype=dtype)
+            flat = xp.matmul(rows, weight, out=buffer[: rows.shape[0]])
         return flat.reshape(*x.shape[:-1], weight.shape[1])
 
     def keep(self, t: int, j: int, grad: Any) -> None:
@@ -157,9 +171,14 @@ class RowSource:
             self.grads = [None] * len(self.hoisted)
             self.grad_chunk, self.grad_stop = c, t + 1
         buffer = self.grads[j]
-        if buffer is None:
-            xp = namespace(grad)
-            buffer = self.grads[j] = xp.zeros((stop - start, *grad.shape), dtype=grad.dtype)
+        if buffer is None:  # one buffer per product, made once, zeroed per chunk
+            whole = self.grad_buffers[j]
+            if whole is None or whole.dtype != grad.dtype:
+                xp = namespace(grad)
+                whole = self.grad_buffers[j] = xp.empty((self.chunk, *grad.shape),
+                                                        dtype=grad.dtype)
+            buffer = self.grads[j] = whole[: stop - start]
+            buffer.fill(0)
         buffer[t - start] = grad
 
     def step_done(self, t: int, add: Any, positions: dict[int, Any]) -> None:
@@ -188,6 +207,8 @@ class RowSource:
         """Let go of the chunk held (the loop's run or backward ended)."""
         self.products, self.at_chunk = [], -1
         self.grads, self.grad_chunk = [], -1
+        self.buffers = [None] * len(self.hoisted)
+        self.grad_buffers = [None] * len(self.hoisted)
 
 
 def chunk_bytes(hoisted: tuple[Hoisted, ...], chunk: int, xs: list[Any],

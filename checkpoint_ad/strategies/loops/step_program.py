@@ -161,6 +161,14 @@ class StepProgram:
             self.instructions, self.x_in, trace.constants, self.dtype,
             trace.shapes)
         self.hoisted_outputs = tuple(h.output for h in self.hoisted)
+        # whether no row of a product outlives its step: none is saved, returned, or read by
+        # an operation whose result may be a view of it (a chunk may then reuse its buffers)
+        outlive = self.saved_slots | set(self.carry_out) | set(self.y_out)
+        rows = set(self.hoisted_outputs)
+        self.rows_private = not (rows & outlive) and not any(
+            rows.intersection(ins.inputs) and (
+                ins.prim is None or type(ins.prim) is Draw or ins.prim.view)
+            for ins in self.instructions)
         by_index = {h.index: j for j, h in enumerate(self.hoisted)}
         self.core_forwards = tuple(
             _read_slot(ins.output) if i in by_index else forward
