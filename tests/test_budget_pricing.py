@@ -256,7 +256,7 @@ def test_disk_plans_are_opt_in():
 
 def test_a_small_budget_with_disk_runs_a_disk_plan_bitwise_equal_to_keep_all():
     model, loop = _rnn_loop()
-    loss = model.run(None)
+    loss = model.run(scan)  # keeping every step (a scan: its x @ U is batched as the plan's)
     reference = [g.numpy() for g in cad.grad(loss, model.params)]
     ram_only = cad.estimate(*loop)
     limit = ram_only.minimum_bytes  # only binomial s=1 fits: n(n+1)/2 step evaluations

@@ -37,8 +37,8 @@ def _model_grads(name, dtype, storage, trace):
 
     model = build(name, dtype=dtype)
 
-    def run_scan(step, init, xs):
-        return cad.scan(step, init, xs, trace=trace)
+    def run_scan(step, init, xs):  # rows not batched: the replay itself is compared
+        return cad.scan(step, init, xs, trace=trace, batch_rows=False)
 
     if storage is not None:
         with cad.use(storage):

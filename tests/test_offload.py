@@ -583,8 +583,9 @@ def _no_disk(path):
 def _model_grads(model, strategy) -> list[np.ndarray]:
     for p in model.params:
         p.grad = None
-    loop = None if strategy is None else (
-        lambda step, carry, xs: cad.scan(step, carry, xs, strategy=strategy))
+    # keeping every step is a scan too (a Python loop's sums of x @ U are grouped
+    # otherwise: a scan batches them over chunks of rows, `hoisted_rows.py`)
+    loop = lambda step, carry, xs: cad.scan(step, carry, xs, strategy=strategy)
     model.run(loop).backward()
     return [p.grad.numpy().copy() for p in model.params]
 

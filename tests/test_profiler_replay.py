@@ -109,7 +109,9 @@ def _profiled_with_a_value_from_before_the_loop(loop, trace):
             h = cad.tanh(gate * (h @ w) + x @ u)
             return h, h.sum()
 
-        carry, ys = cad.scan(step, h0, xs, strategy=loop, trace=trace)
+        # rows not batched (`hoisted_rows.py`): the replay is compared with recording,
+        # bitwise, and its profile too (a batched one also counts its chunk)
+        carry, ys = cad.scan(step, h0, xs, strategy=loop, trace=trace, batch_rows=False)
         (carry.sum() + ys.sum()).backward()
     return prof, [t.grad.numpy() for t in (w, u, b, h0)]
 

@@ -48,7 +48,8 @@ def _model_run(name, dtype, loop, storage, trace):
     loops = []
 
     def run_scan(step, init, xs):
-        carry, ys = cad.scan(step, init, xs, strategy=loop, trace=trace)
+        # rows not batched (`hoisted_rows.py`): the replay itself is what is compared
+        carry, ys = cad.scan(step, init, xs, strategy=loop, trace=trace, batch_rows=False)
         loops.append(carry)
         return carry, ys
 

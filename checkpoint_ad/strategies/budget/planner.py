@@ -250,6 +250,8 @@ def plan_table(
              # device peak read 0.82-0.92 of its prediction at batch 512, hidden 1,024
              "gradient of the final carry": cost.carry_bytes,
              "engine (program, executor state)": engine_bytes(cost)}
+    if cost.batched_bytes:  # (a table without batched rows reads as before)
+        fixed["batched rows (a chunk of products, or of their gradients)"] = cost.batched_bytes
     extra = sum(fixed.values())
     least = cost.trial.forward_bytes if cost.trial is not None else 0
     rerun = rerun_engine_bytes(cost)
@@ -263,7 +265,8 @@ def plan_table(
             if not admit(c):
                 continue
             fits = limit_bytes is None or c.peak_tape_bytes <= limit_bytes - held_bytes
-            engine = c.engine_bytes + (rerun if c.loop is not None else 0)
+            # a plan re-running steps makes products again while it holds their gradients
+            engine = c.engine_bytes + (rerun + cost.batched_bytes if c.loop is not None else 0)
             rows.append(PlanRow(c.name, c.loop, c.storage, c.peak_tape_bytes,
                                 max(least, c.peak_tape_bytes + extra + engine),
                                 c.forward_seconds + (kept_call if c.loop is None

@@ -52,6 +52,7 @@ from ...pytree import flatten, unflatten
 from ...saved import KEEP, SavedBuffer, Strategy, use_packer
 from ...tape import Entry, edge_of, next_sequence
 from ...tensor import Tensor
+from ..loops.hoisted_rows import program_chunk_bytes
 from ..loops.loop import StepLoop, row_tensor
 from ..loops.output_rows import OutputRows
 from ..loops.plan_executor import PlannedLoop, replay_forward, snapshot_object_bytes
@@ -197,6 +198,9 @@ class StepCost:
     """The same for a replayed loop keeping every step (no loop strategy: `kept_loop.py`)."""
     until_step_seconds: float = 0.0
     """Per step of a loop keeping every step that stops on `until` (see `overhead.py`)."""
+    batched_bytes: int = 0
+    """A chunk of the step's batched products (`loops/hoisted_rows.py`), held while the loop
+    runs; its backward holds a chunk of their gradients, and a plan re-running steps both."""
     online_step_seconds: float = 0.0
     """Per step of a binomial plan placed online, beyond its taped step and its planner."""
     planner_step_seconds: float = 0.0
@@ -245,6 +249,7 @@ def measure(
     _refuse_captured_writes(loop, carry_leaves, engine_state, numpy_state)
     evaluations = loop.evaluations
     mode, replayed_untaped, replayed_forward = "recorded: not traced", None, None
+    batched = 0
     replayed_runs: list[float] = []
     forward_runs: list[float] = []
     opened = regions_run()
@@ -286,6 +291,9 @@ def measure(
                     break
                 continue  # this form alone records (a region `Selective` checkpoints)
             mode, anew = traced_mode, traced_anew
+            if loop.batch_rows:  # (the caller's xs: the dry run's are a few rows)
+                batched = max(batched, program_chunk_bytes(
+                    program, [None if x is None else x._data for x in caller_loop.xs_leaves]))
             calls.append(seconds - _steps(loop) * priced[name].taped_seconds)
             run, forward, taped, backward, held = _replayed(program, loop, carry_leaves,
                                                             engine_state)
@@ -325,6 +333,7 @@ def measure(
         disk=_disk_cost(carry) if disk else None,
         call_overhead_seconds=max(0.0, median(calls)) if calls and anew else 0.0,
         row_seconds=rows,
+        batched_bytes=batched,
     )
 
 
@@ -382,7 +391,7 @@ def _trial_of(
     by `meter` (started and stopped here)."""
     xs = [None if x is None else _row_tensor(x, x._data[:steps]) for x in loop.xs_leaves]
     trial = StepLoop(loop.step, loop.carry_spec, xs, loop.xs_spec, steps,
-                     planned_by_budget=loop.planned_by_budget)
+                     planned_by_budget=loop.planned_by_budget, batch_rows=loop.batch_rows)
     carry_in = [None if c is None else _row_tensor(c, c._data) for c in carry_leaves]
     seq_before = next_sequence()
     _empty_free_lists()  # as after a collection: what the loop makes, tracemalloc then sees

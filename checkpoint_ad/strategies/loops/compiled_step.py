@@ -92,6 +92,7 @@ def compile_forward(ins: Any, draw_type: type) -> Forward:
 GRAD_ONLY = 0  # fn(g)
 ONE_SAVED = 1  # fn(g, saved[k])
 BOUND = 2  # fn(g, saved): a closure binding what else the rule takes
+HOIST = 3  # no call: a batched product's gradient, kept for its chunk (`hoisted_rows.py`)
 
 
 def compile_rules(ins: Any) -> tuple[tuple[int, Callable[..., Any], int, Any, Any, int], ...]:

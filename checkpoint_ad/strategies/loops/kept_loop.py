@@ -122,13 +122,15 @@ def keep_every_step(loop: StepLoop, carry_leaves: list[Any], until: Any = None,
     most = None if bound is None else bound - done
     rest_loop = StepLoop(loop.step, loop.carry_spec, rest or [], loop.xs_spec,
                          most or 0, y_spec=loop.y_spec, origin=loop.origin,
-                         planned_by_budget=loop.planned_by_budget, holders=loop.holders)
+                         planned_by_budget=loop.planned_by_budget, holders=loop.holders,
+                         batch_rows=loop.batch_rows, row_offset=done)
     lead = [[None if y is None else y._data for y in ys] for ys in per_step]
     executor = PlannedLoop(rest_loop, Periodic(most or 1), until, most, program=program,
                            name="scan[keep-all]", lead_rows=lead, mode=mode,
                            keeps_every_step=until is not None)
     carry_out, ys_rest = executor.run(list(carry))
     loop.evaluations += rest_loop.evaluations
+    loop.rows = rest_loop.rows  # (what a profile counts of its chunk: `scan._loop_arrays`)
     loop.n = done + rest_loop.n
     whole, executor.full_outputs = executor.full_outputs, None  # the entry keeps no outputs
     from_rest = [None] * len(per_step[0]) if ys_rest is None else flatten(ys_rest)[0]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -33,6 +33,7 @@ from ...ops.shape import GETITEM
 from ...pytree import flatten, unflatten
 from ...saved import VersionCounter
 from ...tensor import Tensor
+from .hoisted_rows import RowSource, choose_chunk
 from .step_cuts import StepCuts
 
 
@@ -128,6 +129,14 @@ class StepLoop:
     """A call of the step took a gradient inside it (`grad`, `backward`: a step that
     descends an energy), which needs the step's graph: a plan then runs with a tape (let go
     at once) the steps it runs for their values alone."""
+    batch_rows: bool = True
+    """Whether replayed steps take their carry-independent products batched over chunks of
+    rows (`hoisted_rows.py`; `scan(..., batch_rows=False)` turns it off)."""
+    row_offset: int = 0
+    """The index in the whole scan of this loop's step 0 (a loop keeping every step replays
+    the steps after the traced ones as a loop of its own): what aligns the chunks."""
+    rows: Any = field(default=None, init=False, repr=False)
+    """(program, `RowSource`) of the latest `rows_for`."""
 
     def most_steps(self, until: Any, limit: int | None) -> int | None:
         """The most steps the loop may run: its length, or with `until`, `limit` (None:
@@ -140,6 +149,32 @@ class StepLoop:
             return None
         parts = [None if x is None else row_tensor(x, t) for x in self.xs_leaves]
         return unflatten(self.xs_spec, iter(parts))
+
+    def rows_for(self, program: Any) -> Callable[[int], list[Any]]:
+        """`x_arrays`, or where `program` batches products over chunks of rows (and this
+        loop lets it), its `hoisted_rows.RowSource.at`: what a replayed step takes."""
+        source = self.row_source(program)
+        return self.x_arrays if source is None else source.at
+
+    def row_source(self, program: Any) -> Any:
+        """The `hoisted_rows.RowSource` the replays of `program` in this loop read (one per
+        program: the chunk it holds is the loop's), or None where rows are not batched."""
+        if not self.batch_rows or not program.hoisted or self.xs_spec is None:
+            return None
+        held = self.rows
+        if held is not None and held[0] is program:
+            return held[1]  # (None: the loop is too short, or its rows too large)
+        xs = [None if x is None else x._data for x in self.xs_leaves]
+        length = min((x.shape[0] for x in xs if x is not None), default=0)
+        chunk = choose_chunk(program.row_bytes, length + self.row_offset)
+        source = RowSource(program, xs, self.row_offset, chunk) if chunk else None
+        self.rows = (program, source)
+        return source
+
+    def release_rows(self) -> None:
+        """Let go of the chunk of products held (a run or a backward ended)."""
+        if self.rows is not None and self.rows[1] is not None:
+            self.rows[1].release()
 
     def x_arrays(self, t: int) -> list[Any]:
         """Step t's rows of the scanned arrays (a replayed step's inputs), one per xs leaf."""

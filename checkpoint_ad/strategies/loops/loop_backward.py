@@ -156,6 +156,7 @@ def run_backward(
     if not retain_graph:
         executor.state = None
         executor.consumed = True
+    executor.loop.release_rows()
     results = list(adj_carry)
     results.extend(g if reached else None for g, reached in zip(adj_xs, xs_reached))
     for key in executor.externals:
@@ -168,9 +169,10 @@ def advance_replayed(executor: PlannedLoop, start: int, stop: int, arrays: list[
     carry's arrays (each step counted as an evaluation)."""
     loop, program = executor.loop, executor.program
     assert program is not None
+    rows = loop.rows_for(program)
     for t in range(start, stop):
         loop.count()
-        arrays, _ = program.run(arrays, loop.x_arrays(t))
+        arrays, _ = program.run(arrays, rows(t))
     return arrays
 
 

@@ -75,7 +75,7 @@ def replay_forward(program: StepProgram, loop: StepLoop, arrays: list[Any], star
     tape, each counted and its outputs written into `rows`: the new carry's arrays. One
     function for the executor and for a budget's dry run, which times it (`pricing`), so the
     price of a forward step is what the forward runs."""
-    run, x_arrays, count, append = program.run, loop.x_arrays, loop.count, rows.append
+    run, x_arrays, count, append = program.run, loop.rows_for(program), loop.count, rows.append
     for t in range(start, stop):
         count()
         arrays, ys = run(arrays, x_arrays(t))
@@ -263,7 +263,7 @@ def forward_step(
         return arrays_of(segment.carry_out), arrays_of(segment.y_out[0][1])
     if executor.program is not None:
         loop.count()
-        return executor.program.run(arrays, loop.x_arrays(t))
+        return executor.program.run(arrays, loop.rows_for(executor.program)(t))
     return values_step(executor, t, arrays)
 
 

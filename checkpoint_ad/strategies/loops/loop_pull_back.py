@@ -305,8 +305,12 @@ def pull_back_replayed(
         initial[position] = adj_ext.pop(key, None)
     sink = Capture({}, initial=initial, owned=owned)
     del initial  # the sink holds its own list of the sums
-    if roots:  # (a function is true: its steps may have no roots, which costs little)
-        pull_back_steps(program, segment.steps, roots, sink, keys, retain=retain_graph)
+    rows = executor.loop.row_source(program)
+    # (a function is true: its steps may have no roots, which costs little; a chunk's
+    # gradients kept from later steps are summed when the sweep passes its first step)
+    if roots or (rows is not None and rows.grad_chunk >= 0):
+        pull_back_steps(program, segment.steps, roots, sink, keys, retain=retain_graph,
+                        rows=rows)
     captured = sink.values
     new_adj = []
     for k in range(n_carry):

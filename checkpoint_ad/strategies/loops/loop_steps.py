@@ -317,7 +317,7 @@ def tape_steps(
         assert program is not None
         made = executor.carry_inputs if executor.carry_made and start == 0 else None
         carry_in = arrays
-        steps, y_out, arrays = step_tape.tape_steps(program, arrays, loop.x_arrays, start,
+        steps, y_out, arrays = step_tape.tape_steps(program, arrays, loop.rows_for(program), start,
                                                     stop, made, loop.count, until,
                                                     on_outputs)
         return ReplayedSegment(start, start + len(steps), steps, carry_in, arrays, y_out)

@@ -226,6 +226,7 @@ class PlannedLoop:
             final_arrays = arrays_of(final)
         self.guards, self.input_guards = find_guards(self, carry_leaves)
         self.first_run = False
+        loop.release_rows()
         self.changes = find_changes(self)
         if not same_numpy_state(np.random.get_state(), self.initial_numpy_state):
             # the steps draw from numpy's global state (rare, and costly to keep: 40 us a

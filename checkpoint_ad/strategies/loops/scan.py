@@ -48,6 +48,7 @@ def scan(
     trace: bool = True,
     until: Callable[[Any], Any] | None = None,
     progress: bool = False,
+    batch_rows: bool = True,
 ) -> tuple[Any, Any]:
     """Run ``carry, y = step(carry, x)`` over the leading axis of `xs`; return (carry, ys).
 
@@ -86,6 +87,15 @@ def scan(
     must plan loops of unknown length: `Binomial(s)` places its at most s snapshots online
     (see `online.py`), with gradients bitwise equal to keeping every step.
 
+    Where a step multiplies its row of `xs` by a matrix captured from outside the loop
+    (an RNN's ``x @ U``), replayed steps take that product from one product over a chunk of
+    8 to 32 rows (loops of 128 steps or more), and the matrix's gradient is summed over each
+    chunk as one product too
+    (see `hoisted_rows.py`): far fewer, larger matrix products. The chunks depend on the
+    step index alone, so every lossless strategy still gives bitwise the gradients of
+    keeping every step; the sums round differently from a Python loop's per-row products
+    (equal to rounding, not bitwise). `batch_rows=False` computes them row by row.
+
     `progress=True` shows a tqdm bar over the forward's steps; ``with cad.progress():`` around
     the forward and the backward also counts the steps a plan runs again.
 
@@ -103,7 +113,8 @@ def scan(
     if progress:  # a bar over the forward's steps; `with cad.progress():` counts re-runs too
         xs_length = None if xs is None or until is not None else flatten(xs)[0][0].shape[0]
         with progress_bar(total=length if length is not None else xs_length, desc="scan"):
-            return scan(step, init, xs, length, strategy, reverse, unroll, trace, until)
+            return scan(step, init, xs, length, strategy, reverse, unroll, trace, until,
+                        batch_rows=batch_rows)
     if not isinstance(unroll, bool) and (not isinstance(unroll, int) or unroll < 1):
         raise ValueError(f"scan: unroll must be an int >= 1 or a bool, got {unroll!r}")
     if strategy is None:
@@ -120,7 +131,8 @@ def scan(
     carry_leaves, carry_spec = flatten(init)
     xs_leaves, xs_spec = ([], None) if xs is None else flatten(xs)
     limit = loop_length(xs_leaves, length, open_ended=until is not None)
-    loop = StepLoop(step, carry_spec, xs_leaves, xs_spec, limit if until is None else 0)
+    loop = StepLoop(step, carry_spec, xs_leaves, xs_spec, limit if until is None else 0,
+                    batch_rows=batch_rows)
     loop.origin = caller_origin()
     if limit == 0:
         loop.mode = "recorded: a loop of no steps"
@@ -154,16 +166,18 @@ def scan(
         carry, ys = _keep_all(loop, carry_leaves, until, limit, trace)
     _log(loop, strategy)
     if events.listeners and is_grad_enabled():
-        events.emit("loop_arrays", _loop_arrays(ys, xs_leaves, loop.origin))
+        events.emit("loop_arrays", _loop_arrays(ys, xs_leaves, loop.origin,
+                                                _chunk_bytes(loop, strategy)))
     return carry, (_flipped(ys) if reverse and ys is not None else ys)
 
 
-def _loop_arrays(ys: Any, xs_leaves: list[Any], origin: Any) -> tuple[int, int, Any]:
+def _loop_arrays(ys: Any, xs_leaves: list[Any], origin: Any, chunk: int = 0,
+                 ) -> tuple[int, int, Any]:
     """For a profile: bytes of the stacked outputs (the graph holds them while the loss
-    lives), of the input gradient the backward fills (xs that require grad), the loop's
-    origin."""
-    stacked = sum(int(leaf._data.nbytes) for leaf in flatten(ys)[0]
-                  if hasattr(leaf, "_data")) if ys is not None else 0
+    lives) and of the chunks of batched products the loop holds (`chunk`), of the input
+    gradient the backward fills (xs that require grad), the loop's origin."""
+    stacked = chunk + (sum(int(leaf._data.nbytes) for leaf in flatten(ys)[0]
+                           if hasattr(leaf, "_data")) if ys is not None else 0)
     filled = sum(int(x._data.nbytes) for x in xs_leaves if getattr(x, "requires_grad", False))
     return stacked, filled, origin
 
@@ -179,6 +193,16 @@ def _planned(executor: PlannedLoop, carry_leaves: list[Any]) -> tuple[Any, Any]:
     out = executor.run(carry_leaves)
     executor.loop.mode = executor.mode
     return out
+
+
+def _chunk_bytes(loop: StepLoop, strategy: Any) -> int:
+    """What the loop's batched products hold at most (`hoisted_rows.py`): one chunk of
+    products in the forward and one of their gradients in the backward; both at once in a
+    plan's backward, which makes products again for its re-runs."""
+    if loop.rows is None or loop.rows[1] is None:
+        return 0
+    chunk = loop.rows[1].chunk_bytes()
+    return 2 * chunk if isinstance(strategy, (LoopStrategy, LoopPlanner)) else chunk
 
 
 def _strategy_name(strategy: Any) -> str:

@@ -38,6 +38,7 @@ from ... import events
 from ...saved import Strategy
 from ...tape import edge_of
 from .compiled_step import (
+    HOIST,
     PENDING,
     compile_forward,
     compile_rules,
@@ -45,6 +46,7 @@ from .compiled_step import (
     delivery_kinds,
     namespace_of,
 )
+from .hoisted_rows import find_hoisted
 from .replayed_step import NO_BUFFERS, ReplayedStep
 from .step_trace import (
     Draw,
@@ -147,6 +149,43 @@ class StepProgram:
         self.roots_per_step = all(
             self.delivery[s] == PENDING for s in (*self.carry_out, *self.y_out)
             if s >= 0 and self.requires_grad[s])
+        self._compile_core(trace)
+
+    def _compile_core(self, trace: Trace) -> None:
+        """The tables of a step whose carry-independent products come batched from a chunk
+        (`hoisted_rows.py`): given after its scanned rows (`_start`), those instructions read
+        their output instead of computing it, save what they saved (a row and a captured
+        matrix: no new memory), and their matrix's gradient is kept for the chunk's batched
+        product (`HOIST` rules) instead of added per step."""
+        self.hoisted, self.row_bytes = find_hoisted(
+            self.instructions, self.x_in, trace.constants, self.dtype,
+            trace.shapes)
+        self.hoisted_outputs = tuple(h.output for h in self.hoisted)
+        # whether no row of a product outlives its step: none is saved, returned, or read by
+        # an operation whose result may be a view of it (a chunk may then reuse its buffers)
+        outlive = self.saved_slots | set(self.carry_out) | set(self.y_out)
+        rows = set(self.hoisted_outputs)
+        self.rows_private = not (rows & outlive) and not any(
+            rows.intersection(ins.inputs) and (
+                ins.prim is None or type(ins.prim) is Draw or ins.prim.view)
+            for ins in self.instructions)
+        by_index = {h.index: j for j, h in enumerate(self.hoisted)}
+        self.core_forwards = tuple(
+            _read_slot(ins.output) if i in by_index else forward
+            for i, (ins, forward) in enumerate(zip(self.instructions, self.forwards)))
+        self.core_run_order = tuple(
+            (self.core_forwards[i], *row[1:]) for i, row in enumerate(self.run_order))
+        self.core_tape_as_is = None if self.tape_as_is is None else tuple(
+            (i, self.core_forwards[i], *row[1:]) for i, *row in self.tape_as_is)
+        core_rules = []
+        for i, output, rules in self.backward_rules:
+            j = by_index.get(i)
+            if j is not None:
+                weight = self.hoisted[j].weight
+                rules = tuple((HOIST, None, j, None, None, slot) if slot == weight else rule
+                              for rule in rules for slot in (rule[5],))
+            core_rules.append((i, output, rules))
+        self.core_backward_rules = tuple(core_rules)
 
     def _bind(self, constants: dict[int, Any]) -> None:
         """Read the tensors the step captured (slot -> tensor): what the program holds of them
@@ -216,8 +255,15 @@ class StepProgram:
 
     # ------------------------------------------------------------- forward
     def _start(self, carry: list[Any], x: list[Any]) -> list[Any]:
-        if len(carry) == len(self.carry_in) and len(x) == len(self.x_in):
+        n_x = len(self.x_in)
+        if len(carry) == len(self.carry_in) and len(x) == n_x:
             return [*carry, *x, *self.after_inputs]  # the usual case, in one go
+        if len(carry) == len(self.carry_in) and len(x) == n_x + len(self.hoisted):
+            # the scanned rows, then the rows of the batched products (`hoisted_rows.py`)
+            values = [*carry, *x[:n_x], *self.after_inputs]
+            for slot, value in zip(self.hoisted_outputs, x[n_x:]):
+                values[slot] = value
+            return values
         values: list[Any] = [None] * self.n_slots
         for s, a in zip(self.carry_in, carry):
             values[s] = a
@@ -232,7 +278,8 @@ class StepProgram:
         values = self._start(carry, x)
         xp = namespace_of(values)
         emit = events.hears("apply")
-        for forward, output, frees, prim in self.run_order:
+        order = self.run_order if len(x) == len(self.x_in) else self.core_run_order
+        for forward, output, frees, prim in order:
             values[output] = forward(values, xp)
             if emit and prim is not None:
                 events.emit("apply", prim)
@@ -240,6 +287,11 @@ class StepProgram:
                 values[s] = None
         return ([None if s < 0 else values[s] for s in self.carry_out],
                 [None if s < 0 else values[s] for s in self.y_out])
+
+
+def _read_slot(slot: int) -> Any:
+    """The forward of a batched product in a step that was given its row: the row."""
+    return lambda values, xp: values[slot]
 
 
 def program_of(traces: dict[int, Trace], n_steps: int, n_carry: int, template: int = 0,

@@ -17,9 +17,10 @@ import numpy as np
 
 from ... import events
 from ...ops import astype
-from .compiled_step import CARRY, EXTERNAL, GRAD_ONLY, ONE_SAVED, PENDING, XS
+from .compiled_step import CARRY, EXTERNAL, GRAD_ONLY, HOIST, ONE_SAVED, PENDING, XS
 
 if TYPE_CHECKING:
+    from .hoisted_rows import RowSource
     from .replayed_step import ReplayedStep
     from .step_program import StepProgram
 
@@ -31,6 +32,7 @@ def pull_back_steps(
     sink: Any,
     keys: dict[tuple[Any, ...], int],
     retain: bool = False,
+    rows: RowSource | None = None,
 ) -> None:
     """Back-propagate `roots` ((step, slot) -> adjoint, in delivery order) through the
     replayed `steps` (first to last), adding what reaches a leaf into `sink` (a `Capture`)
@@ -42,7 +44,11 @@ def pull_back_steps(
     be a function of a step giving its roots as (slot, adjoint), in delivery order: each
     step's are taken when its sums begin (before anything else reaches them, as when all
     are delivered first), so a long segment holds one or two steps' sums and roots at a
-    time, not every step's."""
+    time, not every step's.
+
+    `rows`: where the steps took their rows (`hoisted_rows.RowSource`); a step that took
+    batched products from it gives their gradients back to it, which adds each captured
+    matrix's gradient over a chunk when the sweep finishes the chunk's first step."""
     first = steps[0][0]
     # per step, the gradient summed so far at each slot (made in that step, not yet run
     # back through the instruction that made it)
@@ -114,9 +120,12 @@ def pull_back_steps(
             t, step = steps[index]
             if unpacked_later or unpacked_here:
                 unpacked_later, unpacked_here = unpacked_here, {}
+            core = rows is not None and rows.core(t)
             grads = pending.get(t)
             if grads is None:
                 if roots_at is None:  # nothing reached this step
+                    if core:
+                        rows.step_done(t, add, external_position)  # type: ignore[union-attr]
                     continue
                 grads = begin(t)
             kept = step.saved
@@ -124,7 +133,8 @@ def pull_back_steps(
             shared = steps[index - 1][1].packed_ids() if index and not as_is else None
             held = step.held
             frees = held is not None or not as_is  # its instructions free saved values
-            for i, output, rules in program.backward_rules:
+            for i, output, rules in (program.core_backward_rules if core
+                                     else program.backward_rules):
                 g = grads[output]
                 if g is None:
                     continue
@@ -141,6 +151,9 @@ def pull_back_steps(
                         grad = fn(g, saved[k])
                     elif call == GRAD_ONLY:
                         grad = fn(g)
+                    elif call == HOIST:  # a batched product's: its chunk sums the matrix's
+                        rows.keep(t, k, g)  # type: ignore[union-attr]
+                        continue
                     else:
                         grad = fn(g, saved)
                     if grad is None:
@@ -175,6 +188,8 @@ def pull_back_steps(
                             buffers.reverse()
                             buffers.clear()
             del pending[t]
+            if core:
+                rows.step_done(t, add, external_position)  # type: ignore[union-attr]
     finally:
         if events.listeners:
             events.emit("backward_end", None)

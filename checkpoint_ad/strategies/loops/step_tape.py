@@ -34,6 +34,7 @@ def tape(program: StepProgram, carry: list[Any], x: list[Any],
     `carry_tensors` says the same of a carry made by a step recorded on the tape (these
     are its tensors, whose buffers the step shares)."""
     announce = events.hears("replayed")
+    core = len(x) != len(program.x_in)  # given the rows of its batched products too
     if program.tape_as_is is not None:
         if not announce:
             return tape_as_is(program, carry, x)
@@ -45,7 +46,8 @@ def tape(program: StepProgram, carry: list[Any], x: list[Any],
     described = step_begins(program) if announce else None
     chained = carry_tensors is not None or previous is not None
     buffers = carried_buffers(program.carry_out, previous)
-    forwards, tape_frees = program.forwards, program.tape_frees
+    forwards = program.core_forwards if core else program.forwards
+    tape_frees = program.tape_frees
     for i, ins in enumerate(program.instructions):
         prim = ins.prim
         values[ins.output] = forwards[i](values, xp)
@@ -91,6 +93,7 @@ def tape_steps(
     holds them: (the steps as (t, step), their outputs as (t, arrays), the last carry's
     arrays). Each step shares the carry buffers the one before it packed, then lets go of
     its values but what its backward reads. `x_arrays(t)`: step t's scanned rows;
+    (with the rows of its batched products, `hoisted_rows.RowSource.at`);
     `carry_tensors`: the first step's carry as a recorded step's output tensors (see
     `tape`); `count()` is called per step; `until(carry arrays)`, asked after each
     step, ends the segment early (`stop` None: only it does). The plan executor tapes
@@ -129,7 +132,9 @@ def tape_as_is(program: StepProgram, carry: list[Any], x: list[Any]) -> Replayed
     values = program._start(carry, x)
     xp = namespace_of(values)
     saved: list[Any] = [None] * len(program.instructions)
-    for i, forward, output, saved_of, frees in program.tape_as_is:
+    rows = program.tape_as_is if len(x) == len(program.x_in) else program.core_tape_as_is
+    assert rows is not None
+    for i, forward, output, saved_of, frees in rows:
         values[output] = forward(values, xp)
         if saved_of is not None:
             saved[i] = saved_of(values)

@@ -78,6 +78,7 @@ class Trace:
     refused: str | None = None
     outputs: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
     drawn: dict[int, tuple[int, Any]] = field(default_factory=dict)  # id(array) -> (slot, array)
+    shapes: list[Any] = field(default_factory=list)  # every slot's shape (None: no tensor)
     # per slot, once finished: (requires grad, a leaf of the step, dtype, a leaf of the graph)
     facts: list[tuple[bool, bool, Any, bool]] = field(default_factory=list)
     n_slots: int = 0
@@ -248,6 +249,7 @@ class Trace:
              t is None or t._entry is None)
             for t in self.tensors
         ]
+        self.shapes = [None if t is None else tuple(t.shape) for t in self.tensors]
         self.n_slots = len(self.tensors)
         self.tensors = []
         self.slot_of = {}

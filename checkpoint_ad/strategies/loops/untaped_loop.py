@@ -72,9 +72,10 @@ def run_untaped(loop: StepLoop, carry_leaves: list[Any],
     rows = OutputRows(None if until is not None else loop.n - done,
                       lead=lead if until is None else ())
     arrays = [None if c is None else c._data for c in carry]
+    x_rows = loop.rows_for(program)
     while True:
         loop.count()
-        arrays, ys = program.run(arrays, loop.x_arrays(t))
+        arrays, ys = program.run(arrays, x_rows(t))
         rows.append(ys)
         t += 1
         if until is not None and stops(until, loop.carry_spec, _tensors(arrays)):
@@ -82,6 +83,7 @@ def run_untaped(loop: StepLoop, carry_leaves: list[Any],
         if t == most:
             break
     loop.n = t
+    loop.release_rows()
     carry = _tensors(arrays)
     full = rows.full() if until is None else None
     if full is not None and rows.lead == len(lead):
