@@ -154,7 +154,8 @@ def test_gradients_are_right_in_float64():
         def step(h, x):
             h = cad.tanh(h @ W + x @ U)
             return h, h
-        h, ys = cad.scan(step, cad.zeros(2, 3, dtype="float64"), X, strategy=Binomial(2))
+        h, ys = cad.scan(step, cad.zeros(2, 3, dtype="float64"), X, strategy=Binomial(2),
+                         batch_rows=True)
         return (ys * ys).sum() + h.sum()
 
     assert gradcheck(fn, [W, U, X], order=1)
@@ -220,7 +221,8 @@ def test_a_scan_without_gradients_batches_as_one_with_them():
         W.requires_grad = mode != "no_grad"
         strategy = Periodic(4) if mode == "periodic" else None
         with cad.set_grad_enabled(mode != "no_grad"):
-            outputs[mode] = cad.scan(step, cad.tensor(H0), X, strategy=strategy)[1].numpy()
+            outputs[mode] = cad.scan(step, cad.tensor(H0), X, strategy=strategy,
+                                     batch_rows=True)[1].numpy()
     np.testing.assert_array_equal(outputs["grad"], outputs["no_grad"])
     np.testing.assert_array_equal(outputs["periodic"], outputs["no_grad"])
 
@@ -269,7 +271,7 @@ def test_a_loop_stopped_by_until_keeps_keep_alls_gradients_with_rows_batched(str
             return h, h
 
         h, ys = cad.scan(step, cad.tensor(H0), cad.tensor(X0), strategy=strategy,
-                         until=until)
+                         until=until, batch_rows=True)
         assert ys.shape[0] == 170
         (ys.sum() + h.sum()).backward()
         return [W.grad.numpy(), U.grad.numpy()]
@@ -289,7 +291,8 @@ def test_a_second_backward_keeps_keep_alls_gradients_with_rows_batched():
             h = cad.tanh(h @ W + x @ U)
             return h, h
 
-        h, ys = cad.scan(step, cad.tensor(H0), cad.tensor(X0), strategy=strategy)
+        h, ys = cad.scan(step, cad.tensor(H0), cad.tensor(X0), strategy=strategy,
+                         batch_rows=True)
         loss = ys.sum() + h.sum()
         loss.backward(retain_graph=True)
         loss.backward()  # adds onto .grad: the chunk's sums are made again

@@ -13,7 +13,7 @@ multiples of a chunk's steps, chosen from the product's row size and the loop's 
 and every plan's backward reaches each chunk's first step after its other steps, so every
 lossless strategy gives bitwise the gradients of keeping every step. A product over stacked
 rows rounds differently from the per-step ones, so a scan's results then equal a recorded
-Python loop's to rounding, not bitwise: ``scan(..., batch_rows=False)`` turns it off. Steps 0
+Python loop's to rounding, not bitwise; it is opt-in, ``scan(..., batch_rows=True)``. Steps 0
 and 1 (recorded while they are traced) always take the per-step products.
 
 Only products whose left operand is a scanned row (2-d or more) and whose right operand is a

@@ -129,9 +129,9 @@ class StepLoop:
     """A call of the step took a gradient inside it (`grad`, `backward`: a step that
     descends an energy), which needs the step's graph: a plan then runs with a tape (let go
     at once) the steps it runs for their values alone."""
-    batch_rows: bool = True
+    batch_rows: bool = False
     """Whether replayed steps take their carry-independent products batched over chunks of
-    rows (`hoisted_rows.py`; `scan(..., batch_rows=False)` turns it off)."""
+    rows (`hoisted_rows.py`; `scan(..., batch_rows=True)` turns it on)."""
     row_offset: int = 0
     """The index in the whole scan of this loop's step 0 (a loop keeping every step replays
     the steps after the traced ones as a loop of its own): what aligns the chunks."""
