@@ -1,8 +1,9 @@
 """Stateless network functions under PyTorch's names (``checkpoint_ad.nn.functional as F``).
 
-Each is a composition of the public ops, so every storage strategy applies to it and none needs
-a gradient rule of its own. Weights follow PyTorch's layouts (a linear weight is (out, in)), so
-``F.linear(x, w, b)`` gives the same numbers for the same arrays.
+Each is a composition of the ops, so every storage strategy applies to it and none needs a
+gradient rule of its own (attention's scale, causal mask and softmax are one primitive of the op
+tables, `ops.normalizing.attention_softmax`). Weights follow PyTorch's layouts (a linear
+weight is (out, in)), so ``F.linear(x, w, b)`` gives the same numbers for the same arrays.
 """
 
 from __future__ import annotations
@@ -190,8 +191,10 @@ def scaled_dot_product_attention(
     `attn_mask` broadcasts to (..., L, S): booleans say which positions take part (True), a
     float mask is added to the scores; ``is_causal=True`` lets position i see positions <= i
     (the top-left triangle, as PyTorch). Dropout (always applied when `dropout_p` > 0, as in
-    PyTorch) draws from the engine's generator. The whole core is one `region` named
-    "attention": under `strategies.Selective` it keeps only q, k, v and is re-run in backward.
+    PyTorch) draws from the engine's generator. Without `attn_mask`, the scale, the causal
+    mask and the softmax are one primitive that saves its output (`attention_softmax`). The
+    whole core is one `region` named "attention": under `strategies.Selective` it keeps only
+    q, k, v and is re-run in backward.
 
     >>> import checkpoint_ad as cad
     >>> from checkpoint_ad.nn import functional as F
