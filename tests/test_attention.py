@@ -13,6 +13,7 @@ import pytest
 import checkpoint_ad as cad
 from checkpoint_ad.nn import MultiheadAttention, TransformerEncoder, TransformerEncoderLayer
 from checkpoint_ad.nn import functional as F
+from checkpoint_ad.ops.normalizing import attention_softmax
 from checkpoint_ad.strategies import Selective
 
 SEED = 7
@@ -150,6 +151,57 @@ def test_sdpa_gradcheck_causal_with_other_lengths():
     assert cad.testing.gradcheck(
         lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
         [leaf(q), leaf(k), leaf(v)])
+
+
+def _composed_weights(x, scale, causal):
+    """The attention weights as the ops compose them: scale, masked_fill, softmax."""
+    scores = x * scale
+    if causal:
+        rows, cols = x.shape[-2:]
+        scores = cad.masked_fill(scores, np.triu(np.ones((rows, cols), bool), 1), -math.inf)
+    return cad.softmax(scores, -1)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_softmax_is_bitwise_the_composed_ops_in_float32(causal):
+    rng = np.random.default_rng(SEED)
+    x = rng.standard_normal((2, 3, 5, 6)).astype(np.float32) * 4
+    g = rng.standard_normal(x.shape).astype(np.float32)
+    ours, composed = (cad.tensor(x.copy(), requires_grad=True) for _ in range(2))
+    y = attention_softmax(ours, 0.3, causal)
+    want = _composed_weights(composed, 0.3, causal)
+    assert y.dtype == want.dtype == np.float32
+    np.testing.assert_array_equal(y.numpy(), want.numpy())
+    (got_grad,) = cad.grad(cad.sum(y * cad.tensor(g)), [ours])
+    (want_grad,) = cad.grad(cad.sum(want * cad.tensor(g)), [composed])
+    assert got_grad.dtype == np.float32
+    np.testing.assert_allclose(got_grad.numpy(), want_grad.numpy(), rtol=0, atol=0)
+    if causal:  # a left-out position has weight 0 and passes no gradient
+        upper = np.triu(np.ones((5, 6), bool), 1)
+        assert not y.numpy()[..., upper].any() and not got_grad.numpy()[..., upper].any()
+
+
+@pytest.mark.parametrize(("scale", "causal"), [(0.7, True), (-1.3, False), (1.0, True)])
+def test_attention_softmax_gradcheck_orders_1_and_2(scale, causal):
+    x = np.random.default_rng(SEED).standard_normal((2, 4, 5))
+    assert cad.testing.gradcheck(lambda t: attention_softmax(t, scale, causal), [leaf(x)],
+                                 order=2)
+    np.testing.assert_allclose(attention_softmax(cad.tensor(x), scale, causal).numpy(),
+                               _composed_weights(cad.tensor(x), scale, causal).numpy(),
+                               rtol=1e-15, atol=0)
+
+
+def test_attention_softmax_saves_its_output_once_and_shares_the_causal_mask():
+    q = cad.tensor(np.random.default_rng(SEED).standard_normal((2, 3, 5, 4)), dtype="float32",
+                   requires_grad=True)
+    out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    entries = [e for e in cad.tape_of(out) if e.op == "attention_softmax"]
+    assert len(entries) == 1 and {s.name for s in entries[0].saved} == {"out"}
+    assert not [e for e in cad.tape_of(out) if e.op in {"where", "multiply", "softmax"}]
+    from checkpoint_ad.ops.normalizing import _left_out
+    assert _left_out(np, 5, 5) is _left_out(np, 5, 5)  # made once per shape
+    with pytest.raises(cad.ShapeError, match="at least 2 axes"):
+        attention_softmax(cad.ones(3), causal=True)
 
 
 def test_sdpa_rejects_bad_arguments():

@@ -555,6 +555,8 @@ FORM_EXAMPLES = {
     "divide": (cad.divide, [(2, 3), (3,)], "positive"),
     "expm1": (cad.expm1, [(2, 3)], "any"),
     "tan": (lambda x: cad.tan(cad.tanh(x)), [(2, 3)], "any"),  # inside (-1, 1): far from pi/2
+    "attention_softmax": (lambda x: normalizing.attention_softmax(x, 0.7, causal=True),
+                          [(2, 3, 4)], "any"),
 }
 MULTI_FORM = [(p.name, f.kind) for p in _primitives() if len(p.forms) > 1 for f in p.forms]
 
@@ -848,6 +850,8 @@ STRICT_CASES = {
     "matmul": ([(2, 3, 4), (4, 5)], "any", lambda a, b: (a @ b) ** 2),
     "matmul_vectors": ([(4,), (4, 2), (4,)], "any", lambda a, w, b: (a @ w) * (a @ b)),
     "mT": ([(2, 3, 4)], "any", lambda x: (x.mT @ x) ** 2),
+    "attention_softmax": ([(2, 3, 4)], "any",
+                          lambda x: normalizing.attention_softmax(x, 0.7, causal=True) ** 2),
 }
 
 
@@ -923,6 +927,8 @@ GPU_CASES = {
     "einsum": ([(3, 4), (4, 5)], lambda a, b: cad.einsum("ij,jk->ik", a, b)),
     "getitem_repeats": ([(4, 3)], lambda x: x[np.array([0, 0, 3, 1]), 1:] ** 2),
     "concatenate": ([(2, 3), (1, 3)], lambda a, b: cad.concatenate([a, b, a], axis=0)),
+    "attention_softmax": ([(2, 3, 4)],
+                          lambda x: normalizing.attention_softmax(x, 0.7, causal=True)),
 }
 
 

@@ -11,7 +11,7 @@ units of one s·b·h array (4·s·b·h bytes in float32):
     layer_norm (LN1)     x, the layer input                                 1
     matmul x @ W_qkv     LN1's output                                       1
     matmul q @ k^T       q and k (views of the qkv product)                 2
-    softmax              its output P                                       a·s/h
+    attention_softmax    its output P (scale, causal mask and softmax)      a·s/h
     matmul P @ v         v (P is softmax's output, saved once)              1
     matmul o @ W_o       the heads' output, merged                          1
     layer_norm (LN2)     x + attention                                      1
@@ -20,8 +20,8 @@ units of one s·b·h array (4·s·b·h bytes in float32):
     matmul @ W_proj      gelu's output (4h wide)                            4
 
 so a layer keeps 4·s·b·h·(16 + a·s/h) bytes, plus each layer norm's mean and 1/std (2·s·b
-values each: 16·s·b bytes), and the causal mask `where` saves (s² booleans, a constant the
-profiler does not count as tape; tracemalloc sees it, in selective's regions too). The weights are
+values each: 16·s·b bytes). The causal mask is made once per shape and shared by every layer
+(`ops.normalizing.attention_softmax`), so no layer holds one. The weights are
 rows of the stacked parameters the caller holds (no tape bytes), the scale and the residual
 adds save nothing. Dropout-free, the paper's count is the same 16 arrays (its 32 bytes of 34
 in 16-bit, less the two dropout masks) and one a·s²·b array. Under selective recomputation
@@ -74,7 +74,7 @@ TERMS: tuple[Term, ...] = (
     Term("layer_norm (LN1)", "x, the layer input", 1, GRANULARITIES),
     Term("matmul x @ W_qkv", "LN1's output", 1),
     Term("matmul q @ k^T", "q and k (views of the qkv product)", 2),
-    Term("softmax", "its output P (a·s²·b values)", 0, ("none",), quadratic=True),
+    Term("attention_softmax", "its output P (a·s²·b values)", 0, ("none",), quadratic=True),
     Term("matmul P @ v", "v (P: softmax's output, kept once)", 1),
     Term("matmul o @ W_o", "the heads' output, merged", 1),
     Term("layer_norm (LN2)", "x + attention", 1),
@@ -96,8 +96,7 @@ def predicted_layer_bytes(seq: int, batch: int, hidden: int, heads: int, granula
                           itemsize: int = 4) -> int:
     """Bytes one layer keeps for its backward under `granularity` (see the module docstring):
     itemsize·s·b·h·`predicted_arrays`, plus, unless full, both layer norms' statistics
-    (2 x 2·s·b values). The causal mask (s² booleans, made once per layer) is left out: it is
-    a constant the profiler does not count as tape, though tracemalloc sees it."""
+    (2 x 2·s·b values). The causal mask is made once per shape and shared, held by no layer."""
     arrays = predicted_arrays(granularity, seq, hidden, heads)
     total = itemsize * seq * batch * hidden * arrays
     if granularity != "full":

@@ -1,8 +1,9 @@
 """Stateless network functions under PyTorch's names (``checkpoint_ad.nn.functional as F``).
 
-Each is a composition of the public ops, so every storage strategy applies to it and none needs
-a gradient rule of its own. Weights follow PyTorch's layouts (a linear weight is (out, in)), so
-``F.linear(x, w, b)`` gives the same numbers for the same arrays.
+Each is a composition of the ops, so every storage strategy applies to it and none needs a
+gradient rule of its own (attention's scale, causal mask and softmax are one primitive of the op
+tables, `ops.normalizing.attention_softmax`). Weights follow PyTorch's layouts (a linear
+weight is (out, in)), so ``F.linear(x, w, b)`` gives the same numbers for the same arrays.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 from .. import ops, random
 from ..backend import to_device
 from ..errors import ShapeError
+from ..ops.normalizing import attention_softmax
 from ..strategies.selective import ATTENTION, region
 from ..tensor import Tensor
 from .losses import binary_cross_entropy_with_logits, cross_entropy, mse_loss, nll_loss
@@ -189,8 +191,10 @@ def scaled_dot_product_attention(
     `attn_mask` broadcasts to (..., L, S): booleans say which positions take part (True), a
     float mask is added to the scores; ``is_causal=True`` lets position i see positions <= i
     (the top-left triangle, as PyTorch). Dropout (always applied when `dropout_p` > 0, as in
-    PyTorch) draws from the engine's generator. The whole core is one `region` named
-    "attention": under `strategies.Selective` it keeps only q, k, v and is re-run in backward.
+    PyTorch) draws from the engine's generator. Without `attn_mask`, the scale, the causal
+    mask and the softmax are one primitive that saves its output (`attention_softmax`). The
+    whole core is one `region` named "attention": under `strategies.Selective` it keeps only
+    q, k, v and is re-run in backward.
 
     >>> import checkpoint_ad as cad
     >>> from checkpoint_ad.nn import functional as F
@@ -213,15 +217,19 @@ def scaled_dot_product_attention(
         raise ValueError(f"scaled_dot_product_attention: dropout_p must lie in [0, 1], got "
                          f"{dropout_p!r}")
     factor = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-    keep, added = _attention_mask(attn_mask, is_causal, query.shape[-2], key.shape[-2], query)
+    keep, added = _attention_mask(attn_mask)
 
     def core(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        scores = ops.matmul(q, ops.matrix_transpose(k)) * factor
-        if keep is not None:
-            scores = ops.masked_fill(scores, ops.logical_not(keep), -math.inf)
-        if added is not None:
-            scores = scores + added
-        weights = ops.softmax(scores, -1)
+        scores = ops.matmul(q, ops.matrix_transpose(k))
+        if keep is None and added is None:  # scale, causal mask and softmax in one primitive
+            weights = attention_softmax(scores, factor, is_causal)
+        else:
+            scores = scores * factor
+            if keep is not None:
+                scores = ops.masked_fill(scores, ops.logical_not(keep), -math.inf)
+            if added is not None:
+                scores = scores + added
+            weights = ops.softmax(scores, -1)
         if dropout_p > 0.0:
             weights = dropout(weights, dropout_p)
         return ops.matmul(weights, v)
@@ -229,12 +237,9 @@ def scaled_dot_product_attention(
     return region(ATTENTION, core, query, key, value)
 
 
-def _attention_mask(mask: Any, is_causal: bool, rows: int, cols: int,
-                    like: Tensor) -> tuple[Any, Any]:
+def _attention_mask(mask: Any) -> tuple[Any, Any]:
     """(where positions take part, as a boolean array, or None; a float mask to add, or None).
     A boolean mask is a constant: the re-run of a checkpointed core reads the same one."""
-    if is_causal:
-        return to_device(np.tril(np.ones((rows, cols), dtype=bool)), like.device), None
     if mask is None:
         return None, None
     data = mask._data if isinstance(mask, Tensor) else mask

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
+from ..backend import namespace
+from ..errors import ShapeError
 from ..tape import define, vjp
 from ..tensor_base import TensorBase
 from .elementwise import exp, sqrt
@@ -51,6 +56,87 @@ LOG_SOFTMAX = define("log_softmax", _log_softmax, "x", [
     {"x": vjp("x", lambda g, x, *, axis, source:
               g - exp(log_softmax(x, axis)) * _sum_kept(g, axis, source))},
 ])
+
+
+# ------------------------------------------------------------------ attention_softmax
+# The attention core's scale, causal mask and softmax as one primitive (`scaled_dot_product_
+# attention` calls it): composed of a multiply, a `where` and `softmax`, the core made seven
+# fresh (batch, heads, s, s) arrays forward and six backward, and `selective` recomputation
+# pays the forward twice. On numpy and cupy the forward works in place on the one buffer it
+# returns and the rule on the one it makes; every step is the composition's, in its order,
+# so the values are bitwise the same.
+_CAUSAL: dict[tuple[int, int], Any] = {}  # (rows, cols) -> numpy's left-out positions
+
+
+def _left_out(xp: Any, rows: int, cols: int) -> Any:
+    """The positions a causal row does not see (column > row, PyTorch's top-left triangle),
+    made once per shape on numpy (a constant; every layer shares it)."""
+    if xp is not np:
+        return xp.arange(cols)[None, :] > xp.arange(rows)[:, None]
+    mask = _CAUSAL.get((rows, cols))
+    if mask is None:
+        if len(_CAUSAL) >= 64:
+            _CAUSAL.clear()
+        mask = _CAUSAL[(rows, cols)] = np.triu(np.ones((rows, cols), dtype=bool), 1)
+    return mask
+
+
+def _in_place(xp: Any) -> bool:
+    return xp is np or getattr(xp, "__name__", "") == "cupy"
+
+
+def _attention_softmax(xp: Any, x: Any, *, scale: float, causal: bool) -> Any:
+    if not _in_place(xp):  # the array API: no `out=`
+        t = x * scale
+        if causal:
+            t = xp.where(_left_out(xp, *x.shape[-2:]), xp.asarray(-math.inf, dtype=x.dtype), t)
+        e = xp.exp(t - xp.max(t, axis=-1, keepdims=True))
+        return e / xp.sum(e, axis=-1, keepdims=True)
+    out = xp.multiply(x, scale)
+    if causal:
+        xp.copyto(out, -math.inf, where=_left_out(xp, *x.shape[-2:]))
+    out -= xp.max(out, axis=-1, keepdims=True)
+    xp.exp(out, out=out)
+    out /= xp.sum(out, axis=-1, keepdims=True)
+    return out
+
+
+def _attention_softmax_rule(g: Any, out: Any, *, scale: float, causal: bool) -> Any:
+    """scale·out·(g - sum(g·out)): softmax's rule, the mask's (out is 0 where it left a
+    position out) and the scale's."""
+    if isinstance(g, TensorBase) or isinstance(out, TensorBase) or not _in_place(
+            namespace(g)):  # create_graph: differentiable ops
+        return out * (g - _sum_kept(g * out, (g.ndim - 1,), tuple(g.shape))) * scale
+    xp = namespace(g)
+    t = xp.multiply(g, out)
+    xp.subtract(g, xp.sum(t, axis=-1, keepdims=True), out=t)
+    xp.multiply(out, t, out=t)
+    if scale != 1.0:
+        t *= scale
+    return t
+
+
+ATTENTION_SOFTMAX = define("attention_softmax", _attention_softmax, "x", [
+    {"x": vjp("out", _attention_softmax_rule)},
+    {"x": vjp("x", lambda g, x, *, scale, causal: _attention_softmax_rule(
+        g, attention_softmax(x, scale, causal), scale=scale, causal=causal))},
+])
+
+
+def attention_softmax(x: Any, scale: float = 1.0, causal: bool = False) -> Any:
+    """softmax(scale·x) over the last axis, with the positions above the diagonal of the last
+    two axes left out when `causal` (they get 0): `scaled_dot_product_attention`'s weights
+    from its scores, in one primitive that saves its output.
+
+    >>> import checkpoint_ad as cad
+    >>> from checkpoint_ad.ops.normalizing import attention_softmax
+    >>> attention_softmax(cad.zeros(2, 2), causal=True).tolist()
+    [[1.0, 0.0], [0.5, 0.5]]
+    """
+    if getattr(x, "ndim", 0) < 2 and causal:
+        raise ShapeError(f"attention_softmax: causal needs at least 2 axes, got shape "
+                         f"{list(getattr(x, 'shape', ()))}")
+    return ATTENTION_SOFTMAX(x, scale=float(scale), causal=bool(causal))
 
 
 def _axes(x: Any, axis: Any, op: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
