@@ -615,7 +615,11 @@ def backpropagate(
                     capture.add(position, grad)  # type: ignore[union-attr]
                 else:
                     made.add(leaf, grad)  # type: ignore[union-attr]
-        if capture is None:  # the sweep completed: its `.grad` are written now
+        # the sweep completed: its `.grad` are written now; not in a checkpointed region's
+        # re-run, whose first run wrote them (a plain function runs once: the re-run added
+        # the same gradients again, silently). The sweep still runs, so the re-run takes
+        # the first run's path and saves the same values.
+        if capture is None and _state.rerun_floor is None:
             made.commit()  # type: ignore[union-attr]
     finally:
         _sweeps.grads.pop()
@@ -726,6 +730,8 @@ def backward(
             return
     captured = Capture(keys)
     backpropagate(roots, retain_graph=retain, create_graph=create_graph, capture=captured)
+    if _state.rerun_floor is not None:
+        return  # a checkpointed region's re-run: its first run filled them (see above)
     done: set[tuple[int, int]] = set()
     for t in ins:
         edge = edge_of(t)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import checkpoint_ad as cad
+from checkpoint_ad.strategies import Binomial, Periodic
 
 P = cad.checkpoint_policies
 START = np.array([0.1, -0.2, 0.3])
@@ -115,3 +116,53 @@ def test_hook_and_retain_grad_inside_checkpoint_on_tensors_from_outside_act_once
     assert got[1] == want[1] == ["captured", "input"]
     if not leaf:
         np.testing.assert_array_equal(got[2], want[2])
+
+
+@pytest.mark.parametrize("with_inputs", [False, True], ids=["backward()", "backward(inputs=)"])
+@pytest.mark.parametrize("wrap", ["checkpoint", "remat"])
+def test_backward_inside_a_checkpoint_fills_grad_once_like_the_plain_function(wrap, with_inputs):
+    """A `backward()` in a checkpointed function fills `.grad` in its first run; the re-run
+    for the saved values took the same gradients again and added them, silently (w.grad
+    twice the plain function's)."""
+    def grads(region):
+        w = cad.tensor(np.array([0.3, -0.4]), requires_grad=True)
+        v0 = cad.tensor(np.array([0.1, 0.2]), requires_grad=True)
+
+        def f(v):
+            inner = (cad.sin(v.detach() * w)).sum()
+            inner.backward(inputs=[w]) if with_inputs else inner.backward()
+            return cad.tanh(v * w)
+
+        if not region:
+            out = f(v0)
+        elif wrap == "checkpoint":
+            out = cad.checkpoint(f, v0)
+        else:
+            out = cad.remat(f)(v0)
+        out.sum().backward()
+        return w.grad.numpy(), v0.grad.numpy()
+
+    for got, want in zip(grads(True), grads(False), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("strategy", [None, Periodic(2), Binomial(1)], ids=repr)
+def test_backward_in_a_loop_step_inside_a_checkpoint_fills_grad_once(strategy):
+    def grads(region):
+        w = cad.tensor(np.array([0.3, -0.4]), requires_grad=True)
+        v0 = cad.tensor(np.array([0.1, 0.2]), requires_grad=True)
+        xs = cad.tensor(np.full((4, 2), 0.5))
+
+        def f(v):
+            def step(h, x):
+                (cad.sin(h.detach() * w).sum()).backward(inputs=[w])
+                return cad.tanh(h * x * w), None
+
+            return cad.scan(step, v * 1.0, xs, strategy=strategy)[0]
+
+        out = cad.checkpoint(f, v0) if region else f(v0)
+        out.sum().backward()
+        return w.grad.numpy(), v0.grad.numpy()
+
+    for got, want in zip(grads(True), grads(False), strict=True):
+        np.testing.assert_array_equal(got, want)
