@@ -1024,3 +1024,96 @@ def test_final_carry_that_is_a_captured_tensor_is_that_tensor(mode, change, y_is
         return
     for g, v in zip(got, want):
         np.testing.assert_array_equal(g, v)
+
+
+@pytest.mark.parametrize("change", ["none", "final carry", "xs"])
+@pytest.mark.parametrize("xs_requires_grad", [False, True])
+@_every()
+def test_final_carry_that_is_the_last_steps_row_of_xs_is_that_row(mode, xs_requires_grad,
+                                                                   change):
+    """(Found by issue 38's review.) A step returning its row of xs as the new carry
+    (``return x, ...``): a Python loop's final carry is the view ``xs[-1]``; a replayed last
+    step returned a new tensor instead, which an in-place change then wrote into the
+    caller's xs (a leaf requiring grad, too) unseen. Every strategy now gives that row: it
+    shares xs's memory and version, changing it in place raises where xs requires grad (as
+    changing PyTorch's view of such a leaf does) and otherwise changes xs, refused by the
+    backward where a re-run of the last step would read it; the gradients are the Python
+    loop's, bitwise."""
+    def run(strategy, trace, python=False, change=change):
+        xs = cad.tensor(np.linspace(-0.7, 0.9, 8).reshape(4, 2), requires_grad=xs_requires_grad)
+        h0 = cad.tensor(np.array([0.5, -0.5]), requires_grad=True)
+        w = cad.tensor(np.array([0.5, 0.7]), requires_grad=True)
+
+        def step(h, x):
+            return x, cad.sin(h * x * w).sum()
+
+        if python:
+            h, ys = h0, []
+            for t in range(4):
+                h, y = step(h, xs[t])
+                ys.append(y)
+            ys = cad.stack(ys)
+        else:
+            h, ys = cad.scan(step, h0, xs, strategy=strategy, trace=trace)
+        np.testing.assert_array_equal(h.numpy(), xs.numpy()[-1])
+        if change == "xs":
+            with cad.no_grad():
+                xs.mul_(2.0)
+            np.testing.assert_array_equal(h.numpy(), xs.numpy()[-1])  # a view follows xs
+        elif change == "final carry":
+            try:
+                h.mul_(2.0)
+            except cad.InplaceError:
+                assert xs_requires_grad
+                return "refused"
+            assert not xs_requires_grad
+            np.testing.assert_array_equal(xs.numpy()[-1], h.numpy())  # it changed xs
+        try:
+            (h.sum() * 3.0 + (ys * ys).sum()).backward()
+        except cad.SavedValueModifiedError:
+            return "modified"
+        return [None if t.grad is None else t.grad.numpy() for t in (xs, h0, w)]
+
+    want = run(None, False, python=True)
+    got = run(*mode)
+    if want == "modified" and not isinstance(got, str):
+        # a loop keeping every step saves rows with their own versions (a row changed leaves
+        # the other steps' rows valid, and no step saved the last one here), where a Python
+        # loop's views share xs's: the gradients are those of the loop unchanged
+        assert change == "final carry"
+        want = run(None, False, python=True, change="none")
+    if isinstance(want, str) or isinstance(got, str):
+        # refused where the Python loop worked: a re-run of the last step reads the row
+        assert got == want or (change != "none" and got == "modified"), (got, want)
+        return
+    for g, v in zip(got, want, strict=True):
+        if v is None:
+            assert g is None
+        else:
+            np.testing.assert_array_equal(g, v)
+
+
+@_every()
+def test_final_carry_that_is_the_last_steps_row_of_xs_follows_xs_version(mode):
+    """xs changed in place after a loss saved the final carry that is its last row: the
+    backward raises, as it does on PyTorch's view ``xs[-1]`` (a replayed last step's new
+    tensor shared xs's memory but not its version: the gradient read the changed value)."""
+    def run(strategy, trace, python=False):
+        xs = cad.tensor(np.linspace(-0.7, 0.9, 8).reshape(4, 2))
+        w = cad.tensor(np.array([0.5, 0.7]), requires_grad=True)
+        h0 = cad.tensor(np.array([0.5, -0.5]), requires_grad=True)
+        step = (lambda h, x: (x, cad.sin(h * w).sum()))
+        if python:
+            h = h0
+            for t in range(4):
+                h, _ = step(h, xs[t])
+        else:
+            h, _ = cad.scan(step, h0, xs, strategy=strategy, trace=trace)
+        loss = (h * w).sum()
+        with cad.no_grad():
+            xs[3:].mul_(2.0)  # (the last row alone)
+        with pytest.raises(cad.SavedValueModifiedError):
+            loss.backward()
+
+    run(None, False, python=True)
+    run(*mode)
