@@ -541,7 +541,11 @@ def backpropagate(
                     hooks = None if extra is None else extra.hooks
                     if quiet:
                         hooks = None
-                    if hooks is not None and hooks.outputs:
+                    if hooks is not None and hooks.outputs and (
+                            capture is None or entry.seq > capture.newer_than):
+                        # (not a tensor from before a loop, reached by the loop's pull-back
+                        # with part of its gradient: the sweep around runs its hooks once,
+                        # on the total, as it runs a captured leaf's)
                         grads = _run_entry_hooks(entry, grads, create_graph)
                     if capture is not None:
                         for index, grad in enumerate(grads):
