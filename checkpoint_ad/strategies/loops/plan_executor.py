@@ -149,6 +149,9 @@ class PlannedLoop:
         self.carry_hooks: dict[int, list[tuple[int, dict[int, Any]]]] = {}
         # while not None, the hooks the steps run now register (see `run_growing_plan`)
         self.step_hooks: list[Any] | None = None
+        # (step, call) -> the `loop.HookSlot` of a hook its step registers on a tensor from
+        # before the loop
+        self.hook_slots: dict[tuple[int, int], Any] = {}
         self.state: ForwardState | None = None
         self.consumed = False
         self.reruns = True  # whether the backward runs steps again (found in run(): `loop_guards`)
