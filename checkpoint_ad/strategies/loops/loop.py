@@ -328,11 +328,14 @@ class PlannedStep(StepScope):
             if not self.first:
                 return None  # (not met by the loop's forward: registered as usual)
             slot = self.slots[key] = HookSlot()
+            slot.tensor = weakref.ref(tensor)
             _state.step_scope = self.outer  # registered as outside the loop
             try:
                 slot.handle = tensor.register_hook(slot)
             finally:
                 _state.step_scope = self
+        elif slot.tensor() is not tensor:
+            return None  # a leaf the step makes (a new one in each run): registered as usual
         if not self.drops_hooks:
             slot.fn = hook
         return slot.handle
@@ -439,11 +442,12 @@ class HookSlot:
     the hook the latest run of that step pulled back gave it (none yet: the gradient
     passes unchanged)."""
 
-    __slots__ = ("fn", "handle")
+    __slots__ = ("fn", "handle", "tensor")
 
     def __init__(self) -> None:
         self.fn: Any = None
         self.handle: Any = None
+        self.tensor: Any = None  # (a weak reference to the tensor it is registered on)
 
     def __call__(self, grad: Any) -> Any:
         fn = self.fn
