@@ -1207,3 +1207,39 @@ def test_hook_on_a_captured_tensor_fires_once_per_registration_under_every_strat
     assert [g.tobytes() for g in got[0]] == [v.tobytes() for v in want[0]]
     for g, v in zip(got[1:], want[1:], strict=True):
         np.testing.assert_array_equal(g, v)
+
+
+@_every()
+def test_hook_on_a_steps_own_tensor_fires_in_its_backward_and_the_loops(mode):
+    """PyTorch (a Python loop): a hook a step registers on a tensor it makes fires in a
+    `backward()` the step takes that reaches it, and again in the backward around the loop.
+    A plan that runs the step in its forward with a tape let go (a step taking a gradient)
+    dropped the hook there: it fired in the loop's backward alone (step 0 aside)."""
+    def run(strategy, trace, python=False):
+        seen: list[Any] = []
+        xs = cad.tensor(np.linspace(-0.7, 0.9, 6).reshape(3, 2))
+        w = cad.tensor(np.array([0.5, 0.7]), requires_grad=True)
+        h0 = cad.tensor(np.array([0.3, -0.2]), requires_grad=True)
+
+        def step(h, x):
+            a = cad.sin(h.detach() * x * w)
+            a.register_hook(lambda g: seen.append(g.numpy().copy()) or g * 1.5)
+            (a * a).sum().backward(inputs=[w], retain_graph=True)
+            return cad.tanh(a + h), a.sum()
+
+        if python:
+            h, ys = h0, []
+            for t in range(3):
+                h, y = step(h, xs[t])
+                ys.append(y)
+            ys = cad.stack(ys)
+        else:
+            h, ys = cad.scan(step, h0, xs, strategy=strategy, trace=trace)
+        (h.sum() + (ys * ys).sum()).backward()
+        return seen, w.grad.numpy(), h0.grad.numpy()
+
+    got, want = run(*mode), run(None, False, python=True)
+    assert len(want[0]) == 6
+    assert [g.tobytes() for g in got[0]] == [v.tobytes() for v in want[0]]
+    for g, v in zip(got[1:], want[1:], strict=True):
+        np.testing.assert_array_equal(g, v)

@@ -282,8 +282,8 @@ class PlannedStep(StepScope):
     weakly): the pull-back hands them its gradient (`loop_pull_back._retained_carry`)."""
 
     __slots__ = ("callers", "calls", "carry_copies", "cuts", "drops_hooks", "dry", "first",
-                 "handles", "inputs", "leaves", "outer", "retained", "seq_started",
-                 "slot_calls", "slots", "t", "untaped")
+                 "handles", "inputs", "leaves", "outer", "retained", "seq_run",
+                 "seq_started", "slot_calls", "slots", "t", "untaped")
 
     def __init__(self, retained: dict[int, list[Any]] | None, t: int, first: bool,
                  untaped: bool = False, drops_hooks: bool = False) -> None:
@@ -309,6 +309,7 @@ class PlannedStep(StepScope):
         self.seq_started = 0
         self.inputs: set[int] = set()
         self.slot_calls = 0
+        self.seq_run: int | None = None  # the tape's sequence where this run began
 
     def note_hook(self, handle: Any) -> None:
         if self.handles is not None:
@@ -360,7 +361,18 @@ class PlannedStep(StepScope):
             return caller
         if self.carry_copies is not None and id(tensor) in self.carry_copies:
             return None
+        if self.drops_hooks and self.made_here(tensor) and self.fills_grads():
+            # a tensor this run makes, whose tape is let go: the hook fires only in a
+            # `backward()` this run takes, which fills `.grad` here (the loop's forward), as
+            # it fires in each step of a Python loop (the run pulled back, which takes none,
+            # registers it again for the backward around the loop)
+            return tensor
         return None if self.drops_hooks else tensor
+
+    def made_here(self, tensor: Any) -> bool:
+        """Whether this run of the step made `tensor` (after it began)."""
+        entry = tensor._entry
+        return entry is not None and self.seq_run is not None and entry.seq >= self.seq_run
 
     def check_gradient(self, roots: list[Any], inputs: list[Any] | None) -> None:
         if self.cuts is not None and not self.dry:

@@ -77,6 +77,7 @@ def call_step(executor: PlannedLoop, t: int, carry: list[Any], x: Any, untaped: 
     scope.handles = executor.step_hooks
     scope.leaves = executor.retained_leaves
     scope.slots, scope.seq_started = executor.hook_slots, executor.seq_started
+    scope.seq_run = next_sequence()
     scope.inputs = {id(v) for v in [*carry, *(flatten(x)[0] if x is not None else [])]
                     if v is not None}
     if cuts is not None:
