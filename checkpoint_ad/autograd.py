@@ -132,10 +132,12 @@ class _Grads:
 
 class _Sweeps(threading.local):
     """This thread's backward sweeps now running, innermost last: each one's `_Grads`, or
-    None for a sweep that fills no `.grad` (a `grad()`, a loop's own pull-back for one)."""
+    None for a sweep that fills no `.grad` (a `grad()`, a loop's own pull-back for one);
+    and whether each one runs no hooks (`quiet`: see `backpropagate`)."""
 
     def __init__(self) -> None:
         self.grads: list[_Grads | None] = []
+        self.quiet: list[bool] = []
 
 
 _sweeps = _Sweeps()
@@ -409,13 +411,16 @@ def backpropagate(
     retain_graph: bool,
     create_graph: bool,
     capture: Capture | None = None,
+    quiet: bool = False,
 ) -> None:
     """Propagate seed gradients from `roots` ((edge, gradient) pairs) down the tape.
 
     Entries are visited newest first; each one's op turns its output gradients into input
     gradients (`op.backward`). Without `capture`, gradients accumulate into leaf `.grad` (and
     retained non-leaves), written when the sweep completes (see `_Grads`); with it, into
-    `capture.values`.
+    `capture.values`. A `quiet` sweep (a `backward()` in a checkpointed region's re-run,
+    whose results are dropped) runs no hooks, nor do the loop pull-backs within it: the
+    region's first run fired them, as the plain function fires them once.
     """
     # a scan step computing a gradient (grad(), backward(), vjp...): a replay of the step's
     # primitives would not compute it again (its values would be frozen as the first steps'
@@ -444,6 +449,8 @@ def backpropagate(
     # a loop's pull-back hands its leaves' gradients to the sweep around it, which runs their
     # hooks once on the total (run here too, they would fire once per reversed segment)
     leaf_hooks = capture is None or capture.newer_than < 0
+    if capture is not None and not leaf_hooks and _sweeps.quiet:
+        quiet = quiet or _sweeps.quiet[-1]  # (a loop's pull-back within a quiet sweep)
 
     def hold(leaf: TensorBase, grad: Any, position: int | None) -> None:
         """Sum a hooked leaf's gradient over the pass: its hooks see the total, once."""
@@ -508,6 +515,7 @@ def backpropagate(
         return grads
 
     _sweeps.grads.append(made)
+    _sweeps.quiet.append(quiet)
     if events.listeners:
         events.emit("backward_begin", None)
     try:
@@ -531,7 +539,13 @@ def backpropagate(
                     if type(extra) is not EntryExtra:  # hooks, retained outputs: few entries
                         extra = None  # (None or the attributes' dict: see `Entry.attrs`)
                     hooks = None if extra is None else extra.hooks
-                    if hooks is not None and hooks.outputs:
+                    if quiet:
+                        hooks = None
+                    if hooks is not None and hooks.outputs and (
+                            capture is None or entry.seq > capture.newer_than):
+                        # (not a tensor from before a loop, reached by the loop's pull-back
+                        # with part of its gradient: the sweep around runs its hooks once,
+                        # on the total, as it runs a captured leaf's)
                         grads = _run_entry_hooks(entry, grads, create_graph)
                     if capture is not None:
                         for index, grad in enumerate(grads):
@@ -610,7 +624,8 @@ def backpropagate(
                     previous = grads[index]
                     grads[index] = grad if previous is None else previous + grad
             for leaf, grad, position in held.values():
-                grad = run_tensor_hooks(leaf._hooks, grad, create_graph, "a leaf tensor")
+                if not quiet:
+                    grad = run_tensor_hooks(leaf._hooks, grad, create_graph, "a leaf tensor")
                 if position is not None:
                     capture.add(position, grad)  # type: ignore[union-attr]
                 else:
@@ -623,6 +638,7 @@ def backpropagate(
             made.commit()  # type: ignore[union-attr]
     finally:
         _sweeps.grads.pop()
+        _sweeps.quiet.pop()
         if events.listeners:
             events.emit("backward_end", None)
 
@@ -718,7 +734,8 @@ def backward(
             scope.check_gradient([edge for edge, _ in roots], None)
             if not scope.fills_grads():
                 return  # the step's run in the loop's forward filled them, once
-        backpropagate(roots, retain_graph=retain, create_graph=create_graph)
+        backpropagate(roots, retain_graph=retain, create_graph=create_graph,
+                      quiet=_state.rerun_floor is not None)
         return
     ins, _ = _as_list(inputs)
     if not ins:
@@ -729,7 +746,8 @@ def backward(
         if not scope.fills_grads():
             return
     captured = Capture(keys)
-    backpropagate(roots, retain_graph=retain, create_graph=create_graph, capture=captured)
+    backpropagate(roots, retain_graph=retain, create_graph=create_graph, capture=captured,
+                  quiet=_state.rerun_floor is not None)
     if _state.rerun_floor is not None:
         return  # a checkpointed region's re-run: its first run filled them (see above)
     done: set[tuple[int, int]] = set()

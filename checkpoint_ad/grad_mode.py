@@ -93,6 +93,11 @@ class StepScope:
         the hook (this run's copy of that carry, whose hook the caller's tensor holds)."""
         return None if self.drops_hooks else tensor
 
+    def slot_hook(self, tensor: Any, hook: Any) -> Any:
+        """Register `hook` on `tensor` where this run keeps it apart (a tensor from before a
+        planned loop: see `loops.loop.HookSlot`) and return its handle; None: as usual."""
+        return None
+
     def note_hook(self, handle: Any) -> None:
         """A hook this run of the step registered (`handle` removes it): a run whose tape
         the loop lets go unreversed takes back those on tensors from outside the step."""

@@ -193,7 +193,11 @@ class Tensor(TensorBase, made_by_engine=True):
         if scope is not None:
             # a checkpointed loop's step run for its values alone: the run of the step that
             # the reverse pulls back registers the hook again, and it fires there; step 0's
-            # carry stands for the caller's tensor, which holds the hook (see `hook_target`)
+            # carry stands for the caller's tensor, which holds the hook (see `hook_target`);
+            # a tensor from before the loop holds one slot per registration (`slot_hook`)
+            handle = scope.slot_hook(self, hook)
+            if handle is not None:
+                return handle
             target = scope.hook_target(self)
             if target is None:
                 return add_hook({}, hook)

@@ -166,3 +166,68 @@ def test_backward_in_a_loop_step_inside_a_checkpoint_fills_grad_once(strategy):
 
     for got, want in zip(grads(True), grads(False), strict=True):
         np.testing.assert_array_equal(got, want)
+
+
+HOOKED = ["leaf", "made-before-the-region", "made-in-the-region", "node-post-hook"]
+
+
+def _hooked_grads(wrap, where, with_inputs, strategy=None, in_loop=False):
+    """Hook calls (in order) and gradients of a function whose `backward()` reaches a
+    hooked tensor (each hook doubles the gradient it is given, and counts its call)."""
+    calls: list[str] = []
+    w = cad.tensor(np.array([0.3, -0.4]), requires_grad=True)
+    v0 = cad.tensor(np.array([0.1, 0.2]), requires_grad=True)
+    pre = w * 1.0
+    if where == "leaf":
+        w.register_hook(lambda g: calls.append("w") or g * 2.0)
+    elif where == "made-before-the-region":
+        pre.register_hook(lambda g: calls.append("pre") or g * 2.0)
+
+    def inner(v):
+        a = cad.sin(v.detach() * pre)
+        if where == "made-in-the-region":
+            a.register_hook(lambda g: calls.append("a") or g * 2.0)
+        elif where == "node-post-hook":
+            a.grad_fn.register_hook(lambda gi, go: calls.append("node") or (gi[0] * 2.0,))
+        a.sum().backward(inputs=[w], retain_graph=True) if with_inputs else (
+            a.sum().backward(retain_graph=True))
+        return cad.tanh(v * w)
+
+    def f(v):
+        if not in_loop:
+            return inner(v)
+        xs = cad.tensor(np.full((3, 2), 0.5))
+        return cad.scan(lambda h, x: (inner(h * x), None), v * 1.0, xs, strategy=strategy)[0]
+
+    out = f(v0) if wrap == "plain" else (
+        cad.checkpoint(f, v0) if wrap == "checkpoint" else cad.remat(f)(v0))
+    out.sum().backward()
+    return calls, w.grad.numpy(), v0.grad.numpy()
+
+
+@pytest.mark.parametrize("with_inputs", [False, True], ids=["backward()", "backward(inputs=)"])
+@pytest.mark.parametrize("where", HOOKED)
+@pytest.mark.parametrize("wrap", ["checkpoint", "remat"])
+def test_hooks_reached_by_a_backward_inside_a_checkpoint_fire_as_in_the_plain_function(
+        wrap, where, with_inputs):
+    """The region's re-run (for its saved values, also one the first run's own backward
+    needs) runs that backward's sweep again but drops its results: it fires no hook, so a
+    hook with a side effect (a counter) fires as often as in the plain function."""
+    got = _hooked_grads(wrap, where, with_inputs)
+    want = _hooked_grads("plain", where, with_inputs)
+    assert got[0] == want[0]
+    for g, w in zip(got[1:], want[1:], strict=True):
+        np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("where", HOOKED)
+@pytest.mark.parametrize("strategy", [None, Periodic(2), Binomial(1)], ids=repr)
+def test_hooks_reached_by_a_backward_in_a_loop_step_inside_a_checkpoint_fire_once(
+        strategy, where):
+    """(A planned step's own hook reached by its `backward()` fired in step 0 alone: the
+    loop's forward runs the other steps with a tape let go, which dropped their hooks.)"""
+    got = _hooked_grads("checkpoint", where, False, strategy, in_loop=True)
+    want = _hooked_grads("plain", where, False, None, in_loop=True)
+    assert got[0] == want[0]
+    for g, w in zip(got[1:], want[1:], strict=True):
+        np.testing.assert_array_equal(g, w)

@@ -1024,3 +1024,222 @@ def test_final_carry_that_is_a_captured_tensor_is_that_tensor(mode, change, y_is
         return
     for g, v in zip(got, want):
         np.testing.assert_array_equal(g, v)
+
+
+@pytest.mark.parametrize("change", ["none", "final carry", "xs"])
+@pytest.mark.parametrize("xs_requires_grad", [False, True])
+@_every()
+def test_final_carry_that_is_the_last_steps_row_of_xs_is_that_row(mode, xs_requires_grad,
+                                                                   change):
+    """(Found by issue 38's review.) A step returning its row of xs as the new carry
+    (``return x, ...``): a Python loop's final carry is the view ``xs[-1]``; a replayed last
+    step returned a new tensor instead, which an in-place change then wrote into the
+    caller's xs (a leaf requiring grad, too) unseen. Every strategy now gives that row: it
+    shares xs's memory and version, changing it in place raises where xs requires grad (as
+    changing PyTorch's view of such a leaf does) and otherwise changes xs, refused by the
+    backward where a re-run of the last step would read it; the gradients are the Python
+    loop's, bitwise."""
+    def run(strategy, trace, python=False, change=change):
+        xs = cad.tensor(np.linspace(-0.7, 0.9, 8).reshape(4, 2), requires_grad=xs_requires_grad)
+        h0 = cad.tensor(np.array([0.5, -0.5]), requires_grad=True)
+        w = cad.tensor(np.array([0.5, 0.7]), requires_grad=True)
+
+        def step(h, x):
+            return x, cad.sin(h * x * w).sum()
+
+        if python:
+            h, ys = h0, []
+            for t in range(4):
+                h, y = step(h, xs[t])
+                ys.append(y)
+            ys = cad.stack(ys)
+        else:
+            h, ys = cad.scan(step, h0, xs, strategy=strategy, trace=trace)
+        np.testing.assert_array_equal(h.numpy(), xs.numpy()[-1])
+        if change == "xs":
+            with cad.no_grad():
+                xs.mul_(2.0)
+            np.testing.assert_array_equal(h.numpy(), xs.numpy()[-1])  # a view follows xs
+        elif change == "final carry":
+            try:
+                h.mul_(2.0)
+            except cad.InplaceError:
+                assert xs_requires_grad
+                return "refused"
+            assert not xs_requires_grad
+            np.testing.assert_array_equal(xs.numpy()[-1], h.numpy())  # it changed xs
+        try:
+            (h.sum() * 3.0 + (ys * ys).sum()).backward()
+        except cad.SavedValueModifiedError:
+            return "modified"
+        return [None if t.grad is None else t.grad.numpy() for t in (xs, h0, w)]
+
+    want = run(None, False, python=True)
+    got = run(*mode)
+    if want == "modified" and not isinstance(got, str):
+        # a loop keeping every step saves rows with their own versions (a row changed leaves
+        # the other steps' rows valid, and no step saved the last one here), where a Python
+        # loop's views share xs's: the gradients are those of the loop unchanged
+        assert change == "final carry"
+        want = run(None, False, python=True, change="none")
+    if isinstance(want, str) or isinstance(got, str):
+        # refused where the Python loop worked: a re-run of the last step reads the row
+        assert got == want or (change != "none" and got == "modified"), (got, want)
+        return
+    for g, v in zip(got, want, strict=True):
+        if v is None:
+            assert g is None
+        else:
+            np.testing.assert_array_equal(g, v)
+
+
+@_every()
+def test_final_carry_that_is_the_last_steps_row_of_xs_follows_xs_version(mode):
+    """xs changed in place after a loss saved the final carry that is its last row: the
+    backward raises, as it does on PyTorch's view ``xs[-1]`` (a replayed last step's new
+    tensor shared xs's memory but not its version: the gradient read the changed value)."""
+    def run(strategy, trace, python=False):
+        xs = cad.tensor(np.linspace(-0.7, 0.9, 8).reshape(4, 2))
+        w = cad.tensor(np.array([0.5, 0.7]), requires_grad=True)
+        h0 = cad.tensor(np.array([0.5, -0.5]), requires_grad=True)
+        step = (lambda h, x: (x, cad.sin(h * w).sum()))
+        if python:
+            h = h0
+            for t in range(4):
+                h, _ = step(h, xs[t])
+        else:
+            h, _ = cad.scan(step, h0, xs, strategy=strategy, trace=trace)
+        loss = (h * w).sum()
+        with cad.no_grad():
+            xs[3:].mul_(2.0)  # (the last row alone)
+        with pytest.raises(cad.SavedValueModifiedError):
+            loss.backward()
+
+    run(None, False, python=True)
+    run(*mode)
+
+
+def _hook_adding(k: Any, seen: list[Any]) -> Any:
+    """A hook noting the gradient it is given, and replacing it by 1.5 times it plus `k`
+    (hooks that differ per step: their chain's order shows in the gradient)."""
+    return lambda g: seen.append(g.numpy().copy()) or g * 1.5 + k
+
+
+@pytest.mark.parametrize("trace", [False, True], ids=["recorded", "traced"])
+@pytest.mark.parametrize("target", ["carry", "row", "captured"])
+@pytest.mark.parametrize("inner", [None, Periodic(2), Binomial(1), Recompute()], ids=repr)
+@pytest.mark.parametrize("outer", [Periodic(2), Binomial(1), Recompute(), Budget(2500)],
+                         ids=repr)
+def test_register_hook_in_a_planned_loop_in_a_planned_loops_step_fires_as_keeping_every_step(
+        outer, inner, target, trace):
+    """PyTorch (a Python loop in a Python loop): a hook registered on an inner step's carry,
+    row of xs, or a tensor the outer step made, fires once per registration on that
+    tensor's whole gradient, and what it returns replaces it. A planned inner loop is a new
+    loop in each run of the outer step (its forward, a re-run pulled back); its hooks fire
+    once each, on the gradients keeping every step at both levels gives, bitwise, as do the
+    gradients. (The hooks on the rows fire in the loop's reverse order, as a Python loop's
+    ``xs[t]`` do; keeping every step, the rows are one split's outputs, fired in row order.)
+    """
+    def run(outer, inner):
+        seen: list[np.ndarray] = []
+        xs = cad.tensor(np.linspace(-0.7, 0.9, 12).reshape(3, 2, 2), requires_grad=True)
+        w = cad.tensor(np.array([0.5, 0.7]), requires_grad=True)
+        h0 = cad.tensor(np.array([0.3, -0.2]), requires_grad=True)
+
+        def outer_step(h, x):
+            hw = h * w
+
+            def inner_step(c, x):  # (each registers one more hook on hw, "captured")
+                {"carry": c, "row": x, "captured": hw}[target].register_hook(
+                    _hook_adding(x.detach() * 1.0, seen))
+                return cad.tanh(c * x + w), (c * x).sum()
+
+            h2, ys = cad.scan(inner_step, hw * 1.0, x, strategy=inner, trace=trace)
+            return cad.sin(h2) + h, ys.sum()
+
+        h, ys = cad.scan(outer_step, h0, xs, strategy=outer, trace=trace)
+        (h.sum() + (ys * ys).sum()).backward()
+        return seen, [t.grad.numpy() for t in (xs, w, h0)]
+
+    got, want = run(outer, inner), run(None, None)
+    assert len(got[0]) == len(want[0]) == 6
+    order = (lambda a: a) if target == "carry" else (lambda a: sorted(a, key=bytes))
+    for g, v in zip(order([g.tobytes() for g in got[0]]), order([v.tobytes() for v in want[0]]),
+                    strict=True):
+        assert g == v
+    for g, v in zip(got[1], want[1], strict=True):
+        np.testing.assert_array_equal(g, v)
+
+
+@pytest.mark.parametrize("leaf", [False, True], ids=["hw = w * 1.0", "w"])
+@pytest.mark.parametrize("registered", ["before the loop", "in every step"])
+@_every()
+def test_hook_on_a_captured_tensor_fires_once_per_registration_under_every_strategy(
+        mode, registered, leaf):
+    """PyTorch: a hook on a tensor a loop's steps read (``hw = w * 1.0`` made before it, or
+    `w`) fires once per registration in each backward, on its whole gradient, hooks in the
+    order they were registered. A plan's pull-back of a recorded segment ran a non-leaf's
+    hooks in its own sweep too, on that segment's part, and the sweep around again on the
+    total (a hook doubling its gradient: w.grad 4.5x keeping every step's under Binomial);
+    a hook registered in a step was registered by each run pulled back: in the reverse's
+    order (hooks that differ per step: another gradient), and again by a second backward."""
+    def run(strategy, trace):
+        seen: list[Any] = []
+        xs = cad.tensor(np.linspace(-0.7, 0.9, 6).reshape(3, 2), requires_grad=True)
+        w = cad.tensor(np.array([0.5, 0.7]), requires_grad=True)
+        hw = w if leaf else w * 1.0
+        if registered == "before the loop":
+            hw.register_hook(lambda g: seen.append(g.numpy().copy()) or g * 2.0)
+
+        def step(h, x):
+            if registered == "in every step":
+                hw.register_hook(_hook_adding(x.detach() * 1.0, seen))
+            return cad.tanh(h * x + hw), (h * x).sum()
+
+        h, ys = cad.scan(step, w * 1.0, xs, strategy=strategy, trace=trace)
+        loss = h.sum() + (ys * ys).sum()
+        loss.backward(retain_graph=True)
+        loss.backward()  # (a second backward: each hook fires once more)
+        return seen, w.grad.numpy(), xs.grad.numpy()
+
+    got, want = run(*mode), run(None, False)
+    assert len(want[0]) == (2 if registered == "before the loop" else 6)
+    assert [g.tobytes() for g in got[0]] == [v.tobytes() for v in want[0]]
+    for g, v in zip(got[1:], want[1:], strict=True):
+        np.testing.assert_array_equal(g, v)
+
+
+@_every()
+def test_hook_on_a_steps_own_tensor_fires_in_its_backward_and_the_loops(mode):
+    """PyTorch (a Python loop): a hook a step registers on a tensor it makes fires in a
+    `backward()` the step takes that reaches it, and again in the backward around the loop.
+    A plan that runs the step in its forward with a tape let go (a step taking a gradient)
+    dropped the hook there: it fired in the loop's backward alone (step 0 aside)."""
+    def run(strategy, trace, python=False):
+        seen: list[Any] = []
+        xs = cad.tensor(np.linspace(-0.7, 0.9, 6).reshape(3, 2))
+        w = cad.tensor(np.array([0.5, 0.7]), requires_grad=True)
+        h0 = cad.tensor(np.array([0.3, -0.2]), requires_grad=True)
+
+        def step(h, x):
+            a = cad.sin(h.detach() * x * w)
+            a.register_hook(lambda g: seen.append(g.numpy().copy()) or g * 1.5)
+            (a * a).sum().backward(inputs=[w], retain_graph=True)
+            return cad.tanh(a + h), a.sum()
+
+        if python:
+            h, ys = h0, []
+            for t in range(3):
+                h, y = step(h, xs[t])
+                ys.append(y)
+            ys = cad.stack(ys)
+        else:
+            h, ys = cad.scan(step, h0, xs, strategy=strategy, trace=trace)
+        (h.sum() + (ys * ys).sum()).backward()
+        return seen, w.grad.numpy(), h0.grad.numpy()
+
+    got, want = run(*mode), run(None, False, python=True)
+    assert len(want[0]) == 6
+    assert [g.tobytes() for g in got[0]] == [v.tobytes() for v in want[0]]
+    for g, v in zip(got[1:], want[1:], strict=True):
+        np.testing.assert_array_equal(g, v)

@@ -282,7 +282,8 @@ class PlannedStep(StepScope):
     weakly): the pull-back hands them its gradient (`loop_pull_back._retained_carry`)."""
 
     __slots__ = ("callers", "calls", "carry_copies", "cuts", "drops_hooks", "dry", "first",
-                 "handles", "leaves", "outer", "retained", "t", "untaped")
+                 "handles", "inputs", "leaves", "outer", "retained", "seq_run",
+                 "seq_started", "slot_calls", "slots", "t", "untaped")
 
     def __init__(self, retained: dict[int, list[Any]] | None, t: int, first: bool,
                  untaped: bool = False, drops_hooks: bool = False) -> None:
@@ -303,10 +304,50 @@ class PlannedStep(StepScope):
         self.handles: list[Any] | None = None
         self.cuts: StepCuts | None = None  # the history this run cuts (`step_cuts.py`)
         self.leaves: dict[int, Any] | None = None  # retained leaves (see the class's doc)
+        # the loop's `HookSlot`s by (step, call), where its tensors begin, this run's inputs
+        self.slots: dict[tuple[int, int], HookSlot] | None = None
+        self.seq_started = 0
+        self.inputs: set[int] = set()
+        self.slot_calls = 0
+        self.seq_run: int | None = None  # the tape's sequence where this run began
 
     def note_hook(self, handle: Any) -> None:
         if self.handles is not None:
             self.handles.append(handle)
+
+    def slot_hook(self, tensor: Any, hook: Any) -> Any:
+        """A hook on a tensor from before the loop (a captured `w * 1.0`), which outlives
+        the runs of the step: its k-th registration in step t is one `HookSlot` there,
+        registered by the loop's forward (in a Python loop's order), filled by the run
+        pulled back (in each backward, again: not one more hook per re-run)."""
+        if self.slots is None or self.dry or not self.from_before(tensor):
+            return None
+        key = (self.t, self.slot_calls)
+        self.slot_calls += 1
+        slot = self.slots.get(key)
+        if slot is None:
+            if not self.first:
+                return None  # (not met by the loop's forward: registered as usual)
+            slot = self.slots[key] = HookSlot()
+            slot.tensor = weakref.ref(tensor)
+            _state.step_scope = self.outer  # registered as outside the loop
+            try:
+                slot.handle = tensor.register_hook(slot)
+            finally:
+                _state.step_scope = self
+        elif slot.tensor() is not tensor:
+            return None  # a leaf the step makes (a new one in each run): registered as usual
+        if not self.drops_hooks:
+            slot.fn = hook
+        return slot.handle
+
+    def from_before(self, tensor: Any) -> bool:
+        """Whether `tensor` comes from before the loop: not made by this run of the step
+        (nor given to it)."""
+        entry = tensor._entry
+        if entry is not None:
+            return entry.seq < self.seq_started
+        return tensor._requires_grad and id(tensor) not in self.inputs
 
     def hook_target(self, tensor: Any) -> Any:
         """Step 0's carry stands for the caller's tensor, which keeping every step hands the
@@ -320,7 +361,18 @@ class PlannedStep(StepScope):
             return caller
         if self.carry_copies is not None and id(tensor) in self.carry_copies:
             return None
+        if self.drops_hooks and self.made_here(tensor) and self.fills_grads():
+            # a tensor this run makes, whose tape is let go: the hook fires only in a
+            # `backward()` this run takes, which fills `.grad` here (the loop's forward), as
+            # it fires in each step of a Python loop (the run pulled back, which takes none,
+            # registers it again for the backward around the loop)
+            return tensor
         return None if self.drops_hooks else tensor
+
+    def made_here(self, tensor: Any) -> bool:
+        """Whether this run of the step made `tensor` (after it began)."""
+        entry = tensor._entry
+        return entry is not None and self.seq_run is not None and entry.seq >= self.seq_run
 
     def check_gradient(self, roots: list[Any], inputs: list[Any] | None) -> None:
         if self.cuts is not None and not self.dry:
@@ -394,6 +446,24 @@ class PlannedStep(StepScope):
         """`leaf` (an input this run's plan made a leaf) stands for `original`, retained."""
         if self.leaves is not None and leaf._requires_grad:
             note_retained_leaf(self.leaves, leaf, original)
+
+
+class HookSlot:
+    """One registration of a hook by a planned loop's step on a tensor from before the
+    loop (`PlannedStep.slot_hook`): registered there once, by the loop's forward, it calls
+    the hook the latest run of that step pulled back gave it (none yet: the gradient
+    passes unchanged)."""
+
+    __slots__ = ("fn", "handle", "tensor")
+
+    def __init__(self) -> None:
+        self.fn: Any = None
+        self.handle: Any = None
+        self.tensor: Any = None  # (a weak reference to the tensor it is registered on)
+
+    def __call__(self, grad: Any) -> Any:
+        fn = self.fn
+        return None if fn is None else fn(grad)
 
 
 def note_retained_leaf(leaves: dict[int, Any], leaf: Any, original: Any) -> None:

@@ -20,6 +20,7 @@ from ...backend import namespace
 from ...grad_mode import enable_grad, no_grad, step_scope
 from ...ops import stack
 from ...origins import rerun_boundary, rerunning_from
+from ...pytree import flatten
 from ...saved import use_packer
 from ...tape import Entry, edge_of
 from ...tensor import Tensor
@@ -191,7 +192,11 @@ def backward_with_graph(
         carry = list(executor.carry_inputs)
         per_step = []
         for t, x in enumerate(loop.all_x()):
-            with step_scope(PlannedStep(executor.retained, t, first=False)):
+            scope = PlannedStep(executor.retained, t, first=False)
+            scope.slots, scope.seq_started = executor.hook_slots, executor.seq_started
+            scope.inputs = {id(v) for v in [*carry, *(flatten(x)[0] if x is not None else [])]
+                            if v is not None}
+            with step_scope(scope):
                 carry, ys = loop.call(t, carry, x)
             per_step.append(ys)
         outputs = carry + [

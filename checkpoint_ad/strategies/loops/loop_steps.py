@@ -76,6 +76,10 @@ def call_step(executor: PlannedLoop, t: int, carry: list[Any], x: Any, untaped: 
     scope = PlannedStep(executor.retained, t, executor.first_run, untaped, drops_hooks)
     scope.handles = executor.step_hooks
     scope.leaves = executor.retained_leaves
+    scope.slots, scope.seq_started = executor.hook_slots, executor.seq_started
+    scope.seq_run = next_sequence()
+    scope.inputs = {id(v) for v in [*carry, *(flatten(x)[0] if x is not None else [])]
+                    if v is not None}
     if cuts is not None:
         scope.cuts = add_rows(executor, cuts, t, x)
     if t == 0 and executor.first_run:  # step 0's carry stands for the caller's tensors

@@ -60,7 +60,7 @@ from ...tensor_base import make_tensor
 from ..kinds import LoopStrategy
 from ..plans.revolve import Action
 from .grad_flow import Deps, deps_of_program, outputs_requiring_grad
-from .loop import StepLoop
+from .loop import StepLoop, as_row, row
 from .loop_backward import backward_with_graph, run_backward
 from .loop_forward import (
     ForwardState,
@@ -149,6 +149,9 @@ class PlannedLoop:
         self.carry_hooks: dict[int, list[tuple[int, dict[int, Any]]]] = {}
         # while not None, the hooks the steps run now register (see `run_growing_plan`)
         self.step_hooks: list[Any] | None = None
+        # (step, call) -> the `loop.HookSlot` of a hook its step registers on a tensor from
+        # before the loop
+        self.hook_slots: dict[tuple[int, int], Any] = {}
         self.state: ForwardState | None = None
         self.consumed = False
         self.reruns = True  # whether the backward runs steps again (found in run(): `loop_guards`)
@@ -327,7 +330,35 @@ class PlannedLoop:
             self.input_guards.append((tensor._version, tensor._version.value,
                                       "a tensor the step returns as its carry",
                                       tensor.dtype, tensor.shape))
-        return [one.get(first[k], carry[first[k]]) for k in range(n)]
+        final = [one.get(first[k], carry[first[k]]) for k in range(n)]
+        if program is not None and (last is None or last[0] != self.loop.n - 1):
+            self._rows_of_xs_as_rows(final, program, {id(t) for t in one.values()})
+        return final
+
+    def _rows_of_xs_as_rows(self, final: list[Any], program: StepProgram,
+                            callers: set[int]) -> None:
+        """A final carry leaf a replayed last step returns as its row of `xs` (``return x,
+        ...``) is that row, as recording every step gives it: its array is the row of the
+        caller's `xs`, its version follows `xs`'s (`loop.as_row`: an in-place change of it
+        changes `xs`, and raises while recording a gradient through it). A re-run of the
+        last step reads that row again: changed in place since, it is refused."""
+        n_carry, xs_leaves, t = len(program.carry_in), self.loop.xs_leaves, self.loop.n - 1
+        done: set[int] = set()
+        for k, slot in enumerate(program.carry_out):
+            tensor, j = final[k], slot - n_carry
+            if tensor is None or not 0 <= j < len(xs_leaves) or id(tensor) in done:
+                continue
+            x = xs_leaves[j]
+            if x is None or id(tensor) in callers:
+                continue  # (a caller's tensor: see above)
+            done.add(id(tensor))
+            if not np.shares_memory(tensor._data, x._data):
+                tensor._data = row(x._data, t)
+            as_row(tensor, x, t)
+            counter = tensor._version
+            self.input_guards.append((counter, counter.value,
+                                      "its final carry, the last step's row of xs",
+                                      tensor.dtype, tensor.shape))
 
     def _share_packed_carry(self, carry: list[Any]) -> None:
         """The final carry's tensors point at the buffers the last kept replayed step packed
