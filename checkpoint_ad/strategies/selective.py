@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import StrategyConfigError
-from ..grad_mode import refuse_trace
+from .. import events
+from ..grad_mode import _state, refuse_trace
 from ..saved import KEEP, Strategy, current_packer
 from .recompute import checkpoint
 
@@ -71,9 +72,18 @@ def region(name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     _RUN[0] += 1
     packer = current_packer()
     if isinstance(packer, Selective) and name in packer.regions:
-        # A scan step that checkpoints is recorded, not traced into a step program: a region
-        # traced in steps 0 and 1 re-ran differently from its first run (RecomputeError).
-        # Remove once `checkpoint` itself can run inside traced steps.
-        refuse_trace("checkpoints a region (selective recomputation)")
-        return checkpoint(fn, *args, **kwargs)
+        tracer = _state.tracer
+        if tracer is None or tracer.region_open or events.listeners:
+            # nested in a traced region, or profiled (a profile's view of a replayed region
+            # is not made): the step is recorded
+            refuse_trace("checkpoints a region (selective recomputation)")
+            return checkpoint(fn, *args, **kwargs)
+        # a traced scan step: recorded (checkpointed) as now, and its replays keep the
+        # region's inputs and re-run its instructions in the backward (`step_pull_back`)
+        start = tracer.open_region()
+        try:
+            out = checkpoint(fn, *args, **kwargs)
+        finally:
+            tracer.close_region(start)
+        return out
     return fn(*args, **kwargs)

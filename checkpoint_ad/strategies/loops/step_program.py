@@ -40,6 +40,7 @@ from ...tape import edge_of
 from .compiled_step import (
     HOIST,
     PENDING,
+    _saved_getter,
     compile_forward,
     compile_rules,
     compile_tape_as_is,
@@ -103,8 +104,26 @@ class StepProgram:
         # after the step ran) and the leaves (a profiler reads those after it too). A step's
         # values all held to its end would add every unsaved intermediate to the peak of a
         # loop that tapes it (a planned backward re-tapes one step at its peak)
+        # a selective region's instructions save nothing in a replay: its inputs are kept,
+        # and the backward re-runs it from them (`step_pull_back.rerun_region`)
+        self.regions = tuple(trace.regions)
+        region_of = [-1] * len(self.instructions)
+        for r, region in enumerate(self.regions):
+            region_of[region.start:region.stop] = [r] * (region.stop - region.start)
+        self.region_of = tuple(region_of)
         saved = {ins.output if s.position < 0 else ins.inputs[s.position]
-                 for ins in self.instructions if ins.taped for s in ins.saved}
+                 for i, ins in enumerate(self.instructions) if ins.taped and region_of[i] < 0
+                 for s in ins.saved}
+        saved.update(s for region in self.regions for s in region.inputs)
+        self.region_inputs = tuple(_saved_getter(region.inputs) for region in self.regions)
+        # per region, its taped instructions and the slots each saves (what a re-run keeps)
+        self.region_saved = tuple(
+            tuple((i, _saved_getter(tuple(
+                self.instructions[i].output if s.position < 0
+                else self.instructions[i].inputs[s.position]
+                for s in self.instructions[i].saved)))
+                  for i in range(region.start, region.stop) if self.instructions[i].taped)
+            for region in self.regions)
         self.tape_frees = tuple(
             tuple(s for s in f if s not in saved and not trace.facts[s][1]) for f in frees)
         self.saved_slots = frozenset(saved)  # what a loop keeping every step guards
@@ -124,7 +143,8 @@ class StepProgram:
                                    self.frees, announced))
         # `step_tape.tape_as_is`'s rows, where every taped instruction keeps its values as
         # they are (`KeepAll`); None where some may not
-        self.tape_as_is = compile_tape_as_is(self.instructions, self.forwards, self.tape_frees)
+        self.tape_as_is = compile_tape_as_is(self.instructions, self.forwards, self.tape_frees,
+                                             self.region_of)
         self.backward_rules = tuple(
             (i, self.instructions[i].output, compile_rules(self.instructions[i]))
             for i in self.backward_order)
@@ -160,6 +180,8 @@ class StepProgram:
         self.hoisted, self.row_bytes = find_hoisted(
             self.instructions, self.x_in, trace.constants, self.dtype,
             trace.shapes)
+        if any(self.region_of[h.index] >= 0 for h in self.hoisted):  # a region re-runs its
+            self.hoisted, self.row_bytes = (), 0  # own products: none batched
         self.hoisted_outputs = tuple(h.output for h in self.hoisted)
         # whether no row of a product outlives its step: none is saved, returned, or read by
         # an operation whose result may be a view of it (a chunk may then reuse its buffers)

@@ -16,8 +16,18 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ... import events
+from ...errors import BackwardError
 from ...ops import astype
-from .compiled_step import CARRY, EXTERNAL, GRAD_ONLY, HOIST, ONE_SAVED, PENDING, XS
+from .compiled_step import (
+    CARRY,
+    EXTERNAL,
+    GRAD_ONLY,
+    HOIST,
+    ONE_SAVED,
+    PENDING,
+    XS,
+    namespace_of,
+)
 
 if TYPE_CHECKING:
     from .hoisted_rows import RowSource
@@ -110,6 +120,7 @@ def pull_back_steps(
     if events.listeners:
         events.emit("backward_begin", None)
     dtypes = program.dtype
+    region_of = program.region_of
     # arrays unpacked from buffers shared with the step before (id -> (weak reference
     # to the buffer, array)): made by a step, read again by the next one run back
     # (its carry's producer), then dropped; each shared value is unpacked once
@@ -139,6 +150,8 @@ def pull_back_steps(
                 if g is None:
                     continue
                 grads[output] = None
+                if region_of[i] >= 0 and kept[i] is None:  # a selective region's: re-run
+                    rerun_region(program, region_of[i], step, retain)
                 saved = kept[i] if as_is else step.unpack(i, unpacked_later,
                                                           unpacked_here, shared)
                 if as_is and not retain:
@@ -193,3 +206,32 @@ def pull_back_steps(
     finally:
         if events.listeners:
             events.emit("backward_end", None)
+
+
+def rerun_region(program: StepProgram, r: int, step: ReplayedStep, retain: bool) -> None:
+    """Selective region `r` of a taped `step` re-run from the inputs the step kept, as a
+    recorded `checkpoint` re-runs it when its first saved value is read: the same forwards
+    on the same arrays, so the saved values, and the gradients, are bitwise the recorded
+    ones. Each taped instruction of the region gets its saved values; the inputs are let
+    go (kept with `retain`, for a second sweep)."""
+    inputs = step.regions[r] if step.regions is not None else None
+    if inputs is None:
+        raise BackwardError(
+            "backward through a replayed loop step a second time: its selective region's "
+            "inputs were freed when the first backward re-ran it; pass retain_graph=True to "
+            "the first backward to keep them")
+    region = program.regions[r]
+    values: list[Any] = [None] * program.n_slots
+    for slot, array in zip(region.inputs, inputs):
+        values[slot] = array
+    for slot, array in program.constants.items():
+        values[slot] = array
+    xp = namespace_of(inputs)
+    forwards, instructions = program.forwards, program.instructions
+    for i in range(region.start, region.stop):
+        values[instructions[i].output] = forwards[i](values, xp)
+    saved = step.saved
+    for i, get in program.region_saved[r]:
+        saved[i] = list(get(values))
+    if not retain:
+        step.regions[r] = None

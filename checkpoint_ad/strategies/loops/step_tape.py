@@ -55,7 +55,7 @@ def tape(program: StepProgram, carry: list[Any], x: list[Any],
             values[s] = None
         if prim is None or type(prim) is Draw:
             continue
-        if not ins.taped:
+        if not ins.taped or program.region_of[i] >= 0:  # (a region's: re-run instead)
             continue
         kept = []
         for s in ins.saved:
@@ -79,7 +79,15 @@ def tape(program: StepProgram, carry: list[Any], x: list[Any],
     if announce:
         events.emit("replayed", (described, saved, values,
                                  program.carry_in if chained else (), None))
-    return ReplayedStep(values, saved, announce, buffers)
+    return ReplayedStep(values, saved, announce, buffers, regions=region_inputs(program, values))
+
+
+def region_inputs(program: StepProgram, values: list[Any]) -> list[Any] | None:
+    """What a taped step keeps of each selective region: its inputs' arrays (None: no
+    region). The backward re-runs the region from them (`step_pull_back.rerun_region`)."""
+    if not program.regions:
+        return None
+    return [get(values) for get in program.region_inputs]
 
 
 def tape_steps(
@@ -140,7 +148,8 @@ def tape_as_is(program: StepProgram, carry: list[Any], x: list[Any]) -> Replayed
             saved[i] = saved_of(values)
         for s in frees:
             values[s] = None
-    return ReplayedStep(values, saved, False, NO_BUFFERS, as_is=True)
+    return ReplayedStep(values, saved, False, NO_BUFFERS, as_is=True,
+                        regions=region_inputs(program, values))
 
 
 def tape_kept(program: StepProgram, carry: list[Any], x: list[Any],
