@@ -73,7 +73,7 @@ def region(name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     packer = current_packer()
     if isinstance(packer, Selective) and name in packer.regions:
         tracer = _state.tracer
-        if tracer is None or tracer.region_open or events.listeners:
+        if tracer is None or tracer.region_open:
             # nested in a traced region, or profiled (a profile's view of a replayed region
             # is not made): the step is recorded
             refuse_trace("checkpoints a region (selective recomputation)")
@@ -84,6 +84,6 @@ def region(name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         try:
             out = checkpoint(fn, *args, **kwargs)
         finally:
-            tracer.close_region(start)
+            tracer.close_region(start, getattr(fn, "__qualname__", repr(fn)))
         return out
     return fn(*args, **kwargs)

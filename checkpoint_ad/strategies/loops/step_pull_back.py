@@ -17,6 +17,7 @@ import numpy as np
 
 from ... import events
 from ...errors import BackwardError
+from ...saved import KEEP, KeptBuffer, SavedBuffer, pack_value
 from ...ops import astype
 from .compiled_step import (
     CARRY,
@@ -152,6 +153,8 @@ def pull_back_steps(
                 grads[output] = None
                 if region_of[i] >= 0 and kept[i] is None:  # a selective region's: re-run
                     rerun_region(program, region_of[i], step, retain)
+                    held = step.held
+                    frees = held is not None or not as_is
                 saved = kept[i] if as_is else step.unpack(i, unpacked_later,
                                                           unpacked_here, shared)
                 if as_is and not retain:
@@ -213,7 +216,9 @@ def rerun_region(program: StepProgram, r: int, step: ReplayedStep, retain: bool)
     recorded `checkpoint` re-runs it when its first saved value is read: the same forwards
     on the same arrays, so the saved values, and the gradients, are bitwise the recorded
     ones. Each taped instruction of the region gets its saved values; the inputs are let
-    go (kept with `retain`, for a second sweep)."""
+    go (kept with `retain`, for a second sweep). A profiler hears it as a recorded region's
+    re-run: a recompute phase, its primitives, and its saved values packed (freed as each
+    instruction's rules ran)."""
     inputs = step.regions[r] if step.regions is not None else None
     if inputs is None:
         raise BackwardError(
@@ -222,16 +227,32 @@ def rerun_region(program: StepProgram, r: int, step: ReplayedStep, retain: bool)
             "the first backward to keep them")
     region = program.regions[r]
     values: list[Any] = [None] * program.n_slots
-    for slot, array in zip(region.inputs, inputs):
-        values[slot] = array
+    for slot, kept in zip(region.inputs, inputs):
+        values[slot] = (kept.packed if type(kept) is KeptBuffer
+                        else kept.unpack() if isinstance(kept, SavedBuffer) else kept)
     for slot, array in program.constants.items():
         values[slot] = array
-    xp = namespace_of(inputs)
+    xp = namespace_of(values[region.inputs[0]] if region.inputs else program.constants)
     forwards, instructions = program.forwards, program.instructions
-    for i in range(region.start, region.stop):
-        values[instructions[i].output] = forwards[i](values, xp)
     saved = step.saved
-    for i, get in program.region_saved[r]:
-        saved[i] = list(get(values))
+    with events.recomputing(region.name):
+        emit = events.hears("apply")
+        for i in range(region.start, region.stop):
+            ins = instructions[i]
+            values[ins.output] = forwards[i](values, xp)
+            if emit and ins.prim is not None:
+                events.emit("apply", ins.prim)
+        heard = bool(events.listeners)
+        if heard and step.as_is and step.held is None:
+            step.held = [None] * len(instructions)
+        for i, get in program.region_saved[r]:
+            arrays = list(get(values))
+            if not heard:
+                saved[i] = arrays
+            elif step.as_is:  # the rules read the arrays; the buffers are the profiler's
+                saved[i] = arrays
+                step.held[i] = [pack_value(a, KEEP) for a in arrays]
+            else:
+                saved[i] = [pack_value(a, KEEP) for a in arrays]
     if not retain:
         step.regions[r] = None

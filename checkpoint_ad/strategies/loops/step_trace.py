@@ -73,6 +73,7 @@ class TracedRegion:
     start: int
     stop: int
     inputs: tuple[int, ...]
+    name: str  # what a profiler hears of its re-run (`events.recomputing`), as `checkpoint`'s
 
 
 @dataclass
@@ -183,7 +184,7 @@ class Trace:
         self.region_open = self.region_pending = True
         return len(self.instructions)
 
-    def close_region(self, start: int) -> None:
+    def close_region(self, start: int, name: str) -> None:
         """The region begun at instruction `start` returned: note its instructions and the
         slots they read from before it (its inputs: what a replay keeps of it)."""
         self.region_open = self.region_pending = False
@@ -202,7 +203,7 @@ class Trace:
                     inputs.append(s)
             made.add(ins.output)
         if stop > start:
-            self.regions.append(TracedRegion(start, stop, tuple(inputs)))
+            self.regions.append(TracedRegion(start, stop, tuple(inputs), name))
 
     # ------------------------------------------------------------- helpers
     def _saved(self, prim: Primitive, slot: SavedSlot, chained: Any, in_region: bool,
@@ -334,7 +335,7 @@ def same_operations(a: Any, b: Any) -> str | None:
     the same slots, with the same attributes, outputs and random draws (None when they do)."""
     if len(a.instructions) != len(b.instructions) or a.outputs != b.outputs:
         return "runs different operations on different steps"
-    if getattr(a, "regions", ()) != getattr(b, "regions", ()):
+    if tuple(a.regions) != tuple(b.regions):
         return "opens its selective regions differently on different steps"
     for x, y in zip(a.instructions, b.instructions):
         if type(x.prim) is Draw and type(y.prim) is Draw:
