@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import StrategyConfigError
-from .. import events
 from ..grad_mode import _state, refuse_trace
 from ..saved import KEEP, Strategy, current_packer
 from .recompute import checkpoint
@@ -68,18 +67,17 @@ class Selective(Strategy):
 
 def region(name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)``, run under `checkpoint` when the saved-value strategy in effect
-    is a `Selective` naming `name`, and as it is otherwise."""
+    is a `Selective` naming `name`, and as it is otherwise. In a traced scan step the region
+    is noted in the trace: the steps the loop replays keep its inputs and re-run it in the
+    backward, as the recorded `checkpoint` does (`loops/step_pull_back.rerun_region`)."""
     _RUN[0] += 1
     packer = current_packer()
     if isinstance(packer, Selective) and name in packer.regions:
         tracer = _state.tracer
-        if tracer is None or tracer.region_open:
-            # nested in a traced region, or profiled (a profile's view of a replayed region
-            # is not made): the step is recorded
-            refuse_trace("checkpoints a region (selective recomputation)")
+        if tracer is None or tracer.region_open:  # (no step traced, or a region in one:
+            refuse_trace("checkpoints a region inside a selective region")  # recorded)
             return checkpoint(fn, *args, **kwargs)
-        # a traced scan step: recorded (checkpointed) as now, and its replays keep the
-        # region's inputs and re-run its instructions in the backward (`step_pull_back`)
+        # a traced step runs (and is recorded) checkpointed; the trace notes the region
         start = tracer.open_region()
         try:
             out = checkpoint(fn, *args, **kwargs)

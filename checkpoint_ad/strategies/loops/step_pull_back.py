@@ -17,8 +17,8 @@ import numpy as np
 
 from ... import events
 from ...errors import BackwardError
-from ...saved import KEEP, KeptBuffer, SavedBuffer, pack_value
 from ...ops import astype
+from ...saved import KEEP, KeptBuffer, SavedBuffer, pack_value
 from .compiled_step import (
     CARRY,
     EXTERNAL,
