@@ -99,11 +99,6 @@ class StepProgram:
             if s not in kept:
                 frees[i].append(s)
         self.frees = tuple(tuple(f) for f in frees)
-        # the same in a forward that saves (`tape`), less what outlives the step there: the
-        # values saved (the backward reads them; a profiler's buffers are made from them
-        # after the step ran) and the leaves (a profiler reads those after it too). A step's
-        # values all held to its end would add every unsaved intermediate to the peak of a
-        # loop that tapes it (a planned backward re-tapes one step at its peak)
         # a selective region's instructions save nothing in a replay: its inputs are kept,
         # and the backward re-runs it from them (`step_pull_back.rerun_region`)
         self.regions = tuple(trace.regions)
@@ -111,19 +106,19 @@ class StepProgram:
         for r, region in enumerate(self.regions):
             region_of[region.start:region.stop] = [r] * (region.stop - region.start)
         self.region_of = tuple(region_of)
+        # the same in a forward that saves (`tape`), less what outlives the step there: the
+        # values saved (the backward reads them; a profiler's buffers are made from them
+        # after the step ran) and the leaves (a profiler reads those after it too). A step's
+        # values all held to its end would add every unsaved intermediate to the peak of a
+        # loop that tapes it (a planned backward re-tapes one step at its peak)
         saved = {ins.output if s.position < 0 else ins.inputs[s.position]
                  for i, ins in enumerate(self.instructions) if ins.taped and region_of[i] < 0
                  for s in ins.saved}
         saved.update(s for region in self.regions for s in region.inputs)
         self.region_inputs = tuple(_saved_getter(region.inputs) for region in self.regions)
         # per region, its taped instructions and the slots each saves (what a re-run keeps)
-        self.region_saved = tuple(
-            tuple((i, _saved_getter(tuple(
-                self.instructions[i].output if s.position < 0
-                else self.instructions[i].inputs[s.position]
-                for s in self.instructions[i].saved)))
-                  for i in range(region.start, region.stop) if self.instructions[i].taped)
-            for region in self.regions)
+        self.region_saved = tuple(_region_saved(self.instructions, region)
+                                  for region in self.regions)
         self.tape_frees = tuple(
             tuple(s for s in f if s not in saved and not trace.facts[s][1]) for f in frees)
         self.saved_slots = frozenset(saved)  # what a loop keeping every step guards
@@ -309,6 +304,17 @@ class StepProgram:
                 values[s] = None
         return ([None if s < 0 else values[s] for s in self.carry_out],
                 [None if s < 0 else values[s] for s in self.y_out])
+
+
+def _region_saved(instructions: tuple[Instruction, ...], region: Any,
+                  ) -> tuple[tuple[int, Any], ...]:
+    """A selective region's taped instructions, each with the getter of the slots it saves:
+    what a re-run of the region hands their backward rules."""
+    return tuple(
+        (i, _saved_getter(tuple(ins.output if s.position < 0 else ins.inputs[s.position]
+                                for s in ins.saved)))
+        for i, ins in enumerate(instructions[region.start:region.stop], region.start)
+        if ins.taped)
 
 
 def _read_slot(slot: int) -> Any:

@@ -232,7 +232,7 @@ def rerun_region(program: StepProgram, r: int, step: ReplayedStep, retain: bool)
                         else kept.unpack() if isinstance(kept, SavedBuffer) else kept)
     for slot, array in program.constants.items():
         values[slot] = array
-    xp = namespace_of(values[region.inputs[0]] if region.inputs else program.constants)
+    xp = namespace_of([values[s] for s in region.inputs] or list(program.constants.values()))
     forwards, instructions = program.forwards, program.instructions
     saved = step.saved
     with events.recomputing(region.name):
