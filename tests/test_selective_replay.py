@@ -71,7 +71,9 @@ def test_a_profile_of_replayed_selective_layers_is_the_recorded_ones(strategy):
     _equal(grads, recorded_grads)
     assert replayed.peak_tape_bytes == recorded.peak_tape_bytes
     assert replayed.aliased_bytes == recorded.aliased_bytes
-    assert replayed.recomputed_primitives == recorded.recomputed_primitives > 0
+    # the re-run leaves out the core's last product (its output, the region's, is saved by
+    # none of the region's operations): one primitive of the four per layer
+    assert 0 < replayed.recomputed_primitives < recorded.recomputed_primitives
     _, _, kept = _gpt_run(model, strategy, KeepAll(), profiled=True)
     assert replayed.peak_tape_bytes < kept.peak_tape_bytes
 
@@ -91,7 +93,9 @@ def test_a_profiled_backward_of_an_unprofiled_replayed_forward_counts_the_region
             loss.backward()
         return prof.peak_tape_bytes, prof.recomputed_primitives
 
-    assert backward_peak(True) == backward_peak(False)
+    (replayed, rerun), (recorded, rerun_recorded) = backward_peak(True), backward_peak(False)
+    assert replayed == recorded
+    assert 0 < rerun < rerun_recorded  # (the core's last product left out, as above)
 
 
 def _attention_core(q, k):

@@ -119,6 +119,8 @@ class StepProgram:
         # per region, its taped instructions and the slots each saves (what a re-run keeps)
         self.region_saved = tuple(_region_saved(self.instructions, region)
                                   for region in self.regions)
+        self.region_runs = tuple(_region_run(self.instructions, region)
+                                 for region in self.regions)
         self.tape_frees = tuple(
             tuple(s for s in f if s not in saved and not trace.facts[s][1]) for f in frees)
         self.saved_slots = frozenset(saved)  # what a loop keeping every step guards
@@ -315,6 +317,25 @@ def _region_saved(instructions: tuple[Instruction, ...], region: Any,
                                 for s in ins.saved)))
         for i, ins in enumerate(instructions[region.start:region.stop], region.start)
         if ins.taped)
+
+
+def _region_run(instructions: tuple[Instruction, ...], region: Any) -> tuple[int, ...]:
+    """The instructions a re-run of a selective region runs, in order: those whose output
+    a saved value of the region is, or is made from (a primitive is a function of its
+    inputs: one whose output nothing saved needs, such as the core's last product, the
+    region's output, is left out; a recorded `checkpoint` re-runs the whole function)."""
+    needed: set[int] = set()
+    for ins in instructions[region.start:region.stop]:
+        if ins.taped:
+            needed.update(ins.output if s.position < 0 else ins.inputs[s.position]
+                          for s in ins.saved)
+    run = []
+    for i in range(region.stop - 1, region.start - 1, -1):
+        ins = instructions[i]
+        if ins.output in needed:
+            run.append(i)
+            needed.update(ins.inputs)
+    return tuple(reversed(run))
 
 
 def _read_slot(slot: int) -> Any:

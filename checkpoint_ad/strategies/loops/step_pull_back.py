@@ -215,7 +215,9 @@ def rerun_region(program: StepProgram, r: int, step: ReplayedStep, retain: bool)
     """Selective region `r` of a taped `step` re-run from the inputs the step kept, as a
     recorded `checkpoint` re-runs it when its first saved value is read: the same forwards
     on the same arrays, so the saved values, and the gradients, are bitwise the recorded
-    ones. Each taped instruction of the region gets its saved values; the inputs are let
+    ones (its instructions whose outputs no saved value needs are left out:
+    `StepProgram.region_runs`). Each taped instruction of the region gets its saved
+    values; the inputs are let
     go (kept with `retain`, for a second sweep). A profiler hears it as a recorded region's
     re-run: a recompute phase, its primitives, and its saved values packed (freed as each
     instruction's rules ran)."""
@@ -237,7 +239,7 @@ def rerun_region(program: StepProgram, r: int, step: ReplayedStep, retain: bool)
     saved = step.saved
     with events.recomputing(region.name):
         emit = events.hears("apply")
-        for i in range(region.start, region.stop):
+        for i in program.region_runs[r]:
             ins = instructions[i]
             values[ins.output] = forwards[i](values, xp)
             if emit and ins.prim is not None:
