@@ -14,7 +14,10 @@ cannot repeat: reads a value into Python (`bool`, `item`, `float`, `numpy()`), r
 hook, modifies a tensor in place, uses a custom `Function` or a nested planned loop. Steps 0
 and 1 are both traced and must give the same program with the same constants: a step that
 makes new tensors from outside data on each call (``cad.tensor(np.random.rand(3))``, a mask
-drawn per call) is caught there, as it would be frozen by a replay. A loop run again may reuse
+drawn per call) is caught there, as it would be frozen by a replay. A `Selective` region the
+step opens (`selective.region`: the attention core) is noted in the trace (`TracedRegion`): a
+taped replay keeps its inputs, not what its instructions save, and the backward re-runs it
+(`step_pull_back.rerun_region`), as a recorded `checkpoint` keeps and re-runs it. A loop run again may reuse
 the program an earlier call made, once its step 0 is checked against it (`program_cache.py`).
 
 The parts, each a module:
