@@ -17,8 +17,9 @@ makes new tensors from outside data on each call (``cad.tensor(np.random.rand(3)
 drawn per call) is caught there, as it would be frozen by a replay. A `Selective` region the
 step opens (`selective.region`: the attention core) is noted in the trace (`TracedRegion`): a
 taped replay keeps its inputs, not what its instructions save, and the backward re-runs it
-(`step_pull_back.rerun_region`), as a recorded `checkpoint` keeps and re-runs it. A loop run again may reuse
-the program an earlier call made, once its step 0 is checked against it (`program_cache.py`).
+(`step_pull_back.rerun_region`), as a recorded `checkpoint` keeps and re-runs it. A loop run
+again may reuse the program an earlier call made, once its step 0 is checked against it
+(`program_cache.py`).
 
 The parts, each a module:
 - `step_trace`: tracing a step (`Trace`, `traced_call`), and whether two traces are one program;
