@@ -24,6 +24,7 @@ from ..backend import to_device
 from ..entry import Entry
 from ..errors import RecomputeError, SavedValueModifiedError
 from ..grad_mode import (
+    _state,
     enable_grad,
     is_grad_enabled,
     made_before_rerun,
@@ -540,8 +541,12 @@ def checkpoint(
         strategy = replace(strategy, debug=True)
     region = _Region(fn, args, kwargs, strategy, bool(preserve_rng_state))
     packer = RegionPacker(region, region.choose, names.storage if names is not None else None)
-    refuse_trace("opens a checkpointed region (checkpoint, or remat without a saving "
-                 "policy), which a replay would not re-run")
+    tracer = _state.tracer
+    if tracer is not None and tracer.region_pending:  # a selective region, traced: the
+        tracer.region_pending = False  # replay re-runs it (`selective.region`)
+    else:
+        refuse_trace("opens a checkpointed region (checkpoint, or remat without a saving "
+                     "policy), which a replay would not re-run")
     seq_before = next_sequence()
     packer.watch(args, kwargs, seq_before)
     with use_packer(packer), watching_reads(packer):

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import StrategyConfigError
-from ..grad_mode import refuse_trace
+from ..grad_mode import _state, refuse_trace
 from ..saved import KEEP, Strategy, current_packer
 from .recompute import checkpoint
 
@@ -67,13 +67,21 @@ class Selective(Strategy):
 
 def region(name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)``, run under `checkpoint` when the saved-value strategy in effect
-    is a `Selective` naming `name`, and as it is otherwise."""
+    is a `Selective` naming `name`, and as it is otherwise. In a traced scan step the region
+    is noted in the trace: the steps the loop replays keep its inputs and re-run it in the
+    backward, as the recorded `checkpoint` does (`loops/step_pull_back.rerun_region`)."""
     _RUN[0] += 1
     packer = current_packer()
     if isinstance(packer, Selective) and name in packer.regions:
-        # A scan step that checkpoints is recorded, not traced into a step program: a region
-        # traced in steps 0 and 1 re-ran differently from its first run (RecomputeError).
-        # Remove once `checkpoint` itself can run inside traced steps.
-        refuse_trace("checkpoints a region (selective recomputation)")
-        return checkpoint(fn, *args, **kwargs)
+        tracer = _state.tracer
+        if tracer is None or tracer.region_open:  # (no step traced, or a region in one:
+            refuse_trace("checkpoints a region inside a selective region")  # recorded)
+            return checkpoint(fn, *args, **kwargs)
+        # a traced step runs (and is recorded) checkpointed; the trace notes the region
+        start = tracer.open_region()
+        try:
+            out = checkpoint(fn, *args, **kwargs)
+        finally:
+            tracer.close_region(start, getattr(fn, "__qualname__", repr(fn)))
+        return out
     return fn(*args, **kwargs)

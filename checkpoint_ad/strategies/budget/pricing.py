@@ -289,7 +289,7 @@ def measure(
                 if not calls:  # the step refuses tracing: every form records its steps
                     mode = traced_mode
                     break
-                continue  # this form alone records (a region `Selective` checkpoints)
+                continue  # this form alone records (a `Selective` region drawing randoms)
             mode, anew = traced_mode, traced_anew
             if loop.batch_rows:  # (the caller's xs: the dry run's are a few rows)
                 batched = max(batched, program_chunk_bytes(

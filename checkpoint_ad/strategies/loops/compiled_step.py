@@ -184,13 +184,17 @@ def delivery_kinds(n_slots: int, carry_in: tuple[int, ...], x_in: tuple[int, ...
 
 
 def compile_tape_as_is(instructions: tuple[Any, ...], forwards: tuple[Forward, ...],
-                      tape_frees: tuple[tuple[int, ...], ...]) -> tuple[AsIsRow, ...] | None:
+                      tape_frees: tuple[tuple[int, ...], ...],
+                      region_of: tuple[int, ...]) -> tuple[AsIsRow, ...] | None:
     """The rows of a taped replay where every taped instruction keeps its values as they are
     (`KeepAll`: `step_tape.tape_as_is`), one per instruction: (index, forward, output slot,
     the getter of the slots it saves or None, the slots freed after it); None where some
-    taped instruction may store its values otherwise."""
-    kept_as_is = [_kept_as_is(ins) for ins in instructions]
-    if any(ins.taped and kept is None for ins, kept in zip(instructions, kept_as_is)):
+    taped instruction may store its values otherwise. An instruction of a selective region
+    (`region_of` >= 0) keeps nothing: the backward re-runs it."""
+    kept_as_is = [None if r >= 0 else _kept_as_is(ins)
+                  for ins, r in zip(instructions, region_of)]
+    if any(ins.taped and kept is None and r < 0
+           for ins, kept, r in zip(instructions, kept_as_is, region_of)):
         return None
     return tuple(zip(range(len(kept_as_is)), forwards, (ins.output for ins in instructions),
                      [None if kept is None else _saved_getter(kept) for kept in kept_as_is],

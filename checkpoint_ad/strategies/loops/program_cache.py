@@ -83,6 +83,7 @@ class _Remembered:
     n_inputs: int
     n_slots: int
     constants: dict[int, _Captured]
+    regions: tuple[Any, ...]  # its selective regions (`step_trace.TracedRegion`)
 
 
 def _remember(trace: Trace) -> _Remembered:
@@ -92,7 +93,7 @@ def _remember(trace: Trace) -> _Remembered:
         small = plain and t._data.nbytes <= SMALL
         constants[slot] = _Captured(weakref.ref(t), plain, t._data.copy() if small else None)
     return _Remembered(tuple(trace.instructions), trace.outputs, tuple(trace.facts),
-                       trace.n_inputs, trace.n_slots, constants)
+                       trace.n_inputs, trace.n_slots, constants, tuple(trace.regions))
 
 
 @dataclass(frozen=True, slots=True)

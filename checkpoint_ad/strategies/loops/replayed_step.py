@@ -23,10 +23,11 @@ dict of its own per taped step was 64 bytes of every step of a long loop)."""
 class ReplayedStep:
     """One replayed step's values and what its backward rules read."""
 
-    __slots__ = ("announced", "as_is", "buffers", "held", "saved", "values")
+    __slots__ = ("announced", "as_is", "buffers", "held", "regions", "saved", "values")
 
     def __init__(self, values: list[Any], saved: list[Any], announced: bool,
-                 buffers: Mapping[tuple[int, int], Any], as_is: bool = False) -> None:
+                 buffers: Mapping[tuple[int, int], Any], as_is: bool = False,
+                 regions: list[Any] | None = None) -> None:
         self.values: Sequence[Any] = values
         self.saved = saved
         # with `as_is`, the buffers a profiler watches of the arrays in `saved`, per
@@ -39,6 +40,9 @@ class ReplayedStep:
         self.buffers = buffers  # (slot, id(packer)) -> packed buffer, shared with the next step
         # every saved value is the array itself (no buffer to unpack) and no entry announced
         self.as_is = as_is
+        # per selective region of the program, its inputs' arrays (None: no region, or
+        # re-run and let go): what the backward re-runs the region from
+        self.regions = regions
 
     def packed_ids(self) -> set[int]:
         """Ids of the buffers this step keeps that must be unpacked (not kept as is)."""

@@ -52,8 +52,8 @@ def step_begins(program: StepProgram) -> DescribedStep:
     described = program.described[0]
     if described is None:
         described = program.described[0] = DescribedStep(
-            tuple(_describe(program, ins) if ins.taped else None
-                  for ins in program.instructions),
+            tuple(_describe(program, ins) if ins.taped and r < 0 else None
+                  for ins, r in zip(program.instructions, program.region_of)),
             sum(1 for ins in program.instructions
                 if ins.prim is not None and type(ins.prim) is not Draw))
     events.emit("replaying", None)
@@ -92,7 +92,8 @@ def kept_layout(program: StepProgram, mode: int) -> KeptLayout:
     position: dict[Any, int] = {}
     held: list[tuple[int, tuple[int, ...]]] = []
     for i, ins in enumerate(program.instructions):
-        if ins.prim is None or type(ins.prim) is Draw or not ins.taped or not ins.saved:
+        if ins.prim is None or type(ins.prim) is Draw or not ins.taped or not ins.saved \
+                or program.region_of[i] >= 0:  # (a selective region's: re-run instead)
             continue
         at = []
         for s in ins.saved:

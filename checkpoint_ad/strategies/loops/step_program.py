@@ -14,8 +14,12 @@ cannot repeat: reads a value into Python (`bool`, `item`, `float`, `numpy()`), r
 hook, modifies a tensor in place, uses a custom `Function` or a nested planned loop. Steps 0
 and 1 are both traced and must give the same program with the same constants: a step that
 makes new tensors from outside data on each call (``cad.tensor(np.random.rand(3))``, a mask
-drawn per call) is caught there, as it would be frozen by a replay. A loop run again may reuse
-the program an earlier call made, once its step 0 is checked against it (`program_cache.py`).
+drawn per call) is caught there, as it would be frozen by a replay. A `Selective` region the
+step opens (`selective.region`: the attention core) is noted in the trace (`TracedRegion`): a
+taped replay keeps its inputs, not what its instructions save, and the backward re-runs it
+(`step_pull_back.rerun_region`), as a recorded `checkpoint` keeps and re-runs it. A loop run
+again may reuse the program an earlier call made, once its step 0 is checked against it
+(`program_cache.py`).
 
 The parts, each a module:
 - `step_trace`: tracing a step (`Trace`, `traced_call`), and whether two traces are one program;
@@ -40,6 +44,7 @@ from ...tape import edge_of
 from .compiled_step import (
     HOIST,
     PENDING,
+    _saved_getter,
     compile_forward,
     compile_rules,
     compile_tape_as_is,
@@ -98,13 +103,28 @@ class StepProgram:
             if s not in kept:
                 frees[i].append(s)
         self.frees = tuple(tuple(f) for f in frees)
+        # a selective region's instructions save nothing in a replay: its inputs are kept,
+        # and the backward re-runs it from them (`step_pull_back.rerun_region`)
+        self.regions = tuple(trace.regions)
+        region_of = [-1] * len(self.instructions)
+        for r, region in enumerate(self.regions):
+            region_of[region.start:region.stop] = [r] * (region.stop - region.start)
+        self.region_of = tuple(region_of)
         # the same in a forward that saves (`tape`), less what outlives the step there: the
         # values saved (the backward reads them; a profiler's buffers are made from them
         # after the step ran) and the leaves (a profiler reads those after it too). A step's
         # values all held to its end would add every unsaved intermediate to the peak of a
         # loop that tapes it (a planned backward re-tapes one step at its peak)
         saved = {ins.output if s.position < 0 else ins.inputs[s.position]
-                 for ins in self.instructions if ins.taped for s in ins.saved}
+                 for i, ins in enumerate(self.instructions) if ins.taped and region_of[i] < 0
+                 for s in ins.saved}
+        saved.update(s for region in self.regions for s in region.inputs)
+        self.region_inputs = tuple(_saved_getter(region.inputs) for region in self.regions)
+        # per region, its taped instructions and the slots each saves (what a re-run keeps)
+        self.region_saved = tuple(_region_saved(self.instructions, region)
+                                  for region in self.regions)
+        self.region_runs = tuple(_region_run(self.instructions, region)
+                                 for region in self.regions)
         self.tape_frees = tuple(
             tuple(s for s in f if s not in saved and not trace.facts[s][1]) for f in frees)
         self.saved_slots = frozenset(saved)  # what a loop keeping every step guards
@@ -124,7 +144,8 @@ class StepProgram:
                                    self.frees, announced))
         # `step_tape.tape_as_is`'s rows, where every taped instruction keeps its values as
         # they are (`KeepAll`); None where some may not
-        self.tape_as_is = compile_tape_as_is(self.instructions, self.forwards, self.tape_frees)
+        self.tape_as_is = compile_tape_as_is(self.instructions, self.forwards, self.tape_frees,
+                                             self.region_of)
         self.backward_rules = tuple(
             (i, self.instructions[i].output, compile_rules(self.instructions[i]))
             for i in self.backward_order)
@@ -160,6 +181,8 @@ class StepProgram:
         self.hoisted, self.row_bytes = find_hoisted(
             self.instructions, self.x_in, trace.constants, self.dtype,
             trace.shapes)
+        if any(self.region_of[h.index] >= 0 for h in self.hoisted):  # a region re-runs its
+            self.hoisted, self.row_bytes = (), 0  # own products: none batched
         self.hoisted_outputs = tuple(h.output for h in self.hoisted)
         # whether no row of a product outlives its step: none is saved, returned, or read by
         # an operation whose result may be a view of it (a chunk may then reuse its buffers)
@@ -287,6 +310,36 @@ class StepProgram:
                 values[s] = None
         return ([None if s < 0 else values[s] for s in self.carry_out],
                 [None if s < 0 else values[s] for s in self.y_out])
+
+
+def _region_saved(instructions: tuple[Instruction, ...], region: Any,
+                  ) -> tuple[tuple[int, Any], ...]:
+    """A selective region's taped instructions, each with the getter of the slots it saves:
+    what a re-run of the region hands their backward rules."""
+    return tuple(
+        (i, _saved_getter(tuple(ins.output if s.position < 0 else ins.inputs[s.position]
+                                for s in ins.saved)))
+        for i, ins in enumerate(instructions[region.start:region.stop], region.start)
+        if ins.taped)
+
+
+def _region_run(instructions: tuple[Instruction, ...], region: Any) -> tuple[int, ...]:
+    """The instructions a re-run of a selective region runs, in order: those whose output
+    a saved value of the region is, or is made from (a primitive is a function of its
+    inputs: one whose output nothing saved needs, such as the core's last product, the
+    region's output, is left out; a recorded `checkpoint` re-runs the whole function)."""
+    needed: set[int] = set()
+    for ins in instructions[region.start:region.stop]:
+        if ins.taped:
+            needed.update(ins.output if s.position < 0 else ins.inputs[s.position]
+                          for s in ins.saved)
+    run = []
+    for i in range(region.stop - 1, region.start - 1, -1):
+        ins = instructions[i]
+        if ins.output in needed:
+            run.append(i)
+            needed.update(ins.inputs)
+    return tuple(reversed(run))
 
 
 def _read_slot(slot: int) -> Any:

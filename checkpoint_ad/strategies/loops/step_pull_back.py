@@ -16,8 +16,19 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ... import events
+from ...errors import BackwardError
 from ...ops import astype
-from .compiled_step import CARRY, EXTERNAL, GRAD_ONLY, HOIST, ONE_SAVED, PENDING, XS
+from ...saved import KEEP, KeptBuffer, SavedBuffer, pack_value
+from .compiled_step import (
+    CARRY,
+    EXTERNAL,
+    GRAD_ONLY,
+    HOIST,
+    ONE_SAVED,
+    PENDING,
+    XS,
+    namespace_of,
+)
 
 if TYPE_CHECKING:
     from .hoisted_rows import RowSource
@@ -110,6 +121,7 @@ def pull_back_steps(
     if events.listeners:
         events.emit("backward_begin", None)
     dtypes = program.dtype
+    region_of = program.region_of
     # arrays unpacked from buffers shared with the step before (id -> (weak reference
     # to the buffer, array)): made by a step, read again by the next one run back
     # (its carry's producer), then dropped; each shared value is unpacked once
@@ -139,6 +151,10 @@ def pull_back_steps(
                 if g is None:
                     continue
                 grads[output] = None
+                if region_of[i] >= 0 and kept[i] is None:  # a selective region's: re-run
+                    rerun_region(program, region_of[i], step, retain)
+                    held = step.held
+                    frees = held is not None or not as_is
                 saved = kept[i] if as_is else step.unpack(i, unpacked_later,
                                                           unpacked_here, shared)
                 if as_is and not retain:
@@ -193,3 +209,52 @@ def pull_back_steps(
     finally:
         if events.listeners:
             events.emit("backward_end", None)
+
+
+def rerun_region(program: StepProgram, r: int, step: ReplayedStep, retain: bool) -> None:
+    """Selective region `r` of a taped `step` re-run from the inputs the step kept, as a
+    recorded `checkpoint` re-runs it when its first saved value is read: the same forwards
+    on the same arrays, so the saved values, and the gradients, are bitwise the recorded
+    ones (its instructions whose outputs no saved value needs are left out:
+    `StepProgram.region_runs`). Each taped instruction of the region gets its saved
+    values; the inputs are let
+    go (kept with `retain`, for a second sweep). A profiler hears it as a recorded region's
+    re-run: a recompute phase, its primitives, and its saved values packed (freed as each
+    instruction's rules ran)."""
+    inputs = step.regions[r] if step.regions is not None else None
+    if inputs is None:
+        raise BackwardError(
+            "backward through a replayed loop step a second time: its selective region's "
+            "inputs were freed when the first backward re-ran it; pass retain_graph=True to "
+            "the first backward to keep them")
+    region = program.regions[r]
+    values: list[Any] = [None] * program.n_slots
+    for slot, kept in zip(region.inputs, inputs):
+        values[slot] = (kept.packed if type(kept) is KeptBuffer
+                        else kept.unpack() if isinstance(kept, SavedBuffer) else kept)
+    for slot, array in program.constants.items():
+        values[slot] = array
+    xp = namespace_of([values[s] for s in region.inputs] or list(program.constants.values()))
+    forwards, instructions = program.forwards, program.instructions
+    saved = step.saved
+    with events.recomputing(region.name):
+        emit = events.hears("apply")
+        for i in program.region_runs[r]:
+            ins = instructions[i]
+            values[ins.output] = forwards[i](values, xp)
+            if emit and ins.prim is not None:
+                events.emit("apply", ins.prim)
+        heard = bool(events.listeners)
+        if heard and step.as_is and step.held is None:
+            step.held = [None] * len(instructions)
+        for i, get in program.region_saved[r]:
+            arrays = list(get(values))
+            if not heard:
+                saved[i] = arrays
+            elif step.as_is:  # the rules read the arrays; the buffers are the profiler's
+                saved[i] = arrays
+                step.held[i] = [pack_value(a, KEEP) for a in arrays]
+            else:
+                saved[i] = [pack_value(a, KEEP) for a in arrays]
+    if not retain:
+        step.regions[r] = None

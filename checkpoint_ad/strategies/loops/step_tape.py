@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ... import events
-from ...saved import KeepAll, buffer_for, pack_value
+from ...saved import KEEP, KeepAll, buffer_for, pack_value
 from .compiled_step import namespace_of
 from .replayed_step import NO_BUFFERS, ReplayedStep, carried_buffers
 from .step_profiled import kept_layout, step_begins
@@ -55,7 +55,7 @@ def tape(program: StepProgram, carry: list[Any], x: list[Any],
             values[s] = None
         if prim is None or type(prim) is Draw:
             continue
-        if not ins.taped:
+        if not ins.taped or program.region_of[i] >= 0:  # (a region's: re-run instead)
             continue
         kept = []
         for s in ins.saved:
@@ -76,10 +76,45 @@ def tape(program: StepProgram, carry: list[Any], x: list[Any],
                 buffer = buffers[key] = pack_value(values[slot], packer)
             kept.append(buffer)
         saved[i] = kept
+    regions = None
+    if program.regions:
+        regions = (region_buffers(program, values, buffers, carry_tensors, None) if announce
+                   else region_inputs(program, values))
     if announce:
         events.emit("replayed", (described, saved, values,
                                  program.carry_in if chained else (), None))
-    return ReplayedStep(values, saved, announce, buffers)
+    return ReplayedStep(values, saved, announce, buffers, regions=regions)
+
+
+def region_inputs(program: StepProgram, values: list[Any]) -> list[Any] | None:
+    """What a taped step keeps of each selective region: its inputs' arrays (None: no
+    region). The backward re-runs the region from them (`step_pull_back.rerun_region`)."""
+    if not program.regions:
+        return None
+    return [get(values) for get in program.region_inputs]
+
+
+def region_buffers(program: StepProgram, values: list[Any], buffers: dict[Any, Any],
+                   carry_tensors: Any, made: list[Any] | None) -> list[Any]:
+    """`region_inputs` for a step a profiler hears: each input in a buffer kept as is (shared
+    with an instruction saving the same value, as a recorded region's input shares its
+    tensor's), so the profiler counts the region's inputs as a recorded `checkpoint`'s."""
+    tensors = {} if carry_tensors is None else dict(zip(program.carry_in, carry_tensors))
+    kept_inputs = []
+    for region in program.regions:
+        kept = []
+        for slot in region.inputs:
+            tensor = tensors.get(slot)
+            if tensor is not None:
+                kept.append(buffer_for(tensor, KEEP, made))
+                continue
+            key = (slot, id(KEEP))
+            buffer = buffers.get(key)
+            if buffer is None:
+                buffer = buffers[key] = pack_value(values[slot], KEEP, made)
+            kept.append(buffer)
+        kept_inputs.append(kept)
+    return kept_inputs
 
 
 def tape_steps(
@@ -140,7 +175,8 @@ def tape_as_is(program: StepProgram, carry: list[Any], x: list[Any]) -> Replayed
             saved[i] = saved_of(values)
         for s in frees:
             values[s] = None
-    return ReplayedStep(values, saved, False, NO_BUFFERS, as_is=True)
+    return ReplayedStep(values, saved, False, NO_BUFFERS, as_is=True,
+                        regions=region_inputs(program, values))
 
 
 def tape_kept(program: StepProgram, carry: list[Any], x: list[Any],
@@ -176,6 +212,8 @@ def tape_kept(program: StepProgram, carry: list[Any], x: list[Any],
     for i, at in layout.held:
         held[i] = list(map(get, at))
     step.held = held
+    if program.regions:
+        step.regions = region_buffers(program, values, buffers, carry_tensors, made)
     events.emit("replayed", (described, held, values,
                              program.carry_in if mode else (), made))
     return step

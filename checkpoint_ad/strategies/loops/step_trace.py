@@ -19,7 +19,7 @@ from ... import events
 from ...backend import namespace
 from ...grad_mode import _state
 from ...pytree import flatten
-from ...saved import KeepAll, SavedSlot, current_packer
+from ...saved import KEEP, KeepAll, SavedSlot, current_packer
 from ...tape import Primitive, edge_of, next_sequence
 
 
@@ -64,6 +64,18 @@ class Instruction:
     origin: tuple[Any, int]
 
 
+@dataclass(frozen=True, slots=True)
+class TracedRegion:
+    """A selective region a step opened: its instructions `start`..`stop`-1 and the slots they
+    read from before it (`inputs`, constants aside). A replay keeps the inputs, not what the
+    region's instructions save, and re-runs them in the backward (`step_pull_back`)."""
+
+    start: int
+    stop: int
+    inputs: tuple[int, ...]
+    name: str  # what a profiler hears of its re-run (`events.recomputing`), as `checkpoint`'s
+
+
 @dataclass
 class Trace:
     """What tracing one step found; `program()` freezes it."""
@@ -97,6 +109,11 @@ class Trace:
     # (weak reference, counter); those still alive once the step's own are gone belong to
     # someone else (a captured tensor), which a re-run of the step would change again
     written: dict[int, tuple[Any, Any]] = field(default_factory=dict)
+    # the selective regions the step opened (`selective.region`), each a `TracedRegion`;
+    # `region_open`: the step is inside one
+    regions: list[TracedRegion] = field(default_factory=list)
+    region_open: bool = False
+    region_pending: bool = False  # the region's `checkpoint` has not begun: it refuses nothing
 
     # ------------------------------------------------------------- called by the engine
     def refuse(self, reason: str) -> None:
@@ -122,10 +139,13 @@ class Trace:
             form = entry.form
             in_shapes = entry.in_shapes
             chained = current_packer()
-            if type(chained) is not KeepAll:
+            if self.region_open:  # a replay keeps none of a region's saved values (their
+                chained = KEEP  # recorded packer is one run's `checkpoint`): said as kept
+            elif type(chained) is not KeepAll:
                 chained = (chained.for_call(prim, tuple([t.shape for t in tensors]), attrs)
                            if chained.per_call else chained.for_primitive(prim))
-            saved = tuple(self._saved(prim, slot, chained) for slot in entry.slots or ())
+            saved = tuple(self._saved(prim, slot, chained, self.region_open)
+                          for slot in entry.slots or ())
         mask = tuple(edge_of(t) is not None for t in tensors)
         output = self._new_slot(result)
         origin = entry.origin_frame if taped else (None, 0)
@@ -159,8 +179,35 @@ class Trace:
         self.instructions.append(Instruction(
             Draw(make, key), (), {}, slot, False, (), None, (), (), (None, 0)))
 
+    def open_region(self) -> int:
+        """A selective region begins: where its instructions will start."""
+        self.region_open = self.region_pending = True
+        return len(self.instructions)
+
+    def close_region(self, start: int, name: str) -> None:
+        """The region begun at instruction `start` returned: note its instructions and the
+        slots they read from before it (its inputs: what a replay keeps of it)."""
+        self.region_open = self.region_pending = False
+        if self.refused is not None:
+            return
+        stop = len(self.instructions)
+        made: set[int] = set()
+        inputs: list[int] = []
+        for ins in self.instructions[start:stop]:
+            if type(ins.prim) is Draw:
+                self.refuse("draws random numbers inside a selective region (a replay would "
+                            "draw others when it re-runs the region)")
+                return
+            for s in ins.inputs:
+                if s not in made and s not in self.constants and s not in inputs:
+                    inputs.append(s)
+            made.add(ins.output)
+        if stop > start:
+            self.regions.append(TracedRegion(start, stop, tuple(inputs), name))
+
     # ------------------------------------------------------------- helpers
-    def _saved(self, prim: Primitive, slot: SavedSlot, chained: Any) -> Saved:
+    def _saved(self, prim: Primitive, slot: SavedSlot, chained: Any, in_region: bool,
+               ) -> Saved:
         name = slot.name
         if name == "out":
             position = -1
@@ -168,7 +215,8 @@ class Trace:
             position = int(name[1:])
         else:
             position = prim.args.index(name)
-        return Saved(name, position, slot.buffer.packer, chained, slot.edge is not None,
+        packer = KEEP if in_region else slot.buffer.packer
+        return Saved(name, position, packer, chained, slot.edge is not None,
                      slot.counter is not None)
 
     def _new_slot(self, tensor: Any) -> int:
@@ -287,6 +335,8 @@ def same_operations(a: Any, b: Any) -> str | None:
     the same slots, with the same attributes, outputs and random draws (None when they do)."""
     if len(a.instructions) != len(b.instructions) or a.outputs != b.outputs:
         return "runs different operations on different steps"
+    if tuple(a.regions) != tuple(b.regions):
+        return "opens its selective regions differently on different steps"
     for x, y in zip(a.instructions, b.instructions):
         if type(x.prim) is Draw and type(y.prim) is Draw:
             if not same_values(x.prim.key, y.prim.key) or x.output != y.output:
