@@ -107,7 +107,10 @@ def test_per_layer_activation_bytes_are_the_derived_formula(granularity):
     from checkpoint_ad.models.gpt_memory import measure_layer, predicted_arrays
 
     per_token = []
-    for seq in (32, 64):  # wide enough that arrays outweigh the ~30 KB of a layer's objects
+    # wide enough that arrays outweigh the ~30 KB of a layer's objects: under full
+    # recomputation a layer keeps one array of s·b·h (64 KB at s 64), which at s 32 sat
+    # within a few KB of the 10% bound (10.56% measured once)
+    for seq in (64, 128):
         m = measure_layer(seq, 2, 128, 4, granularity)
         assert m.peak_tape_bytes == m.predicted_bytes
         assert abs(m.tracemalloc_bytes / m.predicted_bytes - 1) < 0.10
