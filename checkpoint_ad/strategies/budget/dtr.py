@@ -62,7 +62,7 @@ import numpy as np
 from ... import events
 from ...backend import namespace
 from ...backend import nbytes as array_nbytes
-from ...entry import EntryExtra
+from ...entry import _NO_ATTRS, EntryExtra
 from ...errors import (
     BudgetError,
     BudgetWarning,
@@ -70,6 +70,7 @@ from ...errors import (
     SavedValueModifiedError,
     StrategyConfigError,
 )
+from ...origins import NO_ORIGIN
 from ...saved import KEEP, Strategy
 
 __all__ = ["Rematerializing"]
@@ -79,20 +80,33 @@ _SAMPLE_FLOOR = 8  # evictions score at least this many candidates (all, if fewe
 _SLACK = 64  # making room evicts down to 1/_SLACK of the room below what is needed
 
 
-class _Value:
+class _Value(EntryExtra):
     """How one primitive result is made again: the primitive, its attributes, its inputs
-    (other `_Value`s, or `_Fixed` arrays with no recipe), and where its array is now."""
+    (other `_Value`s, or `_Fixed` arrays with no recipe), and where its array is now.
 
-    __slots__ = ("__weakref__", "attrs", "chain", "cls", "counter", "dtype", "frontier",
+    It is the result's entry's `EntryExtra` too (its line, hooks, retained outputs, and the
+    attributes the recipe runs with): recorded for every primitive, one object fewer each
+    for the cyclic collector to scan (see `Rematerializing.recorded`)."""
+
+    __slots__ = ("__weakref__", "chain", "cls", "counter", "dtype", "frontier",
                  "handle", "inputs", "objects", "pool", "prim", "ref", "seq", "shape", "users",
                  "version")
 
-    def __init__(self, pool: Rematerializing, prim: Any, attrs: dict[str, Any],
+    def __init__(self, pool: Rematerializing, prim: Any, extra: Any, attrs: dict[str, Any],
                  inputs: tuple[Any, ...], result: Any, cost: float) -> None:
+        if isinstance(extra, EntryExtra):  # the entry's extras so far: this takes their place
+            self.attrs = extra.attrs
+            self.origin_frame = extra.origin_frame
+            self.retained = extra.retained
+            self.hooks = extra.hooks
+        else:
+            self.attrs = attrs or _NO_ATTRS
+            self.origin_frame = NO_ORIGIN
+            self.retained = None
+            self.hooks = None
         self.pool = pool  # whose value: the entry keeps it, and other pools must not see it
         self.seq = pool._clock  # when it was recorded: recomputes run in the program's order
         self.prim = prim
-        self.attrs = attrs
         self.inputs = inputs
         array = result._data
         self.shape = pool._shapes.setdefault(array.shape, array.shape)
@@ -369,17 +383,18 @@ class Rematerializing(Strategy):
         fixed = 0
         for t in inputs:  # `_value_of` and `present`, inlined (this runs for every primitive)
             entry = t._entry
-            extra = entry._extra if entry is not None else None
-            value = extra.remat if type(extra) is EntryExtra else None
-            if (value is None or value.pool is not self or value.ref() is not t._data
+            value = entry._extra if entry is not None else None
+            if (type(value) is not _Value or value.pool is not self or value.ref() is not t._data
                     or value.counter.value != value.version):
                 value = _Fixed(t)
                 fixed += 1
                 if self.process and t._requires_grad and entry is None:
                     self._reads_leaf(t)
             sources.append(value)
-        value = _Value(self, prim, attrs, tuple(sources), result, _cost(prim, inputs, result))
-        result._entry._extras().remat = value  # lives as long as the entry, like its values
+        entry = result._entry
+        value = _Value(self, prim, entry._extra, attrs, tuple(sources), result,
+                       _cost(prim, inputs, result))
+        entry._extra = value  # lives as long as the entry, like its values
         if self.process:
             self._count_objects(value, result, fixed)
         self._by_array[id(result._data)] = value
@@ -705,7 +720,7 @@ class Rematerializing(Strategy):
 
 class _Sizes:
     """Bytes of the objects recording one value makes (`sys.getsizeof` of each kind, measured
-    once): the tape's entry and its extras, the value, its tuples, weak references, version
+    once): the tape's entry, the value (its extras too), its tuples, weak references, version
     counter and class (once evicted); per input a tuple slot, per input with no recipe a
     `_Fixed`; per saved handle the handle, the saved buffer and slot, their weak references,
     the list of the values that read it, and its place in the table of holders."""
@@ -716,13 +731,13 @@ class _Sizes:
 
         ref = sys.getsizeof(weakref.ref(self))
         keyed = sys.getsizeof(_KeyedRef(self))  # the array table's
-        slots = (_Value.__slots__, _Handle.__slots__, Entry.__slots__, EntryExtra.__slots__,
-                 _Fixed.__slots__, (*PackedBuffer.__slots__, "packed", "__weakref__"),
-                 SavedSlot.__slots__)
+        slots = ((*_Value.__slots__, *EntryExtra.__slots__), _Handle.__slots__,
+                 Entry.__slots__, _Fixed.__slots__,
+                 (*PackedBuffer.__slots__, "packed", "__weakref__"), SavedSlot.__slots__)
         sizes = [_slotted(names) for names in slots]
-        value, handle, entry, extra, fixed, buffer, slot = sizes
+        value, handle, entry, fixed, buffer, slot = sizes
         tuple_, counter, cls = 40, 40, 64  # an empty tuple, a version counter, a `_Class`
-        self.value = value + entry + extra + 2 * ref + keyed + 2 * tuple_ + counter + cls
+        self.value = value + entry + 2 * ref + keyed + 2 * tuple_ + counter + cls
         self.per_input = 8
         self.per_fixed = fixed
         listed = 56 + ref  # a list of users and a weak reference in it
