@@ -122,6 +122,7 @@ class _Value(EntryExtra):
         # references to the saved values that have this one in their frontier; `cls`: this
         # value's class of evicted neighbours while it is evicted (see `_Class`).
         frontier: list[_Value] = []
+        shared: tuple[_Value, ...] = ()  # an unsaved input's frontier, which may be this one's
         for source in inputs:
             if type(source) is not _Value:
                 continue
@@ -130,11 +131,18 @@ class _Value(EntryExtra):
                     frontier.append(source)
             else:
                 cost += source.chain
+                if not shared:
+                    shared = source.frontier
                 for f in source.frontier:
                     if len(frontier) < _NEIGHBOURS and f not in frontier:
                         frontier.append(f)
         self.chain = cost
-        self.frontier = tuple(frontier) if frontier else ()
+        # the same values as an input's frontier (an elementwise chain of unsaved results):
+        # its tuple, not a copy (one object fewer for the cyclic collector to scan)
+        if len(shared) == len(frontier) and all(f in shared for f in frontier):
+            self.frontier = shared
+        else:
+            self.frontier = tuple(frontier)
         self.users: list[weakref.ref[_Value]] | None = None
         self.cls: _Class | None = None
         # a pool counting the process's memory counted its objects: 1 + how many of its inputs
