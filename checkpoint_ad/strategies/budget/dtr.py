@@ -183,47 +183,6 @@ def _find(node: _Class) -> _Class:
     return node
 
 
-class _KeyedRef(weakref.ref):  # type: ignore[type-arg]
-    """A weak reference that knows its key in the table (`weakref.KeyedRef` without its
-    Python-level constructor: this one is made for every recorded primitive)."""
-
-    __slots__ = ("key",)
-
-
-class _ByArray:
-    """id(array) -> the `_Value` that is that array, weakly (a WeakValueDictionary that also
-    gives its table's room back once the last value is gone: a pool outlives its programs,
-    and a dict keeps the size it grew to)."""
-
-    __slots__ = ("__weakref__", "data", "remove")
-
-    def __init__(self) -> None:
-        self.data: dict[int, _KeyedRef] = {}
-        selfref = weakref.ref(self)
-
-        def remove(ref: _KeyedRef, selfref: weakref.ref[_ByArray] = selfref) -> None:
-            table = selfref()
-            if table is not None:
-                data = table.data
-                if data.get(ref.key) is ref:
-                    del data[ref.key]
-                    if not data:
-                        table.data = {}
-
-        self.remove = remove
-
-    def get(self, key: int) -> _Value | None:
-        ref = self.data.get(key)
-        return ref() if ref is not None else None
-
-    def __setitem__(self, key: int, value: _Value) -> None:
-        ref = self.data[key] = _KeyedRef(value, self.remove)
-        ref.key = key
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-
 class _Fixed:
     """An input with no recipe, kept as is, with the version it had when it was read."""
 
@@ -280,6 +239,7 @@ class Rematerializing(Strategy):
     """
 
     lossless: ClassVar[bool] = True
+    sees_tensors: ClassVar[bool] = True  # `saved_tensor`: which recorded result is saved
 
     def __init__(self, limit_bytes: int, reserved: Callable[[], int] | None = None,
                  process: bool = False) -> None:
@@ -331,8 +291,6 @@ class Rematerializing(Strategy):
         self._holders: dict[int, dict[int, weakref.ref[_Handle]]] = {}
         self._fresh: list[weakref.ref[_Handle]] = []
         self._shapes: dict[tuple[int, ...], tuple[int, ...]] = {}  # one tuple per shape
-        # id(array) -> the value it is (checked by identity: ids of dead arrays are reused)
-        self._by_array = _ByArray()
 
     def __repr__(self) -> str:
         return f"Rematerializing(limit_bytes={self.limit_bytes})"
@@ -364,12 +322,21 @@ class Rematerializing(Strategy):
         if self.process:
             self.object_bytes += _sizes().handle
         self._hold(handle)
-        value = self._by_array.get(id(array))
-        if value is not None and value.present() is array:  # made by a primitive before
-            _attach(handle, value)
-        else:  # maybe the output of the primitive being recorded: `recorded` will tell
-            self._fresh.append(weakref.ref(handle))
+        # maybe the output of the primitive being recorded: `recorded` will tell (or made by
+        # one before: `saved_tensor` tells first)
+        self._fresh.append(weakref.ref(handle))
         return handle
+
+    def saved_tensor(self, tensor: Any, stored: _Handle) -> None:
+        """`stored` keeps `tensor`'s array: if a primitive recorded here made it, its recipe
+        makes it again once evicted (found from the tensor's entry: a table from every
+        result's array to its recipe would cost a weak reference and a callback per
+        primitive)."""
+        entry = tensor._entry
+        value = entry._extra if entry is not None else None
+        if (type(value) is _Value and value.pool is self
+                and value.present() is stored.array):  # made by a primitive before
+            _attach(stored, value)
 
 
     def unpack(self, stored: _Handle) -> Any:
@@ -405,7 +372,6 @@ class Rematerializing(Strategy):
         entry._extra = value  # lives as long as the entry, like its values
         if self.process:
             self._count_objects(value, result, fixed)
-        self._by_array[id(result._data)] = value
         if not self._fresh:
             return
         fresh, self._fresh = self._fresh, []
@@ -697,7 +663,6 @@ class Rematerializing(Strategy):
             array = _run(value, args)
             have[id(value)] = array
             value.ref = weakref.ref(array)
-            self._by_array[id(array)] = value
             value.version = value.counter.value  # a fresh array of the original value
             if value.cls is not None:
                 _leave_evicted(value)
@@ -738,14 +703,13 @@ class _Sizes:
         from ...saved import PackedBuffer, SavedSlot
 
         ref = sys.getsizeof(weakref.ref(self))
-        keyed = sys.getsizeof(_KeyedRef(self))  # the array table's
         slots = ((*_Value.__slots__, *EntryExtra.__slots__), _Handle.__slots__,
                  Entry.__slots__, _Fixed.__slots__,
                  (*PackedBuffer.__slots__, "packed", "__weakref__"), SavedSlot.__slots__)
         sizes = [_slotted(names) for names in slots]
         value, handle, entry, fixed, buffer, slot = sizes
         tuple_, counter, cls = 40, 40, 64  # an empty tuple, a version counter, a `_Class`
-        self.value = value + entry + 2 * ref + keyed + 2 * tuple_ + counter + cls
+        self.value = value + entry + 2 * ref + 2 * tuple_ + counter + cls
         self.per_input = 8
         self.per_fixed = fixed
         listed = 56 + ref  # a list of users and a weak reference in it
