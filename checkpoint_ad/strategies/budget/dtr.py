@@ -71,7 +71,7 @@ from ...errors import (
     StrategyConfigError,
 )
 from ...origins import NO_ORIGIN
-from ...saved import KEEP, Strategy
+from ...saved import KEEP, Strategy, VersionCounter
 
 __all__ = ["Rematerializing"]
 
@@ -111,7 +111,7 @@ class _Value(EntryExtra):
         array = result._data
         self.shape = pool._shapes.setdefault(array.shape, array.shape)
         self.dtype = array.dtype
-        self.ref: Callable[[], Any] = weakref.ref(array)
+        self.ref: Callable[[], Any] = _array_ref(array, self)
         self.counter = result._version  # the array is this value while the counter stands
         self.version = result._version.value
         self.handle: Callable[[], Any] | None = None  # weakref of the handle that saves it
@@ -160,6 +160,36 @@ class _Value(EntryExtra):
         if array is None or self.counter.value != self.version:
             return None
         return array
+
+
+class _ArrayRef(weakref.ref):  # type: ignore[type-arg]
+    """A value's weak reference to its array, which lets go of itself and of the value's
+    version counter once the array dies (`_array_died`): most results die within a step of
+    being made, and their values would otherwise hold a dead reference and a counter each
+    for as long as the tape lives, objects the cyclic collector scans on every full pass."""
+
+    __slots__ = ("value",)
+
+
+def _array_ref(array: Any, value: _Value) -> _ArrayRef:
+    ref = _ArrayRef(array, _array_died)
+    ref.value = weakref.ref(value)
+    return ref
+
+
+def _array_died(ref: _ArrayRef) -> None:
+    value = ref.value()
+    if value is not None and value.ref is ref:
+        value.ref = _gone
+        value.counter = _NO_COUNTER  # no tensor holds it: a recompute's array stays as made
+
+
+def _gone() -> None:
+    """The `_Value.ref` of a value whose array died."""
+    return None
+
+
+_NO_COUNTER = VersionCounter()
 
 
 class _Class:
@@ -662,7 +692,7 @@ class Rematerializing(Strategy):
                         have.pop(id(source), None)
             array = _run(value, args)
             have[id(value)] = array
-            value.ref = weakref.ref(array)
+            value.ref = _array_ref(array, value)
             value.version = value.counter.value  # a fresh array of the original value
             if value.cls is not None:
                 _leave_evicted(value)
@@ -703,13 +733,14 @@ class _Sizes:
         from ...saved import PackedBuffer, SavedSlot
 
         ref = sys.getsizeof(weakref.ref(self))
+        array_ref = sys.getsizeof(_ArrayRef(self))
         slots = ((*_Value.__slots__, *EntryExtra.__slots__), _Handle.__slots__,
                  Entry.__slots__, _Fixed.__slots__,
                  (*PackedBuffer.__slots__, "packed", "__weakref__"), SavedSlot.__slots__)
         sizes = [_slotted(names) for names in slots]
         value, handle, entry, fixed, buffer, slot = sizes
         tuple_, counter, cls = 40, 40, 64  # an empty tuple, a version counter, a `_Class`
-        self.value = value + entry + 2 * ref + 2 * tuple_ + counter + cls
+        self.value = value + entry + array_ref + ref + 2 * tuple_ + counter + cls
         self.per_input = 8
         self.per_fixed = fixed
         listed = 56 + ref  # a list of users and a weak reference in it
