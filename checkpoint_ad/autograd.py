@@ -527,7 +527,7 @@ def backpropagate(
                 grads = pending.pop(entry)
                 op = entry._meta[3]  # `entry.op`
                 extra = entry._extra
-                if plain and type(op) is Primitive and (type(extra) is not EntryExtra or (
+                if plain and type(op) is Primitive and (not isinstance(extra, EntryExtra) or (
                         extra.hooks is None and extra.retained is None)):  # (a line's origin)
                     results = op.backward(entry, grads, create_graph, retain_graph)
                     if not retain_graph:
@@ -536,7 +536,7 @@ def backpropagate(
                         else:
                             entry.release()
                 else:  # hooks, retained outputs, captures, anomaly checks, loops
-                    if type(extra) is not EntryExtra:  # hooks, retained outputs: few entries
+                    if not isinstance(extra, EntryExtra):  # hooks, retained outputs: few entries
                         extra = None  # (None or the attributes' dict: see `Entry.attrs`)
                     hooks = None if extra is None else extra.hooks
                     if quiet:

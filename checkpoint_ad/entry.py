@@ -120,20 +120,21 @@ def shared_meta(
 
 class EntryExtra:
     """What few entries carry: the recording line (when someone asked), retained non-leaf
-    outputs, hooks, and the rematerializing strategy's recipe for the result (`remat`, see
-    strategies/dtr.py: kept here rather than in a weak-keyed table, so that an entry needs
-    no `__weakref__` field). Kept apart so that an ordinary entry pays one field for all.
+    outputs and hooks. Kept apart so that an ordinary entry pays one field for all.
     An entry with attributes and none of these holds its attributes' dict in that field
-    instead (see `Entry.attrs`); one that has both keeps them here."""
+    instead (see `Entry.attrs`); one that has both keeps them here. The rematerializing
+    strategy's recipe for the result is a subclass (strategies/budget/dtr.py `_Value`), which
+    takes this place on the entries it records: one object an entry rather than two (the
+    cyclic collector scans each), and no weak-keyed table, so an entry needs no
+    `__weakref__` field. Test for one with `isinstance`."""
 
-    __slots__ = ("attrs", "hooks", "origin_frame", "remat", "retained")
+    __slots__ = ("attrs", "hooks", "origin_frame", "retained")
 
     def __init__(self, attrs: dict[str, Any] = _NO_ATTRS) -> None:
         self.attrs = attrs
         self.origin_frame: tuple[Any, int] = NO_ORIGIN
         self.retained: dict[int, Any] | None = None
         self.hooks: EntryHooks | None = None
-        self.remat: Any = None
 
 
 class Entry:
@@ -304,12 +305,12 @@ class Entry:
         extra = self._extra
         if extra is None:
             return _NO_ATTRS
-        return extra.attrs if type(extra) is EntryExtra else extra
+        return extra.attrs if isinstance(extra, EntryExtra) else extra
 
     @attrs.setter
     def attrs(self, attrs: dict[str, Any]) -> None:
         extra = self._extra
-        if type(extra) is EntryExtra:
+        if isinstance(extra, EntryExtra):
             extra.attrs = attrs
         else:
             self._extra = attrs or None
@@ -317,7 +318,7 @@ class Entry:
     def _extras(self) -> EntryExtra:
         """The entry's `EntryExtra`, made (holding its attributes) the first time it's asked."""
         extra = self._extra
-        if type(extra) is not EntryExtra:
+        if not isinstance(extra, EntryExtra):
             extra = self._extra = EntryExtra(extra or _NO_ATTRS)
         return extra
 
@@ -326,18 +327,18 @@ class Entry:
         """(code, line) of the user code that recorded this entry; `NO_ORIGIN` when no one
         asked."""
         extra = self._extra
-        return extra.origin_frame if type(extra) is EntryExtra else NO_ORIGIN
+        return extra.origin_frame if isinstance(extra, EntryExtra) else NO_ORIGIN
 
     @origin_frame.setter
     def origin_frame(self, frame: tuple[Any, int]) -> None:
-        if frame[0] is not None or type(self._extra) is EntryExtra:
+        if frame[0] is not None or isinstance(self._extra, EntryExtra):
             self._extras().origin_frame = frame
 
     @property
     def retained(self) -> dict[int, Any] | None:
         """Output index -> weak reference to a non-leaf output that called retain_grad()."""
         extra = self._extra
-        return extra.retained if type(extra) is EntryExtra else None
+        return extra.retained if isinstance(extra, EntryExtra) else None
 
     @retained.setter
     def retained(self, retained: dict[int, Any] | None) -> None:
@@ -346,7 +347,7 @@ class Entry:
     @property
     def hooks(self) -> EntryHooks | None:
         extra = self._extra
-        return extra.hooks if type(extra) is EntryExtra else None
+        return extra.hooks if isinstance(extra, EntryExtra) else None
 
     @hooks.setter
     def hooks(self, hooks: EntryHooks | None) -> None:

@@ -94,6 +94,14 @@ class Strategy:
     # them, so a parameter or an input it saves again is still known for the caller's memory;
     # `buffer_for` tells it `replacing(tensor, ref)` before a tensor's `_saved_ref` changes
     watches_only: ClassVar[bool] = False
+    # True: `buffer_for` tells it `saved_tensor(tensor, stored)` after it packs a tensor's
+    # array (the eviction pool: it finds the recorded result that array is from the tensor's
+    # entry, rather than from a table of every result's array)
+    sees_tensors: ClassVar[bool] = False
+
+    def saved_tensor(self, tensor: Any, stored: Any) -> None:
+        """`stored`, what `pack` just returned, keeps `tensor`'s array (asked only when
+        `sees_tensors` is True)."""
 
     def stored_level(self, stored: Any) -> str:
         """Where the stored form's bytes live: 'device' (the memory the value was computed
@@ -307,6 +315,8 @@ def buffer_for(tensor: Any, packer: Any, made: list[Any] | None = None) -> Saved
                 and packer.shares_buffers):
             return buffer
     buffer = pack_value(array, packer, made)
+    if packer.sees_tensors and type(buffer) is PackedBuffer:
+        packer.saved_tensor(tensor, buffer.packed)
     if packer.watches_only:  # a region's re-run: it puts back what it replaces here
         packer.replacing(tensor, ref)
     tensor._saved_ref = weakref.ref(buffer)

@@ -166,7 +166,7 @@ class Primitive:
         attrs = entry._extra  # `entry.attrs`, written out
         if attrs is None:
             attrs = _NO_ATTRS
-        elif type(attrs) is EntryExtra:
+        elif isinstance(attrs, EntryExtra):
             attrs = attrs.attrs
         _, in_shapes, form, _ = entry._meta
         if second is _ONE_INPUT_ONLY and values is None and not self.variadic:

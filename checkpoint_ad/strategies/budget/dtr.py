@@ -62,7 +62,7 @@ import numpy as np
 from ... import events
 from ...backend import namespace
 from ...backend import nbytes as array_nbytes
-from ...entry import EntryExtra
+from ...entry import _NO_ATTRS, EntryExtra
 from ...errors import (
     BudgetError,
     BudgetWarning,
@@ -70,7 +70,8 @@ from ...errors import (
     SavedValueModifiedError,
     StrategyConfigError,
 )
-from ...saved import KEEP, Strategy
+from ...origins import NO_ORIGIN
+from ...saved import KEEP, Strategy, VersionCounter
 
 __all__ = ["Rematerializing"]
 
@@ -79,25 +80,38 @@ _SAMPLE_FLOOR = 8  # evictions score at least this many candidates (all, if fewe
 _SLACK = 64  # making room evicts down to 1/_SLACK of the room below what is needed
 
 
-class _Value:
+class _Value(EntryExtra):
     """How one primitive result is made again: the primitive, its attributes, its inputs
-    (other `_Value`s, or `_Fixed` arrays with no recipe), and where its array is now."""
+    (other `_Value`s, or `_Fixed` arrays with no recipe), and where its array is now.
 
-    __slots__ = ("__weakref__", "attrs", "chain", "cls", "counter", "dtype", "frontier",
+    It is the result's entry's `EntryExtra` too (its line, hooks, retained outputs, and the
+    attributes the recipe runs with): recorded for every primitive, one object fewer each
+    for the cyclic collector to scan (see `Rematerializing.recorded`)."""
+
+    __slots__ = ("__weakref__", "chain", "cls", "counter", "dtype", "frontier",
                  "handle", "inputs", "objects", "pool", "prim", "ref", "seq", "shape", "users",
                  "version")
 
-    def __init__(self, pool: Rematerializing, prim: Any, attrs: dict[str, Any],
+    def __init__(self, pool: Rematerializing, prim: Any, extra: Any, attrs: dict[str, Any],
                  inputs: tuple[Any, ...], result: Any, cost: float) -> None:
+        if isinstance(extra, EntryExtra):  # the entry's extras so far: this takes their place
+            self.attrs = extra.attrs
+            self.origin_frame = extra.origin_frame
+            self.retained = extra.retained
+            self.hooks = extra.hooks
+        else:
+            self.attrs = attrs or _NO_ATTRS
+            self.origin_frame = NO_ORIGIN
+            self.retained = None
+            self.hooks = None
         self.pool = pool  # whose value: the entry keeps it, and other pools must not see it
         self.seq = pool._clock  # when it was recorded: recomputes run in the program's order
         self.prim = prim
-        self.attrs = attrs
         self.inputs = inputs
         array = result._data
         self.shape = pool._shapes.setdefault(array.shape, array.shape)
         self.dtype = array.dtype
-        self.ref: Callable[[], Any] = weakref.ref(array)
+        self.ref: Callable[[], Any] = _array_ref(array, self)
         self.counter = result._version  # the array is this value while the counter stands
         self.version = result._version.value
         self.handle: Callable[[], Any] | None = None  # weakref of the handle that saves it
@@ -108,6 +122,7 @@ class _Value:
         # references to the saved values that have this one in their frontier; `cls`: this
         # value's class of evicted neighbours while it is evicted (see `_Class`).
         frontier: list[_Value] = []
+        shared: tuple[_Value, ...] = ()  # an unsaved input's frontier, which may be this one's
         for source in inputs:
             if type(source) is not _Value:
                 continue
@@ -116,11 +131,18 @@ class _Value:
                     frontier.append(source)
             else:
                 cost += source.chain
+                if not shared:
+                    shared = source.frontier
                 for f in source.frontier:
                     if len(frontier) < _NEIGHBOURS and f not in frontier:
                         frontier.append(f)
         self.chain = cost
-        self.frontier = tuple(frontier) if frontier else ()
+        # the same values as an input's frontier (an elementwise chain of unsaved results):
+        # its tuple, not a copy (one object fewer for the cyclic collector to scan)
+        if len(shared) == len(frontier) and all(f in shared for f in frontier):
+            self.frontier = shared
+        else:
+            self.frontier = tuple(frontier)
         self.users: list[weakref.ref[_Value]] | None = None
         self.cls: _Class | None = None
         # a pool counting the process's memory counted its objects: 1 + how many of its inputs
@@ -138,6 +160,36 @@ class _Value:
         if array is None or self.counter.value != self.version:
             return None
         return array
+
+
+class _ArrayRef(weakref.ref):  # type: ignore[type-arg]
+    """A value's weak reference to its array, which lets go of itself and of the value's
+    version counter once the array dies (`_array_died`): most results die within a step of
+    being made, and their values would otherwise hold a dead reference and a counter each
+    for as long as the tape lives, objects the cyclic collector scans on every full pass."""
+
+    __slots__ = ("value",)
+
+
+def _array_ref(array: Any, value: _Value) -> _ArrayRef:
+    ref = _ArrayRef(array, _array_died)
+    ref.value = weakref.ref(value)
+    return ref
+
+
+def _array_died(ref: _ArrayRef) -> None:
+    value = ref.value()
+    if value is not None and value.ref is ref:
+        value.ref = _gone
+        value.counter = _NO_COUNTER  # no tensor holds it: a recompute's array stays as made
+
+
+def _gone() -> None:
+    """The `_Value.ref` of a value whose array died."""
+    return None
+
+
+_NO_COUNTER = VersionCounter()
 
 
 class _Class:
@@ -159,47 +211,6 @@ def _find(node: _Class) -> _Class:
             node.parent = parent.parent
         node = parent
     return node
-
-
-class _KeyedRef(weakref.ref):  # type: ignore[type-arg]
-    """A weak reference that knows its key in the table (`weakref.KeyedRef` without its
-    Python-level constructor: this one is made for every recorded primitive)."""
-
-    __slots__ = ("key",)
-
-
-class _ByArray:
-    """id(array) -> the `_Value` that is that array, weakly (a WeakValueDictionary that also
-    gives its table's room back once the last value is gone: a pool outlives its programs,
-    and a dict keeps the size it grew to)."""
-
-    __slots__ = ("__weakref__", "data", "remove")
-
-    def __init__(self) -> None:
-        self.data: dict[int, _KeyedRef] = {}
-        selfref = weakref.ref(self)
-
-        def remove(ref: _KeyedRef, selfref: weakref.ref[_ByArray] = selfref) -> None:
-            table = selfref()
-            if table is not None:
-                data = table.data
-                if data.get(ref.key) is ref:
-                    del data[ref.key]
-                    if not data:
-                        table.data = {}
-
-        self.remove = remove
-
-    def get(self, key: int) -> _Value | None:
-        ref = self.data.get(key)
-        return ref() if ref is not None else None
-
-    def __setitem__(self, key: int, value: _Value) -> None:
-        ref = self.data[key] = _KeyedRef(value, self.remove)
-        ref.key = key
-
-    def __len__(self) -> int:
-        return len(self.data)
 
 
 class _Fixed:
@@ -258,6 +269,7 @@ class Rematerializing(Strategy):
     """
 
     lossless: ClassVar[bool] = True
+    sees_tensors: ClassVar[bool] = True  # `saved_tensor`: which recorded result is saved
 
     def __init__(self, limit_bytes: int, reserved: Callable[[], int] | None = None,
                  process: bool = False) -> None:
@@ -309,8 +321,6 @@ class Rematerializing(Strategy):
         self._holders: dict[int, dict[int, weakref.ref[_Handle]]] = {}
         self._fresh: list[weakref.ref[_Handle]] = []
         self._shapes: dict[tuple[int, ...], tuple[int, ...]] = {}  # one tuple per shape
-        # id(array) -> the value it is (checked by identity: ids of dead arrays are reused)
-        self._by_array = _ByArray()
 
     def __repr__(self) -> str:
         return f"Rematerializing(limit_bytes={self.limit_bytes})"
@@ -342,12 +352,21 @@ class Rematerializing(Strategy):
         if self.process:
             self.object_bytes += _sizes().handle
         self._hold(handle)
-        value = self._by_array.get(id(array))
-        if value is not None and value.present() is array:  # made by a primitive before
-            _attach(handle, value)
-        else:  # maybe the output of the primitive being recorded: `recorded` will tell
-            self._fresh.append(weakref.ref(handle))
+        # maybe the output of the primitive being recorded: `recorded` will tell (or made by
+        # one before: `saved_tensor` tells first)
+        self._fresh.append(weakref.ref(handle))
         return handle
+
+    def saved_tensor(self, tensor: Any, stored: _Handle) -> None:
+        """`stored` keeps `tensor`'s array: if a primitive recorded here made it, its recipe
+        makes it again once evicted (found from the tensor's entry: a table from every
+        result's array to its recipe would cost a weak reference and a callback per
+        primitive)."""
+        entry = tensor._entry
+        value = entry._extra if entry is not None else None
+        if (type(value) is _Value and value.pool is self
+                and value.present() is stored.array):  # made by a primitive before
+            _attach(stored, value)
 
 
     def unpack(self, stored: _Handle) -> Any:
@@ -369,20 +388,20 @@ class Rematerializing(Strategy):
         fixed = 0
         for t in inputs:  # `_value_of` and `present`, inlined (this runs for every primitive)
             entry = t._entry
-            extra = entry._extra if entry is not None else None
-            value = extra.remat if type(extra) is EntryExtra else None
-            if (value is None or value.pool is not self or value.ref() is not t._data
+            value = entry._extra if entry is not None else None
+            if (type(value) is not _Value or value.pool is not self or value.ref() is not t._data
                     or value.counter.value != value.version):
                 value = _Fixed(t)
                 fixed += 1
                 if self.process and t._requires_grad and entry is None:
                     self._reads_leaf(t)
             sources.append(value)
-        value = _Value(self, prim, attrs, tuple(sources), result, _cost(prim, inputs, result))
-        result._entry._extras().remat = value  # lives as long as the entry, like its values
+        entry = result._entry
+        value = _Value(self, prim, entry._extra, attrs, tuple(sources), result,
+                       _cost(prim, inputs, result))
+        entry._extra = value  # lives as long as the entry, like its values
         if self.process:
             self._count_objects(value, result, fixed)
-        self._by_array[id(result._data)] = value
         if not self._fresh:
             return
         fresh, self._fresh = self._fresh, []
@@ -673,8 +692,7 @@ class Rematerializing(Strategy):
                         have.pop(id(source), None)
             array = _run(value, args)
             have[id(value)] = array
-            value.ref = weakref.ref(array)
-            self._by_array[id(array)] = value
+            value.ref = _array_ref(array, value)
             value.version = value.counter.value  # a fresh array of the original value
             if value.cls is not None:
                 _leave_evicted(value)
@@ -705,7 +723,7 @@ class Rematerializing(Strategy):
 
 class _Sizes:
     """Bytes of the objects recording one value makes (`sys.getsizeof` of each kind, measured
-    once): the tape's entry and its extras, the value, its tuples, weak references, version
+    once): the tape's entry, the value (its extras too), its tuples, weak references, version
     counter and class (once evicted); per input a tuple slot, per input with no recipe a
     `_Fixed`; per saved handle the handle, the saved buffer and slot, their weak references,
     the list of the values that read it, and its place in the table of holders."""
@@ -715,14 +733,14 @@ class _Sizes:
         from ...saved import PackedBuffer, SavedSlot
 
         ref = sys.getsizeof(weakref.ref(self))
-        keyed = sys.getsizeof(_KeyedRef(self))  # the array table's
-        slots = (_Value.__slots__, _Handle.__slots__, Entry.__slots__, EntryExtra.__slots__,
-                 _Fixed.__slots__, (*PackedBuffer.__slots__, "packed", "__weakref__"),
-                 SavedSlot.__slots__)
+        array_ref = sys.getsizeof(_ArrayRef(self))
+        slots = ((*_Value.__slots__, *EntryExtra.__slots__), _Handle.__slots__,
+                 Entry.__slots__, _Fixed.__slots__,
+                 (*PackedBuffer.__slots__, "packed", "__weakref__"), SavedSlot.__slots__)
         sizes = [_slotted(names) for names in slots]
-        value, handle, entry, extra, fixed, buffer, slot = sizes
+        value, handle, entry, fixed, buffer, slot = sizes
         tuple_, counter, cls = 40, 40, 64  # an empty tuple, a version counter, a `_Class`
-        self.value = value + entry + extra + 2 * ref + keyed + 2 * tuple_ + counter + cls
+        self.value = value + entry + array_ref + ref + 2 * tuple_ + counter + cls
         self.per_input = 8
         self.per_fixed = fixed
         listed = 56 + ref  # a list of users and a weak reference in it
