@@ -925,6 +925,15 @@ def test_final_carry_leaves_one_tensor_are_one_under_every_strategy(mode):
     np.testing.assert_allclose(run(*mode), run(None, False), rtol=1e-13)
 
 
+def _python_scan(step: Any, h: Any, xs: Any) -> tuple[Any, Any]:
+    """What `scan(step, h, xs)` gives, as a Python loop over the rows of `xs` writes it."""
+    ys = []
+    for t in range(xs.shape[0]):
+        h, y = step(h, xs[t])
+        ys.append(y)
+    return h, cad.stack(ys)
+
+
 def _nested_retained_grads(outer: Any, inner: Any) -> list[Any]:
     """`.grad` of the tensors retained in a loop's steps inside another loop's steps, as
     the outer loop's forward made them: per outer step, per inner step, (its output, its
@@ -1048,11 +1057,7 @@ def test_final_carry_that_is_the_last_steps_row_of_xs_is_that_row(mode, xs_requi
             return x, cad.sin(h * x * w).sum()
 
         if python:
-            h, ys = h0, []
-            for t in range(4):
-                h, y = step(h, xs[t])
-                ys.append(y)
-            ys = cad.stack(ys)
+            h, ys = _python_scan(step, h0, xs)
         else:
             h, ys = cad.scan(step, h0, xs, strategy=strategy, trace=trace)
         np.testing.assert_array_equal(h.numpy(), xs.numpy()[-1])
@@ -1228,11 +1233,7 @@ def test_hook_on_a_steps_own_tensor_fires_in_its_backward_and_the_loops(mode):
             return cad.tanh(a + h), a.sum()
 
         if python:
-            h, ys = h0, []
-            for t in range(3):
-                h, y = step(h, xs[t])
-                ys.append(y)
-            ys = cad.stack(ys)
+            h, ys = _python_scan(step, h0, xs)
         else:
             h, ys = cad.scan(step, h0, xs, strategy=strategy, trace=trace)
         (h.sum() + (ys * ys).sum()).backward()
