@@ -419,8 +419,9 @@ def backpropagate(
     gradients (`op.backward`). Without `capture`, gradients accumulate into leaf `.grad` (and
     retained non-leaves), written when the sweep completes (see `_Grads`); with it, into
     `capture.values`. A `quiet` sweep (a `backward()` in a checkpointed region's re-run,
-    whose results are dropped) runs no hooks, nor do the loop pull-backs within it: the
-    region's first run fired them, as the plain function fires them once.
+    whose results are dropped) runs no hooks, nor do the loop pull-backs within it, and
+    writes no `.grad`: the region's first run fired and wrote them, as the plain function
+    does once.
     """
     # a scan step computing a gradient (grad(), backward(), vjp...): a replay of the step's
     # primitives would not compute it again (its values would be frozen as the first steps'
@@ -630,11 +631,11 @@ def backpropagate(
                     capture.add(position, grad)  # type: ignore[union-attr]
                 else:
                     made.add(leaf, grad)  # type: ignore[union-attr]
-        # the sweep completed: its `.grad` are written now; not in a checkpointed region's
-        # re-run, whose first run wrote them (a plain function runs once: the re-run added
-        # the same gradients again, silently). The sweep still runs, so the re-run takes
-        # the first run's path and saves the same values.
-        if capture is None and _state.rerun_floor is None:
+        # the sweep completed: its `.grad` are written now; not in a quiet sweep (a region's
+        # re-run, whose first run wrote them: the re-run added the same gradients again,
+        # silently). The sweep still runs, so the re-run takes the first run's path and
+        # saves the same values.
+        if capture is None and not quiet:
             made.commit()  # type: ignore[union-attr]
     finally:
         _sweeps.grads.pop()
@@ -729,13 +730,14 @@ def backward(
         roots.append((_root_edge(out, name), _seed_value(_seed(out, seed, name), create_graph)))
     retain = create_graph if retain_graph is None else retain_graph
     scope = _state.step_scope  # (a step of a checkpointed loop: see `StepScope`)
+    # a checkpointed region's re-run: its first run filled `.grad` and fired the hooks
+    quiet = _state.rerun_floor is not None
     if inputs is None:
         if scope is not None:
             scope.check_gradient([edge for edge, _ in roots], None)
             if not scope.fills_grads():
                 return  # the step's run in the loop's forward filled them, once
-        backpropagate(roots, retain_graph=retain, create_graph=create_graph,
-                      quiet=_state.rerun_floor is not None)
+        backpropagate(roots, retain_graph=retain, create_graph=create_graph, quiet=quiet)
         return
     ins, _ = _as_list(inputs)
     if not ins:
@@ -747,9 +749,9 @@ def backward(
             return
     captured = Capture(keys)
     backpropagate(roots, retain_graph=retain, create_graph=create_graph, capture=captured,
-                  quiet=_state.rerun_floor is not None)
-    if _state.rerun_floor is not None:
-        return  # a checkpointed region's re-run: its first run filled them (see above)
+                  quiet=quiet)
+    if quiet:
+        return
     done: set[tuple[int, int]] = set()
     for t in ins:
         edge = edge_of(t)

@@ -177,24 +177,21 @@ def run_kept_until(executor: PlannedLoop) -> OutputRows:
     state = ForwardState()
     lead, executor.lead_rows = executor.lead_rows, ()
     program, most = executor.program, executor.limit
-    if program is not None and program.tape_as_is is None and most and loop.xs_leaves:
-        # saved values stored packed, at most len(xs) steps: each replayed step's outputs
-        # go into rows made at that size as it ends, not held at full precision by the
-        # segment until `until` stops it and then copied (issue 37); an early stop leaves
-        # the rest of the rows unused. (Where values are kept as they are, the outputs are
-        # mostly saved values anyway: moved into rows once the length is known.)
-        per_step = OutputRows(most, lead=lead)
-        kept = tape_steps(executor, 0, most, list(executor.initial),
-                          until=partial(stops_at, executor), on_outputs=per_step.append)
-        n = loop.n = kept.stop
-        move_rows(kept, per_step)
-        per_step.ended_at(n)
-    else:
-        kept = tape_steps(executor, 0, most, list(executor.initial),
-                          until=partial(stops_at, executor))
-        n = loop.n = kept.stop
-        per_step = OutputRows(n, lead=lead)
-        move_rows(kept, per_step)
+    # saved values stored packed, at most len(xs) steps: each replayed step's outputs go
+    # into rows made at that size as it ends, not held at full precision by the segment
+    # until `until` stops it and then copied (issue 37); an early stop leaves the rest of
+    # the rows unused. (Where values are kept as they are, the outputs are mostly saved
+    # values anyway: moved into rows once the length is known.)
+    written = (OutputRows(most, lead=lead) if program is not None
+               and program.tape_as_is is None and most and loop.xs_leaves else None)
+    kept = tape_steps(executor, 0, most, list(executor.initial),
+                      until=partial(stops_at, executor),
+                      on_outputs=None if written is None else written.append)
+    n = loop.n = kept.stop
+    per_step = OutputRows(n, lead=lead) if written is None else written
+    move_rows(kept, per_step)
+    if written is not None:
+        written.ended_at(n)
     executor.plan = periodic_plan(n, n)
     state.kept = kept
     executor.state = state

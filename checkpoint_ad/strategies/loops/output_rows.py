@@ -27,7 +27,7 @@ from ...grad_mode import is_grad_enabled
 from ...ops import getitem
 from ...tape import add_entry, edge_of
 from ...tensor_base import TensorBase, make_tensor
-from .loop import columns
+from .loop import columns, stack_outputs
 
 
 class OutputRows:
@@ -250,12 +250,12 @@ def join_rows(pieces: Sequence[Any], whole: Any) -> Any:
     return join_edges([edge_of(p) for p in pieces], spans, whole)
 
 
-def join_edges(edges: Sequence[Any], spans: list[Any], whole: Any) -> Any:
+def join_edges(edges: list[Any], spans: list[Any], whole: Any) -> Any:
     """`join_rows` of pieces given by their graph edges (None: no gradient) and their
     spans of `whole` (a row, or a slice of rows): the pieces' tensors need not be alive."""
     if not is_grad_enabled() or all(e is None for e in edges):
         return make_tensor(whole)
-    return add_entry(_JoinRows(list(spans)), list(edges), [whole])[0]
+    return add_entry(_JoinRows(spans), edges, [whole])[0]
 
 
 class RecordedRows:
@@ -282,13 +282,11 @@ class RecordedRows:
         """Each output leaf stacked over the steps (None leaves stay None), as `stack`
         would give it."""
         rows = self.rows
-        arrays = rows.stacked({}) if rows.rows is None else None
+        arrays = rows.stacked({}) if rows.rows is None else None  # (may find unlike rows)
         if rows.rows is not None:  # unlike rows: stack tensors remade over them
-            from ...ops import stack
-
-            per_step = [[None if a is None else _tensor_over(a, e) for a, e in zip(r, es)]
-                        for r, es in zip(rows.rows, self.edges)]
-            return [None if c[0] is None else stack(c, axis=0) for c in columns(per_step)]
+            return stack_outputs([[None if a is None else _tensor_over(a, e)
+                                   for a, e in zip(r, es)]
+                                  for r, es in zip(rows.rows, self.edges)])
         spans = list(range(len(self.edges)))
         return [None if a is None else join_edges([es[k] for es in self.edges], spans, a)
                 for k, a in enumerate(arrays)]
