@@ -89,6 +89,9 @@ class StepProgram:
         self.requires_grad = [rg for rg, _, _, _ in trace.facts]
         self.leaf = [leaf for _, leaf, _, _ in trace.facts]  # of the step: from outside it
         self.dtype = [dtype for _, _, dtype, _ in trace.facts]
+        # every slot's shape as traced (None: not a tensor), and what `kept_slabs` makes of it
+        self.slot_shapes = list(trace.shapes) if trace.shapes else None
+        self.slab_slots: tuple[Any, ...] | None = None
         # a leaf of the graph (no entry): what recording the step would hand a profiler as a
         # leaf edge; a value captured from before the loop (heat's diffusivity) is not one
         self.graph_leaf = [leaf for _, _, _, leaf in trace.facts]

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ... import events
 from ...saved import KEEP, KeepAll, buffer_for, pack_value
 from .compiled_step import namespace_of
+from .kept_slabs import KeptSlabs
 from .replayed_step import NO_BUFFERS, ReplayedStep, carried_buffers
 from .step_profiled import kept_layout, step_begins
 from .step_trace import Draw
@@ -27,17 +28,19 @@ if TYPE_CHECKING:
 
 def tape(program: StepProgram, carry: list[Any], x: list[Any],
          previous: ReplayedStep | None = None,
-         carry_tensors: list[Any] | None = None) -> ReplayedStep:
+         carry_tensors: list[Any] | None = None,
+         slabs: KeptSlabs | None = None, t: int = 0) -> ReplayedStep:
     """One step keeping what its backward rules read, packed as recording would. With
     `previous` (the step before, in the same taped segment), the carry is that step's
     output: saved with the primitive's packer, not as a leaf, sharing its buffers;
     `carry_tensors` says the same of a carry made by a step recorded on the tape (these
-    are its tensors, whose buffers the step shares)."""
+    are its tensors, whose buffers the step shares). `slabs`: where step `t`'s kept values
+    go when nothing listens (`kept_slabs.py`)."""
     announce = events.hears("replayed")
     core = len(x) != len(program.x_in)  # given the rows of its batched products too
     if program.tape_as_is is not None:
         if not announce:
-            return tape_as_is(program, carry, x)
+            return tape_as_is(program, carry, x, slabs, t)
         if events.taken_directly():
             return tape_kept(program, carry, x, previous, carry_tensors)
     values = program._start(carry, x)
@@ -137,12 +140,17 @@ def tape_steps(
     y_out: list[tuple[int, list[Any]]] = []
     previous = None
     carry_out, ys_out = program.carry_out, program.y_out
+    # rows for the kept values of all steps but the last (whose carry the caller may keep:
+    # it is not to hold a slab alive)
+    slabs = (KeptSlabs.for_segment(program, start, stop - 1)
+             if stop is not None and program.tape_as_is is not None
+             and not events.hears("replayed") else None)
     t = start
     while stop is None or t < stop:
         if count is not None:
             count()
         step = tape(program, arrays, x_arrays(t), previous,
-                    carry_tensors if t == start else None)
+                    carry_tensors if t == start else None, slabs, t)
         arrays = step.output(carry_out)
         if on_outputs is None:
             y_out.append((t, step.output(ys_out)))
@@ -161,16 +169,22 @@ def tape_steps(
     return steps, y_out, arrays
 
 
-def tape_as_is(program: StepProgram, carry: list[Any], x: list[Any]) -> ReplayedStep:
+def tape_as_is(program: StepProgram, carry: list[Any], x: list[Any],
+               slabs: KeptSlabs | None = None, t: int = 0) -> ReplayedStep:
     """`tape` where every saved value is kept as it is (`KeepAll`) and no profiler hears
-    entries: the step's saved values are its arrays, nothing is packed or shared."""
+    entries: the step's saved values are its arrays, nothing is packed or shared (with
+    `slabs`, the new ones are moved into step `t`'s rows of them as they are made)."""
     values = program._start(carry, x)
     xp = namespace_of(values)
     saved: list[Any] = [None] * len(program.instructions)
     rows = program.tape_as_is if len(x) == len(program.x_in) else program.core_tape_as_is
     assert rows is not None
+    slots = slabs.slots if slabs is not None else ()
     for i, forward, output, saved_of, frees in rows:
-        values[output] = forward(values, xp)
+        if output in slots:
+            values[output] = slabs.place(output, t, forward(values, xp))  # type: ignore[union-attr]
+        else:
+            values[output] = forward(values, xp)
         if saved_of is not None:
             saved[i] = saved_of(values)
         for s in frees:
