@@ -1,6 +1,10 @@
 """`python -m bench`: run the benchmarks, print medians and ratios, write JSON and Markdown.
 
-    python -m bench [--quick] [--only NAME[,NAME...]] [--threads 1] [--out bench/results]
+    python -m bench [--quick] [--only NAME[,NAME...]] [--select TEXT[,TEXT...]] [--threads 1]
+                    [--out bench/results]
+
+`--select` runs some columns of the chosen benchmarks (with their cases' floors) and writes
+``<stem>-selected.*``, so that a full run's files are not replaced by a part of one.
 
 Each job (one column of one block) runs in a fresh ``python -m bench.worker`` process whose
 environment pins BLAS, OpenMP and XLA to ``--threads`` threads before anything is imported. A
@@ -43,7 +47,33 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="folder for the JSON and Markdown results (default bench/results)")
     parser.add_argument("--timeout", type=float, default=None,
                         help="seconds before one job is stopped (default 900, quick 120)")
+    parser.add_argument("--select", action="append", default=[], metavar="TEXT",
+                        help="run only the columns whose case or name contains one of these "
+                             "texts (repeat or comma-separate; case-insensitive), with the "
+                             "floor of each case they are in, e.g. --select 'T=1024,keep-all'")
     return parser.parse_args(argv)
+
+
+def select_jobs(jobs: list[suite.Job], texts: list[str]) -> list[suite.Job]:
+    """The jobs whose case or name contains one of `texts` (every text a case, or every text
+    a name, must match: ``T=1024,keep-all`` is the keep-all columns of the T = 1,024 case),
+    and the floor jobs of their cases; all jobs without `texts`."""
+    wanted = [t.strip().lower() for part in texts for t in part.split(",") if t.strip()]
+    if not wanted:
+        return jobs
+    cases = {j.case for j in jobs}
+    case_texts = [t for t in wanted if any(t in c.lower() for c in cases)]
+    name_texts = [t for t in wanted if t not in case_texts]
+
+    def picked(job: suite.Job) -> bool:
+        in_case = not case_texts or any(t in job.case.lower() for t in case_texts)
+        named = not name_texts or any(t in job.name.lower() for t in name_texts)
+        return in_case and named
+
+    chosen = {(j.case, j.name) for j in jobs if picked(j)}
+    keep_cases = {case for case, _ in chosen}
+    return [j for j in jobs if (j.case, j.name) in chosen
+            or (j.role == "floor" and j.case in keep_cases)]
 
 
 def _selection(only: list[str]) -> set[str] | None:
@@ -125,7 +155,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("python -m bench: --threads must be at least 1", file=sys.stderr)
         return 2
     timeout = args.timeout or (120.0 if args.quick else 900.0)
-    jobs = suite.jobs(args.quick, only)
+    jobs = select_jobs(suite.jobs(args.quick, only), args.select)
+    if not jobs:
+        print("python -m bench: --select matched no column", file=sys.stderr)
+        return 2
     meta = machine(args.threads)
     meta["mode"] = "quick" if args.quick else "default"
     meta["command"] = " ".join(["python -m bench", *(argv if argv is not None else sys.argv[1:])])
@@ -150,8 +183,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     checked = targets.check(rows)
     print()
     print(report.render_text(meta, rows, checked))
-    paths = report.write(Path(args.out), _stem(args.quick, only), meta, rows, checked)
-    figure = pareto.plot(rows, Path(args.out) / f"{_stem(args.quick, only)}.png")
+    stem = _stem(args.quick, only) + ("-selected" if args.select else "")  # not a full run's
+    paths = report.write(Path(args.out), stem, meta, rows, checked)
+    figure = pareto.plot(rows, Path(args.out) / f"{stem}.png")
     paths += [figure] if figure is not None else []
     print("written: " + ", ".join(str(p) for p in paths))
     return 0

@@ -26,6 +26,20 @@ def test_nested_levels_multiply_to_the_loop_length(steps, depth):
         assert sizes == [round(math.sqrt(steps))] * 2  # two-level √T: √T segments of √T
 
 
+def test_select_keeps_the_named_columns_of_the_named_cases_and_their_floors():
+    jobs = suite.jobs(quick=False, only={"pareto"})
+    picked = runner.select_jobs(jobs, ["T=1024", "scan keep-all,eager keep-all"])
+    assert picked and {j.case for j in picked} == {c for c in {j.case for j in jobs}
+                                                  if "T=1024" in c}
+    names = {j.name for j in picked}
+    assert names == {"numpy floor (by hand)", "ours scan keep-all", "jax scan keep-all",
+                     "torch eager keep-all"}
+    rounds = suite.SIZES["default"]["pareto"]["rounds"]
+    assert len(picked) == 4 * rounds  # every round of each, floors included
+    assert runner.select_jobs(jobs, []) == jobs
+    assert runner.select_jobs(jobs, ["no such column"]) == []
+
+
 def test_every_point_runs_once_per_round_in_a_rotated_order():
     jobs = suite.jobs(quick=True, only={"pareto"})
     sizes = suite.SIZES["quick"]["pareto"]
