@@ -28,21 +28,25 @@ def _sigmoid(xp: Any, x: Any) -> Any:
     return xp.where(x >= 0, 1 / (1 + e), e / (1 + e))
 
 
-def _one_kind(g: Any, out: Any) -> bool:
-    """Whether `g` and `out` are arrays (not Tensors, which `create_graph` records) of one
-    type, dtype and shape, not 0-d (numpy makes scalars of those): a rule may then compute
-    in place in a temporary it made, with the same operations in the same order per element
-    (bitwise the same result), in fewer passes over memory and with fewer arrays made."""
+def _in_place(g: Any, out: Any) -> Any:
+    """The namespace of `g` and `out` where they are arrays (not Tensors, which
+    `create_graph` records) of one type, dtype and shape, not 0-d (numpy makes scalars of
+    those), else None: a rule may then compute in place in a temporary it made, with the same
+    operations in the same order per element (bitwise the same result), in fewer passes over
+    memory and with fewer arrays made."""
     kind = type(out)
-    return (kind is type(g) and (kind is np.ndarray or kind.__module__.startswith("cupy"))
-            and out.ndim > 0 and g.dtype == out.dtype and g.shape == out.shape)
+    if kind is not type(g) or g.dtype != out.dtype or g.shape != out.shape or not out.ndim:
+        return None
+    if kind is np.ndarray:
+        return np
+    return namespace(out) if kind.__module__.startswith("cupy") else None
 
 
 def _tanh_rule(g: Any, out: Any) -> Any:
     """``g * (1 - out * out)``."""
-    if not _one_kind(g, out):
+    xp = _in_place(g, out)
+    if xp is None:
         return g * (1 - out * out)
-    xp = namespace(out)
     t = out * out
     xp.subtract(1, t, out=t)
     return xp.multiply(g, t, out=t)
@@ -50,9 +54,9 @@ def _tanh_rule(g: Any, out: Any) -> Any:
 
 def _sigmoid_rule(g: Any, out: Any) -> Any:
     """``g * out * (1 - out)``."""
-    if not _one_kind(g, out):
+    xp = _in_place(g, out)
+    if xp is None:
         return g * out * (1 - out)
-    xp = namespace(out)
     t = g * out
     return xp.multiply(t, xp.subtract(1, out), out=t)
 
