@@ -335,10 +335,12 @@ def test_a_product_row_the_step_returns_outlives_its_chunk():
 
 
 # ------------------------------------------- weight gradients of carry-dependent products
-def _gated(arrays, strategy=None, batch_rows=True, reverse=False, python=False):
-    """(loss, gradients of W1, W2, V, b) of a gated step: two products take the carry on the
-    left (their gradients differ), one a carry-independent value that is not a row of xs,
-    and a captured vector is broadcast-added; a Python loop with `python`."""
+def _gated(arrays, strategy=None, batch_rows=True, reverse=False, python=False,
+           anomaly=False):
+    """(loss, gradients of W1, W2, V, b, xs) of a gated step: two products take the carry on
+    the left (their gradients differ), one a carry-independent value that is not a row of
+    xs, and a captured vector is broadcast-added; a Python loop with `python`; the backward
+    under anomaly detection with `anomaly`."""
     W0, U0, X0, H0 = arrays
     W1, W2 = cad.tensor(W0, requires_grad=True), cad.tensor(W0.T * 0.5, requires_grad=True)
     V = cad.tensor(U0, requires_grad=True)
@@ -361,7 +363,11 @@ def _gated(arrays, strategy=None, batch_rows=True, reverse=False, python=False):
         h, ys = cad.scan(step, cad.tensor(H0), X, strategy=strategy, reverse=reverse,
                          batch_rows=batch_rows)
     loss = (ys * ys).sum() + h.sum()
-    loss.backward()
+    if anomaly:
+        with cad.detect_anomaly():
+            loss.backward()
+    else:
+        loss.backward()
     return loss.item(), [W1.grad.numpy(), W2.grad.numpy(), V.grad.numpy(), b.grad.numpy(),
                          X.grad.numpy()]
 
@@ -471,3 +477,15 @@ def test_a_budget_counts_the_stacked_rows_and_its_tape_fits():
     # z (shared by W1's and V's products and the bias) and h @ W2, x * 1.0 (V's left)
     assert budget.last.fixed_bytes["batched rows (a chunk of products, or of their gradients)"] == \
         choose_chunk(row, 256) * 4 * row
+
+
+@pytest.mark.parametrize("strategy", [Periodic(7), Binomial(3)])
+def test_a_backward_under_anomaly_detection_sums_the_chunk_replayed_steps_began(strategy):
+    """Under anomaly detection a plan records the steps it re-runs, but its last segment,
+    taped in the forward, was replayed: the chunk its steps began is summed before the
+    recorded steps below it pull back row by row (it was lost: wrong gradients)."""
+    arrays = _inputs(150, dtype=np.float64)
+    got = _gated(arrays, strategy, anomaly=True)  # (the forward runs as without it)
+    ref = _gated(arrays, batch_rows=False)
+    for g, r in zip(got[1], ref[1], strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-12, atol=1e-12)

@@ -384,8 +384,17 @@ class RowSource:
         of the gradients) goes to the sink (`add(position, grad)`, `positions`: the
         captured slots' places)."""
         c, start, _ = self._bounds(t)
-        if t != start or c != self.grad_chunk:
-            return
+        if t == start and c == self.grad_chunk:
+            self._sum(start, add, positions)
+
+    def flush(self, add: Any, positions: dict[int, Any]) -> None:
+        """The chunk held summed now, before the sweep reaches its first step: a backward
+        that records the steps below it (anomaly detection) would never finish it."""
+        if self.grad_chunk >= 0:
+            start = max(self.grad_chunk * self.chunk, HOIST_FROM) - self.offset
+            self._sum(start, add, positions)
+
+    def _sum(self, start: int, add: Any, positions: dict[int, Any]) -> None:
         stop = self.grad_stop
         stacks = self.stacks
         for j, (summed, dtype) in enumerate(zip(self.summed, self.summed_dtypes)):
