@@ -108,10 +108,11 @@ def untaped_steps(strategy: Any, steps: int) -> int:
 
 class _Engine:
     def __init__(self, arrays: dict[str, np.ndarray], strategy: Any, storage: Any = None,
-                 trace: bool = True) -> None:
+                 trace: bool = True, batch_rows: bool = False) -> None:
         import checkpoint_ad as cad
 
         self.trace = trace
+        self.batch_rows = batch_rows  # scan's: products and weight gradients over chunks
         self.loop: Any = None
 
         self.cad = cad
@@ -129,7 +130,7 @@ class _Engine:
         self.clear()
         with self.cad.use(self.storage):
             h, ys = self.cad.scan(self.step, self.h0, self.xs, strategy=self.strategy,
-                                  trace=self.trace)
+                                  trace=self.trace, batch_rows=self.batch_rows)
         if isinstance(self.strategy, self.cad.strategies.LoopStrategy):
             self.loop = h.grad_fn.op  # the planned loop (the carry's entry): mode and program
         self.cad.sum(ys).backward()
@@ -159,7 +160,8 @@ def engine(params: dict, threads: int) -> dict[str, Any]:
 
     arrays = data(params)
     strategy, storage = preset_strategies(params["strategy"], params["steps"])
-    work = _Engine(arrays, strategy, storage, trace=params.get("trace", True))
+    work = _Engine(arrays, strategy, storage, trace=params.get("trace", True),
+                   batch_rows=params.get("batch_rows", False))
     reference = _reference(arrays)
     result = measure(work, params["repeats"], traced=True,
                      check=lambda: {"grad_error": _grad_error(work.grads(), reference)})

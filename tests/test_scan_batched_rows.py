@@ -49,10 +49,11 @@ def _rnn(arrays, strategy=None, batch_rows=True, reverse=False, xs_grad=True,
     c = cad.tensor(np.linspace(0.5, 1.5, U0.shape[1]).astype(U0.dtype))
 
     def step(h, x):
-        u = x @ U if hoistable else (x * 1.0) @ U
+        # hoistable=False: no product takes a captured matrix on the right (nothing batched)
+        u = x @ U if hoistable else x @ (U * 1.0)
         if chain:
             u = u * c
-        h = cad.tanh(h @ W + u)
+        h = cad.tanh((h @ W if hoistable else h @ (W * 1.0)) + u)
         return h, h
 
     h, ys = cad.scan(step, cad.tensor(H0), X, strategy=strategy, reverse=reverse,
@@ -180,13 +181,15 @@ def _peak(arrays, batch_rows, strategy):
 
 
 @pytest.mark.parametrize("strategy", [None, Periodic(8)], ids=["keep-all", "periodic"])
-def test_batching_adds_at_most_about_one_chunk_to_the_peak(strategy):
+def test_batching_adds_at_most_about_its_chunks_to_the_peak(strategy):
     arrays = _inputs(512, B=16, H=64, n_in=64)
     _peak(arrays, True, strategy)  # programs made, caches warm
     _peak(arrays, False, strategy)
     on, off = _peak(arrays, True, strategy), _peak(arrays, False, strategy)
-    chunk = 32 * 16 * 64 * 4  # one chunk of products (and one of their gradients)
-    assert on <= off + 2 * chunk + (64 << 10)
+    chunk = 32 * 16 * 64 * 4  # one chunk of products (or of the gradients, or of the carry)
+    # keeping every step, the backward's stacked gradients and carries; a plan's backward
+    # holds a chunk of products beside them
+    assert on <= off + (2 if strategy is None else 3) * chunk + (64 << 10)
 
 
 @pytest.mark.parametrize("batch_rows", [True, False])
@@ -250,7 +253,9 @@ def test_a_profile_sees_the_same_saved_values_and_counts_the_chunk(strategy):
     assert len(on.records) == len(off.records)
     chunk = 32 * 4 * 8 * 4  # rows of a chunk, batch, hidden, float32
     extra = sum(on.loop_arrays.values()) - sum(off.loop_arrays.values())
-    assert extra == (2 * chunk if strategy is not None else chunk)
+    # a chunk of products (forward); stacked in the backward: the carry (h @ W's left
+    # operand) and the gradient both products share; a plan's backward holds all three
+    assert extra == (3 * chunk if strategy is not None else 2 * chunk)
 
 
 @pytest.mark.parametrize("strategy", [Binomial(2), Binomial(5)])
@@ -327,3 +332,160 @@ def test_a_product_row_the_step_returns_outlives_its_chunk():
         np.testing.assert_array_equal(us, ref_us)
         for g, r in zip(got, ref, strict=True):
             np.testing.assert_array_equal(g, r)
+
+
+# ------------------------------------------- weight gradients of carry-dependent products
+def _gated(arrays, strategy=None, batch_rows=True, reverse=False, python=False,
+           anomaly=False):
+    """(loss, gradients of W1, W2, V, b, xs) of a gated step: two products take the carry on
+    the left (their gradients differ), one a carry-independent value that is not a row of
+    xs, and a captured vector is broadcast-added; a Python loop with `python`; the backward
+    under anomaly detection with `anomaly`."""
+    W0, U0, X0, H0 = arrays
+    W1, W2 = cad.tensor(W0, requires_grad=True), cad.tensor(W0.T * 0.5, requires_grad=True)
+    V = cad.tensor(U0, requires_grad=True)
+    b = cad.tensor(np.linspace(-0.2, 0.2, W0.shape[0]).astype(W0.dtype), requires_grad=True)
+    X = cad.tensor(X0, requires_grad=True)
+
+    def step(h, x):
+        z = h @ W1 + (x * 1.0) @ V + b
+        h = cad.tanh(z) * cad.sigmoid(h @ W2)
+        return h, h
+
+    if python:
+        h, outs = cad.tensor(H0), []
+        rows = range(X0.shape[0] - 1, -1, -1) if reverse else range(X0.shape[0])
+        for t in rows:
+            h, y = step(h, X[t])
+            outs.append(y)
+        ys = cad.stack(outs[::-1] if reverse else outs)
+    else:
+        h, ys = cad.scan(step, cad.tensor(H0), X, strategy=strategy, reverse=reverse,
+                         batch_rows=batch_rows)
+    loss = (ys * ys).sum() + h.sum()
+    if anomaly:
+        with cad.detect_anomaly():
+            loss.backward()
+    else:
+        loss.backward()
+    return loss.item(), [W1.grad.numpy(), W2.grad.numpy(), V.grad.numpy(), b.grad.numpy(),
+                         X.grad.numpy()]
+
+
+@pytest.mark.parametrize("T", [130, 200])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_every_lossless_strategy_keeps_keep_alls_gradients_with_weight_gradients_batched(
+        T, reverse):
+    arrays = _inputs(T)
+    ref = _gated(arrays, reverse=reverse)
+    for strategy in LOSSLESS:
+        _same(_gated(arrays, strategy, reverse=reverse), ref)
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(np.float32, 1e-4), (np.float64, 1e-12)])
+def test_weight_gradients_batched_agree_with_unbatched_and_a_python_loop(dtype, tolerance):
+    """Equal to rounding (relative `tolerance`, and as much absolute): a chunk's product over
+    stacked rows sums in another order than one product per step."""
+    arrays = _inputs(300, dtype=dtype)
+    on = _gated(arrays)
+    for other in (_gated(arrays, batch_rows=False), _gated(arrays, python=True)):
+        assert on[0] == pytest.approx(other[0], rel=tolerance)
+        for g, r in zip(on[1], other[1], strict=True):
+            np.testing.assert_allclose(g, r, rtol=tolerance, atol=tolerance)
+    assert any(not np.array_equal(g, r) for g, r in zip(on[1], _gated(arrays, batch_rows=False)[1]))
+
+
+def test_each_captured_tensor_is_summed_once_per_chunk(monkeypatch):
+    from checkpoint_ad.strategies.loops import hoisted_rows
+
+    sums = []
+    step_done = hoisted_rows.RowSource.step_done
+
+    def spy(self, t, add, positions):
+        def counted(position, grad):
+            sums.append((t + self.offset, grad.shape))
+            add(position, grad)
+        return step_done(self, t, counted, positions)
+
+    monkeypatch.setattr(hoisted_rows.RowSource, "step_done", spy)
+    _gated(_inputs(130))
+    # chunks of 8 steps (the first from step 2, the last of 2): W1, V, b, W2, one sum each
+    starts = [2, *range(8, 130, 8)]
+    shapes = [(8, 8), (6, 8), (8,), (8, 8)]  # in the order the step makes them
+    assert sums == [(s, shape) for s in reversed(starts) for shape in shapes]
+
+
+def test_stacks_share_a_buffer_while_handed_the_same_array():
+    from checkpoint_ad.strategies.loops.hoisted_rows import Stacks
+
+    stacks = Stacks(4)
+    rows = [np.full(3, float(r)) for r in range(4)]
+    other = np.full(3, -1.0)
+    stacks.begin(4)
+    stacks.put("a", 3, rows[3])
+    stacks.put("b", 3, rows[3])  # shares "a"'s buffer
+    stacks.put("c", 2, rows[2])  # nothing at row 3: zeros there
+    for r in (2, 1, 0):
+        stacks.put("a", r, rows[r])
+        stacks.put("b", r, other if r == 1 else rows[r])  # handed another array: split
+        if r < 2:
+            stacks.put("c", r, rows[r]) if r == 0 else None  # nothing at row 1
+    a, b, c = (stacks.stacked(k) for k in "abc")
+    np.testing.assert_array_equal(a, np.stack(rows))
+    np.testing.assert_array_equal(b, np.stack([rows[0], other, rows[2], rows[3]]))
+    np.testing.assert_array_equal(c, np.stack([rows[0], 0 * other, rows[2], 0 * other]))
+    assert a.base is not b.base and a.base is not c.base
+
+
+def test_weight_and_bias_gradients_are_right_in_float64():
+    rng = np.random.default_rng(5)
+    W = cad.tensor(rng.standard_normal((3, 3)) * 0.4, requires_grad=True)
+    b = cad.tensor(rng.standard_normal(3) * 0.2, requires_grad=True)
+    X = cad.tensor(rng.standard_normal((130, 2, 3)) * 0.3, requires_grad=True)
+
+    def fn(W, b, X):
+        def step(h, x):
+            h = cad.tanh(h @ W + x + b)
+            return h, h
+        h, ys = cad.scan(step, cad.zeros(2, 3, dtype="float64"), X, strategy=Periodic(9),
+                         batch_rows=True)
+        return (ys * ys).sum() + h.sum()
+
+    assert gradcheck(fn, [W, b, X], order=1)
+
+
+def test_a_budget_counts_the_stacked_rows_and_its_tape_fits():
+    from checkpoint_ad.profiler import profile
+    from checkpoint_ad.strategies.loops.hoisted_rows import choose_chunk
+
+    arrays = _inputs(256, B=16, H=32, n_in=32)
+    ref = _gated(arrays)
+    outside = 256 * 16 * 32 * 4  # ys, which the loss's ys * ys saves
+    for limit in (1 << 30, 300 << 10):  # keep-all fits (2 MiB), then does not
+        peaks = {}
+        for batch_rows in (False, True):
+            program_cache.clear()
+            budget = Budget(limit)
+            with profile() as prof:
+                got = _gated(arrays, budget, batch_rows=batch_rows)
+            peaks[batch_rows] = prof.peak_tape_bytes
+        _same(got, ref)
+        assert peaks[True] == peaks[False] <= limit + outside
+    assert budget.last.chosen.strategy is not None  # a plan re-running steps
+    row = 16 * 32 * 4  # a step's carry, or its gradient
+    # stacked per chunk: the carry (both products' left operand), the gradients reaching
+    # z (shared by W1's and V's products and the bias) and h @ W2, x * 1.0 (V's left)
+    assert budget.last.fixed_bytes["batched rows (a chunk of products, or of their gradients)"] == \
+        choose_chunk(row, 256) * 4 * row
+
+
+@pytest.mark.parametrize("strategy", [Periodic(7), Binomial(3)])
+def test_a_backward_under_anomaly_detection_sums_the_chunk_replayed_steps_began(strategy):
+    """Under anomaly detection a plan records the steps it re-runs, but its last segment,
+    taped in the forward, was replayed: the chunk its steps began is summed before the
+    recorded steps below it pull back row by row (it was lost: wrong gradients)."""
+    arrays = _inputs(150, dtype=np.float64)
+    got = _gated(arrays, strategy, anomaly=True)  # (the forward runs as without it)
+    ref = _gated(arrays, batch_rows=False)
+    for g, r in zip(got[1], ref[1], strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-12, atol=1e-12)

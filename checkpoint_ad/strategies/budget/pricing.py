@@ -200,7 +200,8 @@ class StepCost:
     """Per step of a loop keeping every step that stops on `until` (see `overhead.py`)."""
     batched_bytes: int = 0
     """A chunk of the step's batched products (`loops/hoisted_rows.py`), held while the loop
-    runs; its backward holds a chunk of their gradients, and a plan re-running steps both."""
+    runs, or of the rows its backward stacks (gradients, products' left operands), the
+    larger; a plan re-running steps holds both (counted as twice this)."""
     online_step_seconds: float = 0.0
     """Per step of a binomial plan placed online, beyond its taped step and its planner."""
     planner_step_seconds: float = 0.0

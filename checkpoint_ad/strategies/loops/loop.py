@@ -131,7 +131,8 @@ class StepLoop:
     at once) the steps it runs for their values alone."""
     batch_rows: bool = False
     """Whether replayed steps take their carry-independent products batched over chunks of
-    rows (`hoisted_rows.py`; `scan(..., batch_rows=True)` turns it on)."""
+    rows, and sum captured tensors' gradients per chunk (`hoisted_rows.py`;
+    `scan(..., batch_rows=True)` turns it on)."""
     row_offset: int = 0
     """The index in the whole scan of this loop's step 0 (a loop keeping every step replays
     the steps after the traced ones as a loop of its own): what aligns the chunks."""
@@ -159,7 +160,8 @@ class StepLoop:
     def row_source(self, program: Any) -> Any:
         """The `hoisted_rows.RowSource` the replays of `program` in this loop read (one per
         program: the chunk it holds is the loop's), or None where rows are not batched."""
-        if not self.batch_rows or not program.hoisted or self.xs_spec is None:
+        if (not self.batch_rows or not (program.hoisted or program.summed)
+                or self.xs_spec is None):
             return None
         held = self.rows
         if held is not None and held[0] is program:

@@ -37,7 +37,7 @@ from ..plans.revolve import (
 )
 from .loop import PlannedStep, columns
 from .loop_forward import take_back_kept_hooks
-from .loop_pull_back import pull_back
+from .loop_pull_back import flush_rows, pull_back
 from .loop_snapshots import read_ahead, restore_snapshot, take_snapshot
 from .loop_steps import replays_now, tape_steps, values_step
 
@@ -157,6 +157,7 @@ def run_backward(
     if not retain_graph:
         executor.state = None
         executor.consumed = True
+    flush_rows(executor, adj_ext)
     executor.loop.release_rows()
     results = list(adj_carry)
     results.extend(g if reached else None for g, reached in zip(adj_xs, xs_reached))

@@ -52,6 +52,7 @@ def pull_back(
         return pull_back_replayed(
             executor, segment, adj_carry, adj_ys, adj_xs, xs_reached, adj_ext, owned,
             retain_graph, carry_sums)
+    flush_rows(executor, adj_ext)  # a chunk the replayed steps above left unsummed
     start, stop, carry_in = segment.start, segment.stop, segment.carry_in
     produced = segment.carry_out + [y for _, ys in segment.y_out for y in ys]
     found = discover(
@@ -328,6 +329,22 @@ def pull_back_replayed(
         if captured[position] is not None:
             adj_ext[key] = captured[position]
     return new_adj
+
+
+def flush_rows(executor: PlannedLoop, adj_ext: dict[tuple[int, int], Any]) -> None:
+    """A chunk of stacked rows (`hoisted_rows.RowSource`) that replayed steps left before
+    the sweep reached its first step, summed into the captured tensors' gradients now: the
+    steps below are recorded (anomaly detection) and pull back row by row, or the backward
+    ended."""
+    rows = executor.loop.rows
+    if executor.program is None or rows is None or rows[1] is None or rows[1].grad_chunk < 0:
+        return
+
+    def add(key: tuple[int, int], grad: Any) -> None:
+        previous = adj_ext.get(key)
+        adj_ext[key] = grad if previous is None else previous + grad
+
+    rows[1].flush(add, dict(replay_keys(executor)[2]))
 
 
 def segment_keys(

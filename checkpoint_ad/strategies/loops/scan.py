@@ -90,12 +90,17 @@ def scan(
     `batch_rows=True` (opt-in): where a step multiplies its row of `xs` by a matrix captured
     from outside the loop (an RNN's ``x @ U``), replayed steps take that product from one
     product over a chunk of 8 to 32 rows (loops of 128 steps or more), and the matrix's
-    gradient is summed over each chunk as one product too (see `hoisted_rows.py`). The
-    chunks depend on the step index alone, so every lossless strategy still gives bitwise
-    the gradients of keeping every step; the sums round differently from a Python loop's
-    per-row products (equal to rounding, not bitwise). Off by default: measured on the RNN
-    benchmark it gains 2% keeping every step and nothing under `Periodic(16)`, while a plan
-    that re-runs steps holds two chunks more (+2 MiB there, on a 3 MiB tape).
+    gradient is summed over each chunk as one product too (see `hoisted_rows.py`). So is
+    the weight gradient of every product ``a @ C`` whose right operand C is a 2-d captured
+    tensor that requires grad, its left operand carry-dependent or not (an RNN's ``h @ W``:
+    the backward stacks each step's saved ``h`` and the gradient reaching the product, and
+    makes one product per chunk), and the gradient of a captured vector broadcast-added (a
+    bias: one sum per chunk). The chunks depend on the step index alone, so every lossless
+    strategy still gives bitwise the gradients of keeping every step; the sums round
+    differently from a Python loop's per-row products (equal to rounding, not bitwise).
+    Off by default: measured on the RNN benchmark it gains about 5% keeping every step for
+    8% more peak memory (a chunk of stacked carries and one of gradients), and a plan that
+    re-runs steps holds a chunk of products beside them (README, "batch_rows").
 
     `progress=True` shows a tqdm bar over the forward's steps; ``with cad.progress():`` around
     the forward and the backward also counts the steps a plan runs again.
@@ -197,13 +202,15 @@ def _planned(executor: PlannedLoop, carry_leaves: list[Any]) -> tuple[Any, Any]:
 
 
 def _chunk_bytes(loop: StepLoop, strategy: Any) -> int:
-    """What the loop's batched products hold at most (`hoisted_rows.py`): one chunk of
-    products in the forward and one of their gradients in the backward; both at once in a
-    plan's backward, which makes products again for its re-runs."""
+    """What the loop's batched rows hold at most (`hoisted_rows.py`): one chunk of products
+    in the forward, one of stacked gradients and left operands in the backward; both at once
+    in a plan's backward, which makes products again for its re-runs."""
     if loop.rows is None or loop.rows[1] is None:
         return 0
-    chunk = loop.rows[1].chunk_bytes()
-    return 2 * chunk if isinstance(strategy, (LoopStrategy, LoopPlanner)) else chunk
+    products, stacked = loop.rows[1].chunk_bytes(), loop.rows[1].stack_bytes()
+    if isinstance(strategy, (LoopStrategy, LoopPlanner)):
+        return products + stacked
+    return max(products, stacked)
 
 
 def _strategy_name(strategy: Any) -> str:

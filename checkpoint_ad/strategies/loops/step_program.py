@@ -51,7 +51,7 @@ from .compiled_step import (
     delivery_kinds,
     namespace_of,
 )
-from .hoisted_rows import find_hoisted
+from .hoisted_rows import find_hoisted, find_summed
 from .replayed_step import NO_BUFFERS, ReplayedStep
 from .step_trace import (
     Draw,
@@ -180,12 +180,20 @@ class StepProgram:
         (`hoisted_rows.py`): given after its scanned rows (`_start`), those instructions read
         their output instead of computing it, save what they saved (a row and a captured
         matrix: no new memory), and their matrix's gradient is kept for the chunk's batched
-        product (`HOIST` rules) instead of added per step."""
+        product (`HOIST` rules) instead of added per step; so is the gradient of every other
+        captured matrix a product takes on the right, and of a captured vector an add
+        broadcasts (`hoisted_rows.find_summed`)."""
         self.hoisted, self.row_bytes = find_hoisted(
             self.instructions, self.x_in, trace.constants, self.dtype,
             trace.shapes)
         if any(self.region_of[h.index] >= 0 for h in self.hoisted):  # a region re-runs its
             self.hoisted, self.row_bytes = (), 0  # own products: none batched
+        # the captured tensors' gradients summed per chunk (the products' matrices and
+        # biases, carry-dependent operands included), and what a step stacks for them
+        self.summed, self.stack_row_bytes, stack_row = find_summed(
+            self.instructions, self.hoisted, trace.constants, self.dtype,
+            trace.shapes, self.region_of, {*self.carry_out, *self.y_out})
+        self.row_bytes = max(self.row_bytes, stack_row)
         self.hoisted_outputs = tuple(h.output for h in self.hoisted)
         # whether no row of a product outlives its step: none is saved, returned, or read by
         # an operation whose result may be a view of it (a chunk may then reuse its buffers)
@@ -203,13 +211,12 @@ class StepProgram:
             (self.core_forwards[i], *row[1:]) for i, row in enumerate(self.run_order))
         self.core_tape_as_is = None if self.tape_as_is is None else tuple(
             (i, self.core_forwards[i], *row[1:]) for i, *row in self.tape_as_is)
+        summed_at = {(s.index, s.weight): j for j, s in enumerate(self.summed)}
         core_rules = []
         for i, output, rules in self.backward_rules:
-            j = by_index.get(i)
-            if j is not None:
-                weight = self.hoisted[j].weight
-                rules = tuple((HOIST, None, j, None, None, slot) if slot == weight else rule
-                              for rule in rules for slot in (rule[5],))
+            rules = tuple(
+                rule if j is None else (HOIST, None, j, None, None, rule[5])
+                for rule in rules for j in (summed_at.get((i, rule[5])),))
             core_rules.append((i, output, rules))
         self.core_backward_rules = tuple(core_rules)
 

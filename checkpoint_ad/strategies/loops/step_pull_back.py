@@ -57,9 +57,11 @@ def pull_back_steps(
     are delivered first), so a long segment holds one or two steps' sums and roots at a
     time, not every step's.
 
-    `rows`: where the steps took their rows (`hoisted_rows.RowSource`); a step that took
-    batched products from it gives their gradients back to it, which adds each captured
-    matrix's gradient over a chunk when the sweep finishes the chunk's first step."""
+    `rows`: where the steps took their rows (`hoisted_rows.RowSource`); a step whose
+    captured tensors' gradients are summed per chunk (a batched product's matrix, a
+    product's right operand, a bias: `hoisted_rows.find_summed`) gives it the gradients
+    reaching those instructions and their saved values, and it adds each tensor's gradient
+    over a chunk when the sweep finishes the chunk's first step."""
     first = steps[0][0]
     # per step, the gradient summed so far at each slot (made in that step, not yet run
     # back through the instruction that made it)
@@ -167,8 +169,8 @@ def pull_back_steps(
                         grad = fn(g, saved[k])
                     elif call == GRAD_ONLY:
                         grad = fn(g)
-                    elif call == HOIST:  # a batched product's: its chunk sums the matrix's
-                        rows.keep(t, k, g)  # type: ignore[union-attr]
+                    elif call == HOIST:  # a captured tensor's, summed over its chunk
+                        rows.keep(t, k, g, saved)  # type: ignore[union-attr]
                         continue
                     else:
                         grad = fn(g, saved)
