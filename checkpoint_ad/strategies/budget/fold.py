@@ -379,12 +379,9 @@ class FoldedLoop:
         self._count()
 
     def _count(self) -> None:
-        """The loop's states, reserved in the pool (what it holds outside its values)."""
-        arrays = {id(a): a for a in self.current}
-        arrays.update({id(a): a for a in self.last_in})
-        for state in self.snapshots.values():
-            arrays.update({id(a): a for a in state})
-        held = sum(a.nbytes for a in arrays.values())
+        """The loop's states (the snapshots, the newest state and the one before it),
+        reserved in the pool: what it holds outside the pool's values."""
+        held = (len(self.snapshots) + 2) * self.carry_bytes
         self.pool.fold_bytes += held - self.held
         self.held = held
 
