@@ -36,6 +36,7 @@ True
 
 from __future__ import annotations
 
+import threading
 from array import array
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
@@ -282,13 +283,18 @@ def _advances(length: int, budget: int) -> int:
     if budget == 1:  # re-advance from the one stored state for every step
         return length * (length - 1) // 2
     reach, paid = _tables(budget)
-    r = len(reach) - 1
-    while reach[r] < length:  # grown as far as the lengths asked, not to MAX_STEPS: two
-        r += 1  # snapshots reach 2**30 steps at r = 46,340, 3.7 MB of ints held for good
-        reach.append(comb(budget + r, budget))
-        paid.append(comb(budget + r, budget + 1))
+    if reach[-1] < length:  # grown as far as the lengths asked, not to MAX_STEPS: two
+        with _growing:  # snapshots reach 2**30 steps at r = 46,340, 3.7 MB of ints for good
+            r = len(reach) - 1
+            while reach[r] < length:
+                r += 1
+                paid.append(comb(budget + r, budget + 1))
+                reach.append(comb(budget + r, budget))  # (last: read unlocked above)
     r = bisect_left(reach, length)  # the smallest r with C(budget + r, budget) >= length
     return r * length - paid[r]
+
+
+_growing = threading.Lock()  # one thread at a time grows a budget's tables
 
 
 @cache
