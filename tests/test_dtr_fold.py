@@ -85,6 +85,44 @@ def test_a_folded_rnn_with_a_running_loss_has_keep_all_gradients_bitwise():
     assert pool._folder.folds > 150
 
 
+def test_a_tight_pool_evicts_and_recomputes_around_a_folded_loop_bitwise():
+    reference = _heat(400, KeepAll(), size=256)
+    pool = Rematerializing(12 * 1024, fold=True)  # a dozen 1 KiB arrays
+    assert _same(_heat(400, pool, size=256), reference)
+    assert pool._folder.folds > 350 and pool.rematerializations > 1000
+    assert pool.peak_bytes <= pool.limit_bytes
+
+
+@pytest.mark.parametrize("how", ["plain", "leaf_hook", "retain_graph"])
+def test_a_folded_lstm_with_two_carries_and_slices_has_keep_all_gradients(how):
+    def run(strategy):
+        rng = np.random.default_rng(3)
+        W = cad.tensor(rng.standard_normal((8, 32)) / 4, requires_grad=True)
+        b = cad.tensor(rng.standard_normal(32) / 4, requires_grad=True)
+        if how == "leaf_hook":  # runs once, on the total
+            W.register_hook(lambda g: g * 2.0)
+        out = []
+        with cad.use(strategy):
+            h, c = cad.zeros(4, 8, dtype="float64"), cad.zeros(4, 8, dtype="float64")
+            for _ in range(150):
+                z = h @ W + b
+                i, f = cad.sigmoid(z[:, :8]), cad.sigmoid(z[:, 8:16])
+                o, g = cad.sigmoid(z[:, 16:24]), cad.tanh(z[:, 24:])
+                c = f * c + i * g
+                h = o * cad.tanh(c)
+            loss = (h * h).sum() + (c.reshape(-1) * 2.0).sum() + (W * W).sum()
+            if how == "retain_graph":
+                loss.backward(retain_graph=True)
+                out.append(W.grad.numpy().copy())
+            loss.backward()
+        return [*out, W.grad.numpy(), b.grad.numpy()]
+
+    reference = run(KeepAll())
+    pool = _pool()
+    assert _same(run(pool), reference)
+    assert pool._folder.folds > 100
+
+
 def test_a_loop_reading_a_weight_computed_before_it_folds_bitwise():
     def run(strategy):
         rng = np.random.default_rng(1)
