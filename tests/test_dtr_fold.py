@@ -123,6 +123,26 @@ def test_a_folded_lstm_with_two_carries_and_slices_has_keep_all_gradients(how):
     assert pool._folder.folds > 100
 
 
+def test_inner_loops_run_again_share_half_the_pool_and_keep_keep_all_gradients():
+    def run(strategy):
+        rng = np.random.default_rng(0)
+        w = cad.tensor((0.1 * rng.standard_normal(256)).astype(F32), requires_grad=True)
+        u = cad.tensor(rng.standard_normal(256).astype(F32))
+        with cad.use(strategy):
+            for _ in range(6):
+                for _ in range(200):
+                    u = cad.sin(u) * w + u
+                u = u * 0.5
+            (u * u).sum().backward()
+        return [w.grad.numpy()]
+
+    reference = run(KeepAll())
+    pool = _pool(64 * 1024)
+    assert _same(run(pool), reference)
+    assert pool._folder.folds > 150  # the first inner loop; those after it find the room
+    assert pool.fold_bytes == 0  # taken (half the pool, less four states each), given back
+
+
 def test_a_loop_reading_a_weight_computed_before_it_folds_bitwise():
     def run(strategy):
         rng = np.random.default_rng(1)

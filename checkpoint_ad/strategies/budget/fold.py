@@ -281,7 +281,8 @@ class FoldedLoop:
     @classmethod
     def begin(cls, pool: Any, before: list[_Item], period: list[_Item]) -> FoldedLoop | None:
         """The loop of `period`'s program, whose carry is what it reads of `before`; None
-        where half the pool's limit does not hold two carry states (its snapshots' room)."""
+        where what is left of half the pool's limit does not hold four carry states (two
+        snapshots, the newest state and the one before)."""
         loop = cls()
         loop.pool = pool
         index_before = {id(item.value): q for q, item in enumerate(before)}
@@ -354,7 +355,9 @@ class FoldedLoop:
         loop.entry = entry
         carry_bytes = sum(_nbytes(shape, dtype) for shape, dtype in metas[:n_carry]) or 1
         loop.carry_bytes = carry_bytes
-        s = min(_MOST_SNAPSHOTS, pool.limit_bytes // 2 // carry_bytes)
+        # half the limit for the states of every loop folded and not yet differentiated
+        # (an inner loop run again by an outer one is a new loop each time): what is left
+        s = min(_MOST_SNAPSHOTS, (pool.limit_bytes // 2 - pool.fold_bytes) // carry_bytes - 2)
         if s < 2:
             return None
         loop.planner = OnlinePlanner(s, keep_plan=False)
