@@ -272,7 +272,7 @@ class Rematerializing(Strategy):
     sees_tensors: ClassVar[bool] = True  # `saved_tensor`: which recorded result is saved
 
     def __init__(self, limit_bytes: int, reserved: Callable[[], int] | None = None,
-                 process: bool = False) -> None:
+                 process: bool = False, fold: bool = False) -> None:
         """`reserved`, if given, says how many bytes of `limit_bytes` are held outside the pool
         (a budget's loops, until their backward sweep): the pool keeps to the rest.
 
@@ -286,7 +286,11 @@ class Rematerializing(Strategy):
         beyond what it holds), while these take at most 7/8 of the
         limit: where they pass it (a long loop of small steps: the objects grow with the
         steps, and no evicting of arrays can hold them), it holds its arrays to the limit
-        less only what fits of them, gradients first."""
+        less only what fits of them, gradients first.
+
+        `fold=True`: a periodic Python loop recorded here is folded, as it runs, into one loop
+        entry that replays its steps from carry snapshots (`fold.py`): its tape then holds
+        O(1) objects rather than a few KB a step; anything unusual records as before."""
         if isinstance(limit_bytes, bool) or not isinstance(limit_bytes, (int, np.integer)):
             raise StrategyConfigError(
                 f"Rematerializing(limit_bytes=...) takes a whole number of bytes, got "
@@ -321,6 +325,12 @@ class Rematerializing(Strategy):
         self._holders: dict[int, dict[int, weakref.ref[_Handle]]] = {}
         self._fresh: list[weakref.ref[_Handle]] = []
         self._shapes: dict[tuple[int, ...], tuple[int, ...]] = {}  # one tuple per shape
+        self.fold_bytes = 0  # held by folded loops (their carry states), outside the pool
+        self._folder: Any = None
+        if fold:
+            from .fold import Folder
+
+            self._folder = Folder(self)
 
     def __repr__(self) -> str:
         return f"Rematerializing(limit_bytes={self.limit_bytes})"
@@ -402,6 +412,8 @@ class Rematerializing(Strategy):
         entry._extra = value  # lives as long as the entry, like its values
         if self.process:
             self._count_objects(value, result, fixed)
+        if self._folder is not None:
+            self._folder.note(value, entry, result)
         if not self._fresh:
             return
         fresh, self._fresh = self._fresh, []
@@ -453,7 +465,7 @@ class Rematerializing(Strategy):
 
     def _reserved_bytes(self) -> int:
         """Bytes of the limit held outside the pool (see `reserved`)."""
-        return self.reserved() if self.reserved is not None else 0
+        return (self.reserved() if self.reserved is not None else 0) + self.fold_bytes
 
     def mark(self) -> None:
         """Start `peak_since_mark` again from what is held now (a budget, as it plans a loop:

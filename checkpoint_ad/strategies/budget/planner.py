@@ -356,10 +356,12 @@ class Budget(LoopPlanner):
         pool = pools.get(thread)
         if pool is None:
             # it keeps to what this thread's loops under the budget leave
-            # and to the process's memory, not the saved arrays alone (`process`)
+            # and to the process's memory, not the saved arrays alone (`process`), and
+            # folds periodic Python loops into loop entries (`fold`: their steps' records
+            # would pass the budget on objects alone)
             pool = pools[thread] = Rematerializing(self.limit_bytes,
                                                    reserved=self._shared().loops_held,
-                                                   process=True)
+                                                   process=True, fold=True)
         return pool
 
     def for_leaf(self) -> Strategy:

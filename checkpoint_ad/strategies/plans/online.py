@@ -36,8 +36,10 @@ True
 
 from __future__ import annotations
 
+import threading
 from array import array
 from bisect import bisect_left
+from collections.abc import Iterator, Sequence
 from functools import cache, lru_cache
 from math import comb
 
@@ -48,7 +50,6 @@ from .revolve import (
     _FREE,
     _RESTORE,
     _REVERSE,
-    MAX_STEPS,
     Action,
     Advance,
     DiskRestore,
@@ -83,8 +84,12 @@ class OnlinePlanner:
     [Reverse(step=1), Restore(step=0), Free(step=0), Reverse(step=0)]
     """
 
-    def __init__(self, snapshots: int) -> None:
+    def __init__(self, snapshots: int, keep_plan: bool = True) -> None:
+        """`keep_plan=False`: the actions `advance` returns are not kept (a caller that runs
+        them as they come and reverses with `reversal`, a folded Python loop: a plan of every
+        step would grow with the loop); `finish` and `finish_plan` then refuse."""
         self.snapshots = _count(snapshots, "snapshots", minimum=1)
+        self.keep_plan = keep_plan
         self.steps = 0
         self.stored: list[int] = []  # states held as snapshots, oldest first
         self.finished = False
@@ -116,7 +121,8 @@ class OnlinePlanner:
         if self.stored[-1] == x:
             actions.append(Snapshot(x))
         actions.append(Advance(x, t))
-        self._codes.extend(_encode(action) for action in actions)
+        if self.keep_plan:
+            self._codes.extend(_encode(action) for action in actions)
         self._max_live = max(self._max_live, len(self.stored))
         return actions
 
@@ -207,33 +213,52 @@ class OnlinePlanner:
 
     def _end(self, n_steps: int) -> None:
         n = _count(n_steps, "n_steps")
-        if n != self.steps or self.finished:
+        if n != self.steps or self.finished or not self.keep_plan:
             raise ScheduleError(
                 f"OnlinePlanner.finish({n}) after {self.steps} advance() calls"
                 + (" and a finish()" if self.finished else "")
+                + (" of a planner that keeps no plan (use reversal())"
+                   if not self.keep_plan else "")
                 + "; call advance() once per step and finish() once with that count"
             )
         self.finished = True
         if n == 0:
             return
-        codes = self._codes
         self._advanced = max(n - 1, 0)
-        codes.append(_REVERSE + (n - 1) * _BOTH)
-        ends = [*self.stored[1:], n - 1]
-        for index in range(len(self.stored) - 1, -1, -1):
-            start, end = self.stored[index], ends[index]
+        for part in self._reversal(n):
+            self._codes.extend(part)
+
+    def reversal(self, n_steps: int) -> Iterator[Sequence[int]]:
+        """The reversal of the loop after ``n_steps`` steps (as many as :meth:`advance`
+        calls), as the packed codes `finish_plan` would end with, one segment's at a time
+        (a long loop's reversal is not held whole). Asked again, it gives the same."""
+        n = _count(n_steps, "n_steps")
+        if n != self.steps:
+            raise ScheduleError(
+                f"OnlinePlanner.reversal({n}) after {self.steps} advance() calls; call "
+                "advance() once per step and reversal() with that count")
+        self.finished = True
+        return self._reversal(n) if n else iter(())
+
+    def _reversal(self, n: int) -> Iterator[Sequence[int]]:
+        yield (_REVERSE + (n - 1) * _BOTH,)
+        stored = list(self.stored)
+        ends = [*stored[1:], n - 1]
+        for index in range(len(stored) - 1, -1, -1):
+            start, end = stored[index], ends[index]
             if end == start:
-                codes.append(_FREE + start * _BOTH)
+                yield (_FREE + start * _BOTH,)
                 continue
-            codes.append(_RESTORE + start * _BOTH)
             if end - start == 1:
-                codes.extend((_FREE + start * _BOTH, _REVERSE + start * _BOTH))
+                yield (_RESTORE + start * _BOTH, _FREE + start * _BOTH,
+                       _REVERSE + start * _BOTH)
                 continue
             # the binomial plan of the segment opens with Snapshot(0): here the start is stored
             part, advanced, live = _binomial_codes(end - start, self.snapshots - index)
-            codes.extend(code + start * _BOTH for code in part[1:])
             self._advanced += advanced
             self._max_live = max(self._max_live, index + live)
+            yield array("q", [_RESTORE + start * _BOTH,
+                              *(code + start * _BOTH for code in part[1:])])
 
     def evaluations(self, n_steps: int) -> int:
         """Step evaluations of the whole plan if the loop ended after ``n_steps`` (now)."""
@@ -248,7 +273,7 @@ class OnlinePlanner:
         return total
 
 
-@lru_cache(maxsize=1 << 16)
+@lru_cache(maxsize=1 << 10)
 def _advances(length: int, budget: int) -> int:
     """Steps advanced (re-run without a tape) to reverse ``length`` steps from their stored
     start with ``budget`` snapshots: the binomial optimum less its taped steps. Cached: the
@@ -258,20 +283,25 @@ def _advances(length: int, budget: int) -> int:
     if budget == 1:  # re-advance from the one stored state for every step
         return length * (length - 1) // 2
     reach, paid = _tables(budget)
+    if reach[-1] < length:  # grown as far as the lengths asked, not to MAX_STEPS: two
+        with _growing:  # snapshots reach 2**30 steps at r = 46,340, 3.7 MB of ints for good
+            r = len(reach) - 1
+            while reach[r] < length:
+                r += 1
+                paid.append(comb(budget + r, budget + 1))
+                reach.append(comb(budget + r, budget))  # (last: read unlocked above)
     r = bisect_left(reach, length)  # the smallest r with C(budget + r, budget) >= length
     return r * length - paid[r]
 
 
+_growing = threading.Lock()  # one thread at a time grows a budget's tables
+
+
 @cache
 def _tables(budget: int) -> tuple[list[int], list[int]]:
-    """``C(budget + r, budget)`` and ``C(budget + r, budget + 1)`` for r = 0, 1, ... up to
-    the longest loop a plan can hold: the planner asks for them at every step."""
-    reach, paid, r = [1], [0], 0
-    while reach[-1] < MAX_STEPS:
-        r += 1
-        reach.append(comb(budget + r, budget))
-        paid.append(comb(budget + r, budget + 1))
-    return reach, paid
+    """``C(budget + r, budget)`` and ``C(budget + r, budget + 1)`` for r = 0, 1, ...: the
+    planner asks for them at every step (`_advances` grows them as far as it needs)."""
+    return [1], [0]
 
 
 def _targets(s: int, r: int) -> frozenset[int]:
