@@ -11,7 +11,9 @@ end), split at the end of the forward sweep into the array data (numpy's tracema
 and the rest (the tape's and the pool's objects, O(steps) for any strategy, given per step);
 and for the backward sweep an upper bound of its array data: the arrays held at the end of
 the forward sweep plus the peak of what the backward allocates (traced afresh from there).
-The fit of log(time) on log(steps) gives the exponent. The RNN row: tracemalloc
+The whole run's tracemalloc peak (forward and backward, collector off) is measured
+apart, over the limit: what a budget holds the process to. The fit of log(time) on
+log(steps) gives the exponent. The RNN row: tracemalloc
 peak over the limit under a pool that holds the process's memory (as a `Budget`'s does) and
 under one that holds its saved arrays alone, and where the bytes are.
 """
@@ -190,6 +192,12 @@ def heat_rows(lengths: list[int], size: int, limit: str, traced_up_to: int,
                 backward_arrays_sampled=split["backward_sampled"],
                 backward_arrays_sampled_over_limit=split["backward_sampled"] / parse_bytes(limit),
                 objects_per_step_at_end_of_forward=split["objects_at_mark"] / steps)
+            # the whole run's peak as tracemalloc sees it (forward and backward, every
+            # object and array, the collector off): what issue 37 holds to the budget
+            whole_budget = Budget(limit)
+            whole, _ = _traced(lambda mark, s=steps, b=whole_budget: _heat(s, b, size, mark))
+            row["extras"].update(run_traced_peak_bytes=whole,
+                                 run_traced_peak_over_limit=whole / parse_bytes(limit))
         rows.append(row)
     xs = [math.log(r["extras"]["steps"]) for r in rows]
     ys = [math.log(r["seconds"]) for r in rows]
