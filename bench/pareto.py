@@ -55,7 +55,7 @@ def levels(steps: int, depth: int) -> list[int]:
     return [*sizes, rest]
 
 
-def points(steps: int, sizes: dict[str, Any]) -> list[dict[str, Any]]:
+def points(steps: int, sizes: dict[str, Any], kind: str = "rnn") -> list[dict[str, Any]]:
     """The points of one case of `steps` steps: who runs it, the scheme, its parameter, its
     curve (``family``), its row name, and the peer it needs."""
     root = max(2, round(math.sqrt(steps)))
@@ -63,6 +63,9 @@ def points(steps: int, sizes: dict[str, Any]) -> list[dict[str, Any]]:
     out = [{"who": "floor", "name": "numpy floor (by hand)", "family": "numpy floor"},
            {"who": "ours", "scheme": "keep-all", "name": "ours scan keep-all",
             "family": "ours keep-all"}]
+    if kind == "rnn":  # products of a captured matrix to batch (the MLP's weights are rows)
+        out.append({"who": "ours", "scheme": "keep-all", "batch_rows": True,
+                    "name": "ours scan keep-all, batch_rows", "family": "ours keep-all"})
     out += [{"who": "ours", "scheme": f"every-{k}", "name": f"ours scan Periodic({k})",
              "family": "ours Periodic"} for k in every]
     out += [{"who": "ours", "scheme": f"revolve-{s}", "name": f"ours scan Binomial({s})",
@@ -152,9 +155,9 @@ def _keep_all_tape(model: _Model) -> int:
     return int(prof.peak_tape_bytes)
 
 
-def _ours(model: _Model, strategy: Any, storage: Any) -> Any:
+def _ours(model: _Model, strategy: Any, storage: Any, batch_rows: bool = False) -> Any:
     if model.kind == "rnn":
-        return rnn._Engine(model.arrays, strategy, storage)
+        return rnn._Engine(model.arrays, strategy, storage, batch_rows=batch_rows)
     from .models import _Engine
 
     return _Engine(model.built, strategy, storage)
@@ -177,7 +180,7 @@ def _ours_point(model: _Model, point: dict[str, Any]) -> tuple[Any, dict[str, An
         extras |= {"limit_bytes": limit, "keep_all_tape_bytes": keep}
     else:
         strategy, storage = rnn.preset_strategies(point["scheme"], model.steps)
-    return _ours(model, strategy, storage), extras
+    return _ours(model, strategy, storage, point.get("batch_rows", False)), extras
 
 
 # ------------------------------------------------------------------------------ torch

@@ -301,7 +301,7 @@ def _pareto(sizes: dict[str, Any]) -> list[Job]:
     for round_ in range(sizes["rounds"]):
         for case, model in cases(sizes):
             steps = model.get("steps") or model["sizes"]["layers"]
-            ps = points(steps, sizes)
+            ps = points(steps, sizes, model["model"])
             shift = round_ * max(1, len(ps) // sizes["rounds"])
             for p in ps[shift:] + ps[:shift]:
                 params = model | {k: v for k, v in p.items() if k not in ("name", "peer")}

@@ -32,10 +32,11 @@ def test_select_keeps_the_named_columns_of_the_named_cases_and_their_floors():
     assert picked and {j.case for j in picked} == {c for c in {j.case for j in jobs}
                                                   if "T=1024" in c}
     names = {j.name for j in picked}
-    assert names == {"numpy floor (by hand)", "ours scan keep-all", "jax scan keep-all",
+    assert names == {"numpy floor (by hand)", "ours scan keep-all",
+                     "ours scan keep-all, batch_rows", "jax scan keep-all",
                      "torch eager keep-all"}
     rounds = suite.SIZES["default"]["pareto"]["rounds"]
-    assert len(picked) == 4 * rounds  # every round of each, floors included
+    assert len(picked) == 5 * rounds  # every round of each, floors included
     assert runner.select_jobs(jobs, []) == jobs
     assert runner.select_jobs(jobs, ["no such column"]) == []
 
