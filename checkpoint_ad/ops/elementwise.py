@@ -415,11 +415,54 @@ def _gelu(xp: Any, x: Any, *, approximate: str) -> Any:
 
 
 def _gelu_rule(g: Any, x: Any, *, approximate: str) -> Any:
+    xp = _in_place(g, x)
+    if xp is not None:  # arrays: the same operations in place, in 3 temporaries (was 6-7)
+        return (_gelu_tanh_rule_in_place(xp, g, x) if approximate == "tanh"
+                else _gelu_erf_rule_in_place(xp, g, x))
     if approximate == "tanh":
         t = tanh(_TANH_SCALE * (x + _TANH_CUBIC * x * x * x))
         slope = _TANH_SCALE * (1.0 + 3.0 * _TANH_CUBIC * x * x)
         return g * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * slope)
     return g * (0.5 * (1.0 + erf(x * _SQRT_HALF)) + x * exp(-0.5 * x * x) * _INV_SQRT_2PI)
+
+
+def _gelu_tanh_rule_in_place(xp: Any, g: Any, x: Any) -> Any:
+    """The tanh form's rule with the expression's operations in its order, in place in three
+    arrays it made: a transformer's MLP backward held six or seven of its hidden size here,
+    at the peak of a GPT's backward (issue 37's memory-truth row)."""
+    t = xp.multiply(_TANH_CUBIC, x)
+    t *= x
+    t *= x
+    xp.add(x, t, out=t)
+    t *= _TANH_SCALE
+    xp.tanh(t, out=t)  # t
+    p = xp.add(1.0, t)
+    p *= 0.5  # 0.5 (1 + t)
+    xp.multiply(t, t, out=t)
+    xp.subtract(1.0, t, out=t)  # 1 - t^2
+    q = xp.multiply(0.5, x)
+    q *= t
+    xp.multiply(3.0 * _TANH_CUBIC, x, out=t)
+    t *= x
+    xp.add(1.0, t, out=t)
+    t *= _TANH_SCALE  # the slope
+    q *= t
+    p += q
+    return xp.multiply(g, p, out=p)
+
+
+def _gelu_erf_rule_in_place(xp: Any, g: Any, x: Any) -> Any:
+    """The erf form's rule likewise (`_gelu_tanh_rule_in_place`)."""
+    p = erf(xp.multiply(x, _SQRT_HALF))
+    xp.add(1.0, p, out=p)
+    p *= 0.5
+    q = xp.multiply(-0.5, x)
+    q *= x
+    xp.exp(q, out=q)
+    xp.multiply(x, q, out=q)
+    q *= _INV_SQRT_2PI
+    p += q
+    return xp.multiply(g, p, out=p)
 
 
 ERF = define("erf", lambda xp, x: _erf_array(x), "x", [
