@@ -221,6 +221,34 @@ def test_reads_are_done_ahead_in_reverse_pack_order(monkeypatch, disk_folder: Pa
     store.close()
 
 
+def test_the_idle_io_threads_hold_no_array_written_or_read(disk_folder: Path) -> None:
+    """Once a value is written (and again once read ahead), only its handle holds it: the
+    I/O threads' frames let go of what they wrote or read before waiting for more (they
+    held the last chunk's arrays until the next one came, memory the caller could not free)."""
+    import weakref
+
+    store = DiskStore(str(disk_folder))
+    array = np.full(1000, 7.0)
+    alive = weakref.ref(array)
+    ref = store.put(array, array.nbytes, planned=True)
+    _wait_for(lambda: ref.record.written, store)
+    del array
+    deadline = time.monotonic() + 10
+    while alive() is not None and time.monotonic() < deadline:
+        time.sleep(0.01)  # the writer's bookkeeping ends just after `written`
+    assert alive() is None
+    store.prefetch([ref])
+    _wait_for(lambda: ref.record.loaded is not None, store)
+    loaded = weakref.ref(ref.record.loaded[0] if isinstance(ref.record.loaded, list)
+                         else ref.record.loaded)
+    assert np.array_equal(ref.read(), np.full(1000, 7.0))
+    deadline = time.monotonic() + 10
+    while loaded() is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert loaded() is None
+    store.close()
+
+
 def test_a_plan_announces_its_reads_and_each_is_dropped_once_read(
     monkeypatch, disk_folder: Path
 ) -> None:

@@ -523,6 +523,8 @@ class DiskStore:
                         if record.error is None and not record.written and not record.freed:
                             record.error = exc
                     self.cond.notify_all()
+            finally:  # let go of the written arrays before waiting for the next ones: the
+                taken = chunk = values = None  # idle thread's frame held the last chunk's
 
     def _write_one(self, chunk: _Chunk, values: list[Any]) -> None:
         """Write one file; the bookkeeping is done whatever fails (a failed cleanup too)."""
@@ -585,6 +587,7 @@ class DiskStore:
                     self.cond.notify_all()
                     with contextlib.suppress(OSError):
                         self._maybe_remove_folder()
+            values = chunk = None  # the idle thread's frame is not to hold the last read
 
     def close(self) -> None:
         """Stop the threads and remove the folder with whatever is in it (at exit)."""
