@@ -479,6 +479,9 @@ def use_packer(packer: Any) -> Iterator[Any]:
     finally:
         _pushed.pop()  # any item: only their number matters
         _stack.items.pop()
+        ended = getattr(packer, "block_ended", None)
+        if ended is not None:  # a strategy that records across a block lets go at its end
+            ended()
 
 
 @contextmanager

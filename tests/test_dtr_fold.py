@@ -321,3 +321,46 @@ def test_a_budget_holds_the_tracemalloc_peak_of_a_long_folded_loop():
     assert budget._pool()._folder.folds > 2900
     # the budget, 10%, and one step's transients (a dozen 4 KiB arrays)
     assert peak <= 1.1 * limit + 64 * 1024, peak
+
+
+def _heat_graph(steps: int, strategy, size: int = 256):
+    """The heat loop's loss, its graph kept and no backward run."""
+    rng = np.random.default_rng(0)
+    kappa = cad.tensor(F32(0.2), requires_grad=True)
+    q = cad.tensor((0.1 * rng.standard_normal(size)).astype(F32), requires_grad=True)
+    u = cad.tensor(rng.standard_normal(size).astype(F32))
+    with cad.use(strategy):
+        for _ in range(steps):
+            lap = cad.roll(u, 1) + cad.roll(u, -1) - 2.0 * u
+            u = u + 0.1 * (kappa * lap + cad.sin(u) * q)
+        return (u * u).sum()
+
+
+@pytest.mark.parametrize("backward", [True, False], ids=["after backward", "no backward"])
+def test_a_folded_graph_let_go_is_freed_by_reference_counts(backward):
+    """Dropping the loss frees the folded loop, its carry states and the graph with the
+    collector off (the loop entry and its op made a cycle, and the pool's ring of recent
+    entries held the newest one, and through its edges the whole graph, after the block);
+    the states' reserved room comes back to the pool."""
+    budget = Budget("1MiB")
+    _heat_graph(1500, budget)  # warm: the pool, the planner's tables, the free lists
+    gc.collect()
+    gc.disable()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        loss = _heat_graph(1500, budget)
+        pool = budget._pool()
+        assert pool._folder.folds > 1000 and pool.fold_bytes > 0
+        if backward:
+            loss.backward()
+        del loss
+        left = tracemalloc.get_traced_memory()[0] - base
+        cycles = gc.collect()
+    finally:
+        tracemalloc.stop()
+        gc.enable()
+    assert pool.fold_bytes == 0
+    assert cycles == 0
+    # the graph recorded was ~15 MB; left: the planner's bounded caches, free lists
+    assert left < 512 * 1024

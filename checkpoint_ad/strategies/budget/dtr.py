@@ -335,6 +335,12 @@ class Rematerializing(Strategy):
     def __repr__(self) -> str:
         return f"Rematerializing(limit_bytes={self.limit_bytes})"
 
+    def block_ended(self) -> None:
+        """A `use` block of this pool ended: a loop being folded ends there (its ring of
+        recent entries would keep the whole graph alive after the caller let it go)."""
+        if self._folder is not None:
+            self._folder.end()
+
     def unseen_bytes(self) -> int:
         """Bytes of the limit a `process` pool counts besides the arrays it holds: the
         gradients' room, then the objects, while they fit in 7/8 of the limit (see

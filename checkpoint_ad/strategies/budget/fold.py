@@ -178,6 +178,12 @@ class Folder:
         del self.items[:count]
         self.base += count
 
+    def end(self) -> None:
+        """The recording block ended: no loop goes on past it, and the ring lets go of its
+        entries (the newest holds the whole graph through its edges)."""
+        if self.items or self.loop is not None:
+            self._reset("the block ended")
+
     def _reset(self, why: str) -> None:
         if self.loop is not None:
             self.stopped = why
@@ -258,7 +264,10 @@ class FoldedLoop:
 
     def __init__(self) -> None:
         self.program: StepProgram
-        self.entry: Entry
+        # the loop's entry until its first fold gives it readers: then the entries that read
+        # the carry hold it, and it holds this op; holding it here too would make a cycle,
+        # leaving both (and the carry states) to the cyclic collector once the graph is let go
+        self._first: Any = None
         self.positions: tuple[int, ...] = ()  # carry k: its place in a period
         self.externals: list[int] = []  # program slots of the captured tensors with a gradient
         self.guards: list[tuple[Any, int]] = []  # (counter, version) of every constant
@@ -352,7 +361,7 @@ class FoldedLoop:
         entry = Entry(loop, edges, {})
         entry.seq = period[0].entry.seq  # before everything that reads its carry
         entry.out_meta = tuple(metas[:n_carry])
-        loop.entry = entry
+        loop._first = entry  # held until the first fold gives it readers (`fold`)
         carry_bytes = sum(_nbytes(shape, dtype) for shape, dtype in metas[:n_carry]) or 1
         loop.carry_bytes = carry_bytes
         # half the limit for the states of every loop folded and not yet differentiated
@@ -378,7 +387,12 @@ class FoldedLoop:
         self.last_in = self.current
         self.current = [_materialize(self.pool, period[q].value) for q in self.positions]
         self.n = t + 1
-        self._retarget(period, after)
+        entry = self._first
+        if entry is None:  # the period folded now reads its carry from the loop's entry
+            entry = next(e[0] for item in period for e in item.entry.edges
+                         if e is not None and e[0].op is self)
+        self._retarget(period, after, entry)
+        self._first = None  # the entries after it read the loop's entry now
         self._count()
 
     def _count(self) -> None:
@@ -388,7 +402,7 @@ class FoldedLoop:
         self.pool.fold_bytes += held - self.held
         self.held = held
 
-    def _retarget(self, period: list[_Item], after: list[_Item]) -> None:
+    def _retarget(self, period: list[_Item], after: list[_Item], loop_entry: Entry) -> None:
         made = {id(item.value): q for q, item in enumerate(period)}
         entries = {id(item.entry): q for q, item in enumerate(period)}
         carry_of = {q: k for k, q in enumerate(self.positions)}
@@ -405,7 +419,7 @@ class FoldedLoop:
                                      for s in value.inputs)
             edges = entry.edges
             if any(e is not None and id(e[0]) in entries for e in edges):
-                entry.edges = [(self.entry, carry_of[entries[id(e[0])]])
+                entry.edges = [(loop_entry, carry_of[entries[id(e[0])]])
                                if e is not None and id(e[0]) in entries else e for e in edges]
             for buffer in _buffers(entry):
                 handle = buffer.packed

@@ -490,6 +490,13 @@ class Budget(LoopPlanner):
         pool = self._pool()
         return self._shared().loops_held() + (pool.held_bytes if pool is not None else 0)
 
+    def block_ended(self) -> None:
+        """A `use` block of this budget ended: this thread's pool stops any loop it was
+        folding (and lets go of the entries it watched for one)."""
+        pool = self._pool()
+        if pool is not None:
+            pool.block_ended()
+
     def _pool(self) -> Rematerializing | None:
         """This thread's imperative pool, if it has one yet."""
         return self._memory.get("pools", {}).get(threading.get_ident())
