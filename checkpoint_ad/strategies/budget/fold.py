@@ -46,13 +46,13 @@ from typing import Any
 import numpy as np
 
 from ... import events
-from ...autograd import Capture, backpropagate
+from ...autograd import Capture
 from ...errors import BackwardError, SavedValueModifiedError
 from ...forms import needed_values
 from ...grad_mode import _state, enable_grad
 from ...saved import KEEP, PackedBuffer, VersionCounter, _watching, freed_error, use_packer
 from ...tape import Entry, Primitive, edge_of, graph_tensor, tape_blocks
-from ...tensor import Tensor
+from ..loops.loop_backward import pull_back_with_graph
 from ..loops.step_program import StepProgram
 from ..loops.step_pull_back import pull_back_steps
 from ..loops.step_tape import tape_steps
@@ -515,20 +515,7 @@ class FoldedLoop:
                     values[ins.output] = ins.prim(*[values[s] for s in ins.inputs],
                                                   **ins.attrs)
                 carry = [values[s] for s in program.carry_out]
-        roots = [(edge_of(out), g if isinstance(g, Tensor) else Tensor._wrap(g))
-                 for out, g in zip(carry, grads) if g is not None and out.requires_grad]
-        keys: dict[tuple[int, int], int] = {}
-        for edge in entry.edges:
-            if edge is not None:
-                keys.setdefault((id(edge[0]), edge[1]), len(keys))
-        initial: list[Any] = [None] * len(keys)
-        for edge, total in zip(entry.edges, onto or ()):
-            if edge is not None and total is not None:
-                initial[keys[(id(edge[0]), edge[1])]] = total
-        sink = Capture(keys, initial=initial, newer_than=entry.seq)
-        backpropagate(roots, retain_graph=True, create_graph=True, capture=sink)
-        return [None if edge is None else sink.values[keys[(id(edge[0]), edge[1])]]
-                for edge in entry.edges]
+        return pull_back_with_graph(entry, carry, grads, onto)
 
 
 def _actions(parts: Any) -> Any:

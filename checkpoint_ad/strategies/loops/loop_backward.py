@@ -204,6 +204,15 @@ def backward_with_graph(
             None if rows is None else stack(rows, axis=0)
             for rows in output_rows_of(executor, per_step)
         ]
+    return pull_back_with_graph(entry, outputs, grads, onto, fills_retained=fills_grads())
+
+
+def pull_back_with_graph(entry: Entry, outputs: list[Any], grads: list[Any],
+                         onto: list[Any] | None, fills_retained: bool = False) -> list[Any]:
+    """The gradients at `entry`'s edges of `grads` pulled back, with create_graph, from the
+    re-recorded `outputs` (tensors; None where absent) through to the entry's inputs, each
+    begun from its running sum in `onto`: the last half of a loop entry's create_graph
+    backward (a planned `scan`'s, a folded Python loop's)."""
     roots = []
     for out, g in zip(outputs, grads):
         if out is not None and g is not None and out.requires_grad:
@@ -216,7 +225,7 @@ def backward_with_graph(
     for edge, total in zip(entry.edges, onto or ()):
         if edge is not None and total is not None:
             initial[keys[(id(edge[0]), edge[1])]] = total
-    sink = Capture(keys, initial=initial, newer_than=entry.seq, fills_retained=fills_grads())
+    sink = Capture(keys, initial=initial, newer_than=entry.seq, fills_retained=fills_retained)
     backpropagate(roots, retain_graph=True, create_graph=True, capture=sink)
     return [
         None if edge is None else sink.values[keys[(id(edge[0]), edge[1])]]
