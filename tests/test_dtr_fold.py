@@ -21,7 +21,20 @@ from checkpoint_ad.strategies import Budget, KeepAll, Rematerializing
 F32 = np.float32
 
 
-def _heat(steps: int, strategy, size: int = 64, body=None, kept: list | None = None):
+class Twice(cad.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2.0
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2.0
+
+
+def _heat_loss(steps: int, strategy, size: int = 64, body=None, kept: list | None = None,
+               backward: bool = True):
+    """(the heat loop's loss, kappa, q); with `backward`, the loss's backward ran inside
+    the strategy's block."""
     rng = np.random.default_rng(0)
     kappa = cad.tensor(F32(0.2), requires_grad=True)
     q = cad.tensor((0.1 * rng.standard_normal(size)).astype(F32), requires_grad=True)
@@ -34,7 +47,14 @@ def _heat(steps: int, strategy, size: int = 64, body=None, kept: list | None = N
             u = u + 0.1 * (kappa * lap + cad.sin(u) * q)
             if kept is not None:
                 kept.append(u)
-        (u * u).sum().backward()
+        loss = (u * u).sum()
+        if backward:
+            loss.backward()
+    return loss, kappa, q
+
+
+def _heat(steps: int, strategy, size: int = 64, body=None, kept: list | None = None):
+    _, kappa, q = _heat_loss(steps, strategy, size, body, kept)
     return [kappa.grad.numpy(), q.grad.numpy()]
 
 
@@ -192,15 +212,6 @@ def test_a_body_repeating_an_operation_folds_at_its_whole_period():
 @pytest.mark.parametrize("case", ["kept", "hook", "retain_grad", "changing_attrs",
                                   "changing_constant", "function"])
 def test_unusual_loops_are_recorded_as_before(case):
-    class Twice(cad.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x * 2.0
-
-        @staticmethod
-        def backward(ctx, g):
-            return g * 2.0
-
     def body(t, lap):
         if case == "hook" and lap.requires_grad:  # (step 0's does not)
             lap.register_hook(lambda g: g * 1.0)
@@ -222,15 +233,6 @@ def test_unusual_loops_are_recorded_as_before(case):
 
 
 def test_a_custom_function_reading_the_loop_keeps_it_recorded():
-    class Twice(cad.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x * 2.0
-
-        @staticmethod
-        def backward(ctx, g):
-            return g * 2.0
-
     def run(strategy):
         rng = np.random.default_rng(0)
         w = cad.tensor((0.1 * rng.standard_normal(32)).astype(F32), requires_grad=True)
@@ -323,19 +325,6 @@ def test_a_budget_holds_the_tracemalloc_peak_of_a_long_folded_loop():
     assert peak <= 1.1 * limit + 64 * 1024, peak
 
 
-def _heat_graph(steps: int, strategy, size: int = 256):
-    """The heat loop's loss, its graph kept and no backward run."""
-    rng = np.random.default_rng(0)
-    kappa = cad.tensor(F32(0.2), requires_grad=True)
-    q = cad.tensor((0.1 * rng.standard_normal(size)).astype(F32), requires_grad=True)
-    u = cad.tensor(rng.standard_normal(size).astype(F32))
-    with cad.use(strategy):
-        for _ in range(steps):
-            lap = cad.roll(u, 1) + cad.roll(u, -1) - 2.0 * u
-            u = u + 0.1 * (kappa * lap + cad.sin(u) * q)
-        return (u * u).sum()
-
-
 @pytest.mark.parametrize("backward", [True, False], ids=["after backward", "no backward"])
 def test_a_folded_graph_let_go_is_freed_by_reference_counts(backward):
     """Dropping the loss frees the folded loop, its carry states and the graph with the
@@ -343,13 +332,14 @@ def test_a_folded_graph_let_go_is_freed_by_reference_counts(backward):
     entries held the newest one, and through its edges the whole graph, after the block);
     the states' reserved room comes back to the pool."""
     budget = Budget("1MiB")
-    _heat_graph(1500, budget)  # warm: the pool, the planner's tables, the free lists
+    # warm: the pool, the planner's tables, the free lists
+    _heat_loss(1500, budget, size=256, backward=False)
     gc.collect()
     gc.disable()
     tracemalloc.start()
     try:
         base = tracemalloc.get_traced_memory()[0]
-        loss = _heat_graph(1500, budget)
+        loss, _, _ = _heat_loss(1500, budget, size=256, backward=False)
         pool = budget._pool()
         assert pool._folder.folds > 1000 and pool.fold_bytes > 0
         if backward:
