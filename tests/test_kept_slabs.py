@@ -105,7 +105,7 @@ def test_slabs_give_bitwise_a_python_loops_gradients(small_slabs):
 
 
 def test_a_value_of_another_shape_than_traced_is_kept_as_made(small_slabs):
-    slabs = kept_slabs.KeptSlabs({0: ((2, 3), np.dtype(np.float32), 4)}, 0, 10)
+    slabs = kept_slabs.KeptSlabs({0: ((2, 3), np.dtype(np.float32), 4)}, 10)
     odd = np.ones((3, 2), np.float32)
     assert slabs.place(0, 0, odd) is odd
     wider = np.ones((2, 3), np.float64)

@@ -37,14 +37,13 @@ CHUNK_BYTES = 16 << 20
 
 
 class KeptSlabs:
-    """Rows for the kept values of steps `start`..`stop` - 1 of a segment (`place`)."""
+    """Rows for the kept values of a segment's steps before `stop` (`place`)."""
 
-    __slots__ = ("_open", "_start", "_stop", "slots")
+    __slots__ = ("_open", "_stop", "slots")
 
-    def __init__(self, slots: dict[int, tuple[tuple[int, ...], Any, int]], start: int,
-                 stop: int) -> None:
+    def __init__(self, slots: dict[int, tuple[tuple[int, ...], Any, int]], stop: int) -> None:
         self.slots = slots  # slot -> (shape, dtype, steps per chunk)
-        self._start, self._stop = start, stop
+        self._stop = stop  # the segment's end: no chunk reaches past it
         self._open: dict[int, tuple[int, Any]] = {}  # slot -> (first step, chunk array)
 
     @classmethod
@@ -61,7 +60,7 @@ class KeptSlabs:
         if sum(row for *_, row in rows) * (stop - start) < LEAST_SLAB_BYTES:
             return None
         return cls({slot: (shape, dtype, -(-CHUNK_BYTES // row))
-                    for slot, shape, dtype, row in rows if row}, start, stop)
+                    for slot, shape, dtype, row in rows if row}, stop)
 
     def place(self, slot: int, t: int, value: Any) -> Any:
         """`value` (step t's at `slot`) copied into its row, and the row; `value` itself
