@@ -194,14 +194,28 @@ def erf(array: Any) -> Any:
     return ufunc(array)
 
 
+_ERF_CHUNK = 1024  # elements per call of the per-element erf (its Python floats: ~32 B each)
+_erf_element = np.frompyfunc(math.erf, 1, 1)
+
+
+def _erf_by_element(a: Any) -> Any:
+    """libm's erf per element into an array of `a`'s dtype, a chunk at a time: through
+    Python floats, a whole array at once would take 8x its float32 bytes (an object array
+    and its floats) beside it, memory no profile sees (GELU's erf form in an MLP)."""
+    out = np.empty(np.shape(a), dtype=a.dtype)
+    flat_in, flat_out = np.reshape(a, -1), out.reshape(-1)
+    for start in range(0, flat_in.size, _ERF_CHUNK):
+        flat_out[start:start + _ERF_CHUNK] = _erf_element(flat_in[start:start + _ERF_CHUNK])
+    return out
+
+
 def _find_erf(array: Any) -> Any:
     if type(array).__module__.startswith("cupy"):
         return importlib.import_module("cupyx.scipy.special").erf
     try:
         special = importlib.import_module("scipy.special")
     except ImportError:  # an optional speed-up: scipy is not a dependency
-        by_element = np.frompyfunc(math.erf, 1, 1)
-        numpy_erf = lambda a: np.asarray(by_element(a), dtype=a.dtype)
+        numpy_erf = _erf_by_element
     else:
         numpy_erf = special.erf
     if isinstance(array, np.ndarray):
